@@ -1,0 +1,678 @@
+"""`TreeNode` and `RadixCache`: a radix tree over token ids whose nodes hold KV slot indices.
+
+Representation (why it is fast):
+    * A node's key is its run of logical units packed as native int64 ``bytes`` (8 bytes a
+      token, 16 a bigram pair); its value is the matching slot indices, 8 bytes each.
+      A walk compares a whole node with one ``bytes.startswith(node_key, offset)``
+      (a ``memcmp``, no copy), so matching a key is linear in its length however deep
+      the tree is. With the default value (the token ids) key and value share one object.
+    * Children are keyed by the bytes of their first page (``page_size`` units); under the
+      root the key is ``(extra_key, first_page)`` when the key has a namespace, so
+      namespaces never share nodes.
+    * Evictable leaves sit in a binary heap ordered by the policy's sort key (see
+      `radixkv.policy`). Entries are invalidated lazily: an entry is live when its version
+      equals the node's ``_ver`` and the node is still an evictable leaf. Each change that
+      makes a node an evictable leaf, or changes the sort key of one, pushes a fresh entry;
+      the heap is compacted in place once it holds more than twice as many entries as
+      there are nodes. ``evict`` therefore costs O((k + 1) log n) for k nodes removed.
+
+Invariants (all checked from scratch by ``check_integrity``):
+    * every non-root node has a non-empty key, a multiple of ``page_size`` units long, and
+      as many value indices as key units; its parent's dict key is its first page;
+    * ``lock_ref(node) >= sum(lock_ref(child))`` (locks walk to the root);
+    * ``evictable_size`` is the token count of unlocked nodes, ``protected_size`` that of
+      locked ones, and their sum is ``total_size``;
+    * every evictable leaf has exactly one live heap entry, holding its current sort key.
+
+Nothing here recurses: deep chains (thousands of nodes) are fine.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+from array import array
+from collections.abc import Iterator
+from typing import IO, Any, NamedTuple
+
+import numpy as np
+import torch
+
+from radixkv.key import TOKEN_BYTES, RadixKey, _to_token_array, common_prefix_units
+from radixkv.policy import get_policy
+
+_EMPTY = b""
+
+
+class TreeNode:
+    """A node of the radix tree: a run of key units and the KV slot indices they occupy.
+
+    Attributes:
+        children: dict from the first page of a child's key to the child.
+        parent: the parent node; ``None`` for the root and for evicted nodes.
+        lock_ref: number of holders whose locked path passes through this node; a node
+            with ``lock_ref > 0`` is never evicted.
+        last_access: logical-clock tick of the last match/insert through this node.
+        hit_count: matches and inserts through this node since it was created.
+        created: logical-clock tick of creation (inherited by both halves of a split).
+        priority: the highest ``priority`` any insert through this node gave.
+        id: unique, increasing creation number (the final tie-break of every policy).
+        extra_key: the namespace of the key this node belongs to.
+    """
+
+    __slots__ = (
+        "_key",
+        "_ver",
+        "_value",
+        "children",
+        "created",
+        "extra_key",
+        "hit_count",
+        "id",
+        "last_access",
+        "lock_ref",
+        "parent",
+        "priority",
+    )
+
+    def __init__(self, node_id: int, key: bytes = _EMPTY, value: bytes = _EMPTY) -> None:
+        self.children: dict[Any, TreeNode] = {}
+        self.parent: TreeNode | None = None
+        self._key = key
+        self._value = value
+        self.lock_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+        self.created = 0
+        self.priority = 0
+        self.id = node_id
+        self.extra_key: Any = None
+        self._ver = 0
+
+    def __len__(self) -> int:
+        """Number of logical units (tokens or bigram pairs) in this node."""
+        return len(self._value) >> 3
+
+    @property
+    def is_bigram(self) -> bool:
+        return len(self._key) == 2 * len(self._value) and len(self._value) > 0
+
+    @property
+    def key(self) -> RadixKey:
+        """This node's key units as a `RadixKey` (a fresh copy)."""
+        raw = np.frombuffer(self._key, dtype=np.int64)
+        if self.is_bigram:
+            pairs = raw.reshape(-1, 2)
+            raw = np.concatenate((pairs[:, 0], pairs[-1:, 1]))
+        out = array("q")
+        out.frombytes(raw.tobytes())
+        return RadixKey(out, self.extra_key, is_bigram=self.is_bigram)
+
+    @property
+    def value(self) -> torch.Tensor:
+        """This node's slot indices as a 1-D int64 tensor (a fresh copy)."""
+        return _bytes_to_tensor([self._value])
+
+    @property
+    def last_access_time(self) -> int:
+        """Alias of ``last_access`` under SGLang's name (a logical tick, not seconds)."""
+        return self.last_access
+
+    @property
+    def evicted(self) -> bool:
+        """True once the node has been removed from its tree (root never is)."""
+        return self.parent is None and self.id != 0
+
+    def __repr__(self) -> str:
+        keys = np.frombuffer(self._key, dtype=np.int64)[:10].tolist()
+        more = "..." if len(self._key) > 80 else ""
+        return (
+            f"TreeNode(id={self.id}, len={len(self)}, lock_ref={self.lock_ref}, "
+            f"key={keys}{more})"
+        )
+
+
+class MatchResult(NamedTuple):
+    """Result of `RadixCache.match_prefix`.
+
+    Attributes:
+        indices: 1-D int64 CPU tensor of the cached prefix's slot indices.
+        last_node: the node where the match ends (lock it to keep the prefix).
+        prefix_len: number of logical units matched (``len(indices)``).
+    """
+
+    indices: torch.Tensor
+    last_node: TreeNode
+    prefix_len: int
+
+
+def _bytes_to_tensor(parts: list[bytes]) -> torch.Tensor:
+    """Concatenate packed int64 chunks into one 1-D int64 tensor (one copy)."""
+    buf = bytearray(b"".join(parts)) if len(parts) != 1 else bytearray(parts[0])
+    if not buf:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(buf, dtype=torch.int64)
+
+
+def as_int64_bytes(values: Any, name: str = "value") -> bytes:
+    """Pack a 1-D sequence of integers (tensor, ndarray, array, list) as int64 bytes.
+
+    Raises:
+        TypeError: the elements are not integers.
+        ValueError: the input is not 1-D.
+    """
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        if values.is_floating_point() or values.is_complex():
+            raise TypeError(f"{name} must hold integers, got dtype {values.dtype}")
+        return values.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    if isinstance(values, array) and values.typecode == "q":
+        return values.tobytes()
+    return _to_token_array(values, name).tobytes()
+
+
+class RadixCache:
+    """A prefix cache: the longest cached prefix of a key and the KV slots it occupies.
+
+    Args:
+        page_size: units per page; keys are truncated to whole pages and nodes split only
+            at page boundaries.
+        eviction_policy: one of ``lru lfu fifo mru filo priority slru``.
+        allocator: anything with ``free(indices: torch.Tensor)``; ``evict`` hands it the
+            removed slot indices (one call per ``evict``). ``None`` drops them.
+        is_eagle: key every sequence by its bigram view (EAGLE speculative decoding).
+        disable: a cache that never matches and never stores.
+
+    Complexities (n nodes, L key units, d path length): ``match_prefix`` and ``insert``
+    O(L + d); ``evict`` O((k + 1) log n) for k nodes removed; locks O(d).
+    """
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        eviction_policy: str = "lru",
+        allocator: Any = None,
+        is_eagle: bool = False,
+        disable: bool = False,
+    ) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int):
+            raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if allocator is not None and not callable(getattr(allocator, "free", None)):
+            raise TypeError("allocator must have a free(indices) method")
+        self.page_size = page_size
+        self.eviction_policy = eviction_policy
+        self._policy_key = get_policy(eviction_policy)
+        self.allocator = allocator
+        self.is_eagle = bool(is_eagle)
+        self.disable = bool(disable)
+        self._width = 2 * TOKEN_BYTES if self.is_eagle else TOKEN_BYTES
+        self.reset()
+
+    # --- state --------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop every node (without calling the allocator) and restart the clock."""
+        self.root = TreeNode(0)
+        self.root.lock_ref = 1  # the root is never evictable
+        self._next_id = 1
+        self._clock = 0
+        self._num_nodes = 0
+        self._evictable = 0
+        self._protected = 0
+        self._heap: list[tuple[tuple[Any, ...], int, TreeNode]] = []
+
+    def evictable_size(self) -> int:
+        """Tokens in unlocked nodes (what ``evict`` can free)."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Tokens in locked nodes."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """Tokens cached: ``evictable_size() + protected_size()``."""
+        return self._evictable + self._protected
+
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root excluded."""
+        return self._num_nodes
+
+    # --- key and value preparation ----------------------------------------------------------
+    def _prepare(self, key: Any) -> tuple[bytes, int, Any, RadixKey]:
+        """Validate ``key``; return (unit bytes, page-aligned unit count, namespace, the
+        key in the cache's view). Never mutates the caller's key."""
+        if not isinstance(key, RadixKey):
+            if isinstance(key, (str, bytes)) or not hasattr(key, "__len__"):
+                raise TypeError(
+                    f"key must be a RadixKey or a sequence of ints, got {type(key).__name__}"
+                )
+            key = RadixKey(key)
+        if key.is_bigram and not self.is_eagle:
+            raise ValueError("key is a bigram view but this cache has is_eagle=False")
+        view = key if key.is_bigram or not self.is_eagle else key.maybe_to_bigram_view(True)[0]
+        n = len(view)
+        if self.page_size > 1:
+            n -= n % self.page_size
+        return view.unit_bytes(n), n, view.extra_key, view
+
+    def _dict_key(self, parent: TreeNode, node: TreeNode) -> Any:
+        first = node._key[: self.page_size * self._width]
+        if parent is self.root and node.extra_key is not None:
+            return (node.extra_key, first)
+        return first
+
+    def _new_node(self, key: bytes, value: bytes, parent: TreeNode, extra_key: Any) -> TreeNode:
+        node = TreeNode(self._next_id, key, value)
+        self._next_id += 1
+        self._num_nodes += 1
+        node.parent = parent
+        node.extra_key = extra_key
+        return node
+
+    # --- the walk --------------------------------------------------------------------------
+    def _descend(
+        self, units: bytes, n: int, ns: Any
+    ) -> tuple[list[TreeNode], int, TreeNode | None, int]:
+        """Walk from the root along ``units`` without changing anything.
+
+        Returns:
+            (path of fully matched nodes, units they cover, the child where the match
+            ends inside it or None, page-aligned units matched inside that child).
+        """
+        path: list[TreeNode] = []
+        if n == 0:
+            return path, 0, None, 0
+        width, page = self._width, self.page_size
+        first = units[: page * width]
+        child = self.root.children.get(first if ns is None else (ns, first))
+        off = 0
+        while child is not None:
+            ob = off * width
+            if units.startswith(child._key, ob):
+                path.append(child)
+                off += len(child._value) >> 3
+                if off == n:
+                    break
+                child = child.children.get(units[off * width : (off + page) * width])
+            else:
+                limit = min(n - off, len(child._value) >> 3)
+                m = common_prefix_units(units, ob, child._key, width, limit)
+                return path, off, child, m - m % page
+        return path, off, None, 0
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` after ``m`` units; return the new upper node (child keeps its
+        identity as the lower part, so existing references and locks stay valid)."""
+        width = self._width
+        parent = child.parent
+        assert parent is not None
+        shared = child._key is child._value
+        upper = self._new_node(child._key[: m * width], _EMPTY, parent, child.extra_key)
+        upper._value = upper._key if shared else child._value[: m * TOKEN_BYTES]
+        child._key = child._key[m * width :]
+        child._value = child._key if shared else child._value[m * TOKEN_BYTES :]
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.hit_count = child.hit_count
+        upper.created = child.created
+        upper.priority = child.priority
+        parent.children[self._dict_key(parent, upper)] = upper
+        upper.children[child._key[: self.page_size * width]] = child
+        child.parent = upper
+        return upper
+
+    def _touch(
+        self, path: list[TreeNode], priority: int | None = None, reindex: bool = True
+    ) -> None:
+        """Refresh recency and hit counts along ``path`` (one clock tick per node); if the
+        last node is an evictable leaf its sort key changed, so re-index it."""
+        clock = self._clock
+        for node in path:
+            clock += 1
+            node.last_access = clock
+            node.hit_count += 1
+            if priority is not None and priority > node.priority:
+                node.priority = priority
+        self._clock = clock
+        last = path[-1]
+        if reindex and not last.children and last.lock_ref == 0:
+            self._push(last)
+
+    # --- eviction index ----------------------------------------------------------------------
+    def _push(self, node: TreeNode) -> None:
+        node._ver += 1
+        heap = self._heap
+        heapq.heappush(heap, (self._policy_key(node), node._ver, node))
+        if len(heap) > 2 * self._num_nodes + 64:
+            heap[:] = [e for e in heap if self._live(e)]
+            heapq.heapify(heap)
+
+    @staticmethod
+    def _live(entry: tuple[tuple[Any, ...], int, TreeNode]) -> bool:
+        node = entry[2]
+        return (
+            entry[1] == node._ver
+            and node.parent is not None
+            and not node.children
+            and node.lock_ref == 0
+        )
+
+    # --- public operations -------------------------------------------------------------------
+    def match_prefix(self, key: RadixKey, split: bool = True) -> MatchResult:
+        """Find the longest cached prefix of ``key``.
+
+        Args:
+            key: a `RadixKey` (or a sequence of ints); truncated to whole pages.
+            split: when True (the default) a match ending inside a node splits it so
+                ``last_node`` is exact, and recency/hit counts are refreshed along the
+                path. When False the lookup is read-only: nothing is split or touched,
+                and ``last_node`` is the deepest node lying wholly inside the match.
+
+        Returns:
+            `MatchResult` (indices, last_node, prefix_len).
+        """
+        if self.disable:
+            return MatchResult(torch.empty(0, dtype=torch.int64), self.root, 0)
+        units, n, ns, _ = self._prepare(key)
+        path, off, partial, m = self._descend(units, n, ns)
+        parts = [node._value for node in path]
+        if not split:
+            if partial is not None:
+                parts.append(partial._value[: m * TOKEN_BYTES])
+            last = path[-1] if path else self.root
+            return MatchResult(_bytes_to_tensor(parts), last, off + m)
+        if partial is not None:
+            upper = self._split(partial, m)
+            path.append(upper)
+            parts.append(upper._value)
+            off += m
+        if path:
+            self._touch(path)
+            return MatchResult(_bytes_to_tensor(parts), path[-1], off)
+        return MatchResult(torch.empty(0, dtype=torch.int64), self.root, 0)
+
+    def match_len(self, key: RadixKey) -> int:
+        """Read-only hit length of ``key`` in units: no split, no recency change, no tensor.
+        For schedulers and routers that only rank requests by cache hit."""
+        if self.disable:
+            return 0
+        units, n, ns, _ = self._prepare(key)
+        _, off, _, m = self._descend(units, n, ns)
+        return off + m
+
+    def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
+        """Cache ``key`` with slot indices ``value``.
+
+        Args:
+            key: a `RadixKey` (or a sequence of ints); truncated to whole pages.
+            value: slot indices, one per unit of ``key`` as given (1-D ints: tensor,
+                ndarray, array or list); defaults to the token ids.
+            priority: for the ``priority`` policy; nodes on the path keep the maximum.
+
+        Returns:
+            How many leading units were cached already. Those units keep their existing
+            indices: the caller frees its own duplicates ``value[:result]``.
+
+        Raises:
+            TypeError / ValueError: bad key, value or priority; the cache is unchanged.
+        """
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        units, n, ns, view = self._prepare(key)
+        if value is None:
+            vbytes = units if not view.is_bigram else view.raw_view()[:n].tobytes()
+        else:
+            vbytes = as_int64_bytes(value)
+            given = len(key) if isinstance(key, RadixKey) else view.raw_len()
+            if len(vbytes) != given * TOKEN_BYTES:
+                raise ValueError(
+                    f"len(value) must equal len(key): got {len(vbytes) // TOKEN_BYTES} != {given}"
+                )
+            if len(vbytes) != n * TOKEN_BYTES:
+                vbytes = vbytes[: n * TOKEN_BYTES]
+        if self.disable or n == 0:
+            return 0
+        path, off, partial, m = self._descend(units, n, ns)
+        if partial is not None:
+            path.append(self._split(partial, m))
+            off += m
+        if off == n:
+            self._touch(path, priority)
+            return off
+        parent = path[-1] if path else self.root
+        width = self._width
+        leaf_key = units[off * width :] if off else units
+        if vbytes is units:
+            leaf_value = leaf_key
+        else:
+            leaf_value = vbytes[off * TOKEN_BYTES :] if off else vbytes
+        leaf = self._new_node(leaf_key, leaf_value, parent, ns)
+        if path:  # the path's last node gains a child, so it needs no re-index
+            self._touch(path, priority, reindex=False)
+        self._clock += 1
+        leaf.last_access = leaf.created = self._clock
+        leaf.priority = priority
+        parent.children[self._dict_key(parent, leaf)] = leaf
+        self._evictable += n - off
+        self._push(leaf)
+        return off
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``min(num_tokens, evictable_size())`` tokens, overshooting by
+        less than one page, in the policy's order.
+
+        Whole unlocked leaves are removed while they fit in what is still needed; the last
+        one is trimmed from its tail (whole pages) instead of dropped when it is larger.
+        The removed slot indices go to ``allocator.free`` in a single call.
+
+        Returns:
+            The number of tokens evicted.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if self.disable or num_tokens == 0:
+            return 0
+        page, width, root = self.page_size, self._width, self.root
+        heap = self._heap
+        need, evicted = num_tokens, 0
+        freed: list[bytes] = []
+        while need > 0 and heap:
+            _, ver, node = heapq.heappop(heap)
+            if ver != node._ver or node.children or node.lock_ref or node.parent is None:
+                continue
+            length = len(node._value) >> 3
+            take = -(-need // page) * page
+            if take >= length:
+                parent = node.parent
+                del parent.children[self._dict_key(parent, node)]
+                node.parent = None
+                self._num_nodes -= 1
+                freed.append(node._value)
+                evicted += length
+                need -= length
+                if parent is not root and not parent.children and parent.lock_ref == 0:
+                    self._push(parent)
+            else:
+                keep = length - take
+                shared = node._key is node._value
+                freed.append(node._value[keep * TOKEN_BYTES :])
+                node._key = node._key[: keep * width]
+                node._value = node._key if shared else node._value[: keep * TOKEN_BYTES]
+                evicted += take
+                need -= take
+                self._push(node)
+        self._evictable -= evicted
+        if freed and self.allocator is not None:
+            self.allocator.free(_bytes_to_tensor(freed))
+        return evicted
+
+    def _path_to_root(self, node: TreeNode, op: str) -> list[TreeNode]:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"{op}: node must be a TreeNode, got {type(node).__name__}")
+        path = []
+        x: TreeNode | None = node
+        while x is not None and x is not self.root:
+            path.append(x)
+            x = x.parent
+        if x is not self.root:
+            raise ValueError(f"{op}: node {node.id} is not in this cache (evicted or foreign)")
+        return path
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock the path from ``node`` to the root; returns the change in evictable size
+        (zero or negative)."""
+        if self.disable:
+            return 0
+        delta = 0
+        for x in self._path_to_root(node, "inc_lock_ref"):
+            if x.lock_ref == 0:
+                delta -= len(x._value) >> 3
+            x.lock_ref += 1
+        self._evictable += delta
+        self._protected -= delta
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Release one lock on the path from ``node`` to the root; returns the change in
+        evictable size (zero or positive).
+
+        Raises:
+            ValueError: ``node`` is not locked (or not in this cache); nothing changes.
+        """
+        if self.disable:
+            return 0
+        path = self._path_to_root(node, "dec_lock_ref")
+        if path and node.lock_ref <= 0:
+            raise ValueError(f"dec_lock_ref: node {node.id} is not locked")
+        delta = 0
+        for x in path:
+            x.lock_ref -= 1
+            if x.lock_ref == 0:
+                delta += len(x._value) >> 3
+                if not x.children:
+                    self._push(x)
+        self._evictable += delta
+        self._protected -= delta
+        return delta
+
+    # --- inspection ------------------------------------------------------------------------
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root, parents before children (iterative DFS)."""
+        stack = list(reversed(self.root.children.values()))
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(node.children.values()))
+
+    def all_values(self) -> torch.Tensor:
+        """Every slot index held by the tree, as one int64 tensor (no recursion)."""
+        return _bytes_to_tensor([node._value for node in self.iter_nodes()])
+
+    def format_tree(self, max_units: int = 10) -> str:
+        """The tree as indented text, one node a line."""
+        lines = [
+            f"root  total={self.total_size()} evictable={self._evictable} "
+            f"protected={self._protected} nodes={self._num_nodes}"
+        ]
+        stack = [(c, 1) for c in reversed(self.root.children.values())]
+        while stack:
+            node, depth = stack.pop()
+            units = np.frombuffer(node._key, dtype=np.int64)
+            if node.is_bigram:
+                shown = [tuple(p) for p in units.reshape(-1, 2)[:max_units].tolist()]
+            else:
+                shown = units[:max_units].tolist()
+            more = "..." if len(node) > max_units else ""
+            ns = f" ns={node.extra_key!r}" if node.extra_key is not None else ""
+            lines.append(
+                f"{'  ' * depth}#{node.id} len={len(node)} lock={node.lock_ref} "
+                f"hits={node.hit_count}{ns} {shown}{more}"
+            )
+            stack.extend((c, depth + 1) for c in reversed(node.children.values()))
+        return "\n".join(lines)
+
+    def pretty_print(self, file: IO[str] | None = None) -> None:
+        """Print `format_tree` (to stdout by default)."""
+        print(self.format_tree(), file=file or sys.stdout)
+
+    def check_integrity(self) -> None:
+        """Recompute every invariant from scratch.
+
+        Raises:
+            AssertionError: naming the first violated invariant and the node.
+        """
+
+        def fail(msg: str) -> None:
+            raise AssertionError(f"RadixCache integrity: {msg}")
+
+        root, page, width = self.root, self.page_size, self._width
+        if root.parent is not None or root._key or root._value or root.lock_ref != 1:
+            fail("root must have no parent, an empty key and lock_ref 1")
+        evictable = protected = count = 0
+        evictable_leaves: dict[int, TreeNode] = {}
+        seen: set[int] = {id(root)}
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            child_locks = 0
+            for dict_key, child in node.children.items():
+                where = f"node {child.id} (child of {node.id})"
+                if id(child) in seen:
+                    fail(f"{where} reached twice: the tree has a cycle or shared node")
+                seen.add(id(child))
+                if child.parent is not node:
+                    fail(f"{where}: parent link points elsewhere")
+                nv, nk = len(child._value), len(child._key)
+                if nv == 0 or nv % TOKEN_BYTES or nk != (nv // TOKEN_BYTES) * width:
+                    fail(f"{where}: key of {nk} bytes and value of {nv} bytes disagree")
+                units = nv // TOKEN_BYTES
+                if units % page:
+                    fail(f"{where}: length {units} is not a multiple of page_size {page}")
+                if dict_key != self._dict_key(node, child):
+                    fail(f"{where}: stored under a dict key that is not its first page")
+                if node is not root and child.extra_key != node.extra_key:
+                    fail(f"{where}: namespace {child.extra_key!r} != parent's")
+                if child.lock_ref < 0:
+                    fail(f"{where}: negative lock_ref {child.lock_ref}")
+                if max(child.last_access, child.created) > self._clock or child.hit_count < 0:
+                    fail(f"{where}: statistics ahead of the clock or negative")
+                if child.id >= self._next_id:
+                    fail(f"{where}: id beyond the id counter")
+                child_locks += child.lock_ref
+                if child.lock_ref:
+                    protected += units
+                else:
+                    evictable += units
+                    if not child.children:
+                        evictable_leaves[id(child)] = child
+                count += 1
+                stack.append(child)
+            if node is not root and node.lock_ref < child_locks:
+                fail(f"node {node.id}: lock_ref {node.lock_ref} < children's sum {child_locks}")
+        if count != self._num_nodes:
+            fail(f"node count {count} != recorded {self._num_nodes}")
+        if (evictable, protected) != (self._evictable, self._protected):
+            fail(
+                f"sizes recomputed (evictable={evictable}, protected={protected}) != recorded "
+                f"(evictable={self._evictable}, protected={self._protected})"
+            )
+        heap = self._heap
+        for i in range(1, len(heap)):
+            if heap[i][:2] < heap[(i - 1) >> 1][:2]:
+                fail(f"eviction heap order broken at entry {i}")
+        live: dict[int, int] = {}
+        for entry in heap:
+            if self._live(entry):
+                node = entry[2]
+                if id(node) not in evictable_leaves:
+                    fail(f"eviction index holds node {node.id}, which is not in the tree")
+                if entry[0] != self._policy_key(node):
+                    fail(f"eviction index holds a stale sort key for node {node.id}")
+                live[id(node)] = live.get(id(node), 0) + 1
+        for ident, node in evictable_leaves.items():
+            if live.get(ident, 0) != 1:
+                fail(f"evictable leaf {node.id} has {live.get(ident, 0)} live index entries")
