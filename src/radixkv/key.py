@@ -79,6 +79,8 @@ def common_prefix_units(a: bytes, a_start: int, b: Any, width: int, limit: int) 
         unit m differs.
     """
     mb = memoryview(b)
+    if mb.format != "B":
+        mb = mb.cast("B")  # slice by bytes, not by items
     lo, step = 0, 1
     while lo < limit:
         hi = lo + step if lo + step < limit else limit
@@ -139,14 +141,14 @@ class RadixKey:
         key.is_bigram = is_bigram
         return key
 
-    # --- raw tokens -------------------------------------------------------------------
+    # --- raw tokens --------------------------------------------------------------------
     @property
     def token_ids(self) -> array:
         """The raw tokens as ``array('q')`` (O(1) for an unsliced key, else a copy)."""
         if self._start == 0 and self._stop == len(self._base):
             return self._base
         out = array("q")
-        out.frombytes(self.raw_view())
+        out.frombytes(self.raw_view().cast("B"))
         return out
 
     def raw_view(self) -> memoryview:
@@ -161,7 +163,7 @@ class RadixKey:
         """The logical units as a list: ints, or ``(a, b)`` pairs for a bigram key."""
         return list(self)
 
-    # --- sequence protocol --------------------------------------------------------------
+    # --- sequence protocol -------------------------------------------------------------
     def __len__(self) -> int:
         n = self._stop - self._start
         if self.is_bigram:
@@ -217,7 +219,7 @@ class RadixKey:
             f"is_bigram={self.is_bigram})"
         )
 
-    # --- seed operations -----------------------------------------------------------------
+    # --- seed operations ---------------------------------------------------------------
     def page_aligned(self, page_size: int) -> RadixKey:
         """Truncate to the largest multiple of ``page_size`` <= the current length."""
         if page_size == 1:
@@ -278,7 +280,7 @@ class RadixKey:
             plain = t[0] if page_size == 1 else tuple(t[:page_size].tolist())
         return plain if self.extra_key is None else (self.extra_key, plain)
 
-    # --- packing for the tree ------------------------------------------------------------
+    # --- packing for the tree ----------------------------------------------------------
     def unit_bytes(self, num_units: int | None = None) -> bytes:
         """The first ``num_units`` logical units packed as bytes: 8 bytes (int64) per
         token, or 16 bytes (two int64) per bigram pair. O(n) ``memcpy``."""

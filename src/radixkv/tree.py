@@ -62,8 +62,8 @@ class TreeNode:
 
     __slots__ = (
         "_key",
-        "_ver",
         "_value",
+        "_ver",
         "children",
         "created",
         "extra_key",
@@ -127,8 +127,7 @@ class TreeNode:
         keys = np.frombuffer(self._key, dtype=np.int64)[:10].tolist()
         more = "..." if len(self._key) > 80 else ""
         return (
-            f"TreeNode(id={self.id}, len={len(self)}, lock_ref={self.lock_ref}, "
-            f"key={keys}{more})"
+            f"TreeNode(id={self.id}, len={len(self)}, lock_ref={self.lock_ref}, key={keys}{more})"
         )
 
 
@@ -211,7 +210,7 @@ class RadixCache:
         self._width = 2 * TOKEN_BYTES if self.is_eagle else TOKEN_BYTES
         self.reset()
 
-    # --- state --------------------------------------------------------------------------
+    # --- state -------------------------------------------------------------------------
     def reset(self) -> None:
         """Drop every node (without calling the allocator) and restart the clock."""
         self.root = TreeNode(0)
@@ -239,7 +238,7 @@ class RadixCache:
         """Nodes in the tree, the root excluded."""
         return self._num_nodes
 
-    # --- key and value preparation ----------------------------------------------------------
+    # --- key and value preparation -----------------------------------------------------
     def _prepare(self, key: Any) -> tuple[bytes, int, Any, RadixKey]:
         """Validate ``key``; return (unit bytes, page-aligned unit count, namespace, the
         key in the cache's view). Never mutates the caller's key."""
@@ -271,7 +270,7 @@ class RadixCache:
         node.extra_key = extra_key
         return node
 
-    # --- the walk --------------------------------------------------------------------------
+    # --- the walk ----------------------------------------------------------------------
     def _descend(
         self, units: bytes, n: int, ns: Any
     ) -> tuple[list[TreeNode], int, TreeNode | None, int]:
@@ -340,7 +339,7 @@ class RadixCache:
         if reindex and not last.children and last.lock_ref == 0:
             self._push(last)
 
-    # --- eviction index ----------------------------------------------------------------------
+    # --- eviction index ----------------------------------------------------------------
     def _push(self, node: TreeNode) -> None:
         node._ver += 1
         heap = self._heap
@@ -359,7 +358,7 @@ class RadixCache:
             and node.lock_ref == 0
         )
 
-    # --- public operations -------------------------------------------------------------------
+    # --- public operations -------------------------------------------------------------
     def match_prefix(self, key: RadixKey, split: bool = True) -> MatchResult:
         """Find the longest cached prefix of ``key``.
 
@@ -559,7 +558,7 @@ class RadixCache:
         self._protected -= delta
         return delta
 
-    # --- inspection ------------------------------------------------------------------------
+    # --- inspection --------------------------------------------------------------------
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every node but the root, parents before children (iterative DFS)."""
         stack = list(reversed(self.root.children.values()))

@@ -1,0 +1,78 @@
+"""Shared test helpers: a recording allocator and a full snapshot of a cache's state."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixkv import RadixCache
+
+
+class RecordingAllocator:
+    """Stands in for a slot allocator in tree tests: records what the tree frees."""
+
+    def __init__(self) -> None:
+        self.freed: list[int] = []
+        self.calls = 0
+
+    def free(self, indices: torch.Tensor) -> None:
+        assert indices.dtype == torch.int64 and indices.dim() == 1
+        self.calls += 1
+        self.freed.extend(indices.tolist())
+
+
+def snapshot(cache: RadixCache) -> Any:
+    """Everything observable about a cache: structure, statistics, sizes, clock."""
+    nodes = [
+        (
+            n.id,
+            n.parent.id if n.parent else None,
+            n.lock_ref,
+            n.last_access,
+            n.hit_count,
+            n.created,
+            n.priority,
+            n.extra_key,
+            n._key,
+            n._value,
+        )
+        for n in cache.iter_nodes()
+    ]
+    return (
+        nodes,
+        cache.evictable_size(),
+        cache.protected_size(),
+        cache._clock,
+        cache._next_id,
+        cache.num_nodes(),
+    )
+
+
+def content(cache: RadixCache) -> dict[tuple, tuple]:
+    """The cache as a brute-force map, one entry per cached *page* (sharing is per whole
+    page): (namespace, pages of the prefix ending with it) -> that page's slot indices.
+    A page is a tuple of units (tokens, or bigram pairs)."""
+    page = cache.page_size
+    out: dict[tuple, tuple] = {}
+    stack = [(child, ()) for child in cache.root.children.values()]
+    while stack:
+        node, prefix = stack.pop()
+        keys = np.frombuffer(node._key, dtype=np.int64)
+        units = keys.reshape(-1, 2).tolist() if node.is_bigram else keys.tolist()
+        units = [tuple(u) for u in units] if node.is_bigram else units
+        values = np.frombuffer(node._value, dtype=np.int64).tolist()
+        assert len(units) == len(values) and len(units) % page == 0
+        for i in range(0, len(units), page):
+            prefix = (*prefix, tuple(units[i : i + page]))
+            out[(node.extra_key, prefix)] = tuple(values[i : i + page])
+        stack.extend((child, prefix) for child in node.children.values())
+    return out
+
+
+def removed_values(before: dict, after: dict) -> Counter:
+    """Slot indices of the pages that left the cache (which must only shrink)."""
+    assert all(k in before and before[k] == v for k, v in after.items()), "cache gained entries"
+    return Counter(v for k, vals in before.items() if k not in after for v in vals)

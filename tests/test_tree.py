@@ -1,0 +1,416 @@
+"""RadixCache behaviour, case by case: matching, insertion, locks, eviction, namespaces,
+bigram keys, bad inputs, deep trees, and the integrity checker's own ability to fail."""
+
+from __future__ import annotations
+
+import heapq
+
+import pytest
+import torch
+from helpers import RecordingAllocator, content, snapshot
+
+from radixkv import POLICIES, RadixCache, RadixKey
+
+
+def toks(text: str) -> list[int]:
+    """A word-level stand-in tokenizer, stable across runs."""
+    return [sum(ord(c) * 31**i for i, c in enumerate(w)) % 50000 for w in text.split()]
+
+
+# --- the seed's example -------------------------------------------------------------------
+def test_capital_of_france_then_italy_shares_the_prefix():
+    cache = RadixCache()
+    france = toks("What is the capital of France ?")
+    italy = toks("What is the capital of Italy ?")
+    slots_france = torch.arange(100, 100 + len(france))
+    assert cache.match_prefix(RadixKey(france)).prefix_len == 0
+    assert cache.insert(RadixKey(france), slots_france) == 0
+    hit = cache.match_prefix(RadixKey(italy))
+    assert hit.prefix_len == 5  # "What is the capital of"
+    assert hit.indices.tolist() == slots_france[:5].tolist()  # the very same slots
+    assert cache.insert(RadixKey(italy), torch.arange(200, 207)) == 5
+    assert cache.total_size() == 9
+    cache.check_integrity()
+
+
+# --- match and insert ---------------------------------------------------------------------
+def test_match_splits_so_last_node_is_exact_and_insert_reports_prefix():
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3, 4, 5]), torch.tensor([10, 11, 12, 13, 14]))
+    r = cache.match_prefix(RadixKey([1, 2, 3, 9]))
+    assert (r.prefix_len, r.indices.tolist(), len(r.last_node)) == (3, [10, 11, 12], 3)
+    assert r.last_node.key.tolist() == [1, 2, 3] and len(r.last_node.children) == 1
+    assert r.indices.dtype == torch.int64
+    assert cache.insert(RadixKey([1, 2, 3, 4, 5, 6]), torch.arange(6)) == 5
+    assert cache.match_prefix(RadixKey([1, 2, 3, 4, 5, 6])).indices.tolist() == [
+        10,
+        11,
+        12,
+        13,
+        14,
+        5,
+    ]
+    cache.check_integrity()
+
+
+def test_value_defaults_to_token_ids_and_accepts_many_types():
+    cache = RadixCache()
+    cache.insert([7, 8, 9])
+    assert cache.match_prefix([7, 8, 9]).indices.tolist() == [7, 8, 9]
+    from array import array
+
+    import numpy as np
+
+    for i, value in enumerate(
+        [[1, 2], np.array([1, 2]), array("q", [1, 2]), torch.tensor([1, 2], dtype=torch.int32)]
+    ):
+        c = RadixCache()
+        c.insert(RadixKey([i, i]), value)
+        assert c.match_prefix(RadixKey([i, i])).indices.tolist() == [1, 2]
+
+
+def test_pages_truncate_keys_and_split_on_page_boundaries():
+    cache = RadixCache(page_size=4)
+    assert cache.insert(RadixKey(list(range(10))), torch.arange(10)) == 0
+    assert cache.total_size() == 8  # two whole pages
+    r = cache.match_prefix(RadixKey([0, 1, 2, 3, 4, 5, 99, 99]))
+    assert r.prefix_len == 4 and len(r.last_node) == 4
+    assert cache.match_prefix(RadixKey([0, 1, 2])).prefix_len == 0
+    cache.check_integrity()
+
+
+def test_read_only_lookup_changes_nothing():
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3, 4]))
+    before = snapshot(cache)
+    r = cache.match_prefix(RadixKey([1, 2, 9]), split=False)
+    assert r.prefix_len == 2 and r.indices.tolist() == [1, 2] and r.last_node is cache.root
+    assert cache.match_len(RadixKey([1, 2, 3, 4, 5])) == 4
+    assert snapshot(cache) == before
+
+
+def test_match_refreshes_recency_along_the_path():
+    cache = RadixCache(eviction_policy="lru")
+    cache.insert(RadixKey([1, 1]))
+    cache.insert(RadixKey([2, 2]))
+    cache.match_prefix(RadixKey([1, 1]))  # [1,1] is now the most recent
+    assert cache.evict(1) == 1
+    assert cache.match_len(RadixKey([2, 2])) == 1 and cache.match_len(RadixKey([1, 1])) == 2
+
+
+# --- locks --------------------------------------------------------------------------------
+def test_locks_protect_paths_and_keep_the_size_identity():
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3, 4]))
+    cache.insert(RadixKey([1, 2, 5, 6]))
+    node = cache.match_prefix(RadixKey([1, 2, 3, 4])).last_node
+    assert cache.inc_lock_ref(node) == -4  # [1,2] and [3,4]
+    assert cache.inc_lock_ref(node) == 0
+    assert (cache.evictable_size(), cache.protected_size(), cache.total_size()) == (2, 4, 6)
+    assert cache.evict(100) == 2
+    assert cache.match_len(RadixKey([1, 2, 3, 4])) == 4
+    assert cache.dec_lock_ref(node) == 0
+    assert cache.dec_lock_ref(node) == 4
+    assert cache.evict(100) == 4 and cache.total_size() == 0
+    cache.check_integrity()
+
+
+def test_unlocking_an_unlocked_node_fails_and_changes_nothing():
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3]))
+    node = cache.match_prefix(RadixKey([1, 2, 3])).last_node
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match="not locked"):
+        cache.dec_lock_ref(node)
+    assert snapshot(cache) == before
+
+
+def test_locking_an_evicted_or_foreign_node_fails():
+    cache, other = RadixCache(), RadixCache()
+    cache.insert(RadixKey([1, 2, 3]))
+    node = cache.match_prefix(RadixKey([1, 2, 3])).last_node
+    other.insert(RadixKey([1, 2, 3]))
+    with pytest.raises(ValueError, match="not in this cache"):
+        other.inc_lock_ref(node)
+    cache.evict(3)
+    assert node.evicted
+    with pytest.raises(ValueError, match="not in this cache"):
+        cache.inc_lock_ref(node)
+    with pytest.raises(TypeError, match="TreeNode"):
+        cache.inc_lock_ref("node")
+
+
+def test_root_locks_are_no_ops():
+    cache = RadixCache()
+    assert cache.inc_lock_ref(cache.root) == 0 and cache.dec_lock_ref(cache.root) == 0
+
+
+# --- eviction -----------------------------------------------------------------------------
+def test_evict_frees_through_the_allocator_in_one_call():
+    alloc = RecordingAllocator()
+    cache = RadixCache(allocator=alloc)
+    cache.insert(RadixKey([1, 2]), torch.tensor([50, 51]))
+    cache.insert(RadixKey([3, 4]), torch.tensor([60, 61]))
+    assert cache.evict(4) == 4
+    assert sorted(alloc.freed) == [50, 51, 60, 61] and alloc.calls == 1
+    assert cache.evict(4) == 0 and alloc.calls == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_evict_is_page_precise(page_size):
+    alloc = RecordingAllocator()
+    cache = RadixCache(page_size=page_size, allocator=alloc)
+    cache.insert(RadixKey(list(range(96))), torch.arange(1000, 1096))
+    k = cache.evict(1)
+    assert k == page_size  # not the whole 96-token leaf
+    assert alloc.freed == list(range(1096 - page_size, 1096))  # the tail goes first
+    assert cache.match_len(RadixKey(list(range(96)))) == 96 - page_size
+    for need in (5, 17, 33):
+        before = cache.evictable_size()
+        k = cache.evict(need)
+        assert min(need, before) <= k < min(need, before) + page_size
+    cache.check_integrity()
+
+
+def test_evict_more_than_cached_empties_the_unlocked_part():
+    cache = RadixCache(page_size=4)
+    cache.insert(RadixKey(list(range(8))))
+    cache.insert(RadixKey([9] * 8))
+    node = cache.match_prefix(RadixKey([9] * 8)).last_node
+    cache.inc_lock_ref(node)
+    assert cache.evict(10**6) == 8
+    assert cache.total_size() == cache.protected_size() == 8
+    cache.check_integrity()
+
+
+def test_parent_becomes_evictable_after_its_children_go():
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3]))
+    cache.insert(RadixKey([1, 2, 4]))
+    assert cache.evict(4) == 4 and cache.total_size() == 0
+
+
+def test_no_allocator_means_evicted_indices_are_dropped():
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3]))
+    assert cache.evict(3) == 3
+
+
+# --- policies -----------------------------------------------------------------------------
+def victims(cache: RadixCache, n: int) -> list[int]:
+    """First units of the leaves evicted one at a time."""
+    out = []
+    for _ in range(n):
+        before = content(cache)
+        cache.evict(1)
+        (gone,) = [k for k in before if k not in content(cache)]
+        out.append(gone[1][0][0])  # (namespace, (first page, ...)) -> first unit
+    return out
+
+
+def three_leaves(policy: str) -> RadixCache:
+    cache = RadixCache(eviction_policy=policy)
+    cache.insert(RadixKey([1]), priority=5)
+    cache.insert(RadixKey([2]), priority=1)
+    cache.insert(RadixKey([3]), priority=3)
+    cache.match_prefix(RadixKey([1]))
+    cache.match_prefix(RadixKey([1]))
+    cache.match_prefix(RadixKey([3]))
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"),
+    [
+        ("lru", [2, 1, 3]),
+        ("mru", [3, 1, 2]),
+        ("fifo", [1, 2, 3]),
+        ("filo", [3, 2, 1]),
+        ("lfu", [2, 3, 1]),
+        ("priority", [2, 3, 1]),
+        ("slru", [2, 3, 1]),
+    ],
+)
+def test_each_policy_orders_evictions_as_documented(policy, order):
+    assert victims(three_leaves(policy), 3) == order
+
+
+def test_slru_protects_nodes_hit_twice_even_if_older():
+    cache = RadixCache(eviction_policy="slru")
+    cache.insert(RadixKey([1]))
+    cache.match_prefix(RadixKey([1]))
+    cache.match_prefix(RadixKey([1]))  # hit twice: protected segment
+    cache.insert(RadixKey([2]))
+    cache.match_prefix(RadixKey([2]))  # hit once, more recent than [1]
+    assert victims(cache, 2) == [2, 1]
+
+
+def test_unknown_policy_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="lru, lfu, fifo, mru, filo, priority, slru"):
+        RadixCache(eviction_policy="random")
+    assert set(POLICIES) == {"lru", "lfu", "fifo", "mru", "filo", "priority", "slru"}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_same_operations_give_the_same_tree_and_eviction_order(policy):
+    def run() -> tuple:
+        alloc = RecordingAllocator()
+        cache = RadixCache(eviction_policy=policy, allocator=alloc)
+        for i in range(60):
+            cache.insert(RadixKey([i % 7, i % 5, i % 3, i]), priority=i % 4)
+            cache.match_prefix(RadixKey([i % 5, i % 3]))
+        cache.evict(50)
+        return cache.format_tree(), alloc.freed
+
+    assert run() == run()
+
+
+# --- namespaces and bigram keys -----------------------------------------------------------
+def test_extra_key_namespaces_never_share_nodes():
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3], extra_key="lora-a"))
+    assert cache.match_len(RadixKey([1, 2, 3])) == 0
+    assert cache.match_len(RadixKey([1, 2, 3], extra_key="lora-b")) == 0
+    assert cache.match_len(RadixKey([1, 2, 3], extra_key="lora-a")) == 3
+    assert cache.insert(RadixKey([1, 2, 3])) == 0
+    assert len(cache.root.children) == 2
+    cache.check_integrity()
+
+
+def test_eagle_uses_bigram_keys_without_mutating_the_callers_key():
+    cache = RadixCache(is_eagle=True)
+    key = RadixKey([1, 2, 3, 4])
+    assert cache.insert(key, torch.tensor([10, 11, 12, 13])) == 0
+    assert not key.is_bigram
+    assert cache.total_size() == 3  # three pairs; the value is truncated to 3
+    r = cache.match_prefix(RadixKey([1, 2, 3, 9]))
+    assert r.prefix_len == 2 and r.indices.tolist() == [10, 11]
+    assert list(r.last_node.key) == [(1, 2), (2, 3)]
+    cache.check_integrity()
+
+
+def test_bigram_key_in_a_plain_cache_is_rejected():
+    with pytest.raises(ValueError, match="is_eagle"):
+        RadixCache().insert(RadixKey([1, 2, 3], is_bigram=True))
+
+
+# --- bad input leaves the cache unchanged -------------------------------------------------
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda c: c.insert(RadixKey([1, 2, 3]), torch.tensor([1, 2])), ValueError, "len"),
+        (lambda c: c.insert(RadixKey([1, 2]), torch.tensor([1.0, 2.0])), TypeError, "value"),
+        (lambda c: c.insert(RadixKey([1, 2]), [[1, 2]]), TypeError, "value"),
+        (lambda c: c.insert(RadixKey([1, 2]), priority=1.5), TypeError, "priority"),
+        (lambda c: c.insert([1.5, 2.0]), TypeError, "token_ids"),
+        (lambda c: c.insert("abc"), TypeError, "key"),
+        (lambda c: c.match_prefix(12), TypeError, "key"),
+        (lambda c: c.evict(-1), ValueError, "num_tokens"),
+        (lambda c: c.evict(2.0), TypeError, "num_tokens"),
+        (lambda c: c.evict(True), TypeError, "num_tokens"),
+    ],
+)
+def test_bad_input_raises_a_clear_error_and_changes_nothing(call, error, match):
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3, 4]))
+    cache.match_prefix(RadixKey([1, 2]))
+    before = snapshot(cache)
+    with pytest.raises(error, match=match):
+        call(cache)
+    assert snapshot(cache) == before
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"page_size": 0}, ValueError),
+        ({"page_size": 1.0}, TypeError),
+        ({"allocator": object()}, TypeError),
+        ({"eviction_policy": 3}, TypeError),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, error):
+    with pytest.raises(error):
+        RadixCache(**kwargs)
+
+
+def test_disabled_cache_never_stores():
+    cache = RadixCache(disable=True)
+    assert cache.insert(RadixKey([1, 2, 3])) == 0
+    r = cache.match_prefix(RadixKey([1, 2, 3]))
+    assert r.prefix_len == 0 and r.last_node is cache.root and cache.evict(5) == 0
+    with pytest.raises(ValueError):
+        cache.insert(RadixKey([1, 2, 3]), [1])
+
+
+def test_reset_empties_the_cache():
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3]))
+    cache.reset()
+    assert cache.total_size() == 0 and cache.match_len(RadixKey([1, 2, 3])) == 0
+    cache.check_integrity()
+
+
+# --- deep trees: nothing recurses ---------------------------------------------------------
+def test_a_5000_node_chain_needs_no_recursion():
+    cache = RadixCache()
+    tokens = list(range(10_000))
+    for end in range(2, 10_001, 2):
+        cache.insert(RadixKey(tokens[:end]))
+    assert cache.num_nodes() == 5000
+    assert cache.match_prefix(RadixKey(tokens)).prefix_len == 10_000
+    assert cache.all_values().tolist() == tokens
+    assert len(cache.format_tree().splitlines()) == 5001
+    cache.check_integrity()
+    assert cache.evict(10_000) == 10_000
+    cache.check_integrity()
+
+
+def test_pretty_print_writes_the_tree(capsys):
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3], extra_key="t"))
+    cache.pretty_print()
+    out = capsys.readouterr().out
+    assert "total=3" in out and "ns='t'" in out and "[1, 2, 3]" in out
+
+
+# --- the integrity checker can fail -------------------------------------------------------
+def corrupt_cases():
+    def sizes(c, leaf):
+        c._evictable += 1
+
+    def parent(c, leaf):
+        leaf.parent = c.root
+
+    def lock(c, leaf):
+        leaf.parent.lock_ref = 0  # below its locked child's count
+
+    def stale_heap(c, leaf):
+        c._heap.clear()
+
+    def heap_key(c, leaf):
+        i = next(i for i, e in enumerate(c._heap) if c._live(e))
+        c._heap[i] = ((-1, -1), c._heap[i][1], c._heap[i][2])
+        heapq.heapify(c._heap)
+
+    def page(c, leaf):
+        c.page_size = 2
+
+    def count(c, leaf):
+        c._num_nodes += 1
+
+    return [sizes, parent, lock, stale_heap, heap_key, page, count]
+
+
+@pytest.mark.parametrize("corrupt", corrupt_cases())
+def test_check_integrity_detects_corruption(corrupt):
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3]))
+    cache.insert(RadixKey([1, 2, 4, 5]))
+    leaf = cache.match_prefix(RadixKey([1, 2, 3])).last_node
+    cache.inc_lock_ref(leaf)
+    cache.check_integrity()
+    corrupt(cache, leaf)
+    with pytest.raises(AssertionError, match="integrity"):
+        cache.check_integrity()
