@@ -163,6 +163,8 @@ def as_int64_bytes(values: Any, name: str = "value") -> bytes:
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        if values.dtype == torch.int64 and values.device.type == "cpu":
+            return values.numpy(force=True).tobytes()  # fast path: slot indices as given
         if values.is_floating_point() or values.is_complex():
             raise TypeError(f"{name} must hold integers, got dtype {values.dtype}")
         return values.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()

@@ -1,0 +1,79 @@
+"""Seeded benchmark workloads, shared by every implementation's adapter.
+
+Each builder returns plain Python data (lists of int token ids), so an adapter running
+in another virtual environment can rebuild exactly the same workload from the same seed.
+Token ids are drawn from a 32k vocabulary.
+"""
+
+from __future__ import annotations
+
+import random
+
+VOCAB = 32_000
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def shared_system_prompt(
+    seed: int = 0,
+    requests: int = 2000,
+    prompts: int = 8,
+    prompt_len: int = 1024,
+    suffix_len: int = 256,
+) -> list[list[int]]:
+    """(a) Each request is one of ``prompts`` system prompts plus a unique suffix."""
+    rng = random.Random(seed)
+    systems = [_tokens(rng, prompt_len) for _ in range(prompts)]
+    return [systems[rng.randrange(prompts)] + _tokens(rng, suffix_len) for _ in range(requests)]
+
+
+def multi_turn_chat(
+    seed: int = 0,
+    conversations: int = 200,
+    turns: int = 8,
+    answer_len: int = 128,
+    message_len: int = 64,
+) -> list[list[int]]:
+    """(b) Each turn's prompt is the previous prompt + the previous answer + a new message.
+    Turns of different conversations are interleaved round-robin."""
+    rng = random.Random(seed)
+    prompts: list[list[list[int]]] = []
+    for _ in range(conversations):
+        conv, history = [], _tokens(rng, message_len)
+        for _ in range(turns):
+            conv.append(history)
+            history = history + _tokens(rng, answer_len) + _tokens(rng, message_len)
+        prompts.append(conv)
+    return [prompts[c][t] for t in range(turns) for c in range(conversations)]
+
+
+def eviction_leaves(
+    seed: int = 0,
+    leaves: int = 5000,
+    total_tokens: int = 200_000,
+    refills: int = 500,
+    refill_tokens: int = 1024,
+) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """(c) ``leaves`` sequences of equal length under 50 shared 8-token stems, then one
+    batch of fresh sequences (``refill_tokens`` in all) to insert before each evict."""
+    rng = random.Random(seed)
+    leaf_len = total_tokens // leaves
+    stems = [_tokens(rng, 8) for _ in range(50)]
+    initial = [stems[i % 50] + _tokens(rng, leaf_len - 8) for i in range(leaves)]
+    per_batch = max(1, refill_tokens // leaf_len)
+    batches = [
+        [stems[rng.randrange(50)] + _tokens(rng, leaf_len - 8) for _ in range(per_batch)]
+        for _ in range(refills)
+    ]
+    return initial, batches
+
+
+def deep_chain(seed: int = 0, tokens: int = 32_768, nodes: int = 256) -> list[list[int]]:
+    """(d) Growing prefixes of one long prompt: inserting them in order stores the prompt
+    as a chain of ``nodes`` nodes. The last entry is the whole prompt (the query)."""
+    rng = random.Random(seed)
+    full = _tokens(rng, tokens)
+    step = tokens // nodes
+    return [full[: step * (i + 1)] for i in range(nodes)]
