@@ -403,6 +403,16 @@ class RadixCache:
         _, off, _, m = self._descend(units, n, ns)
         return off + m
 
+    def cacheable_len(self, key: RadixKey) -> int:
+        """Units of ``key`` that ``insert`` would store: its length in this cache's view
+        (bigram pairs under EAGLE) floored to whole pages; 0 for a disabled cache."""
+        if self.disable:
+            return 0
+        if not isinstance(key, RadixKey):
+            key = RadixKey(key)
+        n = len(key) if key.is_bigram or not self.is_eagle else max(0, key.raw_len() - 1)
+        return n - n % self.page_size
+
     def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
         """Cache ``key`` with slot indices ``value``.
 

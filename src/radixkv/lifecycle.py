@@ -1,0 +1,287 @@
+"""The request lifecycle on top of the prefix cache, as SGLang's scheduler runs it.
+
+A request's row in the `ReqToTokenPool` holds its slot indices, one per token whose KV is
+(being) computed. The first ``cache_protected_len`` of them belong to the radix tree
+(shared, locked through ``last_node``); the rest, up to ``kv_len``, are the request's own.
+
+    arrival        match the prompt (all but its last token: that one is always computed,
+                   to get logits), lock the matched node, copy the matched slots to the row
+    allocate(n)    slots for the next n tokens; evicts from the tree when short
+    chunk done     cache_unfinished_req: insert what is computed, free slots the tree
+                   already had (duplicates), re-match, move the lock, rewrite the row
+    finished       cache_finished_req: insert prompt + output, free duplicates and the
+                   unaligned tail, release the lock and the row
+    abort          free exactly what the request owns, release the lock and the row
+
+The accounting identity, checked by `CacheManager.check_memory` after any step:
+
+    available + evictable + protected + private + reserved_tail == pool size
+
+where *private* counts slots held by running requests and not in the tree, and
+*reserved_tail* the unfilled rest of requests' partial pages (0 with page size 1), and
+every slot is owned exactly once (by the tree, by one request, or by the allocator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixkv.key import RadixKey
+from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.tree import RadixCache, TreeNode
+
+
+@dataclass(eq=False)
+class Req:
+    """A request's tokens and its memory state (the latter managed by `CacheManager`).
+
+    Attributes:
+        rid: the caller's id.
+        input_ids: prompt token ids.
+        output_ids: generated token ids so far.
+        extra_key: cache namespace (LoRA id, tenant, salt).
+        row: its row in the `ReqToTokenPool`; -1 when not admitted.
+        kv_len: leading tokens of ``input_ids + output_ids`` that have slots in the row.
+        cache_protected_len: leading slots of the row owned by the tree (locked).
+        cached_len: prompt tokens served from the cache at arrival.
+        last_node: the locked tree node ending the protected prefix.
+    """
+
+    rid: Any
+    input_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    extra_key: str | None = None
+    row: int = -1
+    kv_len: int = 0
+    cache_protected_len: int = 0
+    cached_len: int = 0
+    last_node: TreeNode | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def admitted(self) -> bool:
+        return self.row >= 0
+
+
+class CacheManager:
+    """Runs requests' KV memory through a `RadixCache`, an allocator and a row table.
+
+    Args:
+        cache: the prefix cache; its ``allocator`` must be ``allocator`` (evictions free
+            slots there), and its page size the allocator's.
+        allocator: the slot allocator.
+        req_pool: the request-to-token table.
+    """
+
+    def __init__(
+        self, cache: RadixCache, allocator: TokenToKVPoolAllocator, req_pool: ReqToTokenPool
+    ) -> None:
+        if cache.allocator is not allocator and not cache.disable:
+            raise ValueError("cache.allocator must be the allocator, so evictions free slots")
+        if cache.page_size != allocator.page_size:
+            raise ValueError(
+                f"page sizes differ: cache {cache.page_size} != allocator {allocator.page_size}"
+            )
+        self.cache, self.allocator, self.req_pool = cache, allocator, req_pool
+        self.running: dict[int, Req] = {}  # row -> request
+
+    # --- helpers ------------------------------------------------------------------------
+    def _key(self, req: Req, n: int) -> RadixKey:
+        """The first ``n`` tokens as a key in the cache's view: under EAGLE a bigram view,
+        so slicing counts the units the tree stores (pairs), not raw tokens."""
+        key = RadixKey(req.all_ids[:n], req.extra_key)
+        return key.maybe_to_bigram_view(self.cache.is_eagle)[0]
+
+    def _row(self, req: Req, start: int, end: int) -> torch.Tensor:
+        return self.req_pool.read(req.row, start, end)
+
+    def _require_admitted(self, req: Req, op: str) -> None:
+        if not isinstance(req, Req):
+            raise TypeError(f"{op}: req must be a Req, got {type(req).__name__}")
+        if self.running.get(req.row) is not req:
+            raise ValueError(f"{op}: request {req.rid!r} is not admitted")
+
+    def available_tokens(self) -> int:
+        """Slots that can be had now: free ones plus what eviction can free."""
+        return self.allocator.available_size() + self.cache.evictable_size()
+
+    # --- arrival --------------------------------------------------------------------------
+    def admit(self, req: Req) -> bool:
+        """Match the prompt, lock the hit, give the request a row holding the hit's slots.
+
+        Returns:
+            False (nothing changed) when no row is free.
+
+        Raises:
+            ValueError: the prompt is empty, longer than ``max_context_len``, or the
+                request is already admitted.
+        """
+        if not isinstance(req, Req):
+            raise TypeError(f"admit: req must be a Req, got {type(req).__name__}")
+        if req.admitted:
+            raise ValueError(f"admit: request {req.rid!r} is already admitted")
+        n = len(req.input_ids) + len(req.output_ids)
+        if n == 0:
+            raise ValueError("admit: the request has no tokens")
+        if n > self.req_pool.max_context_len:
+            raise ValueError(
+                f"admit: request {req.rid!r} has {n} tokens, more than "
+                f"max_context_len={self.req_pool.max_context_len}"
+            )
+        key = self._key(req, n)  # validates the token ids before anything changes
+        row = self.req_pool.alloc()
+        if row is None:
+            return False
+        hit = self.cache.match_prefix(key[: n - 1])  # the last token is always computed
+        self.cache.inc_lock_ref(hit.last_node)
+        self.req_pool.write(row, 0, hit.indices)
+        req.row, req.last_node = row, hit.last_node
+        req.kv_len = req.cache_protected_len = req.cached_len = hit.prefix_len
+        self.running[row] = req
+        return True
+
+    # --- allocation -------------------------------------------------------------------------
+    def allocate(self, req: Req, n: int) -> torch.Tensor | None:
+        """Slots for the request's next ``n`` tokens, written to its row; evicts from the
+        tree when the allocator is short.
+
+        Returns:
+            The new slots, or ``None`` (nothing changed but evictions) when memory is
+            short even after evicting everything evictable.
+
+        Raises:
+            ValueError: ``n`` would exceed the request's tokens or ``max_context_len``.
+        """
+        self._require_admitted(req, "allocate")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"allocate: n must be a non-negative int, got {n!r}")
+        end = req.kv_len + n
+        if end > self.req_pool.max_context_len:
+            raise ValueError(
+                f"allocate: request {req.rid!r} would need {end} tokens, more than "
+                f"max_context_len={self.req_pool.max_context_len}"
+            )
+        if end > len(req.input_ids) + len(req.output_ids):
+            raise ValueError(
+                f"allocate: request {req.rid!r} has only {req.kv_len} + fewer "
+                f"than {n} tokens to compute"
+            )
+        p = self.allocator.page_size
+        last = -1
+        if req.kv_len % p and req.kv_len > req.cache_protected_len:
+            last = int(self.req_pool.table[req.row, req.kv_len - 1])
+        slots = self.allocator.alloc_extend(last, n)
+        if slots is None:
+            room = (p - req.kv_len % p) % p if last >= 0 else 0
+            need = -(-(n - room) // p) * p - self.allocator.available_size()
+            self.cache.evict(max(need, 0))
+            slots = self.allocator.alloc_extend(last, n)
+            if slots is None:
+                return None
+        self.req_pool.write(req.row, req.kv_len, slots)
+        req.kv_len = end
+        return slots
+
+    # --- caching ----------------------------------------------------------------------------
+    def _insert_computed(self, req: Req) -> int:
+        """Insert the computed tokens; free the request's duplicates of what the tree
+        already had. Returns the number of units the tree now holds for this request."""
+        key = self._key(req, req.kv_len)
+        stored = self.cache.cacheable_len(key)
+        if stored <= req.cache_protected_len:
+            return req.cache_protected_len
+        had = self.cache.insert(key, self._row(req, 0, len(key)))
+        if had > req.cache_protected_len:
+            self.allocator.free(self._row(req, req.cache_protected_len, had).clone())
+        return stored
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        """After a prefill chunk: hand the computed whole pages to the tree, re-point the
+        row at the tree's slots and move the lock to the new last node."""
+        self._require_admitted(req, "cache_unfinished_req")
+        stored = self._insert_computed(req)
+        if stored == req.cache_protected_len:
+            return
+        hit = self.cache.match_prefix(self._key(req, req.kv_len)[:stored])
+        assert hit.prefix_len == stored, "the tree lost what was just inserted"
+        self.req_pool.write(req.row, 0, hit.indices)
+        self.cache.inc_lock_ref(hit.last_node)
+        self.cache.dec_lock_ref(req.last_node)
+        req.last_node, req.cache_protected_len = hit.last_node, stored
+
+    def cache_finished_req(self, req: Req) -> None:
+        """The request is done: cache prompt + output, free duplicates and the unaligned
+        tail, release its lock and its row."""
+        self._require_admitted(req, "cache_finished_req")
+        with self.allocator.free_group():
+            stored = self._insert_computed(req)
+            if req.kv_len > stored:
+                self.allocator.free(self._row(req, stored, req.kv_len).clone())
+        self._release(req)
+
+    def abort(self, req: Req) -> None:
+        """Drop the request at any point: free exactly its own slots, nothing cached."""
+        self._require_admitted(req, "abort")
+        if req.kv_len > req.cache_protected_len:
+            self.allocator.free(self._row(req, req.cache_protected_len, req.kv_len).clone())
+        self._release(req)
+
+    def _release(self, req: Req) -> None:
+        assert req.last_node is not None
+        self.cache.dec_lock_ref(req.last_node)
+        self.req_pool.free(req.row)
+        del self.running[req.row]
+        req.row, req.last_node = -1, None
+        req.kv_len = req.cache_protected_len = 0
+
+    # --- the accounting identity -----------------------------------------------------------
+    def check_memory(self) -> None:
+        """Check that every slot is owned exactly once and the sizes add up.
+
+        Raises:
+            AssertionError: naming what is leaked or owned twice.
+        """
+        alloc, cache = self.allocator, self.cache
+        alloc.check()
+        tree = cache.all_values().numpy()
+        assert len(tree) == cache.total_size(), "tree values disagree with its size"
+        private = [
+            self._row(r, r.cache_protected_len, r.kv_len).numpy() for r in self.running.values()
+        ]
+        private_n = sum(len(x) for x in private)
+        free = alloc.free_slots()
+        parts = [tree, free, *private]
+        owners = np.bincount(np.concatenate(parts), minlength=alloc.size)
+        if len(owners) > alloc.size:
+            raise AssertionError("check_memory: a slot index beyond the pool is in use")
+        twice = np.flatnonzero(owners > 1)
+        if len(twice):
+            raise AssertionError(f"check_memory: slot {twice[0]} is owned twice")
+        lost = np.flatnonzero(owners == 0)
+        if len(lost):
+            raise AssertionError(f"check_memory: slot {lost[0]} is leaked (owned by nobody)")
+        total = (
+            alloc.available_size()
+            + cache.evictable_size()
+            + cache.protected_size()
+            + private_n
+            + alloc.reserved_tail_size()
+        )
+        assert total == alloc.size, f"check_memory: sizes add to {total} != {alloc.size}"
+        assert alloc.handed_out_size() == len(tree) + private_n, "handed-out count is off"
+        for r in self.running.values():
+            protected = self._row(r, 0, r.cache_protected_len)
+            node, path = r.last_node, []
+            while node is not None and node is not cache.root:
+                path.append(node.value)
+                node = node.parent
+            assert node is cache.root and r.last_node.lock_ref > 0, "a request lost its lock"
+            expected = torch.cat(path[::-1]) if path else torch.empty(0, dtype=torch.int64)
+            assert torch.equal(protected, expected), f"request {r.rid!r}: row != tree path"

@@ -1,0 +1,325 @@
+"""KV memory: the slot allocator, the KV tensor pool and the request-to-token table.
+
+A *slot* is one token's place in the KV pool. The allocator hands slots out in whole
+pages of ``page_size`` slots (slot ``s`` lives in page ``s // page_size``) and takes them
+back exactly once. The radix tree and the running requests hold slot indices; the
+allocator knows which slots are handed out, so ``free`` can refuse a double free.
+
+Invariants of `TokenToKVPoolAllocator` (checked by ``check``):
+    * a page is on the free stack iff none of its slots is handed out;
+    * ``page_count[p]`` equals the number of handed-out slots of page ``p``;
+    * ``available_size() + handed_out + reserved_tail_size() == size``, where the reserved
+      tail is the not-yet-handed-out rest of pages that are partly handed out (the
+      owner's ``alloc_extend`` fills it; zero with ``page_size == 1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
+    if isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.int64 and indices.device.type == "cpu" and indices.dim() == 1:
+            return indices.numpy(force=True)
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got dtype {indices.dtype}")
+        arr = indices.detach().to("cpu", torch.int64).numpy()
+    else:
+        arr = np.asarray(indices)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+def _check_count(n: Any, name: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return int(n)
+
+
+class TokenToKVPoolAllocator:
+    """Hands out KV slots in whole pages; every slot is returned exactly once.
+
+    Args:
+        size: number of slots (rounded down to whole pages).
+        page_size: slots per page.
+        device: where returned index tensors live.
+
+    ``alloc``/``alloc_extend`` cost O(pages); ``free`` O(k log k) for k slots (numpy).
+    """
+
+    def __init__(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> None:
+        size = _check_count(size, "size")
+        page_size = _check_count(page_size, "page_size")
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.size = self.num_pages * page_size
+        self.device = torch.device(device)
+        self._group: list[np.ndarray] | None = None
+        self.clear()
+
+    def clear(self) -> None:
+        """Every slot free again."""
+        # A stack of free pages; popping from the end hands out pages 0, 1, 2, ...
+        self._free_pages = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
+        self._num_free = self.num_pages
+        self._owned = np.zeros(self.size, dtype=bool)
+        self._page_count = np.zeros(self.num_pages, dtype=np.int64)
+        self._handed_out = 0
+
+    # --- sizes -----------------------------------------------------------------------------
+    def available_size(self) -> int:
+        """Slots in free pages (what ``alloc`` can hand out)."""
+        return self._num_free * self.page_size
+
+    def handed_out_size(self) -> int:
+        """Slots handed out and not yet freed."""
+        return self._handed_out
+
+    def reserved_tail_size(self) -> int:
+        """Slots not handed out that sit in partly handed-out pages."""
+        return (self.num_pages - self._num_free) * self.page_size - self._handed_out
+
+    def free_slots(self) -> np.ndarray:
+        """Every slot not handed out (free pages and reserved tails), ascending."""
+        return np.flatnonzero(~self._owned)
+
+    # --- alloc ----------------------------------------------------------------------------
+    def _fresh(self, n: int) -> np.ndarray:
+        """``n`` slots from ``ceil(n / page_size)`` pages off the free stack (the caller
+        checked there are enough); sets those pages' handed-out counts."""
+        p = self.page_size
+        pages = -(-n // p)
+        nf = self._num_free
+        taken = self._free_pages[nf - pages : nf][::-1].copy()
+        self._num_free = nf - pages
+        if p == 1:
+            self._page_count[taken] = 1
+            return taken
+        self._page_count[taken] = p
+        if pages:
+            self._page_count[taken[-1]] -= pages * p - n
+        return (taken[:, None] * p + np.arange(p, dtype=np.int64)).ravel()[:n]
+
+    def _hand_out(self, slots: np.ndarray) -> torch.Tensor:
+        self._owned[slots] = True
+        self._handed_out += len(slots)
+        return torch.from_numpy(slots).to(self.device)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """``n`` slots from ``ceil(n / page_size)`` fresh pages, or ``None`` (never a
+        partial result) when not enough pages are free. The rest of the last page stays
+        reserved for ``alloc_extend`` by the same owner."""
+        n = _check_count(n, "n")
+        if -(-n // self.page_size) > self._num_free:
+            return None
+        return self._hand_out(self._fresh(n))
+
+    def alloc_extend(self, last_slot: int, n: int) -> torch.Tensor | None:
+        """``n`` slots continuing a sequence whose last slot is ``last_slot``: first the
+        rest of that slot's page, then fresh pages (SGLang's ``alloc_extend``). Pass
+        ``last_slot=-1`` for a sequence that ends on a page boundary. ``None`` when not
+        enough pages are free; nothing changes then.
+
+        Raises:
+            ValueError: ``last_slot`` is not a handed-out slot, or the rest of its page was
+                handed out already (two owners extending one page).
+        """
+        n = _check_count(n, "n")
+        p = self.page_size
+        if isinstance(last_slot, bool) or not isinstance(last_slot, (int, np.integer)):
+            raise TypeError(f"last_slot must be an int, got {type(last_slot).__name__}")
+        if last_slot < 0 or p == 1 or (last_slot + 1) % p == 0:
+            return self.alloc(n)
+        if last_slot >= self.size or not self._owned[last_slot]:
+            raise ValueError(f"alloc_extend: last_slot {last_slot} is not handed out")
+        stop = min(last_slot + 1 + n, (last_slot // p + 1) * p)
+        tail = np.arange(last_slot + 1, stop, dtype=np.int64)
+        if self._owned[tail].any():
+            raise ValueError(f"alloc_extend: the page of slot {last_slot} is already extended")
+        rest = n - len(tail)
+        if -(-rest // p) > self._num_free:
+            return None
+        self._page_count[last_slot // p] += len(tail)
+        slots = np.concatenate((tail, self._fresh(rest))) if rest else tail
+        return self._hand_out(slots)
+
+    # --- free -----------------------------------------------------------------------------
+    def free(self, indices: Any) -> None:
+        """Return slots. Inside ``free_group()`` the call is deferred to the group's end.
+
+        Raises:
+            ValueError: a slot out of range, repeated, or not handed out (double free);
+                the allocator is unchanged.
+        """
+        slots = _as_index_array(indices)
+        if self._group is not None:
+            self._group.append(slots)
+            return
+        self._free(slots)
+
+    def _free(self, slots: np.ndarray) -> None:
+        if not len(slots):
+            return
+        # A sort finds range errors and repeats at once (np.unique's hash path is ~10x
+        # slower on the few hundred slots a request frees).
+        s = np.sort(slots)
+        if s[0] < 0 or s[-1] >= self.size:
+            bad = s[0] if s[0] < 0 else s[-1]
+            raise ValueError(f"free: slot {bad} is out of range [0, {self.size})")
+        if len(s) > 1 and (s[1:] == s[:-1]).any():
+            raise ValueError("free: the same slot appears twice in one call")
+        owned = self._owned[s]
+        if not owned.all():
+            raise ValueError(
+                f"free: slot {s[~owned][0]} is not handed out (double free, or never allocated)"
+            )
+        self._owned[s] = False
+        self._handed_out -= len(s)
+        p = self.page_size
+        if p == 1:
+            self._page_count[s] = 0
+            emptied = s
+        else:
+            pages = s // p
+            starts = np.flatnonzero(np.concatenate(([True], pages[1:] != pages[:-1])))
+            runs = pages[starts]
+            self._page_count[runs] -= np.diff(np.append(starts, len(s)))
+            emptied = runs[self._page_count[runs] == 0]
+        nf = self._num_free
+        self._free_pages[nf : nf + len(emptied)] = emptied
+        self._num_free = nf + len(emptied)
+
+    def free_group_begin(self) -> None:
+        """Start deferring frees; ``free_group_end`` returns them all in one call."""
+        if self._group is not None:
+            raise RuntimeError("free_group_begin: a free group is already open")
+        self._group = []
+
+    def free_group_end(self) -> None:
+        """Free everything deferred since ``free_group_begin`` (validated as one call)."""
+        group, self._group = self._group, None
+        if group is None:
+            raise RuntimeError("free_group_end: no free group is open")
+        if group:
+            self._free(np.concatenate(group))
+
+    @contextmanager
+    def free_group(self) -> Iterator[None]:
+        """``with allocator.free_group(): ...`` batches every free inside into one."""
+        self.free_group_begin()
+        try:
+            yield
+        finally:
+            self.free_group_end()
+
+    def check(self) -> None:
+        """Recompute the allocator's invariants; raises ``AssertionError``."""
+        p = self.page_size
+        counts = self._owned.reshape(self.num_pages, p).sum(axis=1) if self.num_pages else []
+        assert np.array_equal(counts, self._page_count), "page counts disagree with slots"
+        assert int(self._owned.sum()) == self._handed_out, "handed-out count is off"
+        stack = self._free_pages[: self._num_free]
+        assert len(np.unique(stack)) == len(stack), "a page is on the free stack twice"
+        assert not self._page_count[stack].any(), "a free page has handed-out slots"
+        assert len(stack) == int((self._page_count == 0).sum()), "an empty page is lost"
+
+
+class KVPool:
+    """Per-layer K and V tensors indexed by slot: ``[size, num_kv_heads, head_dim]``.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the model's attention shape.
+        size: slots (match the allocator's ``size``).
+        dtype, device: storage of the tensors.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        size: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        for name, v in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("size", size),
+        ):
+            if _check_count(v, name) == 0:
+                raise ValueError(f"{name} must be > 0")
+        shape = (size, num_kv_heads, head_dim)
+        self.num_layers, self.size = num_layers, size
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies across all layers."""
+        t = self.k[0]
+        return 2 * self.num_layers * t.shape[1] * t.shape[2] * t.element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` (``[n, heads, dim]``) of layer ``layer`` at ``slots``."""
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer ``layer`` at ``slots`` (gathered copies)."""
+        return self.k[layer][slots], self.v[layer][slots]
+
+
+class ReqToTokenPool:
+    """One row of slot indices per running request: ``[max_reqs, max_context_len]``."""
+
+    def __init__(
+        self, max_reqs: int, max_context_len: int, device: str | torch.device = "cpu"
+    ) -> None:
+        if (
+            _check_count(max_reqs, "max_reqs") == 0
+            or _check_count(max_context_len, "max_context_len") == 0
+        ):
+            raise ValueError("max_reqs and max_context_len must be > 0")
+        self.max_reqs, self.max_context_len = max_reqs, max_context_len
+        self.table = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_reqs - 1, -1, -1))
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        """A free row, or ``None`` when every row is taken."""
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        """Return ``row``. Raises ``ValueError`` if it is not in use."""
+        if not 0 <= row < self.max_reqs or row in self._free_rows:
+            raise ValueError(f"free: row {row} is not in use")
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Set ``table[row, start:start + len(slots)] = slots``."""
+        end = start + len(slots)
+        if end > self.max_context_len:
+            raise ValueError(
+                f"request needs {end} tokens, more than max_context_len={self.max_context_len}"
+            )
+        self.table[row, start:end] = slots
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        return self.table[row, start:end]
