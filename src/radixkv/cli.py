@@ -13,16 +13,172 @@ def build_parser() -> argparse.ArgumentParser:
         prog="radixkv", description="Automatic prefix caching for LLM KV caches."
     )
     parser.add_argument("--version", action="version", version=f"radixkv {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    sim = sub.add_parser(
+        "simulate",
+        help="replay a trace through the radix cache: hit rate vs capacity and policy",
+        description="Replay a request trace (or a built-in workload) through the radix cache "
+        "and report how much prefill prefix caching saves.",
+    )
+    src = sim.add_mutually_exclusive_group()
+    src.add_argument("--trace", help="a trace file (JSONL)")
+    src.add_argument(
+        "--workload",
+        choices=["shared-prefix", "multi-turn", "few-shot"],
+        help="a built-in generated workload (default: shared-prefix)",
+    )
+    sim.add_argument(
+        "--format",
+        choices=["mooncake", "tokens"],
+        default=None,
+        help="trace format (default: guessed from the first line)",
+    )
+    sim.add_argument(
+        "--capacity",
+        default="64k,256k,1M,inf",
+        help="comma-separated: tokens (1M, 512k), blocks (2000b), KV bytes "
+        "(8GiB, with --model) or inf [%(default)s]",
+    )
+    sim.add_argument(
+        "--policy",
+        default="lru,lfu,belady",
+        help="comma-separated eviction policies, or 'all' [%(default)s]",
+    )
+    sim.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per cache page for token traces; Mooncake is 512 [16]",
+    )
+    sim.add_argument("--model", help="bytes per token of a catalog model, for GiB capacities")
+    sim.add_argument("--bytes-per-token", type=int, help="custom KV bytes per token")
+    sim.add_argument(
+        "--cache-outputs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="cache prompt + output at finish, as engines do [on for generated "
+        "workloads; Mooncake traces carry no output blocks]",
+    )
+    sim.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        help="fraction of first requests left out of the rates [0]",
+    )
+    sim.add_argument("--requests", type=int, help="replay only the first N requests")
+    sim.add_argument("--json", dest="json_out", help="write results as JSON here ('-' stdout)")
+    sim.add_argument("--csv", dest="csv_out", help="write results as CSV here ('-' stdout)")
+    sim.add_argument("--plot", help="write a hit-rate-vs-capacity plot (PNG) here")
+    sim.add_argument("--workers", type=int, help="processes for the sweep [all cores]")
     return parser
+
+
+def _load_trace(args: argparse.Namespace):  # -> Trace
+    from radixkv.sim import traces
+
+    if args.trace:
+        fmt = args.format
+        if fmt is None:
+            with open(args.trace) as f:
+                first = f.readline()
+            fmt = "mooncake" if "hash_ids" in first else "tokens"
+        if fmt == "mooncake":
+            return traces.load_mooncake(args.trace)
+        return traces.load_token_jsonl(args.trace, args.block_size)
+    gen = traces.GENERATORS[args.workload or "shared-prefix"]
+    return gen(block_size=args.block_size)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from radixkv.sim import replay, sweep
+
+    console = Console(stderr=bool(args.json_out == "-" or args.csv_out == "-"))
+    try:
+        trace = _load_trace(args)
+    except (OSError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    if args.requests:
+        trace.requests = trace.requests[: args.requests]
+    bpt = args.bytes_per_token
+    if args.model:
+        if args.model not in sweep.MODELS:
+            console.print(f"[red]error:[/red] unknown --model; known: {', '.join(sweep.MODELS)}")
+            return 2
+        bpt = sweep.MODELS[args.model]
+    policies = list(replay.POLICY_NAMES) if args.policy == "all" else args.policy.split(",")
+    try:
+        caps = [sweep.parse_capacity(c, trace.block_size, bpt) for c in args.capacity.split(",")]
+        for p in policies:
+            if p not in replay.POLICY_NAMES:
+                raise ValueError(f"unknown policy {p!r}; valid: {', '.join(replay.POLICY_NAMES)}")
+        if not 0.0 <= args.warmup < 1.0:
+            raise ValueError("--warmup must be in [0, 1)")
+    except ValueError as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    outputs = args.cache_outputs if args.cache_outputs is not None else not args.trace
+    caps = list(dict.fromkeys(caps))
+    if len(caps) > 1 and None in caps:  # the unbounded point is the same for every policy
+        bounded = [c for c in caps if c is not None]
+    else:
+        bounded = caps
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(
+            f"replaying {len(trace.requests):,} requests", total=len(bounded) * len(policies)
+        )
+        results = sweep.sweep(
+            trace,
+            bounded,
+            policies,
+            outputs,
+            args.warmup,
+            args.workers,
+            progress=lambda _r: bar.advance(task),
+        )
+    if len(caps) > 1 and None in caps:
+        unbounded = replay.simulate(trace, None, "lru", outputs, args.warmup)
+        for p in policies:
+            results.append(replay.SimResult(**{**unbounded.to_dict(), "policy": p}))
+        order = {c: i for i, c in enumerate(caps)}
+        results.sort(key=lambda r: (policies.index(r.policy), order[r.capacity_units]))
+    ceiling = (
+        replay.reuse_ceiling(trace, outputs)
+        if not args.warmup
+        else max(
+            (r.token_hit_rate for r in results if r.capacity_units is None), default=float("nan")
+        )
+    )
+    sweep.print_table(results, ceiling, trace, console)
+    for dest, text in (
+        (args.json_out, lambda: sweep.to_json(results, ceiling)),
+        (args.csv_out, lambda: sweep.to_csv(results)),
+    ):
+        if dest == "-":
+            sys.stdout.write(text())
+        elif dest:
+            with open(dest, "w") as f:
+                f.write(text())
+    if args.plot:
+        try:
+            sweep.plot(results, ceiling, trace, args.plot)
+        except RuntimeError as e:
+            console.print(f"[red]error:[/red] {e}")
+            return 2
+        console.print(f"plot written to {args.plot}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
+    if args.command == "simulate":
+        return cmd_simulate(args)
+    parser.print_help()
     return 0
 
 

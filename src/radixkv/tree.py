@@ -179,7 +179,8 @@ class RadixCache:
     Args:
         page_size: units per page; keys are truncated to whole pages and nodes split only
             at page boundaries.
-        eviction_policy: one of ``lru lfu fifo mru filo priority slru``.
+        eviction_policy: one of ``lru lfu fifo mru filo priority slru``, or a custom
+            sort-key function of a node (see `radixkv.policy.get_policy`).
         allocator: anything with ``free(indices: torch.Tensor)``; ``evict`` hands it the
             removed slot indices (one call per ``evict``). ``None`` drops them.
         is_eagle: key every sequence by its bigram view (EAGLE speculative decoding).

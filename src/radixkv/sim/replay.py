@@ -1,0 +1,165 @@
+"""Replay a trace through the real `RadixCache` and measure what prefix caching saves.
+
+Per request, as an engine does it: look up the prompt's units (a hit), lock the hit,
+evict just enough to fit the new units, insert the prompt (and the output, when outputs
+are cached), unlock. Capacity is in units (blocks); ``None`` means unbounded.
+
+Policies: every policy of `radixkv.policy`, plus ``belady`` (offline optimal: evict the
+unit whose next use lies farthest in the future). Because a unit id stands for its whole
+prefix, a child's next use is never earlier than its parent's, so the farthest unit is
+always at a leaf's tail and leaf-first eviction loses nothing.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from radixkv.key import RadixKey
+from radixkv.policy import POLICIES
+from radixkv.sim.traces import Trace
+from radixkv.tree import RadixCache, TreeNode
+
+POLICY_NAMES = (*POLICIES, "belady")
+
+
+@dataclass
+class SimResult:
+    """What one replay measured (hit rates over the requests after the warm-up)."""
+
+    trace: str
+    policy: str
+    capacity_units: int | None
+    capacity_tokens: int | None
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    token_hit_rate: float
+    request_hit_rate: float
+    block_hit_rate: float
+    evicted_units: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Belady:
+    """Sort key 'minus the next use of the node's last unit'; ``now`` must be the index
+    of the request being replayed, set before it touches the cache."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.uses: dict[int, list[int]] = defaultdict(list)
+        for t, req in enumerate(trace.requests):
+            for u in req.units[: req.num_prompt_units]:
+                self.uses[u].append(t)
+        self.ptr: dict[int, int] = defaultdict(int)
+        self.never = len(trace.requests) + 1
+        self.now = -1
+
+    def next_use(self, unit: int) -> int:
+        occ = self.uses.get(unit)
+        if not occ:
+            return self.never
+        i = self.ptr[unit]
+        while i < len(occ) and occ[i] <= self.now:
+            i += 1
+        self.ptr[unit] = i
+        return occ[i] if i < len(occ) else self.never
+
+    def key(self, node: TreeNode) -> tuple[int, int]:
+        last = int.from_bytes(node._key[-8:], "little", signed=True)
+        return (-self.next_use(last), node.id)
+
+
+def simulate(
+    trace: Trace,
+    capacity_units: int | None,
+    policy: str = "lru",
+    cache_outputs: bool = False,
+    warmup: float = 0.0,
+    check_every: int = 0,
+) -> SimResult:
+    """Replay ``trace`` once.
+
+    Args:
+        capacity_units: cache size in units (blocks); ``None`` for unbounded.
+        policy: a name from ``POLICY_NAMES``.
+        cache_outputs: insert prompt + output when a request finishes (engines do).
+        warmup: fraction of the first requests left out of the reported rates.
+        check_every: run ``check_integrity`` every this many requests (0: never).
+    """
+    if policy not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(POLICY_NAMES)}")
+    if capacity_units is not None and capacity_units < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity_units}")
+    if not 0.0 <= warmup < 1.0:
+        raise ValueError(f"warmup must be in [0, 1), got {warmup}")
+    belady = _Belady(trace) if policy == "belady" else None
+    sort_key: str | Callable = belady.key if belady else policy
+    cache = RadixCache(page_size=1, eviction_policy=sort_key)
+    first = int(len(trace.requests) * warmup)
+    hit_tokens = prompt_tokens = hit_units = prompt_units = evicted = 0
+    request_rates = []
+    for t, req in enumerate(trace.requests):
+        if belady:
+            belady.now = t
+        prompt = RadixKey(array("q", req.units[: req.num_prompt_units]))
+        hit = cache.match_prefix(prompt)
+        units = req.units if cache_outputs else req.units[: req.num_prompt_units]
+        if capacity_units is None:
+            cache.insert(RadixKey(array("q", units)))
+        else:
+            cache.inc_lock_ref(hit.last_node)
+            need = len(units) - hit.prefix_len
+            over = cache.total_size() + need - capacity_units
+            if over > 0:
+                evicted += cache.evict(over)
+            room = capacity_units - cache.total_size()
+            if need > room:  # the request alone overflows what is left: keep its head
+                units = units[: hit.prefix_len + max(room, 0)]
+            if len(units) > hit.prefix_len:
+                cache.insert(RadixKey(array("q", units)))
+            cache.dec_lock_ref(hit.last_node)
+        if check_every and t % check_every == 0:
+            cache.check_integrity()
+        if t >= first:
+            h = trace.hit_tokens(req, hit.prefix_len)
+            hit_tokens += h
+            prompt_tokens += req.prompt_tokens
+            hit_units += hit.prefix_len
+            prompt_units += req.num_prompt_units
+            request_rates.append(h / req.prompt_tokens if req.prompt_tokens else 0.0)
+    n = len(request_rates)
+    return SimResult(
+        trace=trace.name,
+        policy=policy,
+        capacity_units=capacity_units,
+        capacity_tokens=None if capacity_units is None else capacity_units * trace.block_size,
+        requests=n,
+        prompt_tokens=prompt_tokens,
+        hit_tokens=hit_tokens,
+        token_hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        request_hit_rate=sum(request_rates) / n if n else 0.0,
+        block_hit_rate=hit_units / prompt_units if prompt_units else 0.0,
+        evicted_units=evicted,
+    )
+
+
+def reuse_ceiling(trace: Trace, cache_outputs: bool = False) -> float:
+    """Token hit rate with unbounded capacity, computed without the tree: a unit hits
+    when some earlier request carried it (a unit id names its whole prefix)."""
+    seen: set[int] = set()
+    hit = total = 0
+    for req in trace.requests:
+        n = 0
+        for u in req.units[: req.num_prompt_units]:
+            if u not in seen:
+                break
+            n += 1
+        hit += trace.hit_tokens(req, n)
+        total += req.prompt_tokens
+        seen.update(req.units if cache_outputs else req.units[: req.num_prompt_units])
+    return hit / total if total else 0.0

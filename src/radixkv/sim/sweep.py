@@ -1,0 +1,205 @@
+"""Capacity sweeps: parse capacities, run many replays in parallel, report them.
+
+Capacities are given in tokens (``1M``, ``512k``, ``inf``), blocks (``2000b``) or bytes of
+KV (``8GiB``, needing a model's bytes per token from `MODELS` or a custom value).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import multiprocessing as mp
+import os
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from radixkv.sim.replay import SimResult, reuse_ceiling, simulate
+from radixkv.sim.traces import Trace
+
+# KV bytes per token: 2 (K and V) x layers x KV heads x head dim x 2 bytes (bf16/fp16).
+MODELS: dict[str, int] = {
+    "llama-3-8b": 2 * 32 * 8 * 128 * 2,
+    "llama-3-70b": 2 * 80 * 8 * 128 * 2,
+    "mistral-7b": 2 * 32 * 8 * 128 * 2,
+    "qwen2.5-7b": 2 * 28 * 4 * 128 * 2,
+    "qwen2.5-72b": 2 * 80 * 8 * 128 * 2,
+    "smollm2-135m": 2 * 30 * 3 * 64 * 2,
+}
+
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+_BYTES = {
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+
+
+def parse_capacity(text: str, block_size: int, bytes_per_token: int | None = None) -> int | None:
+    """Capacity in units (blocks), or ``None`` for ``inf``.
+
+    Raises:
+        ValueError: unreadable text, or a byte size without ``bytes_per_token``.
+    """
+    s = text.strip().lower().replace("_", "")
+    if s in ("inf", "unbounded", "none"):
+        return None
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", s)
+    if not m:
+        raise ValueError(f"capacity {text!r}: expected e.g. 1M, 4000k, 2000b, 8GiB or inf")
+    value, unit = float(m.group(1)), m.group(2)
+    if unit == "b":
+        return int(value)
+    if unit in _BYTES:
+        if not bytes_per_token:
+            raise ValueError(f"capacity {text!r} is in bytes: give --model or --bytes-per-token")
+        return int(value * _BYTES[unit] / bytes_per_token) // block_size
+    if unit in _SUFFIX:
+        return int(value * _SUFFIX[unit]) // block_size
+    raise ValueError(f"capacity {text!r}: unknown unit {unit!r}")
+
+
+_TRACE: Trace | None = None  # the trace, shared with forked workers
+
+
+def _run(args: tuple[int | None, str, bool, float]) -> SimResult:
+    assert _TRACE is not None
+    cap, policy, outputs, warmup = args
+    return simulate(_TRACE, cap, policy, cache_outputs=outputs, warmup=warmup)
+
+
+def sweep(
+    trace: Trace,
+    capacities: Sequence[int | None],
+    policies: Sequence[str],
+    cache_outputs: bool = False,
+    warmup: float = 0.0,
+    workers: int | None = None,
+    progress: Callable[[SimResult], None] | None = None,
+) -> list[SimResult]:
+    """Every (policy, capacity) point, across processes when there are several cores.
+    Results come back in (policy, capacity) order."""
+    global _TRACE
+    jobs = [(c, p, cache_outputs, warmup) for p in policies for c in capacities]
+    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    _TRACE = trace
+    try:
+        if workers <= 1 or "fork" not in mp.get_all_start_methods():
+            out = []
+            for job in jobs:
+                out.append(_run(job))
+                if progress:
+                    progress(out[-1])
+            return out
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+            out = []
+            for result in pool.map(_run, jobs):
+                out.append(result)
+                if progress:
+                    progress(result)
+            return out
+    finally:
+        _TRACE = None
+
+
+def to_json(results: list[SimResult], ceiling: float) -> str:
+    return json.dumps(
+        {"reuse_ceiling": ceiling, "results": [r.to_dict() for r in results]}, indent=2
+    )
+
+
+def to_csv(results: list[SimResult]) -> str:
+    buf = io.StringIO()
+    rows = [r.to_dict() for r in results]
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["policy"])
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def fmt_tokens(n: int | None) -> str:
+    if n is None:
+        return "inf"
+    for div, suf in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if n >= div:
+            return f"{n / div:.4g}{suf}"
+    return str(n)
+
+
+def print_table(results: list[SimResult], ceiling: float, trace: Trace, console: Any) -> None:
+    from rich.table import Table
+
+    table = Table(
+        title=f"{trace.name}: {len(trace.requests):,} requests, {trace.prompt_tokens():,} "
+        f"prompt tokens, block {trace.block_size}; reuse ceiling {ceiling:.3f}"
+    )
+    for col in (
+        "policy",
+        "capacity (tokens)",
+        "token hit rate",
+        "request hit rate",
+        "block hit rate",
+        "prefill tokens saved",
+        "evicted blocks",
+    ):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for r in results:
+        table.add_row(
+            r.policy,
+            fmt_tokens(r.capacity_tokens),
+            f"{r.token_hit_rate:.4f}",
+            f"{r.request_hit_rate:.4f}",
+            f"{r.block_hit_rate:.4f}",
+            f"{r.hit_tokens:,}",
+            f"{r.evicted_units:,}",
+        )
+    console.print(table)
+
+
+def plot(results: list[SimResult], ceiling: float, trace: Trace, path: str) -> None:
+    """Hit rate against capacity, one curve per policy, the unbounded ceiling marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("plotting needs matplotlib: pip install 'radixkv[plot]'") from e
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r.policy for r in results):
+        pts = sorted(
+            (r.capacity_tokens, r.token_hit_rate)
+            for r in results
+            if r.policy == policy and r.capacity_tokens is not None
+        )
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    ax.axhline(ceiling, linestyle="--", color="gray", label=f"unbounded ({ceiling:.3f})")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache capacity (tokens)")
+    ax.set_ylabel("token hit rate")
+    ax.set_ylim(0, min(1.0, max(ceiling, 0.05) * 1.15))
+    ax.set_title(f"Prefix-cache hit rate: {trace.name}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = [
+    "MODELS",
+    "parse_capacity",
+    "plot",
+    "print_table",
+    "reuse_ceiling",
+    "sweep",
+    "to_csv",
+    "to_json",
+]

@@ -1,0 +1,221 @@
+"""Request traces for the simulator, as sequences of prefix-identifying *unit ids*.
+
+A unit is one block (page) of tokens: 512 for Mooncake traces, ``block_size`` for token
+traces. A unit id stands for the whole prefix up to and including its block, so two
+requests share KV for exactly their common leading ids — the contract of Mooncake's
+``hash_ids``. Token sequences are turned into ids by *interning* ``(parent id, block
+tokens)``: exact (no hash collisions) and deterministic. A trailing partial block is not a
+unit (engines cache whole pages only), except in Mooncake traces, which give it an id.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MOONCAKE_BLOCK = 512
+
+
+@dataclass
+class SimRequest:
+    """One request of a trace.
+
+    Attributes:
+        units: unit ids of the prompt, then of the output (when known).
+        num_prompt_units: leading units that lie in the prompt (what a lookup may hit).
+        prompt_tokens: prompt length in tokens.
+        timestamp: arrival time (ms), if the trace has one.
+    """
+
+    units: list[int]
+    num_prompt_units: int
+    prompt_tokens: int
+    timestamp: float = 0.0
+
+
+@dataclass
+class Trace:
+    """Requests in arrival order, all with the same unit size in tokens."""
+
+    name: str
+    block_size: int
+    requests: list[SimRequest] = field(default_factory=list)
+
+    def prompt_tokens(self) -> int:
+        return sum(r.prompt_tokens for r in self.requests)
+
+    def hit_tokens(self, req: SimRequest, hit_units: int) -> int:
+        """Tokens served by ``hit_units`` leading cached units (a partial last block
+        counts its own size)."""
+        return min(hit_units * self.block_size, req.prompt_tokens)
+
+
+class Interner:
+    """Maps ``(parent id, block tokens)`` to a fresh id, the same id every time."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple, int] = {}
+
+    def units(self, tokens: list[int], block: int, namespace: Any = None) -> list[int]:
+        """Ids of the whole blocks of ``tokens``."""
+        ids = self._ids
+        parent: Any = ("ns", namespace)
+        out = []
+        for i in range(0, len(tokens) - block + 1, block):
+            k = (parent, tuple(tokens[i : i + block]))
+            uid = ids.get(k)
+            if uid is None:
+                uid = ids[k] = len(ids)
+            out.append(uid)
+            parent = uid
+        return out
+
+
+# --- loaders -----------------------------------------------------------------------------
+def load_mooncake(path: str | Path) -> Trace:
+    """A Mooncake JSONL trace: ``timestamp``, ``input_length``, ``output_length``,
+    ``hash_ids`` (one id per 512-token block of the input, the last one partial)."""
+    trace = Trace(Path(path).stem, MOONCAKE_BLOCK)
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                ids = [int(h) for h in rec["hash_ids"]]
+                length = int(rec["input_length"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a Mooncake record ({e})") from None
+            trace.requests.append(SimRequest(ids, len(ids), length, float(rec.get("timestamp", 0))))
+    return trace
+
+
+def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -> Trace:
+    """One request per line: ``token_ids`` (or ``text`` with a ``tokenizer`` that has
+    ``encode``), optional ``output_ids`` or ``output_length``, ``extra_key``,
+    ``timestamp``. Unknown outputs become fresh tokens (they match nothing)."""
+    records = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if "token_ids" in rec:
+                prompt = [int(t) for t in rec["token_ids"]]
+            elif "text" in rec and tokenizer is not None:
+                prompt = list(tokenizer.encode(rec["text"]))
+            else:
+                raise ValueError(f"{path}:{n}: needs token_ids (or text and a tokenizer)")
+            records.append((prompt, rec))
+    return _from_tokens(Path(path).stem, records, block_size)
+
+
+def _from_tokens(name: str, records: list[tuple[list[int], dict]], block: int) -> Trace:
+    interner, trace = Interner(), Trace(name, block)
+    fresh = -1  # output tokens nobody else has: negative ids never collide with prompts
+    for prompt, rec in records:
+        output = rec.get("output_ids")
+        if output is None:
+            output = list(range(fresh, fresh - int(rec.get("output_length", 0)), -1))
+            fresh -= len(output)
+        ns = rec.get("extra_key")
+        units = interner.units(prompt + list(output), block, ns)
+        n_prompt = len(prompt) // block
+        trace.requests.append(
+            SimRequest(units, n_prompt, len(prompt), float(rec.get("timestamp", 0)))
+        )
+    return trace
+
+
+# --- generators --------------------------------------------------------------------------
+VOCAB = 32_000
+
+
+def _toks(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def gen_shared_prefix(
+    groups: int = 64,
+    prompts_per_group: int = 16,
+    system_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+    block_size: int = 16,
+    seed: int = 0,
+) -> Trace:
+    """SGLang's generated-shared-prefix workload: ``groups`` system prompts, each shared
+    by ``prompts_per_group`` questions; requests arrive in a seeded random order."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(groups):
+        system = _toks(rng, system_len)
+        for _ in range(prompts_per_group):
+            records.append((system + _toks(rng, question_len), {"output_length": output_len}))
+    rng.shuffle(records)
+    return _from_tokens("shared-prefix", records, block_size)
+
+
+def gen_multi_turn(
+    conversations: int = 128,
+    turns: int = 6,
+    first_len: int = 512,
+    message_len: int = 128,
+    output_len: int = 256,
+    block_size: int = 16,
+    seed: int = 0,
+) -> Trace:
+    """Chats: each turn's prompt is the whole history (earlier prompts and answers) plus
+    a new message; turns of different conversations interleave at random."""
+    rng = random.Random(seed)
+    queues = []
+    for _ in range(conversations):
+        history, turns_out = _toks(rng, first_len), []
+        for _ in range(turns):
+            answer = _toks(rng, output_len)
+            turns_out.append((list(history), {"output_ids": answer}))
+            history = history + answer + _toks(rng, message_len)
+        queues.append(turns_out)
+    records = []
+    while queues:
+        q = queues[rng.randrange(len(queues))]
+        records.append(q.pop(0))
+        if not q:
+            queues.remove(q)
+    return _from_tokens("multi-turn", records, block_size)
+
+
+def gen_few_shot(
+    requests: int = 1000,
+    pool: int = 32,
+    shots: int = 4,
+    example_len: int = 256,
+    question_len: int = 64,
+    output_len: int = 64,
+    block_size: int = 16,
+    seed: int = 0,
+) -> Trace:
+    """Few-shot prompts: an instruction, ``shots`` examples drawn from a pool (order
+    matters: only a shared *leading* run of examples is a shared prefix), a question."""
+    rng = random.Random(seed)
+    instruction = _toks(rng, 64)
+    examples = [_toks(rng, example_len) for _ in range(pool)]
+    records = []
+    for _ in range(requests):
+        picks = sorted(rng.sample(range(pool), shots))
+        prompt = instruction + [t for i in picks for t in examples[i]] + _toks(rng, question_len)
+        records.append((prompt, {"output_length": output_len}))
+    return _from_tokens("few-shot", records, block_size)
+
+
+GENERATORS = {
+    "shared-prefix": gen_shared_prefix,
+    "multi-turn": gen_multi_turn,
+    "few-shot": gen_few_shot,
+}
