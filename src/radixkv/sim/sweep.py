@@ -156,7 +156,7 @@ def print_table(results: list[SimResult], ceiling: float, trace: Trace, console:
             f"{r.token_hit_rate:.4f}",
             f"{r.request_hit_rate:.4f}",
             f"{r.block_hit_rate:.4f}",
-            f"{r.hit_tokens:,}",
+            fmt_tokens(r.hit_tokens),
             f"{r.evicted_units:,}",
         )
     console.print(table)
