@@ -1,0 +1,204 @@
+"""A Llama-architecture model in plain PyTorch whose attention reads and writes K/V through
+the `KVPool` by slot index.
+
+A forward pass takes a *ragged batch*: the new tokens of several sequences laid end to
+end (prefill chunks of any length, decode steps of one token). Each sequence's new K/V
+are written to its ``out_slots`` first; its attention then gathers K/V for *all* of its
+context slots (a cached prefix computed by another request included), so prefill
+computes only the uncached suffix. Parameter names follow Hugging Face's
+``LlamaForCausalLM``, so its state dicts load as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixkv.memory import KVPool
+
+
+@dataclass
+class ModelConfig:
+    """The Llama hyper-parameters (Hugging Face ``config.json`` names)."""
+
+    vocab_size: int = 384
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        names = {f.name for f in fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        eos = kwargs.get("eos_token_id")
+        if isinstance(eos, list):
+            kwargs["eos_token_id"] = eos[0]
+        return cls(**kwargs, extra={k: v for k, v in d.items() if k not in names})
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**out, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+
+
+@dataclass
+class ForwardBatch:
+    """The new tokens of several sequences, end to end.
+
+    Attributes:
+        input_ids, positions, out_slots: one entry per new token (``[T]``).
+        extend_lens: new tokens per sequence.
+        kv_slots: per sequence, the slots of its whole context so far, new tokens
+            included (``len >= extend_len``).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    extend_lens: list[int]
+    kv_slots: list[torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        pool: KVPool,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.nh, self.hd)
+        k = self.k_proj(x).view(t, self.nkv, self.hd)
+        v = self.v_proj(x).view(t, self.nkv, self.hd)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        pool.write(self.layer_id, batch.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
+        outs, start = [], 0
+        group = self.nh // self.nkv
+        for n, slots in zip(batch.extend_lens, batch.kv_slots, strict=True):
+            keys, values = pool.read(self.layer_id, slots)  # [S, nkv, hd]
+            s = keys.shape[0]
+            qi = q[start : start + n].transpose(0, 1)  # [nh, n, hd]
+            ki = keys.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+            vi = values.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+            # query j sits at context position s - n + j and sees keys 0 .. s - n + j
+            mask = torch.arange(s, device=x.device)[None, :] <= (
+                torch.arange(n, device=x.device)[:, None] + (s - n)
+            )
+            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)
+            outs.append(out.transpose(0, 1).reshape(n, self.nh * self.hd))
+            start += n
+        return self.o_proj(torch.cat(outs))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, batch, pool):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama with a slot-indexed KV pool. ``forward`` returns logits of each sequence's
+    last new token (``[num_seqs, vocab]``), or of every new token with ``all_logits``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, hd]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool, all_logits: bool = False) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self._rope(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, pool)
+        x = self.model.norm(x)
+        if not all_logits:
+            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
+            x = x[last]
+        return self.lm_head(x).float()
