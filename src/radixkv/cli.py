@@ -71,7 +71,35 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--csv", dest="csv_out", help="write results as CSV here ('-' stdout)")
     sim.add_argument("--plot", help="write a hit-rate-vs-capacity plot (PNG) here")
     sim.add_argument("--workers", type=int, help="processes for the sweep [all cores]")
+    demo = sub.add_parser(
+        "demo",
+        help="run a real model on built-in prompts without and with prefix caching",
+        description="Run built-in workloads (capital-of questions; chat questions sharing a "
+        "long system prompt) without and then with the prefix cache, and compare.",
+    )
+    demo.add_argument(
+        "--model",
+        default="auto",
+        help="auto (SmolLM2 if installed, else a tiny random model), smollm2, "
+        "random, or a checkpoint folder [auto]",
+    )
+    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.add_argument("--page-size", type=int, default=1)
     return parser
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from radixkv.engine.demo import run_demo
+
+    console = Console()
+    try:
+        summary = run_demo(args.model, args.max_new_tokens, args.page_size, console)
+    except (FileNotFoundError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    return 0 if all(w["identical"] for w in summary["workloads"].values()) else 1
 
 
 def _load_trace(args: argparse.Namespace):  # -> Trace
@@ -178,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "simulate":
         return cmd_simulate(args)
+    if args.command == "demo":
+        return cmd_demo(args)
     parser.print_help()
     return 0
 

@@ -32,7 +32,9 @@ from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.tree import RadixCache
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-IN_BATCH_PREFIX_THRESHOLD = 32  # tokens another admitted request is computing right now
+# Under LPM a request waits a step when an admitted request is computing more than this
+# many tokens of its prefix right now (then it finds them cached instead of recomputing).
+IN_BATCH_PREFIX_THRESHOLD = 16
 
 
 @dataclass(eq=False)
