@@ -77,3 +77,27 @@ def deep_chain(seed: int = 0, tokens: int = 32_768, nodes: int = 256) -> list[li
     full = _tokens(rng, tokens)
     step = tokens // nodes
     return [full[: step * (i + 1)] for i in range(nodes)]
+
+
+def request_path(seed: int = 0) -> list[list[int]]:
+    """(e) The full request path replays workload (a)'s requests."""
+    return shared_system_prompt(seed)
+
+
+def memory_leaves(
+    seed: int = 0,
+    prefixes: int = 100,
+    prefix_len: int = 2000,
+    leaves: int = 10_000,
+    leaf_len: int = 80,
+):
+    """(f) ``leaves`` sequences, each one of ``prefixes`` shared prefixes plus unique
+    tokens: 100 x 2,000 + 10,000 x 80 = 1M cached tokens. A generator, so the caller holds
+    no more than one sequence at a time (RSS growth is then the cache's own)."""
+    rng = random.Random(seed)
+    stems = [_tokens(rng, prefix_len) for _ in range(prefixes)]
+    for i in range(leaves):  # the first token tells leaves of one prefix apart
+        yield stems[i % prefixes] + [i // prefixes] + _tokens(rng, leaf_len - 1)
+
+
+CACHED_TOKENS_F = 100 * 2000 + 10_000 * 80

@@ -24,6 +24,7 @@ every slot is owned exactly once (by the tree, by one request, or by the allocat
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,10 +61,29 @@ class Req:
     cache_protected_len: int = 0
     cached_len: int = 0
     last_node: TreeNode | None = None
+    _tokens: array | None = field(default=None, init=False, repr=False)
 
     @property
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    def token_array(self) -> array:
+        """``input_ids + output_ids`` as ``array('q')``: converted once, then extended as
+        output tokens are appended (converting a list of ints is the costly part of a key).
+
+        Raises:
+            TypeError: a token is not an integer.
+        """
+        arr = self._tokens
+        if arr is None:
+            arr = RadixKey(self.input_ids).token_ids
+            if arr is self.input_ids:  # an array('q') given by the caller: do not grow it
+                arr = array("q", arr)
+            arr.extend(RadixKey(self.output_ids).token_ids)
+            self._tokens = arr
+        elif len(arr) < len(self.input_ids) + len(self.output_ids):
+            arr.extend(RadixKey(self.output_ids[len(arr) - len(self.input_ids) :]).token_ids)
+        return arr
 
     @property
     def admitted(self) -> bool:
@@ -96,7 +116,7 @@ class CacheManager:
     def _key(self, req: Req, n: int) -> RadixKey:
         """The first ``n`` tokens as a key in the cache's view: under EAGLE a bigram view,
         so slicing counts the units the tree stores (pairs), not raw tokens."""
-        key = RadixKey(req.all_ids[:n], req.extra_key)
+        key = RadixKey(req.token_array(), req.extra_key)[:n]
         return key.maybe_to_bigram_view(self.cache.is_eagle)[0]
 
     def _row(self, req: Req, start: int, end: int) -> torch.Tensor:
@@ -176,7 +196,7 @@ class CacheManager:
         p = self.allocator.page_size
         last = -1
         if req.kv_len % p and req.kv_len > req.cache_protected_len:
-            last = int(self.req_pool.table[req.row, req.kv_len - 1])
+            last = self.req_pool.slot_at(req.row, req.kv_len - 1)
         slots = self.allocator.alloc_extend(last, n)
         if slots is None:
             room = (p - req.kv_len % p) % p if last >= 0 else 0

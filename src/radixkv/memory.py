@@ -285,7 +285,12 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """One row of slot indices per running request: ``[max_reqs, max_context_len]``."""
+    """One row of slot indices per running request: ``[max_reqs, max_context_len]``.
+
+    The table lives in host memory as numpy (an element write costs ~1 µs there against
+    ~8 µs through torch indexing); ``table`` is a torch view of the same memory, and
+    ``read`` returns torch views of it, moved to ``device`` when that is not the CPU.
+    """
 
     def __init__(
         self, max_reqs: int, max_context_len: int, device: str | torch.device = "cpu"
@@ -296,7 +301,9 @@ class ReqToTokenPool:
         ):
             raise ValueError("max_reqs and max_context_len must be > 0")
         self.max_reqs, self.max_context_len = max_reqs, max_context_len
-        self.table = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self.device = torch.device(device)
+        self._np = np.zeros((max_reqs, max_context_len), dtype=np.int64)
+        self.table = torch.from_numpy(self._np)
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     def available_size(self) -> int:
@@ -319,7 +326,16 @@ class ReqToTokenPool:
             raise ValueError(
                 f"request needs {end} tokens, more than max_context_len={self.max_context_len}"
             )
-        self.table[row, start:end] = slots
+        self._np[row, start:end] = (
+            slots.numpy(force=True) if isinstance(slots, torch.Tensor) else slots
+        )
+
+    def slot_at(self, row: int, i: int) -> int:
+        """The slot of token ``i`` of ``row``."""
+        return int(self._np[row, i])
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
-        return self.table[row, start:end]
+        """``table[row, start:end]``: a view on the CPU (copy it before the row changes
+        if you keep it), a copy on another device."""
+        view = torch.from_numpy(self._np[row, start:end])
+        return view if self.device.type == "cpu" else view.to(self.device)

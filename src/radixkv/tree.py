@@ -29,6 +29,7 @@ Nothing here recurses: deep chains (thousands of nodes) are fine.
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import sys
 from array import array
@@ -147,7 +148,7 @@ class MatchResult(NamedTuple):
 
 def _bytes_to_tensor(parts: list[bytes]) -> torch.Tensor:
     """Concatenate packed int64 chunks into one 1-D int64 tensor (one copy)."""
-    buf = bytearray(b"".join(parts)) if len(parts) != 1 else bytearray(parts[0])
+    buf = bytearray().join(parts)
     if not buf:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(buf, dtype=torch.int64)
@@ -433,17 +434,25 @@ class RadixCache:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         units, n, ns, view = self._prepare(key)
+        given = len(key) if isinstance(key, RadixKey) else view.raw_len()
         if value is None:
-            vbytes = units if not view.is_bigram else view.raw_view()[:n].tobytes()
+            tail: Any = units if not view.is_bigram else view.raw_view()[:n].tobytes()
+        elif (
+            isinstance(value, torch.Tensor)
+            and value.dtype == torch.int64
+            and value.is_cpu
+            and value.dim() == 1
+            and value.is_contiguous()
+        ):
+            tail = value  # packed below, only the part the tree does not have yet
+            if value.shape[0] != given:
+                raise ValueError(f"len(value) must equal len(key): got {value.shape[0]} != {given}")
         else:
-            vbytes = as_int64_bytes(value)
-            given = len(key) if isinstance(key, RadixKey) else view.raw_len()
-            if len(vbytes) != given * TOKEN_BYTES:
+            tail = as_int64_bytes(value)
+            if len(tail) != given * TOKEN_BYTES:
                 raise ValueError(
-                    f"len(value) must equal len(key): got {len(vbytes) // TOKEN_BYTES} != {given}"
+                    f"len(value) must equal len(key): got {len(tail) // TOKEN_BYTES} != {given}"
                 )
-            if len(vbytes) != n * TOKEN_BYTES:
-                vbytes = vbytes[: n * TOKEN_BYTES]
         if self.disable or n == 0:
             return 0
         path, off, partial, m = self._descend(units, n, ns)
@@ -456,10 +465,12 @@ class RadixCache:
         parent = path[-1] if path else self.root
         width = self._width
         leaf_key = units[off * width :] if off else units
-        if vbytes is units:
+        if tail is units:
             leaf_value = leaf_key
+        elif isinstance(tail, torch.Tensor):  # one memcpy straight from the tensor's memory
+            leaf_value = ctypes.string_at(tail.data_ptr() + off * TOKEN_BYTES, (n - off) * 8)
         else:
-            leaf_value = vbytes[off * TOKEN_BYTES :] if off else vbytes
+            leaf_value = tail[off * TOKEN_BYTES : n * TOKEN_BYTES]
         leaf = self._new_node(leaf_key, leaf_value, parent, ns)
         if path:  # the path's last node gains a child, so it needs no re-index
             self._touch(path, priority, reindex=False)

@@ -1,0 +1,180 @@
+"""radixkv on the shared workloads. Run by ``benchmarks/run.py`` (or alone):
+
+python benchmarks/adapters/radixkv_adapter.py --workloads a,b,c,d,e,f --page-sizes 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import sys
+import time
+from array import array
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import workloads
+from harness import emit, measure, rss_bytes
+
+from radixkv import RadixCache, RadixKey
+from radixkv.lifecycle import CacheManager, Req
+from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
+
+
+def _keys(seqs: list[list[int]]) -> list[RadixKey]:
+    return [RadixKey(array("q", s)) for s in seqs]
+
+
+def _values(seqs: list[list[int]]) -> list[torch.Tensor]:
+    out, nxt = [], 0
+    for s in seqs:
+        out.append(torch.arange(nxt, nxt + len(s), dtype=torch.int64))
+        nxt += len(s)
+    return out
+
+
+def match_insert(seqs: list[list[int]], page: int) -> tuple[float, dict]:
+    """(a)/(b): per request, match then insert (keys and values built beforehand)."""
+    keys, values = _keys(seqs), _values(seqs)
+    cache = RadixCache(page_size=page)
+    hit = 0
+    t0 = time.perf_counter()
+    for key, value in zip(keys, values, strict=True):
+        hit += cache.match_prefix(key).prefix_len
+        cache.insert(key, value)
+    dt = time.perf_counter() - t0
+    return dt / len(seqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
+
+
+def evict_calls(page: int) -> tuple[float, dict]:
+    """(c): evict(1000) with ~5,000 leaves, refilling ~1,024 tokens between calls."""
+    initial, batches = workloads.eviction_leaves()
+    cache = RadixCache(page_size=page)
+    for key in _keys(initial):
+        cache.insert(key)
+    refills = [_keys(b) for b in batches]
+    total = 0.0
+    for batch in refills:
+        for key in batch:
+            cache.insert(key)
+        t0 = time.perf_counter()
+        cache.evict(1000)
+        total += time.perf_counter() - t0
+    return total / len(refills) * 1e6, {"nodes": cache.num_nodes()}
+
+
+def chain_match(page: int, matches: int = 1000) -> tuple[float, dict]:
+    """(d): match a 32k-token prompt stored as a 256-node chain."""
+    chain = workloads.deep_chain()
+    cache = RadixCache(page_size=page)
+    for key in _keys(chain):
+        cache.insert(key)
+    query = _keys(chain[-1:])[0]
+    t0 = time.perf_counter()
+    for _ in range(matches):
+        cache.match_prefix(query)
+    return (time.perf_counter() - t0) / matches * 1e6, {"nodes": cache.num_nodes()}
+
+
+def request_path(page: int, tight: bool, alive: int = 16) -> tuple[float, dict]:
+    """(e): per request: lookup, allocate the rest, insert (as after prefill), and when
+    more than ``alive`` are running, finish the oldest (free). Tight: 1,024 pages."""
+    seqs = workloads.request_path()
+    size = 1024 * page if tight else 1 << 21
+    alloc = TokenToKVPoolAllocator(size, page)
+    mgr = CacheManager(
+        RadixCache(page, allocator=alloc),
+        alloc,
+        ReqToTokenPool(alive + 1, max(map(len, seqs)) + page),
+    )
+    reqs = [Req(i, array("q", s)) for i, s in enumerate(seqs)]  # keys built before timing
+    for r in reqs:
+        r.token_array()
+    window: deque[Req] = deque()
+    hit = 0
+    t0 = time.perf_counter()
+    for r in reqs:
+        mgr.admit(r)
+        if mgr.allocate(r, len(r.input_ids) - r.kv_len) is None:
+            raise RuntimeError("pool too small for the window")
+        mgr.cache_unfinished_req(r)
+        hit += r.cached_len
+        window.append(r)
+        if len(window) > alive:
+            mgr.cache_finished_req(window.popleft())
+    while window:
+        mgr.cache_finished_req(window.popleft())
+    dt = time.perf_counter() - t0
+    mgr.check_memory()
+    return dt / len(reqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
+
+
+def memory_per_token() -> dict:
+    """(f): RSS growth per cached token, 1M tokens in 10k leaves."""
+    leaves = workloads.memory_leaves()
+    first = next(leaves)  # builds the shared prefixes before the baseline
+    gc.collect()
+    base = rss_bytes()
+    cache = RadixCache()
+    nxt = 0
+    for seq in itertools.chain([first], leaves):
+        cache.insert(RadixKey(array("q", seq)), torch.arange(nxt, nxt + len(seq)))
+        nxt += len(seq)
+    gc.collect()
+    grown = rss_bytes() - base
+    assert cache.total_size() == workloads.CACHED_TOKENS_F
+    return {"bytes_per_token": grown / cache.total_size(), "nodes": cache.num_nodes()}
+
+
+def run(wl: list[str], pages: list[int], repeats: int) -> list[dict]:
+    rows = []
+    if "f" in wl:  # first, in a fresh heap: memory freed by other workloads hides growth
+        rows.append({"workload": "f", "page_size": 1, **memory_per_token()})
+    a, b = workloads.shared_system_prompt(), workloads.multi_turn_chat()
+    for page in pages:
+        cases = {
+            "a": lambda p=page: match_insert(a, p),
+            "b": lambda p=page: match_insert(b, p),
+            "c": lambda p=page: evict_calls(p),
+            "d": lambda p=page: chain_match(p),
+        }
+        for w in wl:
+            if w in cases:
+                on, off, extra = measure(cases[w], repeats)
+                rows.append(
+                    {"workload": w, "page_size": page, "us_gc_on": on, "us_gc_off": off, **extra}
+                )
+    if "e" in wl:
+        for tight in (False, True):
+            on, off, extra = measure(lambda t=tight: request_path(16, t), repeats)
+            rows.append(
+                {
+                    "workload": "e",
+                    "variant": "tight" if tight else "ample",
+                    "page_size": 16,
+                    "us_gc_on": on,
+                    "us_gc_off": off,
+                    **extra,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workloads", default="a,b,c,d,e,f")
+    p.add_argument("--page-sizes", default="1,16")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    rows = run(
+        args.workloads.split(","), [int(x) for x in args.page_sizes.split(",")], args.repeats
+    )
+    emit("radixkv", rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""SGLang 0.5.23's RadixCache on the shared workloads. Runs in SGLang's own virtual
+environment (built by ``../shared/peers/setup.sh sglang``); imports nothing from radixkv.
+
+    ~/.cache/radixkv-peers/sglang/bin/python benchmarks/adapters/sglang_adapter.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import sys
+import time
+from array import array
+from collections import deque
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import workloads
+from harness import emit, measure, rss_bytes
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+
+class NullAllocator:
+    """What the tree frees goes nowhere (workloads a-d, f): 0.5.23's evict() calls
+    free_segment()."""
+
+    device = torch.device("cpu")
+
+    def free(self, t):  # type: ignore[no-untyped-def]
+        pass
+
+    def free_segment(self, t, start_pos=0):  # type: ignore[no-untyped-def]
+        pass
+
+
+def new_cache(page: int, allocator=None) -> RadixCache:  # type: ignore[no-untyped-def]
+    return RadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=allocator or NullAllocator(),
+            page_size=page,
+            eviction_policy="lru",
+        )
+    )
+
+
+def _keys(seqs):  # type: ignore[no-untyped-def]
+    return [RadixKey(array("q", s)) for s in seqs]
+
+
+def _values(seqs):  # type: ignore[no-untyped-def]
+    out, nxt = [], 0
+    for s in seqs:
+        out.append(torch.arange(nxt, nxt + len(s), dtype=torch.int64))
+        nxt += len(s)
+    return out
+
+
+def match_insert(seqs, page):  # type: ignore[no-untyped-def]
+    keys, values = _keys(seqs), _values(seqs)
+    cache = new_cache(page)
+    hit = 0
+    t0 = time.perf_counter()
+    for key, value in zip(keys, values, strict=True):
+        # 0.5.23's match returns the length and node only (radixkv's also builds the indices)
+        hit += cache.match_prefix(MatchPrefixParams(key=key)).device_prefix_len
+        cache.insert(InsertParams(key=key, value=value))
+    dt = time.perf_counter() - t0
+    return dt / len(seqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
+
+
+def evict_calls(page):  # type: ignore[no-untyped-def]
+    initial, batches = workloads.eviction_leaves()
+    cache = new_cache(page)
+    for key in _keys(initial):
+        cache.insert(InsertParams(key=key, value=torch.tensor(list(key.token_ids))))
+    refills = [_keys(b) for b in batches]
+    total = 0.0
+    for batch in refills:
+        for key in batch:
+            cache.insert(InsertParams(key=key, value=torch.tensor(list(key.token_ids))))
+        t0 = time.perf_counter()
+        cache.evict(EvictParams(num_tokens=1000))
+        total += time.perf_counter() - t0
+    return total / len(refills) * 1e6, {}
+
+
+def chain_match(page, matches=1000):  # type: ignore[no-untyped-def]
+    chain = workloads.deep_chain()
+    cache = new_cache(page)
+    for key, value in zip(_keys(chain), _values(chain), strict=True):
+        cache.insert(InsertParams(key=key, value=value))
+    query = _keys(chain[-1:])[0]
+    t0 = time.perf_counter()
+    for _ in range(matches):
+        cache.match_prefix(MatchPrefixParams(key=query))
+    return (time.perf_counter() - t0) / matches * 1e6, {}
+
+
+def request_path(page, tight, alive=16):  # type: ignore[no-untyped-def]
+    """(e) as SGLang's scheduler does it: match (all but the last token), lock, allocate
+    whole pages (evicting when short), insert the computed pages (cache_unfinished_req),
+    re-match and move the lock; on finish unlock and free the unaligned tail."""
+    seqs = workloads.request_path()
+    size = 1024 * page if tight else 1 << 21
+    alloc = (
+        PagedTokenToKVPoolAllocator(size, page, torch.int64, "cpu", None, False)
+        if page > 1
+        else TokenToKVPoolAllocator(size, torch.int64, "cpu", None, False)
+    )
+    cache = new_cache(page, alloc)
+    keys = _keys(seqs)
+    window: deque = deque()
+    hit = 0
+    t0 = time.perf_counter()
+    for key in keys:
+        n = len(key)
+        m = cache.match_prefix(MatchPrefixParams(key=key[: n - 1]))
+        node = m.last_device_node
+        prefix = (
+            cache.path_device_indices(node)
+            if m.device_prefix_len
+            else torch.empty(0, dtype=torch.int64)
+        )
+        cache.inc_lock_ref(node)
+        need = -(-(n - len(prefix)) // page) * page
+        own = alloc.alloc(need)
+        if own is None:
+            cache.evict(EvictParams(num_tokens=need - alloc.available_size()))
+            own = alloc.alloc(need)
+            if own is None:
+                raise RuntimeError("pool too small for the window")
+        hit += len(prefix)
+        slots = torch.cat([prefix, own])
+        aligned = n // page * page
+        res = cache.insert(InsertParams(key=key[:aligned], value=slots[:aligned]))
+        if res.prefix_len > len(prefix):
+            alloc.free(slots[len(prefix) : res.prefix_len])
+        m2 = cache.match_prefix(MatchPrefixParams(key=key[:aligned]))
+        cache.inc_lock_ref(m2.last_device_node)
+        cache.dec_lock_ref(node)
+        window.append((m2.last_device_node, slots[aligned:]))
+        if len(window) > alive:
+            last, tail = window.popleft()
+            cache.dec_lock_ref(last)
+            if len(tail):
+                alloc.free(tail)
+    while window:
+        last, tail = window.popleft()
+        cache.dec_lock_ref(last)
+        if len(tail):
+            alloc.free(tail)
+    dt = time.perf_counter() - t0
+    return dt / len(seqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
+
+
+def memory_per_token():  # type: ignore[no-untyped-def]
+    leaves = workloads.memory_leaves()
+    first = next(leaves)
+    gc.collect()
+    base = rss_bytes()
+    cache = new_cache(1)
+    nxt = 0
+    for seq in itertools.chain([first], leaves):
+        cache.insert(
+            InsertParams(key=RadixKey(array("q", seq)), value=torch.arange(nxt, nxt + len(seq)))
+        )
+        nxt += len(seq)
+    gc.collect()
+    grown = rss_bytes() - base
+    return {"bytes_per_token": grown / cache.total_size()}
+
+
+def run(wl, pages, repeats):  # type: ignore[no-untyped-def]
+    rows = []
+    if "f" in wl:  # first, in a fresh heap
+        rows.append({"workload": "f", "page_size": 1, **memory_per_token()})
+    a, b = workloads.shared_system_prompt(), workloads.multi_turn_chat()
+    for page in pages:
+        cases = {
+            "a": lambda p=page: match_insert(a, p),
+            "b": lambda p=page: match_insert(b, p),
+            "c": lambda p=page: evict_calls(p),
+            "d": lambda p=page: chain_match(p),
+        }
+        for w in wl:
+            if w in cases:
+                on, off, extra = measure(cases[w], repeats)
+                rows.append(
+                    {"workload": w, "page_size": page, "us_gc_on": on, "us_gc_off": off, **extra}
+                )
+    if "e" in wl:
+        for tight in (False, True):
+            on, off, extra = measure(lambda t=tight: request_path(16, t), repeats)
+            rows.append(
+                {
+                    "workload": "e",
+                    "variant": "tight" if tight else "ample",
+                    "page_size": 16,
+                    "us_gc_on": on,
+                    "us_gc_off": off,
+                    **extra,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workloads", default="a,b,c,d,e,f")
+    p.add_argument("--page-sizes", default="1,16")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    emit(
+        "sglang",
+        run(args.workloads.split(","), [int(x) for x in args.page_sizes.split(",")], args.repeats),
+    )
+
+
+if __name__ == "__main__":
+    main()
