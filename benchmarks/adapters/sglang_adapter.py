@@ -6,7 +6,6 @@ environment (built by ``../shared/peers/setup.sh sglang``); imports nothing from
 
 from __future__ import annotations
 
-import argparse
 import gc
 import itertools
 import sys
@@ -19,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import workloads
-from harness import emit, measure, rss_bytes
+from harness import adapter_main, rss_bytes, run_suite
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -178,51 +177,16 @@ def memory_per_token():  # type: ignore[no-untyped-def]
     return {"bytes_per_token": grown / cache.total_size()}
 
 
-def run(wl, pages, repeats):  # type: ignore[no-untyped-def]
-    rows = []
-    if "f" in wl:  # first, in a fresh heap
-        rows.append({"workload": "f", "page_size": 1, **memory_per_token()})
+def run(wl: list[str], pages: list[int], repeats: int) -> list[dict]:
     a, b = workloads.shared_system_prompt(), workloads.multi_turn_chat()
-    for page in pages:
-        cases = {
-            "a": lambda p=page: match_insert(a, p),
-            "b": lambda p=page: match_insert(b, p),
-            "c": lambda p=page: evict_calls(p),
-            "d": lambda p=page: chain_match(p),
-        }
-        for w in wl:
-            if w in cases:
-                on, off, extra = measure(cases[w], repeats)
-                rows.append(
-                    {"workload": w, "page_size": page, "us_gc_on": on, "us_gc_off": off, **extra}
-                )
-    if "e" in wl:
-        for tight in (False, True):
-            on, off, extra = measure(lambda t=tight: request_path(16, t), repeats)
-            rows.append(
-                {
-                    "workload": "e",
-                    "variant": "tight" if tight else "ample",
-                    "page_size": 16,
-                    "us_gc_on": on,
-                    "us_gc_off": off,
-                    **extra,
-                }
-            )
-    return rows
-
-
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--workloads", default="a,b,c,d,e,f")
-    p.add_argument("--page-sizes", default="1,16")
-    p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
-    emit(
-        "sglang",
-        run(args.workloads.split(","), [int(x) for x in args.page_sizes.split(",")], args.repeats),
-    )
+    per_page = {
+        "a": lambda p: match_insert(a, p),
+        "b": lambda p: match_insert(b, p),
+        "c": evict_calls,
+        "d": chain_match,
+    }
+    return run_suite(wl, pages, repeats, per_page, request_path, memory_per_token)
 
 
 if __name__ == "__main__":
-    main()
+    adapter_main("sglang", run)

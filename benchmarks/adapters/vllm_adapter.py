@@ -6,7 +6,6 @@ virtual environment (``../shared/peers/setup.sh vllm``); imports nothing from ra
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections import deque
@@ -17,12 +16,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import vllm.utils.hashing as hashing
 import workloads
-from harness import emit, measure
+from harness import adapter_main, run_suite
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
+
+HASH = "sha256"  # vLLM's default prefix-caching hash
 
 
 def request_path(block: int, tight: bool, hash_name: str, alive: int = 16):  # type: ignore[no-untyped-def]
@@ -67,30 +68,11 @@ def request_path(block: int, tight: bool, hash_name: str, alive: int = 16):  # t
     return dt / len(seqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--workloads", default="e")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--page-sizes", default="16")  # accepted for the runner; (e) is block 16
-    p.add_argument("--hash", default="sha256", help="sha256 (vLLM's default) or xxhash")
-    args = p.parse_args()
-    rows = []
-    if "e" in args.workloads.split(","):
-        for tight in (False, True):
-            on, off, extra = measure(lambda t=tight: request_path(16, t, args.hash), args.repeats)
-            rows.append(
-                {
-                    "workload": "e",
-                    "variant": "tight" if tight else "ample",
-                    "page_size": 16,
-                    "hash": args.hash,
-                    "us_gc_on": on,
-                    "us_gc_off": off,
-                    **extra,
-                }
-            )
-    emit("vllm", rows)
+def run(wl: list[str], pages: list[int], repeats: int) -> list[dict]:
+    """Only (e): hash-based blocks have no match/insert/evict API of their own."""
+    rows = run_suite(wl, pages, repeats, {}, lambda b, t: request_path(b, t, HASH))
+    return [{**r, "hash": HASH} for r in rows]
 
 
 if __name__ == "__main__":
-    main()
+    adapter_main("vllm", run)
