@@ -6,8 +6,16 @@ simulator and plotting import lazily from their own subpackages.
 
 from radixkv.key import RadixKey
 from radixkv.policy import POLICIES
-from radixkv.tree import MatchResult, RadixCache, TreeNode
+from radixkv.tree import InsertResult, MatchResult, RadixCache, TreeNode
 
 __version__ = "0.1.0"
 
-__all__ = ["POLICIES", "MatchResult", "RadixCache", "RadixKey", "TreeNode", "__version__"]
+__all__ = [
+    "POLICIES",
+    "InsertResult",
+    "MatchResult",
+    "RadixCache",
+    "RadixKey",
+    "TreeNode",
+    "__version__",
+]

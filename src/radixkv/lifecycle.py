@@ -210,38 +210,43 @@ class CacheManager:
         return slots
 
     # --- caching ----------------------------------------------------------------------------
-    def _insert_computed(self, req: Req) -> int:
+    def _insert_computed(self, req: Req) -> tuple[int, TreeNode | None]:
         """Insert the computed tokens; free the request's duplicates of what the tree
-        already had. Returns the number of units the tree now holds for this request."""
+        already had. Returns the units the tree now holds for this request and, when
+        the row already points at the tree's slots for all of them, the node where they
+        end (else None: the caller re-matches)."""
         key = self._key(req, req.kv_len)
         stored = self.cache.cacheable_len(key)
         if stored <= req.cache_protected_len:
-            return req.cache_protected_len
-        had = self.cache.insert(key, self._row(req, 0, len(key)))
-        if had > req.cache_protected_len:
+            return req.cache_protected_len, req.last_node
+        had, last = self.cache.insert_node(key, self._row(req, 0, len(key)))
+        if had > req.cache_protected_len:  # another request cached some of it first
             self.allocator.free(self._row(req, req.cache_protected_len, had).clone())
-        return stored
+            return stored, None
+        return stored, last
 
     def cache_unfinished_req(self, req: Req) -> None:
         """After a prefill chunk: hand the computed whole pages to the tree, re-point the
         row at the tree's slots and move the lock to the new last node."""
         self._require_admitted(req, "cache_unfinished_req")
-        stored = self._insert_computed(req)
+        stored, last = self._insert_computed(req)
         if stored == req.cache_protected_len:
             return
-        hit = self.cache.match_prefix(self._key(req, req.kv_len)[:stored])
-        assert hit.prefix_len == stored, "the tree lost what was just inserted"
-        self.req_pool.write(req.row, 0, hit.indices)
-        self.cache.inc_lock_ref(hit.last_node)
+        if last is None:  # duplicates were freed: take the tree's slots instead
+            hit = self.cache.match_prefix(self._key(req, req.kv_len)[:stored])
+            assert hit.prefix_len == stored, "the tree lost what was just inserted"
+            self.req_pool.write(req.row, 0, hit.indices)
+            last = hit.last_node
+        self.cache.inc_lock_ref(last)
         self.cache.dec_lock_ref(req.last_node)
-        req.last_node, req.cache_protected_len = hit.last_node, stored
+        req.last_node, req.cache_protected_len = last, stored
 
     def cache_finished_req(self, req: Req) -> None:
         """The request is done: cache prompt + output, free duplicates and the unaligned
         tail, release its lock and its row."""
         self._require_admitted(req, "cache_finished_req")
         with self.allocator.free_group():
-            stored = self._insert_computed(req)
+            stored, _ = self._insert_computed(req)
             if req.kv_len > stored:
                 self.allocator.free(self._row(req, stored, req.kv_len).clone())
         self._release(req)

@@ -146,6 +146,18 @@ class MatchResult(NamedTuple):
     prefix_len: int
 
 
+class InsertResult(NamedTuple):
+    """Result of `RadixCache.insert_node`.
+
+    Attributes:
+        prefix_len: leading units that were cached before the call.
+        last_node: the node where the inserted key ends.
+    """
+
+    prefix_len: int
+    last_node: TreeNode
+
+
 def _bytes_to_tensor(parts: list[bytes]) -> torch.Tensor:
     """Concatenate packed int64 chunks into one 1-D int64 tensor (one copy)."""
     buf = bytearray().join(parts)
@@ -416,7 +428,12 @@ class RadixCache:
         return n - n % self.page_size
 
     def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
-        """Cache ``key`` with slot indices ``value``.
+        """Cache ``key`` with slot indices ``value``; see `insert_node` (this returns its
+        ``prefix_len``)."""
+        return self.insert_node(key, value, priority).prefix_len
+
+    def insert_node(self, key: RadixKey, value: Any = None, priority: int = 0) -> InsertResult:
+        """Cache ``key`` with slot indices ``value``, and say where it ends.
 
         Args:
             key: a `RadixKey` (or a sequence of ints); truncated to whole pages.
@@ -425,8 +442,10 @@ class RadixCache:
             priority: for the ``priority`` policy; nodes on the path keep the maximum.
 
         Returns:
-            How many leading units were cached already. Those units keep their existing
-            indices: the caller frees its own duplicates ``value[:result]``.
+            `InsertResult`: ``prefix_len``, how many leading units were cached already
+            (those keep their existing indices: the caller frees its own duplicates
+            ``value[:prefix_len]``), and ``last_node``, the node where the (page-aligned)
+            key ends, so a caller can lock what it inserted without matching it again.
 
         Raises:
             TypeError / ValueError: bad key, value or priority; the cache is unchanged.
@@ -454,14 +473,14 @@ class RadixCache:
                     f"len(value) must equal len(key): got {len(tail) // TOKEN_BYTES} != {given}"
                 )
         if self.disable or n == 0:
-            return 0
+            return InsertResult(0, self.root)
         path, off, partial, m = self._descend(units, n, ns)
         if partial is not None:
             path.append(self._split(partial, m))
             off += m
         if off == n:
             self._touch(path, priority)
-            return off
+            return InsertResult(off, path[-1])
         parent = path[-1] if path else self.root
         width = self._width
         leaf_key = units[off * width :] if off else units
@@ -480,7 +499,7 @@ class RadixCache:
         parent.children[self._dict_key(parent, leaf)] = leaf
         self._evictable += n - off
         self._push(leaf)
-        return off
+        return InsertResult(off, leaf)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``min(num_tokens, evictable_size())`` tokens, overshooting by
