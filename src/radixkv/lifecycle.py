@@ -65,7 +65,12 @@ class Req:
 
     @property
     def all_ids(self) -> list[int]:
+        """``input_ids + output_ids`` as a new list (O(n); hot paths use `token_array`)."""
         return self.input_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
 
     def token_array(self) -> array:
         """``input_ids + output_ids`` as ``array('q')``: converted once, then extended as
@@ -147,7 +152,7 @@ class CacheManager:
             raise TypeError(f"admit: req must be a Req, got {type(req).__name__}")
         if req.admitted:
             raise ValueError(f"admit: request {req.rid!r} is already admitted")
-        n = len(req.input_ids) + len(req.output_ids)
+        n = req.num_tokens
         if n == 0:
             raise ValueError("admit: the request has no tokens")
         if n > self.req_pool.max_context_len:
@@ -188,7 +193,7 @@ class CacheManager:
                 f"allocate: request {req.rid!r} would need {end} tokens, more than "
                 f"max_context_len={self.req_pool.max_context_len}"
             )
-        if end > len(req.input_ids) + len(req.output_ids):
+        if end > req.num_tokens:
             raise ValueError(
                 f"allocate: request {req.rid!r} has only {req.kv_len} + fewer "
                 f"than {n} tokens to compute"

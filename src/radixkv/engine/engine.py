@@ -293,21 +293,21 @@ class Engine:
         if not waiting or len(running) >= self.max_running:
             return
         if self.schedule_policy == "lpm":
-            hits = {id(r): self.cache.match_len(RadixKey(r.all_ids)) for r in waiting}
+            hits = {id(r): self.cache.match_len(RadixKey(r.token_array())) for r in waiting}
             waiting.sort(key=lambda r: (-hits[id(r)], r.order))
             in_flight = RadixCache()  # prompts being computed now, not yet in the cache
             for r in running:
                 if r.kv_len < len(r.input_ids):
-                    in_flight.insert(RadixKey(r.input_ids))
+                    in_flight.insert(RadixKey(r.token_array())[: len(r.input_ids)])
         for r in list(waiting):
             if len(running) >= self.max_running:
                 break
-            key = RadixKey(r.all_ids)
+            key = RadixKey(r.token_array())
             if self.schedule_policy == "lpm":
                 if in_flight.match_len(key) - hits[id(r)] > IN_BATCH_PREFIX_THRESHOLD:
                     continue  # its prefix is being computed by another request: wait a step
                 in_flight.insert(key)
-            need = len(r.all_ids) - self.cache.match_len(key) + self.mgr.allocator.page_size
+            need = r.num_tokens - self.cache.match_len(key) + self.mgr.allocator.page_size
             if need > self.mgr.available_tokens():
                 break
             if not self.mgr.admit(r):
@@ -337,7 +337,7 @@ class Engine:
         for r in sorted(running, key=lambda r: (r.kv_len < len(r.input_ids), r.order)):
             if r not in running:
                 continue  # preempted while planning
-            pending = len(r.all_ids) - r.kv_len
+            pending = r.num_tokens - r.kv_len
             prefill = r.kv_len < len(r.input_ids)
             n = min(pending, budget) if prefill else pending
             if n <= 0:
@@ -362,7 +362,7 @@ class Engine:
         table = self.mgr.req_pool
         for r, n in plan:
             start = r.kv_len - n
-            ids.extend(r.all_ids[start : r.kv_len])
+            ids.extend(r.token_array()[start : r.kv_len])
             pos.extend(range(start, r.kv_len))
             row = table.read(r.row, 0, r.kv_len)
             out.append(row[start:])
@@ -379,7 +379,7 @@ class Engine:
                 stats.prefill_tokens += n
             else:
                 stats.decode_tokens += n
-            if r.kv_len < len(r.all_ids):  # a prompt chunk: cache it, no token yet
+            if r.kv_len < r.num_tokens:  # a prompt chunk: cache it, no token yet
                 self.mgr.cache_unfinished_req(r)
                 continue
             token = self._sample(r, row_logits)
