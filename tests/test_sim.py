@@ -206,3 +206,26 @@ def test_simulate_command_reports_bad_arguments(capsys):
     assert main(["simulate", "--trace", "/nonexistent.jsonl"]) == 2
     assert main(["simulate", "--capacity", "8GiB"]) == 2
     assert "error" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_scope_lru_equals_tree_lru(seed):
+    """Two independent replays (the radix tree, a flat ordered set refreshed tail first)
+    agree exactly for LRU: evicting a leaf's tail is evicting the least recent blocks."""
+    trace = random_trace(seed, requests=200)
+    for cap in (2, 5, 9, None):
+        assert (
+            simulate(trace, cap, "lru", scope="block").hit_tokens
+            == simulate(trace, cap, "lru").hit_tokens
+        )
+
+
+def test_block_scope_fifo_can_evict_a_shared_head():
+    trace = Trace("head", 1)
+    for i in range(1, 5):  # one shared head block, then a block of its own each
+        trace.requests.append(SimRequest([0, i], 2, 2))
+    # block FIFO evicts the shared head first (the oldest block); a tree evicts leaves
+    assert simulate(trace, 3, "fifo", scope="block").hit_tokens == 2
+    assert simulate(trace, 3, "fifo").hit_tokens == 3
+    with pytest.raises(ValueError, match="block scope"):
+        simulate(trace, 3, "belady", scope="block")

@@ -42,8 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--policy",
-        default="lru,lfu,belady",
-        help="comma-separated eviction policies, or 'all' [%(default)s]",
+        default=None,
+        help="comma-separated eviction policies, or 'all' [lru,lfu,belady; lru,fifo with "
+        "--scope block]",
+    )
+    sim.add_argument(
+        "--scope",
+        choices=["tree", "block"],
+        default="tree",
+        help="tree: evict leaves only, as a radix cache (SGLang, radixkv); block: evict any "
+        "block, as a hash-based block pool (vLLM) [tree]",
     )
     sim.add_argument(
         "--block-size",
@@ -138,12 +146,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             console.print(f"[red]error:[/red] unknown --model; known: {', '.join(sweep.MODELS)}")
             return 2
         bpt = sweep.MODELS[args.model]
-    policies = list(replay.POLICY_NAMES) if args.policy == "all" else args.policy.split(",")
+    valid = replay.POLICY_NAMES if args.scope == "tree" else replay.BLOCK_POLICIES
+    default = "lru,lfu,belady" if args.scope == "tree" else "lru,fifo"
+    policy_arg = args.policy or default
+    policies = list(valid) if policy_arg == "all" else policy_arg.split(",")
     try:
         caps = [sweep.parse_capacity(c, trace.block_size, bpt) for c in args.capacity.split(",")]
         for p in policies:
-            if p not in replay.POLICY_NAMES:
-                raise ValueError(f"unknown policy {p!r}; valid: {', '.join(replay.POLICY_NAMES)}")
+            if p not in valid:
+                raise ValueError(
+                    f"unknown policy {p!r} for --scope {args.scope}; valid: {', '.join(valid)}"
+                )
         if not 0.0 <= args.warmup < 1.0:
             raise ValueError("--warmup must be in [0, 1)")
     except ValueError as e:
@@ -167,9 +180,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             args.warmup,
             args.workers,
             progress=lambda _r: bar.advance(task),
+            scope=args.scope,
         )
     if len(caps) > 1 and None in caps:
-        unbounded = replay.simulate(trace, None, "lru", outputs, args.warmup)
+        unbounded = replay.simulate(trace, None, "lru", outputs, args.warmup, scope=args.scope)
         for p in policies:
             results.append(replay.SimResult(**{**unbounded.to_dict(), "policy": p}))
         order = {c: i for i, c in enumerate(caps)}

@@ -13,7 +13,7 @@ always at a leaf's tail and leaf-first eviction loses nothing.
 from __future__ import annotations
 
 from array import array
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -24,6 +24,8 @@ from radixkv.sim.traces import Trace
 from radixkv.tree import RadixCache, TreeNode
 
 POLICY_NAMES = (*POLICIES, "belady")
+BLOCK_POLICIES = ("lru", "fifo")
+SCOPES = ("tree", "block")
 
 
 @dataclass
@@ -81,22 +83,31 @@ def simulate(
     cache_outputs: bool = False,
     warmup: float = 0.0,
     check_every: int = 0,
+    scope: str = "tree",
 ) -> SimResult:
     """Replay ``trace`` once.
 
     Args:
         capacity_units: cache size in units (blocks); ``None`` for unbounded.
-        policy: a name from ``POLICY_NAMES``.
+        policy: a name from ``POLICY_NAMES`` (``BLOCK_POLICIES`` for block scope).
         cache_outputs: insert prompt + output when a request finishes (engines do).
         warmup: fraction of the first requests left out of the reported rates.
         check_every: run ``check_integrity`` every this many requests (0: never).
+        scope: ``tree`` evicts leaves only, as a radix cache does; ``block`` evicts any
+            block, as a hash-based block pool (vLLM) does, even a prefix's head block
+            while the rest stays cached (unreachable until the head returns).
     """
-    if policy not in POLICY_NAMES:
-        raise ValueError(f"unknown policy {policy!r}; valid: {', '.join(POLICY_NAMES)}")
+    if scope not in SCOPES:
+        raise ValueError(f"unknown scope {scope!r}; valid: {', '.join(SCOPES)}")
+    valid = POLICY_NAMES if scope == "tree" else BLOCK_POLICIES
+    if policy not in valid:
+        raise ValueError(f"unknown policy {policy!r} for {scope} scope; valid: {', '.join(valid)}")
     if capacity_units is not None and capacity_units < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity_units}")
     if not 0.0 <= warmup < 1.0:
         raise ValueError(f"warmup must be in [0, 1), got {warmup}")
+    if scope == "block":
+        return _simulate_blocks(trace, capacity_units, policy, cache_outputs, warmup)
     belady = _Belady(trace) if policy == "belady" else None
     sort_key: str | Callable = belady.key if belady else policy
     cache = RadixCache(page_size=1, eviction_policy=sort_key)
@@ -132,6 +143,30 @@ def simulate(
             hit_units += hit.prefix_len
             prompt_units += req.num_prompt_units
             request_rates.append(h / req.prompt_tokens if req.prompt_tokens else 0.0)
+    return _result(
+        trace,
+        policy,
+        capacity_units,
+        evicted,
+        hit_tokens,
+        prompt_tokens,
+        hit_units,
+        prompt_units,
+        request_rates,
+    )
+
+
+def _result(
+    trace: Trace,
+    policy: str,
+    capacity_units: int | None,
+    evicted: int,
+    hit_tokens: int,
+    prompt_tokens: int,
+    hit_units: int,
+    prompt_units: int,
+    request_rates: list[float],
+) -> SimResult:
     n = len(request_rates)
     return SimResult(
         trace=trace.name,
@@ -163,3 +198,53 @@ def reuse_ceiling(trace: Trace, cache_outputs: bool = False) -> float:
         total += req.prompt_tokens
         seen.update(req.units if cache_outputs else req.units[: req.num_prompt_units])
     return hit / total if total else 0.0
+
+
+def _simulate_blocks(
+    trace: Trace, capacity_units: int | None, policy: str, cache_outputs: bool, warmup: float
+) -> SimResult:
+    """Block scope: one flat ordered set of blocks. A hit is the leading run of the
+    prompt's blocks that are cached. ``lru`` refreshes a request's blocks tail first, so
+    its head blocks are the most recent (vLLM frees blocks in that order); ``fifo`` keeps
+    insertion order and never refreshes. New blocks are added in order, each evicting the
+    oldest block when the cache is full."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    lru = policy == "lru"
+    first = int(len(trace.requests) * warmup)
+    hit_tokens = prompt_tokens = hit_units = prompt_units = evicted = 0
+    request_rates: list[float] = []
+    for t, req in enumerate(trace.requests):
+        prompt = req.units[: req.num_prompt_units]
+        hit = 0
+        for u in prompt:
+            if u not in cache:
+                break
+            hit += 1
+        units = req.units if cache_outputs else prompt
+        for u in units if not lru else reversed(units):
+            if u in cache:
+                if lru:
+                    cache.move_to_end(u)
+            else:
+                cache[u] = None
+                if capacity_units is not None and len(cache) > capacity_units:
+                    cache.popitem(last=False)
+                    evicted += 1
+        if t >= first:
+            h = trace.hit_tokens(req, hit)
+            hit_tokens += h
+            prompt_tokens += req.prompt_tokens
+            hit_units += hit
+            prompt_units += req.num_prompt_units
+            request_rates.append(h / req.prompt_tokens if req.prompt_tokens else 0.0)
+    return _result(
+        trace,
+        policy,
+        capacity_units,
+        evicted,
+        hit_tokens,
+        prompt_tokens,
+        hit_units,
+        prompt_units,
+        request_rates,
+    )

@@ -68,10 +68,10 @@ def parse_capacity(text: str, block_size: int, bytes_per_token: int | None = Non
 _TRACE: Trace | None = None  # the trace, shared with forked workers
 
 
-def _run(args: tuple[int | None, str, bool, float]) -> SimResult:
+def _run(args: tuple[int | None, str, bool, float, str]) -> SimResult:
     assert _TRACE is not None
-    cap, policy, outputs, warmup = args
-    return simulate(_TRACE, cap, policy, cache_outputs=outputs, warmup=warmup)
+    cap, policy, outputs, warmup, scope = args
+    return simulate(_TRACE, cap, policy, cache_outputs=outputs, warmup=warmup, scope=scope)
 
 
 def sweep(
@@ -82,11 +82,12 @@ def sweep(
     warmup: float = 0.0,
     workers: int | None = None,
     progress: Callable[[SimResult], None] | None = None,
+    scope: str = "tree",
 ) -> list[SimResult]:
     """Every (policy, capacity) point, across processes when there are several cores.
     Results come back in (policy, capacity) order."""
     global _TRACE
-    jobs = [(c, p, cache_outputs, warmup) for p in policies for c in capacities]
+    jobs = [(c, p, cache_outputs, warmup, scope) for p in policies for c in capacities]
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     _TRACE = trace
     try:
