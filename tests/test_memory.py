@@ -162,3 +162,10 @@ def test_req_to_token_pool_rows():
     pool.free(r0)
     with pytest.raises(ValueError, match="not in use"):
         pool.free(r0)
+
+
+def test_a_pool_smaller_than_one_page_has_nothing_to_hand_out():
+    a = TokenToKVPoolAllocator(10, page_size=16)
+    assert a.size == 0 and a.available_size() == 0
+    assert a.alloc(1) is None and a.alloc(0).tolist() == []
+    a.check()

@@ -77,6 +77,10 @@ class TokenToKVPoolAllocator:
         self._free_pages = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = self.num_pages
         self._owned = np.zeros(self.size, dtype=bool)
+        # slot numbers by page: one row gather hands out pages (8 bytes a slot)
+        self._page_slots = np.arange(self.size, dtype=np.int64).reshape(
+            self.num_pages, self.page_size
+        )
         self._page_count = np.zeros(self.num_pages, dtype=np.int64)
         self._handed_out = 0
 
@@ -112,7 +116,7 @@ class TokenToKVPoolAllocator:
         self._page_count[taken] = p
         if pages:
             self._page_count[taken[-1]] -= pages * p - n
-        return (taken[:, None] * p + np.arange(p, dtype=np.int64)).ravel()[:n]
+        return self._page_slots[taken].ravel()[:n]
 
     def _hand_out(self, slots: np.ndarray) -> torch.Tensor:
         self._owned[slots] = True
@@ -194,10 +198,12 @@ class TokenToKVPoolAllocator:
             self._page_count[s] = 0
             emptied = s
         else:
+            # runs of equal pages in the sorted slots (C-level calls only: numpy's Python
+            # wrappers diff/append/flatnonzero cost more than the work here)
             pages = s // p
-            starts = np.flatnonzero(np.concatenate(([True], pages[1:] != pages[:-1])))
-            runs = pages[starts]
-            self._page_count[runs] -= np.diff(np.append(starts, len(s)))
+            bounds = np.concatenate(((0,), (pages[1:] != pages[:-1]).nonzero()[0] + 1, (len(s),)))
+            runs = pages[bounds[:-1]]
+            self._page_count[runs] -= bounds[1:] - bounds[:-1]
             emptied = runs[self._page_count[runs] == 0]
         nf = self._num_free
         self._free_pages[nf : nf + len(emptied)] = emptied
