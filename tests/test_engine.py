@@ -202,3 +202,34 @@ def test_sampling_is_seeded_and_bad_arguments_are_refused():
         engine.generate([[10_000]])
     with pytest.raises(ValueError, match="empty"):
         engine.generate([[]])
+
+
+def test_a_hugging_face_checkpoint_folder_round_trips(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from radixkv.engine.weights import load_hf_folder
+
+    cfg = ModelConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    model = random_model(cfg, seed=7)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(tmp_path / "model.safetensors"),
+    )
+    loaded = load_hf_folder(tmp_path)
+    assert not loaded.config.tie_word_embeddings
+    tokens = list(range(20))
+    assert torch.equal(scratch_logits(loaded, tokens), scratch_logits(model, tokens))
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError):
+        load_hf_folder(tmp_path)

