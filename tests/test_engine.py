@@ -4,6 +4,7 @@ scheduling reaches the best hit rate on grouped prompts. All on tiny random mode
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -211,15 +212,7 @@ def test_a_hugging_face_checkpoint_folder_round_trips(tmp_path):
 
     from radixkv.engine.weights import load_hf_folder
 
-    cfg = ModelConfig(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=False)
     model = random_model(cfg, seed=7)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
     save_file(

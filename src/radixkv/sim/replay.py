@@ -20,7 +20,7 @@ from typing import Any
 
 from radixkv.key import RadixKey
 from radixkv.policy import POLICIES
-from radixkv.sim.traces import Trace
+from radixkv.sim.traces import SimRequest, Trace
 from radixkv.tree import RadixCache, TreeNode
 
 POLICY_NAMES = (*POLICIES, "belady")
@@ -111,9 +111,7 @@ def simulate(
     belady = _Belady(trace) if policy == "belady" else None
     sort_key: str | Callable = belady.key if belady else policy
     cache = RadixCache(page_size=1, eviction_policy=sort_key)
-    first = int(len(trace.requests) * warmup)
-    hit_tokens = prompt_tokens = hit_units = prompt_units = evicted = 0
-    request_rates = []
+    tally, evicted = _Tally(trace, warmup), 0
     for t, req in enumerate(trace.requests):
         if belady:
             belady.now = t
@@ -136,51 +134,45 @@ def simulate(
             cache.dec_lock_ref(hit.last_node)
         if check_every and t % check_every == 0:
             cache.check_integrity()
-        if t >= first:
-            h = trace.hit_tokens(req, hit.prefix_len)
-            hit_tokens += h
-            prompt_tokens += req.prompt_tokens
-            hit_units += hit.prefix_len
-            prompt_units += req.num_prompt_units
-            request_rates.append(h / req.prompt_tokens if req.prompt_tokens else 0.0)
-    return _result(
-        trace,
-        policy,
-        capacity_units,
-        evicted,
-        hit_tokens,
-        prompt_tokens,
-        hit_units,
-        prompt_units,
-        request_rates,
-    )
+        tally.add(t, req, hit.prefix_len)
+    return tally.result(policy, capacity_units, evicted)
 
 
-def _result(
-    trace: Trace,
-    policy: str,
-    capacity_units: int | None,
-    evicted: int,
-    hit_tokens: int,
-    prompt_tokens: int,
-    hit_units: int,
-    prompt_units: int,
-    request_rates: list[float],
-) -> SimResult:
-    n = len(request_rates)
-    return SimResult(
-        trace=trace.name,
-        policy=policy,
-        capacity_units=capacity_units,
-        capacity_tokens=None if capacity_units is None else capacity_units * trace.block_size,
-        requests=n,
-        prompt_tokens=prompt_tokens,
-        hit_tokens=hit_tokens,
-        token_hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
-        request_hit_rate=sum(request_rates) / n if n else 0.0,
-        block_hit_rate=hit_units / prompt_units if prompt_units else 0.0,
-        evicted_units=evicted,
-    )
+class _Tally:
+    """Hit accounting over the requests after the warm-up, shared by both scopes."""
+
+    def __init__(self, trace: Trace, warmup: float) -> None:
+        self.trace, self.first = trace, int(len(trace.requests) * warmup)
+        self.hit_tokens = self.prompt_tokens = self.hit_units = self.prompt_units = 0
+        self.rates: list[float] = []
+
+    def add(self, t: int, req: SimRequest, hit_units: int) -> None:
+        if t < self.first:
+            return
+        h = self.trace.hit_tokens(req, hit_units)
+        self.hit_tokens += h
+        self.prompt_tokens += req.prompt_tokens
+        self.hit_units += hit_units
+        self.prompt_units += req.num_prompt_units
+        self.rates.append(h / req.prompt_tokens if req.prompt_tokens else 0.0)
+
+    def result(self, policy: str, capacity_units: int | None, evicted: int) -> SimResult:
+        n = len(self.rates)
+        return SimResult(
+            trace=self.trace.name,
+            policy=policy,
+            capacity_units=capacity_units,
+            capacity_tokens=None
+            if capacity_units is None
+            else capacity_units * self.trace.block_size,
+            requests=n,
+            prompt_tokens=self.prompt_tokens,
+            hit_tokens=self.hit_tokens,
+            token_hit_rate=self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            request_hit_rate=sum(self.rates) / n if n else 0.0,
+            block_hit_rate=self.hit_units / self.prompt_units if self.prompt_units else 0.0,
+            evicted_units=evicted,
+        )
 
 
 def reuse_ceiling(trace: Trace, cache_outputs: bool = False) -> float:
@@ -210,9 +202,7 @@ def _simulate_blocks(
     oldest block when the cache is full."""
     cache: OrderedDict[int, None] = OrderedDict()
     lru = policy == "lru"
-    first = int(len(trace.requests) * warmup)
-    hit_tokens = prompt_tokens = hit_units = prompt_units = evicted = 0
-    request_rates: list[float] = []
+    tally, evicted = _Tally(trace, warmup), 0
     for t, req in enumerate(trace.requests):
         prompt = req.units[: req.num_prompt_units]
         hit = 0
@@ -230,21 +220,5 @@ def _simulate_blocks(
                 if capacity_units is not None and len(cache) > capacity_units:
                     cache.popitem(last=False)
                     evicted += 1
-        if t >= first:
-            h = trace.hit_tokens(req, hit)
-            hit_tokens += h
-            prompt_tokens += req.prompt_tokens
-            hit_units += hit
-            prompt_units += req.num_prompt_units
-            request_rates.append(h / req.prompt_tokens if req.prompt_tokens else 0.0)
-    return _result(
-        trace,
-        policy,
-        capacity_units,
-        evicted,
-        hit_tokens,
-        prompt_tokens,
-        hit_units,
-        prompt_units,
-        request_rates,
-    )
+        tally.add(t, req, hit)
+    return tally.result(policy, capacity_units, evicted)
