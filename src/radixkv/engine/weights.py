@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,8 @@ def smollm2_folder() -> Path | None:
     if gguf_path is None:
         return None
     tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
     convert_gguf(gguf_path, tmp)
-    tmp.replace(folder) if not folder.exists() else None
+    shutil.rmtree(folder, ignore_errors=True)  # an incomplete earlier conversion
+    tmp.replace(folder)
     return folder
