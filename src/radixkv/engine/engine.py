@@ -307,7 +307,8 @@ class Engine:
                 if in_flight.match_len(key) - hits[id(r)] > IN_BATCH_PREFIX_THRESHOLD:
                     continue  # its prefix is being computed by another request: wait a step
                 in_flight.insert(key)
-            need = r.num_tokens - self.cache.match_len(key) + self.mgr.allocator.page_size
+            hit = hits[id(r)] if self.schedule_policy == "lpm" else self.cache.match_len(key)
+            need = r.num_tokens - hit + self.mgr.allocator.page_size
             if need > self.mgr.available_tokens():
                 break
             if not self.mgr.admit(r):
