@@ -9,6 +9,8 @@ chunk), their fingerprints must be those of the request's own tokens.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -197,6 +199,84 @@ def test_manager_refuses_a_cache_with_another_allocator():
         CacheManager(RadixCache(4, allocator=alloc), alloc, ReqToTokenPool(1, 8))
 
 
+# --- fault injection -------------------------------------------------------------------------
+class InjectedFault(Exception):
+    """Raised by a method under `inject_fault`."""
+
+
+# where a fault may strike: the allocator's and the tree's calls the manager makes
+FAULT_SITES = {"alloc_extend", "free", "match_prefix", "insert_node"}
+
+
+@contextmanager
+def inject_fault(obj, name: str, after: int):
+    """Make ``obj.name`` raise `InjectedFault` on its call number ``after`` (0-based),
+    before doing anything: a call failing midway through an operation."""
+    real = getattr(obj, name)
+    calls = [0]
+
+    def faulty(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == after + 1:
+            raise InjectedFault(f"{name} call {calls[0]}")
+        return real(*args, **kwargs)
+
+    setattr(obj, name, faulty)
+    try:
+        yield
+    finally:
+        delattr(obj, name)
+
+
+def test_a_failed_admit_returns_its_row():
+    m = make(max_reqs=4)
+    for i in range(6):  # an unhashable namespace is refused before a row is taken
+        with pytest.raises(TypeError, match="extra_key"):
+            m.admit(Req(i, [1, 2, 3], extra_key=["tenant"]))
+    for i in range(6):  # a tree that fails mid-admit: the row comes back
+        with inject_fault(m.cache, "match_prefix", 0), pytest.raises(InjectedFault):
+            m.admit(Req(i, [1, 2, 3]))
+        m.check_memory()
+    assert m.req_pool.available_size() == 4
+    assert m.admit(Req(9, [1, 2, 3]))
+
+
+def test_check_memory_notices_a_leaked_row():
+    m = make(max_reqs=4)
+    m.req_pool.alloc()  # taken by nobody
+    with pytest.raises(AssertionError, match="row"):
+        m.check_memory()
+
+
+@pytest.mark.parametrize("fail_at", [0, 1])
+def test_a_failing_free_in_cache_finished_req_leaks_nothing(fail_at):
+    m = make(size=64, page=4)
+    a, b = Req(1, list(range(10))), Req(2, list(range(14)))
+    for r in (a, b):  # both compute the same 8 leading tokens: b's are duplicates
+        assert m.admit(r)
+        assert m.allocate(r, len(r.input_ids)) is not None
+    m.cache_finished_req(a)
+    before = m.allocator.available_size()
+    with inject_fault(m.allocator, "free", fail_at), pytest.raises(InjectedFault):
+        m.cache_finished_req(b)  # frees its tail (call 0), then its duplicates (call 1)
+    m.check_memory()
+    m.cache.check_integrity()
+    m.abort(b)  # what it still owns goes back
+    m.check_memory()
+    assert m.allocator.available_size() > before
+
+
+def test_evict_with_a_failing_allocator_changes_nothing():
+    m = make(size=64, page=4)
+    run_to_completion(m, Req(1, list(range(20))), [])
+    before = snapshot(m)
+    with inject_fault(m.allocator, "free", 0), pytest.raises(InjectedFault):
+        m.cache.evict(9)
+    assert snapshot(m) == before
+    m.check_memory()
+    assert m.cache.evict(9) == 12
+
+
 # --- the fuzzer --------------------------------------------------------------------------------
 STEMS = [[], [5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9]]
 prompts = st.builds(
@@ -298,6 +378,30 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert (a._owned == owned_before).all()
             return
         raise AssertionError("freeing a slot twice in one call must fail")
+
+    @rule(
+        data=st.data(),
+        site=st.sampled_from(sorted(FAULT_SITES)),
+        op=st.sampled_from(["arrive", "step", "finish", "abort", "evict"]),
+        after=st.integers(0, 2),
+    )
+    def fault(self, data, site, op, after):
+        """Run an operation while a call it makes raises midway (fault injection); the
+        invariant then proves nothing leaked, and the requests carry on."""
+        target = self.m.cache if site in ("match_prefix", "insert_node") else self.m.allocator
+        with inject_fault(target, site, after):
+            try:
+                if op == "arrive":
+                    self.arrive(data.draw(prompts), data.draw(st.sampled_from([None, "a"])), 1)
+                elif op == "evict":
+                    self.evict(data.draw(st.integers(1, 40)))
+                elif self.reqs:
+                    getattr(self, op)(data) if op != "step" else self.step(data, 7)
+            except InjectedFault:
+                pass
+        self.reqs = [r for r in self.reqs if r.admitted]
+        for r in self.reqs:
+            self.check_row(r)
 
     @invariant()
     def memory_is_exact(self):

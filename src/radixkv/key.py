@@ -17,12 +17,15 @@ about ten times faster than comparing ``memoryview`` items one by one.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 TOKEN_BYTES = 8  # int64 tokens and slot indices
+_INT64_MAX = 2**63 - 1
+# Iterable but unordered (or keyed): a key made of one would depend on hash order.
+_NOT_SEQUENCES = (str, bytes, bytearray, set, frozenset, dict, Mapping)
 
 
 def _to_token_array(token_ids: Any, name: str = "token_ids") -> array:
@@ -36,14 +39,19 @@ def _to_token_array(token_ids: Any, name: str = "token_ids") -> array:
     """
     if isinstance(token_ids, array) and token_ids.typecode == "q":
         return token_ids
-    if isinstance(token_ids, (str, bytes, bytearray)):
-        raise TypeError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    if isinstance(token_ids, _NOT_SEQUENCES) or not hasattr(token_ids, "__iter__"):
+        raise TypeError(
+            f"{name} must be an ordered sequence of ints, got {type(token_ids).__name__}"
+        )
     if isinstance(token_ids, np.ndarray) or _is_tensor(token_ids):
         arr = np.asarray(token_ids.cpu() if _is_tensor(token_ids) else token_ids)
         if arr.ndim != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
         if arr.size and not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
             raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+        if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
+            # astype would wrap 2**63 + 5 to a negative token that matches another's
+            raise ValueError(f"{name} must fit in int64, got {int(arr.max())}")
         out = array("q")
         out.frombytes(arr.astype(np.int64, copy=False).tobytes())
         return out
@@ -53,6 +61,34 @@ def _to_token_array(token_ids: Any, name: str = "token_ids") -> array:
         raise TypeError(f"{name} must be a sequence of ints: {e}") from None
     except OverflowError as e:
         raise ValueError(f"{name} must fit in int64: {e}") from None
+
+
+def as_bool(value: Any, name: str) -> bool:
+    """``value`` as a bool, refusing anything but ``bool`` and numpy's ``bool_``: the string
+    ``"no"`` is truthy, so taking truthiness would turn a feature on by mistake."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def as_count(value: Any, name: str) -> int:
+    """``value`` as a non-negative int (Python or numpy integer; not a bool or a float)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def check_namespace(extra_key: Any, name: str = "extra_key") -> None:
+    """Raise ``TypeError`` unless ``extra_key`` can name a namespace: it is a dict key in
+    the tree, so it must be hashable (a list is not)."""
+    try:
+        hash(extra_key)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be hashable (str, int, tuple, ...), got {type(extra_key).__name__}"
+        ) from None
 
 
 def _is_tensor(x: Any) -> bool:
@@ -123,11 +159,13 @@ class RadixKey:
         is_bigram: bool = False,
     ) -> None:
         base = _to_token_array(token_ids)
+        if extra_key is not None:
+            check_namespace(extra_key)
         self._base = base
         self._start = 0
         self._stop = len(base)
         self.extra_key = extra_key
-        self.is_bigram = bool(is_bigram)
+        self.is_bigram = as_bool(is_bigram, "is_bigram")
 
     @classmethod
     def _view(

@@ -16,6 +16,7 @@ A request's row in the `ReqToTokenPool` holds its slot indices, one per token wh
 The accounting identity, checked by `CacheManager.check_memory` after any step:
 
     available + evictable + protected + private + reserved_tail == pool size
+    free rows + running requests == rows
 
 where *private* counts slots held by running requests and not in the tree, and
 *reserved_tail* the unfilled rest of requests' partial pages (0 with page size 1), and
@@ -34,6 +35,7 @@ import torch
 from radixkv.key import RadixKey
 from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.tree import RadixCache, TreeNode
+from radixkv.units import align_up
 
 
 @dataclass(eq=False)
@@ -160,13 +162,17 @@ class CacheManager:
                 f"admit: request {req.rid!r} has {n} tokens, more than "
                 f"max_context_len={self.req_pool.max_context_len}"
             )
-        key = self._key(req, n)  # validates the token ids before anything changes
+        key = self._key(req, n)  # validates the tokens and namespace before any change
         row = self.req_pool.alloc()
         if row is None:
             return False
-        hit = self.cache.match_prefix(key[: n - 1])  # the last token is always computed
+        try:
+            hit = self.cache.match_prefix(key[: n - 1])  # the last token is always computed
+            self.req_pool.write(row, 0, hit.indices)
+        except BaseException:
+            self.req_pool.free(row)  # nothing else changed yet (a split is harmless)
+            raise
         self.cache.inc_lock_ref(hit.last_node)
-        self.req_pool.write(row, 0, hit.indices)
         req.row, req.last_node = row, hit.last_node
         req.kv_len = req.cache_protected_len = req.cached_len = hit.prefix_len
         self.running[row] = req
@@ -204,8 +210,8 @@ class CacheManager:
             last = self.req_pool.slot_at(req.row, req.kv_len - 1)
         slots = self.allocator.alloc_extend(last, n)
         if slots is None:
-            room = (p - req.kv_len % p) % p if last >= 0 else 0
-            need = -(-(n - room) // p) * p - self.allocator.available_size()
+            room = align_up(req.kv_len, p) - req.kv_len if last >= 0 else 0
+            need = align_up(n - room, p) - self.allocator.available_size()
             self.cache.evict(max(need, 0))
             slots = self.allocator.alloc_extend(last, n)
             if slots is None:
@@ -215,45 +221,52 @@ class CacheManager:
         return slots
 
     # --- caching ----------------------------------------------------------------------------
-    def _insert_computed(self, req: Req) -> tuple[int, TreeNode | None]:
-        """Insert the computed tokens; free the request's duplicates of what the tree
-        already had. Returns the units the tree now holds for this request and, when
-        the row already points at the tree's slots for all of them, the node where they
-        end (else None: the caller re-matches)."""
-        key = self._key(req, req.kv_len)
+    def _insert_computed(self, req: Req, key: RadixKey | None = None) -> int:
+        """Insert the computed tokens, free the request's duplicates of what the tree
+        already had, point the row at the tree's slots and move the lock to where the
+        insert ends. Returns the units the tree now holds for this request.
+
+        The one call that can fail after the insert is freeing the duplicates; it runs
+        before the row or the lock change, and a failure undoes the insert (its new leaf
+        goes back to the request), so the request still owns exactly
+        ``row[cache_protected_len:kv_len]`` when the error propagates."""
+        key = self._key(req, req.kv_len) if key is None else key
         stored = self.cache.cacheable_len(key)
         if stored <= req.cache_protected_len:
-            return req.cache_protected_len, req.last_node
+            return req.cache_protected_len
         had, last = self.cache.insert_node(key, self._row(req, 0, len(key)))
         if had > req.cache_protected_len:  # another request cached some of it first
-            self.allocator.free(self._row(req, req.cache_protected_len, had).clone())
-            return stored, None
-        return stored, last
+            try:
+                self.allocator.free(self._row(req, req.cache_protected_len, had).clone())
+            except BaseException:
+                if had < stored:
+                    self.cache.detach_leaf(last)
+                raise
+            self.req_pool.write(req.row, 0, self.cache.path_values(last))
+        self.cache.inc_lock_ref(last)
+        self.cache.dec_lock_ref(req.last_node)
+        req.last_node, req.cache_protected_len = last, stored
+        return stored
 
     def cache_unfinished_req(self, req: Req) -> None:
         """After a prefill chunk: hand the computed whole pages to the tree, re-point the
         row at the tree's slots and move the lock to the new last node."""
         self._require_admitted(req, "cache_unfinished_req")
-        stored, last = self._insert_computed(req)
-        if stored == req.cache_protected_len:
-            return
-        if last is None:  # duplicates were freed: take the tree's slots instead
-            hit = self.cache.match_prefix(self._key(req, req.kv_len)[:stored])
-            assert hit.prefix_len == stored, "the tree lost what was just inserted"
-            self.req_pool.write(req.row, 0, hit.indices)
-            last = hit.last_node
-        self.cache.inc_lock_ref(last)
-        self.cache.dec_lock_ref(req.last_node)
-        req.last_node, req.cache_protected_len = last, stored
+        self._insert_computed(req)
 
     def cache_finished_req(self, req: Req) -> None:
         """The request is done: cache prompt + output, free duplicates and the unaligned
         tail, release its lock and its row."""
         self._require_admitted(req, "cache_finished_req")
-        with self.allocator.free_group():
-            stored, _ = self._insert_computed(req)
-            if req.kv_len > stored:
-                self.allocator.free(self._row(req, stored, req.kv_len).clone())
+        key = self._key(req, req.kv_len)
+        stored = max(self.cache.cacheable_len(key), req.cache_protected_len)
+        if req.kv_len > stored:  # the unaligned tail first: if this raises, nothing changed
+            self.allocator.free(self._row(req, stored, req.kv_len).clone())
+        try:
+            self._insert_computed(req, key)
+        except BaseException:
+            req.kv_len = min(req.kv_len, stored)  # it no longer owns the freed tail
+            raise
         self._release(req)
 
     def abort(self, req: Req) -> None:
@@ -278,8 +291,16 @@ class CacheManager:
         Raises:
             AssertionError: naming what is leaked or owned twice.
         """
-        alloc, cache = self.allocator, self.cache
+        alloc, cache, rows = self.allocator, self.cache, self.req_pool
         alloc.check()
+        rows.check()
+        in_use = rows.rows_in_use()
+        assert in_use == sorted(self.running), (
+            f"check_memory: rows in use {in_use} != rows of running requests "
+            f"{sorted(self.running)} (a row leaked or was freed twice)"
+        )
+        for row, r in self.running.items():
+            assert r.row == row, f"request {r.rid!r} is filed under row {row} but holds {r.row}"
         tree = cache.all_values().numpy()
         assert len(tree) == cache.total_size(), "tree values disagree with its size"
         private = [
@@ -308,10 +329,6 @@ class CacheManager:
         assert alloc.handed_out_size() == len(tree) + private_n, "handed-out count is off"
         for r in self.running.values():
             protected = self._row(r, 0, r.cache_protected_len)
-            node, path = r.last_node, []
-            while node is not None and node is not cache.root:
-                path.append(node.value)
-                node = node.parent
-            assert node is cache.root and r.last_node.lock_ref > 0, "a request lost its lock"
-            expected = torch.cat(path[::-1]) if path else torch.empty(0, dtype=torch.int64)
+            assert r.last_node is not None and r.last_node.lock_ref > 0, "a request lost its lock"
+            expected = cache.path_values(r.last_node)  # raises if the node left the tree
             assert torch.equal(protected, expected), f"request {r.rid!r}: row != tree path"

@@ -22,6 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixkv.key import as_count
+from radixkv.units import div_ceil
+
 
 def _as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
     if isinstance(indices, torch.Tensor):
@@ -40,12 +43,25 @@ def _as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
     return arr
 
 
-def _check_count(n: Any, name: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    return int(n)
+_check_count = as_count
+
+
+def usable_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device``, checked by placing a tensor there, so a pool is
+    never built for a device this torch cannot use (every later call would fail).
+
+    Raises:
+        TypeError / ValueError: not a device name, or a device this machine lacks.
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"device {str(device)!r} is not usable here: {first}") from None
+    return dev
 
 
 class TokenToKVPoolAllocator:
@@ -67,7 +83,7 @@ class TokenToKVPoolAllocator:
         self.page_size = page_size
         self.num_pages = size // page_size
         self.size = self.num_pages * page_size
-        self.device = torch.device(device)
+        self.device = usable_device(device)
         self._group: list[np.ndarray] | None = None
         self.clear()
 
@@ -102,35 +118,43 @@ class TokenToKVPoolAllocator:
         return np.flatnonzero(~self._owned)
 
     # --- alloc ----------------------------------------------------------------------------
-    def _fresh(self, n: int) -> np.ndarray:
-        """``n`` slots from ``ceil(n / page_size)`` pages off the free stack (the caller
-        checked there are enough); sets those pages' handed-out counts."""
-        p = self.page_size
-        pages = -(-n // p)
+    def _fresh(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(pages, slots): ``n`` slots from the top ``ceil(n / page_size)`` pages of the
+        free stack (the caller checked there are enough). Changes nothing."""
+        pages = div_ceil(n, self.page_size)
         nf = self._num_free
         taken = self._free_pages[nf - pages : nf][::-1].copy()
-        self._num_free = nf - pages
-        if p == 1:
-            self._page_count[taken] = 1
-            return taken
-        self._page_count[taken] = p
-        if pages:
-            self._page_count[taken[-1]] -= pages * p - n
-        return self._page_slots[taken].ravel()[:n]
+        if self.page_size == 1:
+            return taken, taken
+        return taken, self._page_slots[taken].ravel()[:n]
 
-    def _hand_out(self, slots: np.ndarray) -> torch.Tensor:
+    def _hand_out(
+        self, slots: np.ndarray, pages: np.ndarray, extended: int = -1, tail: int = 0
+    ) -> torch.Tensor:
+        """Commit an allocation: the tensor first (the one step that can fail, e.g. on a
+        device), then the bookkeeping, so a failure leaves the allocator unchanged.
+        ``pages`` come off the free stack; ``extended`` is a page gaining ``tail`` slots."""
+        out = torch.from_numpy(slots).to(self.device)
+        p = self.page_size
+        self._num_free -= len(pages)
+        if len(pages):
+            self._page_count[pages] = p
+            self._page_count[pages[-1]] -= len(pages) * p - (len(slots) - tail)
+        if tail:
+            self._page_count[extended] += tail
         self._owned[slots] = True
         self._handed_out += len(slots)
-        return torch.from_numpy(slots).to(self.device)
+        return out
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """``n`` slots from ``ceil(n / page_size)`` fresh pages, or ``None`` (never a
         partial result) when not enough pages are free. The rest of the last page stays
         reserved for ``alloc_extend`` by the same owner."""
         n = _check_count(n, "n")
-        if -(-n // self.page_size) > self._num_free:
+        if div_ceil(n, self.page_size) > self._num_free:
             return None
-        return self._hand_out(self._fresh(n))
+        pages, slots = self._fresh(n)
+        return self._hand_out(slots, pages)
 
     def alloc_extend(self, last_slot: int, n: int) -> torch.Tensor | None:
         """``n`` slots continuing a sequence whose last slot is ``last_slot``: first the
@@ -155,11 +179,11 @@ class TokenToKVPoolAllocator:
         if self._owned[tail].any():
             raise ValueError(f"alloc_extend: the page of slot {last_slot} is already extended")
         rest = n - len(tail)
-        if -(-rest // p) > self._num_free:
+        if div_ceil(rest, p) > self._num_free:
             return None
-        self._page_count[last_slot // p] += len(tail)
-        slots = np.concatenate((tail, self._fresh(rest))) if rest else tail
-        return self._hand_out(slots)
+        pages, fresh = self._fresh(rest)
+        slots = np.concatenate((tail, fresh)) if rest else tail
+        return self._hand_out(slots, pages, last_slot // p, len(tail))
 
     # --- free -----------------------------------------------------------------------------
     def free(self, indices: Any) -> None:
@@ -307,7 +331,7 @@ class ReqToTokenPool:
         ):
             raise ValueError("max_reqs and max_context_len must be > 0")
         self.max_reqs, self.max_context_len = max_reqs, max_context_len
-        self.device = torch.device(device)
+        self.device = usable_device(device)
         self._np = np.zeros((max_reqs, max_context_len), dtype=np.int64)
         self.table = torch.from_numpy(self._np)
         self._free_rows = list(range(max_reqs - 1, -1, -1))
@@ -321,9 +345,23 @@ class ReqToTokenPool:
 
     def free(self, row: int) -> None:
         """Return ``row``. Raises ``ValueError`` if it is not in use."""
+        if isinstance(row, (bool, np.bool_)) or not isinstance(row, (int, np.integer)):
+            raise TypeError(f"free: row must be an int, got {type(row).__name__}")
+        row = int(row)
         if not 0 <= row < self.max_reqs or row in self._free_rows:
             raise ValueError(f"free: row {row} is not in use")
         self._free_rows.append(row)
+
+    def rows_in_use(self) -> list[int]:
+        """Rows handed out and not freed, ascending."""
+        free = set(self._free_rows)
+        return [r for r in range(self.max_reqs) if r not in free]
+
+    def check(self) -> None:
+        """The free list holds distinct valid rows; raises ``AssertionError``."""
+        rows = self._free_rows
+        assert len(set(rows)) == len(rows), "a row is on the free list twice"
+        assert all(type(r) is int and 0 <= r < self.max_reqs for r in rows), "a bad free row"
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Set ``table[row, start:start + len(slots)] = slots``."""

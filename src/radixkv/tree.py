@@ -24,6 +24,14 @@ Invariants (all checked from scratch by ``check_integrity``):
       locked ones, and their sum is ``total_size``;
     * every evictable leaf has exactly one live heap entry, holding its current sort key.
 
+Errors: every public operation validates its arguments before it changes anything, and
+``evict`` hands the slots to ``allocator.free`` before it unlinks a node, so an exception
+(bad input, or an allocator that raises) leaves the tree as it was.
+
+Threads: a `RadixCache` is not thread-safe. One thread owns a cache (and its allocator);
+other threads hand it work through a queue, as `radixkv.engine`'s async engine does.
+Concurrent calls corrupt it (slots owned twice or by nobody).
+
 Nothing here recurses: deep chains (thousands of nodes) are fine.
 """
 
@@ -39,10 +47,20 @@ from typing import IO, Any, NamedTuple
 import numpy as np
 import torch
 
-from radixkv.key import TOKEN_BYTES, RadixKey, _to_token_array, common_prefix_units
+from radixkv.key import (
+    TOKEN_BYTES,
+    RadixKey,
+    _to_token_array,
+    as_bool,
+    as_count,
+    common_prefix_units,
+)
 from radixkv.policy import get_policy
 
 _EMPTY = b""
+MAX_PAGE_SIZE = 1 << 16  # tokens; larger pages are a units mistake (bytes for tokens?)
+# format_tree indents at most this many levels, then writes the depth as a number
+_MAX_INDENT = 32
 
 
 class TreeNode:
@@ -166,6 +184,22 @@ def _bytes_to_tensor(parts: list[bytes]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.int64)
 
 
+def _check_slots(packed: bytes) -> None:
+    """Slot indices a node would store must be distinct and non-negative (a negative or
+    repeated slot would alias another token's KV)."""
+    slots = np.frombuffer(packed, dtype=np.int64)
+    if len(slots) == 1:
+        if slots[0] < 0:
+            raise ValueError(f"value holds a negative slot index {int(slots[0])}")
+        return
+    ordered = np.sort(slots)
+    if ordered[0] < 0:
+        raise ValueError(f"value holds a negative slot index {int(ordered[0])}")
+    if (ordered[1:] == ordered[:-1]).any():
+        dup = ordered[1:][ordered[1:] == ordered[:-1]][0]
+        raise ValueError(f"value holds slot index {int(dup)} twice")
+
+
 def as_int64_bytes(values: Any, name: str = "value") -> bytes:
     """Pack a 1-D sequence of integers (tensor, ndarray, array, list) as int64 bytes.
 
@@ -211,18 +245,17 @@ class RadixCache:
         is_eagle: bool = False,
         disable: bool = False,
     ) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int):
-            raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        page_size = as_count(page_size, "page_size")
+        if not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {page_size}")
         if allocator is not None and not callable(getattr(allocator, "free", None)):
             raise TypeError("allocator must have a free(indices) method")
+        self.is_eagle = as_bool(is_eagle, "is_eagle")
+        self.disable = as_bool(disable, "disable")
+        self._policy_key = get_policy(eviction_policy)
         self.page_size = page_size
         self.eviction_policy = eviction_policy
-        self._policy_key = get_policy(eviction_policy)
         self.allocator = allocator
-        self.is_eagle = bool(is_eagle)
-        self.disable = bool(disable)
         self._width = 2 * TOKEN_BYTES if self.is_eagle else TOKEN_BYTES
         self.reset()
 
@@ -388,9 +421,10 @@ class RadixCache:
         Returns:
             `MatchResult` (indices, last_node, prefix_len).
         """
+        split = as_bool(split, "split")
+        units, n, ns, _ = self._prepare(key)
         if self.disable:
             return MatchResult(torch.empty(0, dtype=torch.int64), self.root, 0)
-        units, n, ns, _ = self._prepare(key)
         path, off, partial, m = self._descend(units, n, ns)
         parts = [node._value for node in path]
         if not split:
@@ -411,19 +445,19 @@ class RadixCache:
     def match_len(self, key: RadixKey) -> int:
         """Read-only hit length of ``key`` in units: no split, no recency change, no tensor.
         For schedulers and routers that only rank requests by cache hit."""
+        units, n, ns, _ = self._prepare(key)
         if self.disable:
             return 0
-        units, n, ns, _ = self._prepare(key)
         _, off, _, m = self._descend(units, n, ns)
         return off + m
 
     def cacheable_len(self, key: RadixKey) -> int:
         """Units of ``key`` that ``insert`` would store: its length in this cache's view
         (bigram pairs under EAGLE) floored to whole pages; 0 for a disabled cache."""
-        if self.disable:
-            return 0
         if not isinstance(key, RadixKey):
             key = RadixKey(key)
+        if self.disable:
+            return 0
         n = len(key) if key.is_bigram or not self.is_eagle else max(0, key.raw_len() - 1)
         return n - n % self.page_size
 
@@ -475,21 +509,27 @@ class RadixCache:
         if self.disable or n == 0:
             return InsertResult(0, self.root)
         path, off, partial, m = self._descend(units, n, ns)
+        start = off + m  # units cached already
+        width = self._width
+        if start < n:
+            leaf_key = units[start * width :] if start else units
+            if tail is units:
+                leaf_value = leaf_key
+            elif isinstance(tail, torch.Tensor):  # one memcpy straight from the tensor
+                leaf_value = ctypes.string_at(
+                    tail.data_ptr() + start * TOKEN_BYTES, (n - start) * TOKEN_BYTES
+                )
+            else:
+                leaf_value = tail[start * TOKEN_BYTES : n * TOKEN_BYTES]
+            if value is not None:
+                _check_slots(leaf_value)
         if partial is not None:
             path.append(self._split(partial, m))
-            off += m
+        off = start
         if off == n:
             self._touch(path, priority)
             return InsertResult(off, path[-1])
         parent = path[-1] if path else self.root
-        width = self._width
-        leaf_key = units[off * width :] if off else units
-        if tail is units:
-            leaf_value = leaf_key
-        elif isinstance(tail, torch.Tensor):  # one memcpy straight from the tensor's memory
-            leaf_value = ctypes.string_at(tail.data_ptr() + off * TOKEN_BYTES, (n - off) * 8)
-        else:
-            leaf_value = tail[off * TOKEN_BYTES : n * TOKEN_BYTES]
         leaf = self._new_node(leaf_key, leaf_value, parent, ns)
         if path:  # the path's last node gains a child, so it needs no re-index
             self._touch(path, priority, reindex=False)
@@ -507,50 +547,97 @@ class RadixCache:
 
         Whole unlocked leaves are removed while they fit in what is still needed; the last
         one is trimmed from its tail (whole pages) instead of dropped when it is larger.
-        The removed slot indices go to ``allocator.free`` in a single call.
+        The removed slot indices go to ``allocator.free`` in a single call, made after the
+        victims are chosen and before any of them is unlinked: if it raises, the tree is
+        unchanged and the error propagates.
 
         Returns:
             The number of tokens evicted.
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-            raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        if self.disable or num_tokens == 0:
+        need = as_count(num_tokens, "num_tokens")
+        if self.disable or need == 0:
             return 0
-        page, width, root = self.page_size, self._width, self.root
+        page, root = self.page_size, self.root
         heap = self._heap
-        need, evicted = num_tokens, 0
+        popped: list[Any] = []  # entries taken off the heap: put back if the free fails
+        uncovered: list[Any] = []  # parents that become leaves once their children go
+        gone: dict[int, int] = {}  # id(parent) -> children chosen as victims
+        victims: list[TreeNode] = []
+        trim: tuple[TreeNode, int] | None = None
         freed: list[bytes] = []
-        while need > 0 and heap:
-            _, ver, node = heapq.heappop(heap)
-            if ver != node._ver or node.children or node.lock_ref or node.parent is None:
-                continue
+        evicted = 0
+        while need > 0:
+            if uncovered and (not heap or uncovered[0][0] < heap[0][0]):
+                _, _, node = heapq.heappop(uncovered)
+            elif heap:
+                entry = heapq.heappop(heap)
+                popped.append(entry)
+                _, ver, node = entry
+                if ver != node._ver or node.children or node.lock_ref or node.parent is None:
+                    continue
+            else:
+                break
             length = len(node._value) >> 3
             take = -(-need // page) * page
-            if take >= length:
-                parent = node.parent
-                del parent.children[self._dict_key(parent, node)]
-                node.parent = None
-                self._num_nodes -= 1
-                freed.append(node._value)
-                evicted += length
-                need -= length
-                if parent is not root and not parent.children and parent.lock_ref == 0:
-                    self._push(parent)
-            else:
-                keep = length - take
-                shared = node._key is node._value
-                freed.append(node._value[keep * TOKEN_BYTES :])
-                node._key = node._key[: keep * width]
-                node._value = node._key if shared else node._value[: keep * TOKEN_BYTES]
+            if take < length:  # the last victim: trim its tail
+                freed.append(node._value[(length - take) * TOKEN_BYTES :])
+                trim = (node, take)
                 evicted += take
-                need -= take
-                self._push(node)
-        self._evictable -= evicted
+                break
+            victims.append(node)
+            freed.append(node._value)
+            evicted += length
+            need -= length
+            parent = node.parent
+            assert parent is not None
+            gone[id(parent)] = left = gone.get(id(parent), 0) + 1
+            if parent is not root and left == len(parent.children) and parent.lock_ref == 0:
+                heapq.heappush(uncovered, (self._policy_key(parent), 0, parent))
         if freed and self.allocator is not None:
-            self.allocator.free(_bytes_to_tensor(freed))
+            try:
+                self.allocator.free(_bytes_to_tensor(freed))
+            except BaseException:
+                for entry in popped:
+                    heapq.heappush(heap, entry)
+                raise
+        for node in victims:
+            parent = node.parent
+            del parent.children[self._dict_key(parent, node)]
+            node.parent = None
+            self._num_nodes -= 1
+        for _, _, parent in uncovered:  # left childless, and not victims themselves
+            if parent.parent is not None and not parent.children:
+                self._push(parent)
+        if trim is not None:
+            node, take = trim
+            keep = (len(node._value) >> 3) - take
+            shared = node._key is node._value
+            node._key = node._key[: keep * self._width]
+            node._value = node._key if shared else node._value[: keep * TOKEN_BYTES]
+            self._push(node)
+        self._evictable -= evicted
         return evicted
+
+    def detach_leaf(self, node: TreeNode) -> torch.Tensor:
+        """Remove an unlocked leaf *without* freeing its slots, and return them: undoes an
+        insert whose caller cannot finish (the slots go back to the caller, who owns
+        them again).
+
+        Raises:
+            ValueError: ``node`` is not an unlocked leaf of this cache; nothing changes.
+        """
+        self._path_to_root(node, "detach_leaf")
+        if node is self.root or node.children or node.lock_ref:
+            raise ValueError(f"detach_leaf: node {node.id} is not an unlocked leaf")
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._dict_key(parent, node)]
+        node.parent = None
+        self._num_nodes -= 1
+        self._evictable -= len(node._value) >> 3
+        if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            self._push(parent)
+        return _bytes_to_tensor([node._value])
 
     def _path_to_root(self, node: TreeNode, op: str) -> list[TreeNode]:
         if not isinstance(node, TreeNode):
@@ -563,6 +650,12 @@ class RadixCache:
         if x is not self.root:
             raise ValueError(f"{op}: node {node.id} is not in this cache (evicted or foreign)")
         return path
+
+    def path_values(self, node: TreeNode) -> torch.Tensor:
+        """The slot indices from the root down to ``node`` (what a match ending exactly
+        there returns), without touching anything. O(depth)."""
+        path = self._path_to_root(node, "path_values")
+        return _bytes_to_tensor([x._value for x in reversed(path)])
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock the path from ``node`` to the root; returns the change in evictable size
@@ -623,6 +716,8 @@ class RadixCache:
         stack = [(c, 1) for c in reversed(self.root.children.values())]
         while stack:
             node, depth = stack.pop()
+            # a deep chain would make the indentation quadratic in size: cap it
+            indent = "  " * depth if depth <= _MAX_INDENT else "  " * _MAX_INDENT + f"[{depth}] "
             units = np.frombuffer(node._key, dtype=np.int64)
             if node.is_bigram:
                 shown = [tuple(p) for p in units.reshape(-1, 2)[:max_units].tolist()]
@@ -631,7 +726,7 @@ class RadixCache:
             more = "..." if len(node) > max_units else ""
             ns = f" ns={node.extra_key!r}" if node.extra_key is not None else ""
             lines.append(
-                f"{'  ' * depth}#{node.id} len={len(node)} lock={node.lock_ref} "
+                f"{indent}#{node.id} len={len(node)} lock={node.lock_ref} "
                 f"hits={node.hit_count}{ns} {shown}{more}"
             )
             stack.extend((c, depth + 1) for c in reversed(node.children.values()))
