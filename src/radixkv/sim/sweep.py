@@ -1,7 +1,7 @@
 """Capacity sweeps: parse capacities, run many replays in parallel, report them.
 
-Capacities are given in tokens (``1M``, ``512k``, ``inf``), blocks (``2000b``) or bytes of
-KV (``8GiB``, needing a model's bytes per token from `MODELS` or a custom value).
+Capacities are given in tokens (``1M``, ``512k``, ``inf``), blocks (``2000blocks``) or bytes
+of KV (``8GiB``, ``8GB``, needing a model's bytes per token from `MODELS` or a custom value).
 """
 
 from __future__ import annotations
@@ -29,40 +29,64 @@ MODELS: dict[str, int] = {
     "smollm2-135m": 2 * 30 * 3 * 64 * 2,
 }
 
-_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+_TOKENS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 _BYTES = {
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
+    "B": 1,
+    "bytes": 1,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+    "KB": 10**3,
+    "kB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
 }
+_BLOCKS = ("blocks", "block", "blk")
+CAPACITY_FORMS = "tokens (65536, 512k, 1M), blocks (2000blocks), KV bytes (8GiB, 8GB) or inf"
 
 
 def parse_capacity(text: str, block_size: int, bytes_per_token: int | None = None) -> int | None:
-    """Capacity in units (blocks), or ``None`` for ``inf``.
+    """Capacity in units (blocks, rounded down), or ``None`` for ``inf``.
+
+    Units are never guessed: a bare number or ``k``/``M``/``G`` counts tokens, ``blocks``
+    counts blocks, and bytes are written ``B``, ``KiB``..``TiB`` or ``KB``..``TB``. A lone
+    lowercase ``b`` (blocks or bytes?) is refused.
 
     Raises:
-        ValueError: unreadable text, or a byte size without ``bytes_per_token``.
+        ValueError: unreadable text, an ambiguous unit, a byte size without
+            ``bytes_per_token``, or a non-zero capacity below one block.
     """
-    s = text.strip().lower().replace("_", "")
-    if s in ("inf", "unbounded", "none"):
+    raw = text.strip().replace("_", "")
+    if raw.lower() in ("inf", "unbounded", "none"):
         return None
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", s)
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", raw)
     if not m:
-        raise ValueError(f"capacity {text!r}: expected e.g. 1M, 4000k, 2000b, 8GiB or inf")
+        raise ValueError(f"capacity {text!r}: expected {CAPACITY_FORMS}")
     value, unit = float(m.group(1)), m.group(2)
     if unit == "b":
-        return int(value)
-    if unit in _BYTES:
+        raise ValueError(
+            f"capacity {text!r} is ambiguous: write {m.group(1)}blocks for blocks or "
+            f"{m.group(1)}B for bytes"
+        )
+    if unit.lower() in _BLOCKS:
+        units = int(value)
+    elif unit in _BYTES:
         if not bytes_per_token:
             raise ValueError(f"capacity {text!r} is in bytes: give --model or --bytes-per-token")
-        return int(value * _BYTES[unit] / bytes_per_token) // block_size
-    if unit in _SUFFIX:
-        return int(value * _SUFFIX[unit]) // block_size
-    raise ValueError(f"capacity {text!r}: unknown unit {unit!r}")
+        units = int(value * _BYTES[unit] / bytes_per_token) // block_size
+    elif unit.lower().removesuffix("tokens").removesuffix("tok") in _TOKENS:
+        units = int(value * _TOKENS[unit.lower().removesuffix("tokens").removesuffix("tok")])
+        units //= block_size
+    else:
+        raise ValueError(f"capacity {text!r}: unknown unit {unit!r}; expected {CAPACITY_FORMS}")
+    if units == 0 and value > 0:
+        raise ValueError(
+            f"capacity {text!r} is less than one block ({block_size} tokens"
+            + (f", {block_size * bytes_per_token:,} bytes)" if bytes_per_token else ")")
+        )
+    return units
 
 
 _TRACE: Trace | None = None  # the trace, shared with forked workers
@@ -133,16 +157,26 @@ def fmt_tokens(n: int | None) -> str:
     return str(n)
 
 
-def print_table(results: list[SimResult], ceiling: float, trace: Trace, console: Any) -> None:
+def print_table(
+    results: list[SimResult],
+    ceiling: float,
+    trace: Trace,
+    console: Any,
+    labels: dict[int | None, str] | None = None,
+) -> None:
+    """The results as a table; ``labels`` maps a capacity in units to the text the user
+    gave (``1M``, ``8GiB``), shown next to the exact tokens it came to."""
     from rich.table import Table
 
+    labels = labels or {}
     table = Table(
         title=f"{trace.name}: {len(trace.requests):,} requests, {trace.prompt_tokens():,} "
         f"prompt tokens, block {trace.block_size}; reuse ceiling {ceiling:.3f}"
     )
     for col in (
         "policy",
-        "capacity (tokens)",
+        "capacity",
+        "tokens",
         "token hit rate",
         "request hit rate",
         "block hit rate",
@@ -153,7 +187,8 @@ def print_table(results: list[SimResult], ceiling: float, trace: Trace, console:
     for r in results:
         table.add_row(
             r.policy,
-            fmt_tokens(r.capacity_tokens),
+            labels.get(r.capacity_units, fmt_tokens(r.capacity_tokens)),
+            "inf" if r.capacity_tokens is None else f"{r.capacity_tokens:,}",
             f"{r.token_hit_rate:.4f}",
             f"{r.request_hit_rate:.4f}",
             f"{r.block_hit_rate:.4f}",

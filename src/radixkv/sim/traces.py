@@ -11,10 +11,14 @@ unit (engines cache whole pages only), except in Mooncake traces, which give it 
 from __future__ import annotations
 
 import json
+import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from radixkv.units import div_ceil
 
 MOONCAKE_BLOCK = 512
 
@@ -75,44 +79,122 @@ class Interner:
 
 
 # --- loaders -----------------------------------------------------------------------------
-def load_mooncake(path: str | Path) -> Trace:
-    """A Mooncake JSONL trace: ``timestamp``, ``input_length``, ``output_length``,
-    ``hash_ids`` (one id per 512-token block of the input, the last one partial)."""
-    trace = Trace(Path(path).stem, MOONCAKE_BLOCK)
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                ids = [int(h) for h in rec["hash_ids"]]
-                length = int(rec["input_length"])
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a Mooncake record ({e})") from None
-            trace.requests.append(SimRequest(ids, len(ids), length, float(rec.get("timestamp", 0))))
-    return trace
+INT63 = 2**63  # ids and tokens are int64; ids must be >= 0 so they never meet fresh outputs
+# One request's output may claim at most this many tokens (a typo such as 1e12 would
+# otherwise build a list of 10^12 fresh ids).
+MAX_OUTPUT_TOKENS = 1 << 20
 
 
-def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -> Trace:
-    """One request per line: ``token_ids`` (or ``text`` with a ``tokenizer`` that has
-    ``encode``), optional ``output_ids`` or ``output_length``, ``extra_key``,
-    ``timestamp``. Unknown outputs become fresh tokens (they match nothing)."""
-    records = []
-    with open(path) as f:
+class TraceError(ValueError):
+    """A trace that cannot be replayed; the message starts with ``FILE:LINE:``."""
+
+
+def _integer(value: Any, what: str, lo: int = 0, hi: int = INT63) -> int:
+    """A JSON integer in ``[lo, hi)``: never a bool, a float (``1.7`` or ``1e308``) or a
+    string, which ``int()`` would truncate or parse."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be an integer, got {json.dumps(value)[:40]}")
+    if not lo <= value < hi:
+        raise ValueError(f"{what} must be in [{lo}, {hi}), got {value}")
+    return value
+
+
+def _integers(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list of integers, got {json.dumps(value)[:40]}")
+    return [_integer(v, f"{what}[{i}]") for i, v in enumerate(value)]
+
+
+def _timestamp(rec: dict) -> float:
+    t = rec.get("timestamp", 0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise ValueError(f"timestamp must be a finite number, got {json.dumps(t)[:40]}")
+    return float(t)
+
+
+def _records(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) for every non-blank line; a ``TraceError`` naming the
+    file and line for anything else, and for a trace with no request at all."""
+    seen = False
+    with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except ValueError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+                raise TraceError(f"{path}:{n}: not JSON ({e})") from None
+            if not isinstance(rec, dict):
+                raise TraceError(f"{path}:{n}: expected a JSON object, got {line.strip()[:40]}")
+            seen = True
+            yield n, rec
+    if not seen:
+        raise TraceError(f"{path}: the trace has no requests")
+
+
+def load_mooncake(path: str | Path) -> Trace:
+    """A Mooncake JSONL trace: ``timestamp``, ``input_length``, ``output_length``,
+    ``hash_ids`` (one id per 512-token block of the input, the last one partial).
+
+    Raises:
+        TraceError: ``FILE:LINE: what is wrong`` for the first bad record.
+    """
+    trace = Trace(Path(path).stem, MOONCAKE_BLOCK)
+    for n, rec in _records(path):
+        try:
+            if "hash_ids" not in rec or "input_length" not in rec:
+                raise ValueError("a Mooncake record needs hash_ids and input_length")
+            ids = _integers(rec["hash_ids"], "hash_ids")
+            length = _integer(rec["input_length"], "input_length", 1)
+            if len(ids) != div_ceil(length, MOONCAKE_BLOCK):
+                raise ValueError(
+                    f"input_length {length} needs {div_ceil(length, MOONCAKE_BLOCK)} hash_ids "
+                    f"(one per {MOONCAKE_BLOCK} tokens), got {len(ids)}"
+                )
+            if "output_length" in rec:
+                _integer(rec["output_length"], "output_length", 0, MAX_OUTPUT_TOKENS + 1)
+            stamp = _timestamp(rec)
+        except ValueError as e:
+            raise TraceError(f"{path}:{n}: {e}") from None
+        trace.requests.append(SimRequest(ids, len(ids), length, stamp))
+    return trace
+
+
+def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -> Trace:
+    """One request per line: ``token_ids`` (or ``text`` with a ``tokenizer`` that has
+    ``encode``), optional ``output_ids`` or ``output_length``, ``extra_key``,
+    ``timestamp``. Unknown outputs become fresh tokens (they match nothing).
+
+    Raises:
+        TraceError: ``FILE:LINE: what is wrong`` for the first bad record.
+    """
+    records = []
+    for n, rec in _records(path):
+        try:
             if "token_ids" in rec:
-                prompt = [int(t) for t in rec["token_ids"]]
-            elif "text" in rec and tokenizer is not None:
+                prompt = _integers(rec["token_ids"], "token_ids")
+            elif "text" in rec:
+                if not isinstance(rec["text"], str):
+                    raise ValueError("text must be a string")
+                if tokenizer is None:
+                    raise ValueError("a text record needs --tokenizer (byte, smollm2 or a file)")
                 prompt = list(tokenizer.encode(rec["text"]))
             else:
-                raise ValueError(f"{path}:{n}: needs token_ids (or text and a tokenizer)")
-            records.append((prompt, rec))
+                raise ValueError("needs token_ids (or text and a tokenizer)")
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            out = dict(rec)
+            if rec.get("output_ids") is not None:
+                out["output_ids"] = _integers(rec["output_ids"], "output_ids")
+            elif "output_length" in rec:
+                _integer(rec["output_length"], "output_length", 0, MAX_OUTPUT_TOKENS + 1)
+            ns = rec.get("extra_key")
+            if ns is not None and not isinstance(ns, (str, int)):
+                raise ValueError(f"extra_key must be a string or integer, got {json.dumps(ns)}")
+            out["timestamp"] = _timestamp(rec)
+        except ValueError as e:
+            raise TraceError(f"{path}:{n}: {e}") from None
+        records.append((prompt, out))
     return _from_tokens(Path(path).stem, records, block_size)
 
 
