@@ -1,54 +1,49 @@
 """`Engine`: continuous batching over the prefix cache, with chunked prefill.
 
-Each scheduler step:
-    1. admits waiting requests while rows and KV slots allow, in ``fcfs`` order or ``lpm``
-       (longest cached prefix first). Under ``lpm`` a request whose prefix is being
-       computed right now by an admitted request waits a step, so a group sharing a
-       prompt computes it once (SGLang's in-batch prefix deprioritisation);
-    2. gives every running request its next tokens: one for a decode, a chunk of the
-       prompt (within ``chunk_size`` prefill tokens per step) for a prefill; allocation
-       evicts from the cache, and a decode that still finds no slot preempts the newest
-       other request (it re-queues and recomputes later, mostly from cache);
-    3. runs one forward pass over the ragged batch; requests whose tokens are all
-       computed sample their next token, the rest cache their computed chunk.
+The online API: ``add_request`` queues a request and returns its id; each ``step``
+schedules (`radixkv.engine.scheduler`), runs the model (`ModelRunner`) and post-processes
+(sample, stop, cache), returning what every request produced; ``abort`` drops a request
+at any stage and frees its KV. ``generate`` is the offline wrapper: add all, step until
+done. An `Engine` is not thread-safe: one thread drives it (`AsyncEngine` does that for
+asyncio callers).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from radixkv.engine.model import ForwardBatch, LlamaForCausalLM, ModelConfig
+from radixkv.engine.config import SCHEDULE_POLICIES, EngineConfig
+from radixkv.engine.model import LlamaForCausalLM, ModelConfig
+from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.request import EngineReq, SamplingParams, StepOutput
+from radixkv.engine.scheduler import Scheduler
 from radixkv.engine.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from radixkv.engine.weights import load_hf_folder, random_model, smollm2_folder, smollm2_missing
-from radixkv.key import RadixKey
-from radixkv.lifecycle import CacheManager, Req
+from radixkv.key import check_namespace
+from radixkv.lifecycle import CacheManager
 from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.tree import RadixCache
 
-SCHEDULE_POLICIES = ("fcfs", "lpm")
-# Under LPM a request waits a step when an admitted request is computing more than this
-# many tokens of its prefix right now (then it finds them cached instead of recomputing).
-IN_BATCH_PREFIX_THRESHOLD = 16
-
-
-@dataclass(eq=False)
-class EngineReq(Req):
-    """A request with its sampling state."""
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    generator: torch.Generator | None = None
-    order: int = 0
-    first_token_at: float | None = None
-    finish_reason: str | None = None
-    prompt_cached: int = -1  # prompt tokens served from cache at first admission
+__all__ = [
+    "SCHEDULE_POLICIES",
+    "Engine",
+    "EngineConfig",
+    "GenerateResult",
+    "RequestOutput",
+    "RunStats",
+    "SamplingParams",
+    "StepOutput",
+    "load_model",
+]
 
 
 @dataclass
@@ -132,75 +127,62 @@ def load_model(
     return load_hf_folder(folder), tok, str(folder)
 
 
+@dataclass
+class EngineCounters:
+    """Totals since the engine started (read by the server's metrics)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens pushed through the model in prefill
+
+
 class Engine:
     """A small inference engine on the radix prefix cache.
 
     Args:
         model: see `load_model`.
-        prefix_cache: reuse cached prefixes (False: a disabled cache, everything recomputed).
-        page_size: KV page size (tokens).
-        schedule_policy: ``fcfs`` or ``lpm``.
-        chunk_size: prefill tokens per step, all requests together.
-        max_running: requests running at once.
-        kv_tokens: KV pool size in tokens.
-        max_context_len: longest prompt + output.
-        eviction_policy: the cache's eviction policy.
-        device, dtype: where and how the model and KV live.
-        check_memory: run ``check_memory`` and ``check_integrity`` after every step.
+        config: an `EngineConfig`; keyword arguments override its fields
+            (``Engine("random", kv_tokens=4096)``).
+        tokenizer: the tokenizer to use instead of the model's own.
     """
 
     def __init__(
         self,
         model: str | Path | ModelConfig | LlamaForCausalLM = "auto",
-        prefix_cache: bool = True,
-        page_size: int = 1,
-        schedule_policy: str = "lpm",
-        chunk_size: int = 512,
-        max_running: int = 16,
-        kv_tokens: int = 8192,
-        max_context_len: int = 2048,
-        eviction_policy: str = "lru",
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        check_memory: bool = False,
-        seed: int = 0,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        **overrides: Any,
     ) -> None:
-        if schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(
-                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}"
-            )
-        for name, v in (
-            ("chunk_size", chunk_size),
-            ("max_running", max_running),
-            ("kv_tokens", kv_tokens),
-            ("max_context_len", max_context_len),
-        ):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        self.device = torch.device(device)
-        net, self.tokenizer, self.model_name = load_model(model, seed)
-        self.model = net.to(device=self.device, dtype=dtype)
-        cfg = self.model.config
-        self.config: ModelConfig = cfg
-        self.schedule_policy, self.chunk_size, self.max_running = (
-            schedule_policy,
-            chunk_size,
-            max_running,
+        cfg = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.engine_config = cfg
+        self.device = torch.device(cfg.device)
+        net, own_tokenizer, self.model_name = load_model(model, cfg.seed)
+        self.tokenizer: Tokenizer = tokenizer or own_tokenizer
+        self.model = net.to(device=self.device, dtype=cfg.dtype)
+        mc = self.model.config
+        self.config: ModelConfig = mc
+        allocator = TokenToKVPoolAllocator(cfg.kv_tokens, cfg.page_size, device=self.device)
+        self.cache = RadixCache(
+            cfg.page_size, cfg.eviction_policy, allocator, disable=not cfg.prefix_cache
         )
-        self.check = check_memory
-        allocator = TokenToKVPoolAllocator(kv_tokens, page_size, device=self.device)
-        cache = RadixCache(page_size, eviction_policy, allocator, disable=not prefix_cache)
-        req_pool = ReqToTokenPool(max_running, max_context_len, device=self.device)
+        req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=self.device)
         self.kv = KVPool(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
             allocator.size,
-            dtype,
+            cfg.dtype,
             self.device,
         )
-        self.mgr = CacheManager(cache, allocator, req_pool)
-        self.cache = cache
+        self.mgr = CacheManager(self.cache, allocator, req_pool)
+        self.scheduler = Scheduler(cfg, self.mgr)
+        self.runner = ModelRunner(self.model, self.kv, self.device)
+        self.counters = EngineCounters()
+        self.requests: dict[Any, EngineReq] = {}  # unfinished requests by id
+        self._order = itertools.count()
+        self._aborted: list[EngineReq] = []  # aborted since the last step (reported once)
 
     # --- requests ---------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = True) -> list[int]:
@@ -212,11 +194,185 @@ class Engine:
             return self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
             return self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
-        ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+        ids = []
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"token ids must be ints, got {t!r}")
+            ids.append(t)
         if any(not 0 <= t < self.config.vocab_size for t in ids):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         return ids
 
+    def add_request(
+        self,
+        prompt: str | Sequence[int] | list[dict],
+        sampling: SamplingParams | None = None,
+        rid: Any = None,
+        extra_key: Any = None,
+        chat: bool = True,
+    ) -> Any:
+        """Queue a request; returns its id (``rid``, or a fresh number).
+
+        Args:
+            prompt: token ids, chat messages, or text (see `encode`).
+            sampling: how it generates (`SamplingParams`).
+            extra_key: its cache namespace (a tenant's salt): requests in different
+                namespaces never share cached tokens.
+
+        Raises:
+            ValueError: an empty prompt, bad token ids, a duplicate ``rid``, or a request
+                that can never fit the context or the KV pool. Nothing is queued then.
+        """
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if extra_key is not None:
+            check_namespace(extra_key)
+        ids = self.encode(prompt, chat)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        order = next(self._order)
+        rid = order if rid is None else rid
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        gen = None
+        if sampling.temperature > 0:
+            gen = torch.Generator()
+            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        req = EngineReq(
+            rid,
+            ids,
+            extra_key=extra_key,
+            sampling=sampling,
+            generator=gen,
+            order=order,
+            arrival=time.perf_counter(),
+        )
+        self.scheduler.add(req)  # raises for a request that can never fit
+        self.requests[rid] = req
+        self.counters.prompt_tokens += len(ids)
+        return rid
+
+    def abort(self, rid: Any) -> bool:
+        """Drop request ``rid`` at any stage (waiting, prefilling, decoding) and free its
+        KV; the next ``step`` reports it with finish reason ``abort``. Returns False
+        when no such request is unfinished."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        self._finish(req, "abort")
+        self._aborted.append(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def kv_usage(self) -> float:
+        """Fraction of the KV pool held by running requests and the cache."""
+        a = self.mgr.allocator
+        return 1.0 - a.available_size() / a.size
+
+    def flush_cache(self) -> int:
+        """Drop every cached token no running request holds; returns how many."""
+        return self.cache.evict(self.cache.evictable_size())
+
+    # --- the step ---------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Schedule, run the model, post-process; what each request produced this step."""
+        plan = self.scheduler.schedule()
+        outputs = [self._output(r) for r in self._aborted]
+        self._aborted.clear()
+        if plan:
+            logits = self.runner.forward(plan, self.mgr.req_pool)
+            outputs += self._postprocess(plan, logits)
+            self.counters.steps += 1
+        if self.engine_config.check_memory:
+            self.mgr.check_memory()
+            self.cache.check_integrity()
+        return outputs
+
+    def _postprocess(
+        self, plan: list[tuple[EngineReq, int]], logits: torch.Tensor
+    ) -> list[StepOutput]:
+        outputs = []
+        now = time.perf_counter()
+        for (r, n), row_logits in zip(plan, logits, strict=True):
+            was_prefill = r.kv_len - n < len(r.input_ids)
+            if was_prefill:
+                self.counters.prefill_tokens += n
+            if r.kv_len < r.num_tokens:  # a prompt chunk: cache it, no token yet
+                self.mgr.cache_unfinished_req(r)
+                continue
+            token = self.runner.sample(r, row_logits)
+            r.first_token_at = r.first_token_at or now
+            r.output_ids.append(token)
+            self.counters.generation_tokens += 1
+            reason = self._stop_reason(r, token)
+            if reason is not None:
+                self.scheduler.finish(r)
+                del self.requests[r.rid]
+                self._finish(r, reason)
+            elif was_prefill:
+                self.mgr.cache_unfinished_req(r)
+            outputs.append(self._output(r))
+        return outputs
+
+    def _stop_reason(self, r: EngineReq, token: int) -> str | None:
+        s = r.sampling
+        eos = self.tokenizer.eos_token_id
+        if token == eos and not s.ignore_eos:
+            return "stop"
+        if s.stop:
+            text = self._decode(r)
+            cut = min((i for i in (text.find(x) for x in s.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                r.text, r.stop_cut = text[:cut], True
+                return "stop"
+        if len(r.output_ids) >= s.max_new_tokens:
+            return "length"
+        return None
+
+    def _finish(self, r: EngineReq, reason: str) -> None:
+        r.finish_reason = reason
+        r.finished_at = time.perf_counter()
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+
+    def _decode(self, r: EngineReq) -> str:
+        eos = self.tokenizer.eos_token_id
+        return self.tokenizer.decode([t for t in r.output_ids if t != eos])
+
+    def _output(self, r: EngineReq) -> StepOutput:
+        """The request's news since its last output. Text is held back while it might
+        still be the start of a stop string or of a multi-byte character."""
+        if not r.stop_cut:
+            r.text = self._decode(r)
+        text = r.text
+        if not r.finished:
+            hold = max((len(x) for x in r.sampling.stop), default=1) - 1
+            end = len(text) - hold
+            while end > 0 and text[end - 1] == "\ufffd":
+                end -= 1
+            text = text[: max(end, r.sent_text)]
+        new_text, r.sent_text = text[r.sent_text :], max(len(text), r.sent_text)
+        new_ids, r.sent_tokens = r.output_ids[r.sent_tokens :], len(r.output_ids)
+        return StepOutput(
+            r.rid,
+            new_ids,
+            new_text,
+            r.finish_reason,
+            len(r.input_ids),
+            max(r.prompt_cached, 0),
+            len(r.output_ids),
+        )
+
+    # --- offline ----------------------------------------------------------------------------
     def generate(
         self,
         prompts: Sequence[str | Sequence[int] | list[dict]],
@@ -228,7 +384,8 @@ class Engine:
         ignore_eos: bool = False,
         on_step: Callable[[int, int], None] | None = None,
     ) -> GenerateResult:
-        """Run ``prompts`` to completion (all arrive at once).
+        """Run ``prompts`` to completion (all arrive at once): a wrapper over the online
+        API. Request ``i`` samples with seed ``seed * 1_000_003 + i``.
 
         Args:
             max_new_tokens: generated tokens per request at most.
@@ -236,54 +393,56 @@ class Engine:
             ignore_eos: keep generating past the end-of-sequence token.
             on_step: called after each step with (finished requests, all requests).
         """
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
-        reqs = []
-        for i, p in enumerate(prompts):
+        if self.requests:
+            raise RuntimeError("generate: the engine has unfinished online requests")
+        encoded = []
+        for i, p in enumerate(prompts):  # validate every prompt before queueing any
             ids = self.encode(p, chat)
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
+            encoded.append(ids)
+        params = [
+            SamplingParams(max_new_tokens, temperature, top_p, seed * 1_000_003 + i, (), ignore_eos)
+            for i in range(len(encoded))
+        ]
+        max_len = self.scheduler.max_tokens()
+        for i, ids in enumerate(encoded):
             if len(ids) + max_new_tokens > self.mgr.req_pool.max_context_len:
                 raise ValueError(
                     f"prompt {i}: {len(ids)} + {max_new_tokens} tokens exceed "
                     f"max_context_len={self.mgr.req_pool.max_context_len}"
                 )
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-            reqs.append(
-                EngineReq(
-                    i,
-                    ids,
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    generator=gen,
-                    order=i,
+            if len(ids) + max_new_tokens > max_len:
+                raise ValueError(
+                    f"prompt {i}: {len(ids)} + {max_new_tokens} tokens can never fit the "
+                    f"KV pool (at most {max_len}): raise kv_tokens"
                 )
-            )
-        self._eos = None if ignore_eos else self.tokenizer.eos_token_id
-        stats = RunStats(requests=len(reqs), prompt_tokens=sum(len(r.input_ids) for r in reqs))
-        waiting, running = list(reqs), []
         t0 = time.perf_counter()
-        self._t0 = t0
-        while waiting or running:
-            self._admit(waiting, running)
-            if not running:
-                raise RuntimeError("no request fits in the KV pool: raise kv_tokens")
-            self._step(running, waiting, stats)
-            stats.steps += 1
-            if self.check:
-                self.mgr.check_memory()
-                self.cache.check_integrity()
+        preempted0, prefill0 = self.scheduler.preemptions, self.counters.prefill_tokens
+        steps0 = self.counters.steps
+        rids = [
+            self.add_request(ids, sp, chat=False) for ids, sp in zip(encoded, params, strict=True)
+        ]
+        reqs = [self.requests[rid] for rid in rids]
+        done = 0
+        while self.has_unfinished():
+            done += sum(o.finished for o in self.step())
             if on_step:
-                on_step(sum(r.finish_reason is not None for r in reqs), len(reqs))
-        stats.wall_s = time.perf_counter() - t0
-        stats.cached_tokens = sum(r.prompt_cached for r in reqs)
-        stats.ttft_p50_s = statistics.median([r.first_token_at - t0 for r in reqs] or [0.0])
+                on_step(done, len(reqs))
+        stats = RunStats(
+            requests=len(reqs),
+            prompt_tokens=sum(len(r.input_ids) for r in reqs),
+            cached_tokens=sum(r.prompt_cached for r in reqs),
+            prefill_tokens=self.counters.prefill_tokens - prefill0,
+            decode_tokens=sum(len(r.output_ids) for r in reqs),
+            steps=self.counters.steps - steps0,
+            preemptions=self.scheduler.preemptions - preempted0,
+            wall_s=time.perf_counter() - t0,
+            ttft_p50_s=statistics.median([r.first_token_at - t0 for r in reqs] or [0.0]),
+        )
         outputs = [
             RequestOutput(
-                text=self.tokenizer.decode([t for t in r.output_ids if t != self._eos]),
+                text=self._decode(r),
                 token_ids=list(r.output_ids),
                 prompt_tokens=len(r.input_ids),
                 cached_tokens=r.prompt_cached,
@@ -293,120 +452,3 @@ class Engine:
             for r in reqs
         ]
         return GenerateResult(outputs, stats)
-
-    # --- scheduling -------------------------------------------------------------------------
-    def _admit(self, waiting: list[EngineReq], running: list[EngineReq]) -> None:
-        if not waiting or len(running) >= self.max_running:
-            return
-        if self.schedule_policy == "lpm":
-            hits = {id(r): self.cache.match_len(RadixKey(r.token_array())) for r in waiting}
-            waiting.sort(key=lambda r: (-hits[id(r)], r.order))
-            in_flight = RadixCache()  # prompts being computed now, not yet in the cache
-            for r in running:
-                if r.kv_len < len(r.input_ids):
-                    in_flight.insert(RadixKey(r.token_array())[: len(r.input_ids)])
-        for r in list(waiting):
-            if len(running) >= self.max_running:
-                break
-            key = RadixKey(r.token_array())
-            if self.schedule_policy == "lpm":
-                if in_flight.match_len(key) - hits[id(r)] > IN_BATCH_PREFIX_THRESHOLD:
-                    continue  # its prefix is being computed by another request: wait a step
-                in_flight.insert(key)
-            hit = hits[id(r)] if self.schedule_policy == "lpm" else self.cache.match_len(key)
-            need = r.num_tokens - hit + self.mgr.allocator.page_size
-            if need > self.mgr.available_tokens():
-                break
-            if not self.mgr.admit(r):
-                break
-            if r.prompt_cached < 0:
-                r.prompt_cached = r.cached_len
-            waiting.remove(r)
-            running.append(r)
-
-    def _preempt(
-        self, running: list[EngineReq], waiting: list[EngineReq], keep: EngineReq, stats: RunStats
-    ) -> bool:
-        victims = [r for r in running if r is not keep]
-        if not victims:
-            return False
-        victim = max(victims, key=lambda r: r.order)
-        self.mgr.abort(victim)
-        running.remove(victim)
-        waiting.insert(0, victim)
-        stats.preemptions += 1
-        return True
-
-    def _step(self, running: list[EngineReq], waiting: list[EngineReq], stats: RunStats) -> None:
-        budget = self.chunk_size
-        plan: list[tuple[EngineReq, int]] = []
-        # decodes first (one token each), then prefill chunks within the budget
-        for r in sorted(running, key=lambda r: (r.kv_len < len(r.input_ids), r.order)):
-            if r not in running:
-                continue  # preempted while planning
-            pending = r.num_tokens - r.kv_len
-            prefill = r.kv_len < len(r.input_ids)
-            n = min(pending, budget) if prefill else pending
-            if n <= 0:
-                continue
-            slots = self.mgr.allocate(r, n)
-            while slots is None and not prefill and self._preempt(running, waiting, r, stats):
-                plan = [(q, m) for q, m in plan if q in running]
-                slots = self.mgr.allocate(r, n)
-            if slots is None:
-                if not prefill:  # alone and still no room: requeue it
-                    self.mgr.abort(r)
-                    running.remove(r)
-                    waiting.insert(0, r)
-                    stats.preemptions += 1
-                continue
-            if prefill:
-                budget -= n
-            plan.append((r, n))
-        if not plan:
-            return
-        ids, pos, out, lens, kv = [], [], [], [], []
-        table = self.mgr.req_pool
-        for r, n in plan:
-            start = r.kv_len - n
-            ids.extend(r.token_array()[start : r.kv_len])
-            pos.extend(range(start, r.kv_len))
-            row = table.read(r.row, 0, r.kv_len)
-            out.append(row[start:])
-            kv.append(row)
-            lens.append(n)
-        dev = self.device
-        batch = ForwardBatch(
-            torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), torch.cat(out), lens, kv
-        )
-        logits = self.model(batch, self.kv)
-        for (r, n), row_logits in zip(plan, logits, strict=True):
-            was_prefill = r.kv_len - n < len(r.input_ids)
-            if was_prefill:
-                stats.prefill_tokens += n
-            else:
-                stats.decode_tokens += n
-            if r.kv_len < r.num_tokens:  # a prompt chunk: cache it, no token yet
-                self.mgr.cache_unfinished_req(r)
-                continue
-            token = self._sample(r, row_logits)
-            if r.first_token_at is None:
-                r.first_token_at = time.perf_counter()
-            r.output_ids.append(token)
-            if token == self._eos or len(r.output_ids) >= r.max_new_tokens:
-                r.finish_reason = "stop" if token == self._eos else "length"
-                self.mgr.cache_finished_req(r)
-                running.remove(r)
-            elif was_prefill:
-                self.mgr.cache_unfinished_req(r)
-
-    @staticmethod
-    def _sample(r: EngineReq, logits: torch.Tensor) -> int:
-        if r.temperature == 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float() / r.temperature, dim=-1)
-        if r.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < r.top_p
-            probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=r.generator))

@@ -1,0 +1,67 @@
+"""`EngineConfig`: every knob of the engine in one validated dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixkv.key import as_bool, as_count
+from radixkv.policy import POLICIES
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+@dataclass
+class EngineConfig:
+    """How an `Engine` runs.
+
+    Attributes:
+        prefix_cache: reuse cached prefixes (False: a disabled cache, all recomputed).
+        page_size: KV page size in tokens.
+        schedule_policy: ``fcfs``, or ``lpm`` (longest cached prefix first).
+        chunk_size: prefill tokens per step, all requests together.
+        max_running: requests running at once (rows of the request table).
+        kv_tokens: KV pool size in tokens.
+        max_context_len: longest prompt + output of one request.
+        eviction_policy: the cache's eviction policy.
+        device, dtype: where and how the model and the KV live.
+        check_memory: run ``check_memory`` and ``check_integrity`` after every step.
+        seed: seed of the random weights (``model="random"``).
+    """
+
+    prefix_cache: bool = True
+    page_size: int = 1
+    schedule_policy: str = "lpm"
+    chunk_size: int = 512
+    max_running: int = 16
+    kv_tokens: int = 8192
+    max_context_len: int = 2048
+    eviction_policy: str = "lru"
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype = torch.float32
+    check_memory: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {tuple(POLICIES)}, got {self.eviction_policy!r}"
+            )
+        for name in ("page_size", "chunk_size", "max_running", "kv_tokens", "max_context_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.kv_tokens < 2 * self.page_size:
+            raise ValueError(
+                f"kv_tokens={self.kv_tokens} must hold at least two pages of {self.page_size}"
+            )
+        as_bool(self.prefix_cache, "prefix_cache")
+        as_bool(self.check_memory, "check_memory")
+        as_count(self.seed, "seed")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")

@@ -1,0 +1,110 @@
+"""Requests as the engine sees them: sampling parameters, state, and what a step returns."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixkv.key import as_bool
+from radixkv.lifecycle import Req
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates.
+
+    Attributes:
+        max_new_tokens: generated tokens at most.
+        temperature: 0 for greedy; otherwise softmax sampling at this temperature.
+        top_p: nucleus sampling mass, in (0, 1].
+        seed: seeds this request's sampler (same seed, same tokens); ``None``: unseeded.
+        stop: strings that end the output (not included in the text).
+        ignore_eos: keep generating past the end-of-sequence token.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop must be non-empty strings")
+        object.__setattr__(self, "stop", stop)
+        as_bool(self.ignore_eos, "ignore_eos")
+
+
+@dataclass(eq=False)
+class EngineReq(Req):
+    """A request with its sampling state, timings and decoded text."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+    order: int = 0
+    arrival: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    prompt_cached: int = -1  # prompt tokens served from cache at first admission
+    preemptions: int = 0
+    text: str = ""  # the output decoded so far, stop string removed
+    stop_cut: bool = False  # ``text`` was cut at a stop string: it is final
+    sent_text: int = 0  # characters of ``text`` already handed out in step outputs
+    sent_tokens: int = 0  # output tokens already handed out
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.kv_len < len(self.input_ids)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        rid: the request id.
+        token_ids: output tokens new since the last output of this request.
+        text: output text new since the last output (held back while it may still turn
+            out to be part of a stop string or of an incomplete character).
+        finish_reason: ``stop``, ``length`` or ``abort`` once finished, else ``None``.
+        prompt_tokens, cached_tokens, output_tokens: counts so far.
+    """
+
+    rid: Any
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

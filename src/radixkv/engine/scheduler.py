@@ -1,0 +1,164 @@
+"""`Scheduler`: who runs this step, and how many tokens each computes.
+
+It owns the waiting and running queues. Each step it
+
+    1. admits waiting requests while rows and KV slots allow, in ``fcfs`` order or
+       ``lpm`` (longest cached prefix first). Under ``lpm`` a request whose prefix is
+       being computed right now by an admitted request waits a step, so a group sharing
+       a prompt computes it once (SGLang's in-batch prefix deprioritisation);
+    2. plans the batch: one token for each decode, then prompt chunks within
+       ``chunk_size`` prefill tokens; allocating evicts from the cache, and a decode that
+       still finds no slot preempts the newest other running request (`preempt`: its KV
+       is freed, it re-queues at the front and later recomputes, mostly from cache).
+
+Progress: a request is admitted only if it fits the pool alone (``add`` refuses one
+that never can), and preemption always picks the newest request, so the oldest running
+request always advances and no request is preempted forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.request import EngineReq
+from radixkv.key import RadixKey
+from radixkv.lifecycle import CacheManager
+from radixkv.tree import RadixCache
+
+# Under LPM a request waits a step when an admitted request is computing more than this
+# many tokens of its prefix right now (then it finds them cached instead of recomputing).
+IN_BATCH_PREFIX_THRESHOLD = 16
+
+Plan = list[tuple[EngineReq, int]]  # (request, tokens it computes this step)
+
+
+class Scheduler:
+    """Admission, chunked-prefill planning and preemption over a `CacheManager`."""
+
+    def __init__(self, config: EngineConfig, mgr: CacheManager) -> None:
+        self.config, self.mgr = config, mgr
+        self.waiting: deque[EngineReq] = deque()
+        self.running: list[EngineReq] = []
+        self.preemptions = 0
+        self.queried_tokens = 0  # prompt tokens looked up at first admission
+        self.hit_tokens = 0  # of which served from the cache
+
+    def max_tokens(self) -> int:
+        """The most tokens (prompt + output) one request may need: it must fit the
+        context and, with one page of slack for its partial page, the pool alone."""
+        return min(
+            self.mgr.req_pool.max_context_len,
+            self.mgr.allocator.size - self.mgr.allocator.page_size,
+        )
+
+    def add(self, req: EngineReq) -> None:
+        need = len(req.input_ids) + req.sampling.max_new_tokens
+        if need > self.mgr.req_pool.max_context_len:
+            raise ValueError(
+                f"prompt of {len(req.input_ids)} tokens + max_tokens "
+                f"{req.sampling.max_new_tokens} = {need} exceeds the context "
+                f"(max_context_len={self.mgr.req_pool.max_context_len})"
+            )
+        if need > self.max_tokens():
+            raise ValueError(
+                f"prompt of {len(req.input_ids)} tokens + max_tokens "
+                f"{req.sampling.max_new_tokens} = {need} can never fit the KV pool of "
+                f"{self.mgr.allocator.size} tokens (at most {self.max_tokens()})"
+            )
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step -----------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        """Admit, then plan this step's batch (allocating its slots)."""
+        self._admit()
+        return self._plan()
+
+    def _admit(self) -> None:
+        cfg, mgr, cache = self.config, self.mgr, self.mgr.cache
+        if not self.waiting or len(self.running) >= cfg.max_running:
+            return
+        lpm = cfg.schedule_policy == "lpm"
+        key = {id(r): RadixKey(r.token_array(), r.extra_key) for r in self.waiting}
+        hits = {id(r): cache.match_len(key[id(r)]) for r in self.waiting}
+        order = list(self.waiting)
+        if lpm:
+            order.sort(key=lambda r: (-hits[id(r)], r.order))
+            in_flight = RadixCache()  # prompts being computed now, not yet in the cache
+            for r in self.running:
+                if r.prefilling:
+                    in_flight.insert(RadixKey(r.token_array(), r.extra_key)[: len(r.input_ids)])
+        admitted = []
+        for r in order:
+            if len(self.running) >= cfg.max_running:
+                break
+            if lpm:
+                if in_flight.match_len(key[id(r)]) - hits[id(r)] > IN_BATCH_PREFIX_THRESHOLD:
+                    continue  # its prefix is being computed by another request: wait a step
+                in_flight.insert(key[id(r)])
+            need = r.num_tokens - hits[id(r)] + mgr.allocator.page_size
+            if need > mgr.available_tokens() or not mgr.admit(r):
+                break
+            if r.prompt_cached < 0:
+                r.prompt_cached = r.cached_len
+                self.queried_tokens += len(r.input_ids)
+                self.hit_tokens += r.cached_len
+            admitted.append(r)
+            self.running.append(r)
+        if admitted:
+            gone = {id(r) for r in admitted}
+            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+
+    def _plan(self) -> Plan:
+        budget = self.config.chunk_size
+        plan: Plan = []
+        # decodes first (one token each), then prefill chunks within the budget
+        for r in sorted(self.running, key=lambda r: (r.prefilling, r.order)):
+            if r not in self.running:
+                continue  # preempted while planning
+            pending = r.num_tokens - r.kv_len
+            prefill = r.prefilling
+            n = min(pending, budget) if prefill else pending
+            if n <= 0:
+                continue
+            slots = self.mgr.allocate(r, n)
+            while slots is None and not prefill:
+                victims = [q for q in self.running if q is not r]
+                if not victims:
+                    break
+                self.preempt(max(victims, key=lambda q: q.order))
+                plan = [(q, m) for q, m in plan if q in self.running]
+                slots = self.mgr.allocate(r, n)
+            if slots is None:
+                if not prefill:  # alone and still no room: cannot happen after `add`
+                    raise RuntimeError(f"request {r.rid!r} does not fit the KV pool alone")
+                continue  # a prefill chunk waits for memory
+            if prefill:
+                budget -= n
+            plan.append((r, n))
+        return plan
+
+    # --- moving requests ------------------------------------------------------------------
+    def preempt(self, req: EngineReq) -> None:
+        """Free the request's KV and put it first in line (it recomputes later)."""
+        self.mgr.abort(req)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        req.preemptions += 1
+        self.preemptions += 1
+
+    def finish(self, req: EngineReq) -> None:
+        """A finished request: cache its prompt and output, release its memory."""
+        self.mgr.cache_finished_req(req)
+        self.running.remove(req)
+
+    def abort(self, req: EngineReq) -> None:
+        """Drop the request wherever it is; frees its KV (nothing is cached)."""
+        if req in self.running:
+            self.mgr.abort(req)
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
