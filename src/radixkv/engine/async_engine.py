@@ -1,0 +1,216 @@
+"""`AsyncEngine`: the engine's step loop on one background thread, for asyncio callers.
+
+The thread is the only one that touches the engine, and so its cache, pools and model
+(a `RadixCache` is not thread-safe). Callers on any event loop talk to it through a
+command queue (``add``, ``abort``, ``flush``, any function of the engine via ``call``);
+outputs come back to each request's ``asyncio.Queue`` through
+``loop.call_soon_threadsafe``. While nothing is unfinished the thread sleeps on the
+command queue; otherwise it steps as fast as the model runs, taking new commands
+between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.request import SamplingParams, StepOutput
+
+log = logging.getLogger("radixkv.engine")
+T = TypeVar("T")
+IDLE_WAIT_S = 0.1  # how long an idle loop sleeps on the command queue at a time
+
+
+class EngineDead(RuntimeError):
+    """The engine loop has stopped (shut down, or failed); no request can be served."""
+
+
+class QueueFull(RuntimeError):
+    """``max_queue`` requests are already waiting; try again later."""
+
+
+class AsyncEngine:
+    """Serve an `Engine` to asyncio code.
+
+    Args:
+        engine: the engine; from ``start()`` on, only the loop thread may use it.
+        max_queue: waiting (not yet admitted) requests at most; beyond, ``generate``
+            raises `QueueFull`.
+    """
+
+    def __init__(self, engine: Engine, max_queue: int = 1024) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue must be a positive int, got {max_queue!r}")
+        self.engine, self.max_queue = engine, max_queue
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future]] = (
+            queue.SimpleQueue()
+        )
+        self._streams: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._running = threading.Event()
+        self._running.set()
+        self.error: BaseException | None = None  # what killed the loop, if anything
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already started")
+        self._thread = threading.Thread(target=self._loop, name="radixkv-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def pause(self) -> None:
+        """Stop stepping (commands are still taken); for maintenance and tests."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def abort_all(self) -> Future:
+        """Abort every unfinished request (thread-safe; e.g. from a signal handler)."""
+
+        def abort_all(engine: Engine) -> int:
+            rids = list(engine.requests)
+            for rid in rids:
+                engine.abort(rid)
+            self._dispatch(engine.step())  # reports the aborts; nothing is left to run
+            return len(rids)
+
+        return self._submit(abort_all)
+
+    async def stop(self) -> None:
+        """Abort what is in flight (streams end with finish reason ``abort``), then end
+        the loop and join its thread."""
+        if self._thread is None or self._stopping:
+            return
+        await asyncio.wrap_future(self.abort_all())
+        self._stopping = True
+        self._running.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # --- calls ------------------------------------------------------------------------------
+    def _submit(self, fn: Callable[[Engine], T]) -> Future:
+        fut: Future = Future()
+        if self._stopping or self.error is not None or self._thread is None:
+            fut.set_exception(EngineDead("the engine is not running"))
+            return fut
+        self._commands.put((fn, fut))
+        return fut
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread and return its result."""
+        return await asyncio.wrap_future(self._submit(fn))
+
+    async def flush_cache(self) -> int:
+        return await self.call(lambda e: e.flush_cache())
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling: SamplingParams | None = None,
+        rid: Any = None,
+        extra_key: Any = None,
+        chat: bool = True,
+    ) -> AsyncIterator[StepOutput]:
+        """Queue a request and yield its outputs as steps produce them, the last one
+        with a finish reason. Leaving early (``break``, cancellation, a closed client
+        connection) aborts the request and frees its KV.
+
+        Raises:
+            ValueError / TypeError: a bad request (from `Engine.add_request`).
+            QueueFull: ``max_queue`` requests are waiting.
+            EngineDead: the loop is not running.
+        """
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        rid = uuid.uuid4().hex if rid is None else rid
+
+        def add(engine: Engine) -> Any:
+            if engine.num_waiting() >= self.max_queue:
+                raise QueueFull(f"{engine.num_waiting()} requests are waiting already")
+            engine.add_request(prompt, sampling, rid, extra_key, chat)
+            self._streams[rid] = (loop, stream)
+            return rid
+
+        await asyncio.wrap_future(self._submit(add))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._submit(lambda e: (self._streams.pop(rid, None), e.abort(rid)))
+
+    # --- the loop ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while True:
+            idle = not engine.has_unfinished() or not self._running.is_set()
+            self._run_commands(wait=idle and not self._stopping)
+            if self._stopping:
+                break
+            if not self._running.is_set() or not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except BaseException as e:  # a bug or a device failure: fail loudly, once
+                log.exception("the engine step failed; the engine stops")
+                self._die(e)
+                return
+            self._dispatch(outputs)
+        self._die(EngineDead("the engine was shut down"))
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            target = self._streams.get(out.rid)
+            if target is None:
+                continue
+            if out.finished:
+                del self._streams[out.rid]
+            target[0].call_soon_threadsafe(target[1].put_nowait, out)
+
+    def _run_commands(self, wait: bool) -> None:
+        try:
+            item = self._commands.get(timeout=IDLE_WAIT_S) if wait else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:
+                    fut.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _die(self, error: BaseException) -> None:
+        self.error = error
+        dead = error if isinstance(error, EngineDead) else EngineDead(f"engine failed: {error!r}")
+        for loop, stream in self._streams.values():
+            loop.call_soon_threadsafe(stream.put_nowait, dead)
+        self._streams.clear()
+        while True:  # commands that arrived too late
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(dead)
