@@ -145,7 +145,113 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--max-new-tokens", type=positive_int, default=24)
     demo.add_argument("--page-size", type=positive_int, default=1)
+    add_serve_parser(sub, common)
     return parser
+
+
+def add_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    serve = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="an OpenAI-compatible server with prefix caching",
+        description="Serve a model over the OpenAI API (completions, chat, streaming) with "
+        "prefix caching, Prometheus metrics at /metrics and per-tenant cache salts.",
+    )
+    serve.add_argument(
+        "--model",
+        default="auto",
+        help="auto (SmolLM2 if installed, else a tiny random model), smollm2, random, or a "
+        "checkpoint folder [auto]",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind [127.0.0.1]")
+    serve.add_argument("--port", type=_number(int, 0, "a port number"), default=8000)
+    serve.add_argument("--served-model-name", help="the model id clients send [the model's]")
+    serve.add_argument("--page-size", type=positive_int, default=16, help="[16]")
+    serve.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV pool [65536]")
+    serve.add_argument(
+        "--max-running", type=positive_int, default=32, help="requests running at once [32]"
+    )
+    serve.add_argument(
+        "--chunk-size", type=positive_int, default=512, help="prefill tokens per step [512]"
+    )
+    serve.add_argument(
+        "--max-context-len", type=positive_int, default=4096, help="prompt + output [4096]"
+    )
+    serve.add_argument("--eviction-policy", default="lru", help="lru, lfu, fifo, ... [lru]")
+    serve.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
+    serve.add_argument(
+        "--no-prefix-cache", action="store_true", help="recompute every prompt (a baseline)"
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=1024,
+        help="waiting requests at most; beyond, 503 with Retry-After [1024]",
+    )
+    serve.add_argument(
+        "--check-memory",
+        action="store_true",
+        help="verify every memory invariant after each step; a violation stops the engine "
+        "and /health turns 503 (slow: for tests and debugging)",
+    )
+    serve.add_argument(
+        "--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
+
+
+def _require_serve_extra() -> None:
+    import importlib.util
+
+    lacking = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if lacking:
+        raise CliError(
+            f"needs {', '.join(lacking)} (the serve extra): pip install 'radixkv[serve]'"
+        )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _require_serve_extra()
+    from radixkv.engine.config import EngineConfig
+    from radixkv.server.serve import ServeConfig, build_server
+
+    if args.port > 65535:
+        raise CliError(f"--port: must be a port number, got {args.port}")
+    try:
+        engine_config = EngineConfig(
+            prefix_cache=not args.no_prefix_cache,
+            page_size=args.page_size,
+            schedule_policy=args.schedule_policy,
+            chunk_size=args.chunk_size,
+            max_running=args.max_running,
+            kv_tokens=args.kv_tokens,
+            max_context_len=args.max_context_len,
+            eviction_policy=args.eviction_policy,
+            check_memory=args.check_memory,
+        )
+    except ValueError as e:
+        flag = str(e).split(" ", 1)[0].replace("_", "-")
+        raise CliError(f"--{flag}: {e}") from None
+    serve = ServeConfig(
+        args.model, args.host, args.port, args.served_model_name, args.max_queue, args.log_level
+    )
+    try:
+        server, aeng = build_server(serve, engine_config)
+    except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
+        raise CliError(f"--model {args.model}: {e}") from None
+    name = server.config.app.state.api.model_name
+    print(
+        f"radixkv serve: {name} ({aeng.engine.model_name}) on "
+        f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    server.run()
+    if not server.started:
+        raise CliError(f"--port: could not listen on {args.host}:{args.port}")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -330,6 +436,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": cmd_simulate,
     "demo": cmd_demo,
+    "serve": cmd_serve,
 }
 
 

@@ -118,6 +118,7 @@ class CacheManager:
             )
         self.cache, self.allocator, self.req_pool = cache, allocator, req_pool
         self.running: dict[int, Req] = {}  # row -> request
+        self.evicted_tokens = 0  # evicted to make room, since the start
 
     # --- helpers ------------------------------------------------------------------------
     def _key(self, req: Req, n: int) -> RadixKey:
@@ -212,7 +213,7 @@ class CacheManager:
         if slots is None:
             room = align_up(req.kv_len, p) - req.kv_len if last >= 0 else 0
             need = align_up(n - room, p) - self.allocator.available_size()
-            self.cache.evict(max(need, 0))
+            self.evicted_tokens += self.cache.evict(max(need, 0))
             slots = self.allocator.alloc_extend(last, n)
             if slots is None:
                 return None

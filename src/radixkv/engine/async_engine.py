@@ -18,6 +18,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 from radixkv.engine.engine import Engine
@@ -115,7 +116,7 @@ class AsyncEngine:
     async def flush_cache(self) -> int:
         return await self.call(lambda e: e.flush_cache())
 
-    async def generate(
+    async def submit(
         self,
         prompt: Any,
         sampling: SamplingParams | None = None,
@@ -123,9 +124,9 @@ class AsyncEngine:
         extra_key: Any = None,
         chat: bool = True,
     ) -> AsyncIterator[StepOutput]:
-        """Queue a request and yield its outputs as steps produce them, the last one
-        with a finish reason. Leaving early (``break``, cancellation, a closed client
-        connection) aborts the request and frees its KV.
+        """Queue a request; returns the async iterator of its outputs (the last one has
+        a finish reason). Closing the iterator early (``aclose``, ``break`` inside
+        ``aclosing``, cancellation) aborts the request and frees its KV.
 
         Raises:
             ValueError / TypeError: a bad request (from `Engine.add_request`).
@@ -144,17 +145,35 @@ class AsyncEngine:
             return rid
 
         await asyncio.wrap_future(self._submit(add))
+        return self._outputs(rid, stream)
+
+    async def _outputs(self, rid: Any, stream: asyncio.Queue) -> AsyncIterator[StepOutput]:
         finished = False
         try:
             while not finished:
                 out = await stream.get()
                 if isinstance(out, BaseException):
+                    finished = True  # nothing to abort: the loop is gone
                     raise out
                 finished = out.finished
                 yield out
         finally:
             if not finished:
                 self._submit(lambda e: (self._streams.pop(rid, None), e.abort(rid)))
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling: SamplingParams | None = None,
+        rid: Any = None,
+        extra_key: Any = None,
+        chat: bool = True,
+    ) -> AsyncIterator[StepOutput]:
+        """`submit` and iterate in one: ``async for out in engine.generate(...)``."""
+        outputs = await self.submit(prompt, sampling, rid, extra_key, chat)
+        async with aclosing(outputs):
+            async for out in outputs:
+                yield out
 
     # --- the loop ---------------------------------------------------------------------------
     def _loop(self) -> None:

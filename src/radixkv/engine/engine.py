@@ -281,7 +281,9 @@ class Engine:
 
     def flush_cache(self) -> int:
         """Drop every cached token no running request holds; returns how many."""
-        return self.cache.evict(self.cache.evictable_size())
+        n = self.cache.evict(self.cache.evictable_size())
+        self.mgr.evicted_tokens += n
+        return n
 
     # --- the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:

@@ -1,0 +1,3 @@
+"""The OpenAI-compatible HTTP server (``radixkv serve``), its metrics and ``bench-serve``.
+
+Needs the ``serve`` extra (FastAPI, uvicorn, prometheus_client, httpx)."""

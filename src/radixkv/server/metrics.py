@@ -1,0 +1,93 @@
+"""Prometheus metrics under ``radixkv:`` (scraped at ``GET /metrics``).
+
+Engine totals and gauges are read from the engine at scrape time (plain ints written by
+the engine thread; a read is a snapshot). Latency histograms are observed by the HTTP
+handlers, where a client sees them: time to first token from the request's arrival,
+inter-token latency between streamed outputs, end-to-end latency to the last one.
+
+Prefix-cache queries and hits mean what vLLM's ``prefix_cache_queries`` and
+``prefix_cache_hits`` mean: prompt tokens looked up, and of them served from the cache
+(counted once per request, at its first admission).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.request import FINISH_REASONS
+
+# seconds; fine at the low end (a tiny model's steps are milliseconds)
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class EngineCollector(Collector):
+    """Counters and gauges read from the engine at scrape time."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        e, labels = self.engine, ["model_name"]
+        values: list[tuple[type, str, str, float]] = [
+            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the "
+             "prefix cache (once per request, at first admission)", e.scheduler.queried_tokens),
+            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens served from the prefix "
+             "cache", e.scheduler.hit_tokens),
+            (CounterMetricFamily, "prompt_tokens", "Prompt tokens received",
+             e.counters.prompt_tokens),
+            (CounterMetricFamily, "generation_tokens", "Tokens generated",
+             e.counters.generation_tokens),
+            (CounterMetricFamily, "prefill_computed_tokens", "Prompt tokens computed by the "
+             "model (recomputation after preemption included)", e.counters.prefill_tokens),
+            (CounterMetricFamily, "evicted_tokens", "Cached tokens evicted from the KV pool",
+             e.mgr.evicted_tokens),
+            (CounterMetricFamily, "num_preemptions", "Requests preempted (KV freed, "
+             "recomputed later)", e.scheduler.preemptions),
+            (GaugeMetricFamily, "num_requests_running", "Requests admitted and running",
+             e.num_running()),
+            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting for admission",
+             e.num_waiting()),
+            (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of the KV pool in use "
+             "(running requests and cached prefixes)", e.kv_usage()),
+            (GaugeMetricFamily, "prefix_cache_tokens", "Tokens held by the prefix cache",
+             e.cache.total_size()),
+        ]  # fmt: skip
+        for family, name, doc, value in values:
+            m = family(f"radixkv:{name}", doc, labels=labels)
+            m.add_metric([self.model_name], value)
+            yield m
+        done = CounterMetricFamily(
+            "radixkv:request_success", "Finished requests by finish reason",
+            labels=["model_name", "finished_reason"],
+        )  # fmt: skip
+        for reason in FINISH_REASONS:
+            done.add_metric([self.model_name, reason], e.counters.finished.get(reason, 0))
+        yield done
+
+
+class ServerMetrics:
+    """A registry of its own (several servers may live in one process, as in tests)."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        self.model_name = model_name
+
+        def hist(name: str, doc: str) -> Any:
+            return Histogram(
+                f"radixkv:{name}", doc, ["model_name"], registry=self.registry,
+                buckets=LATENCY_BUCKETS,
+            ).labels(model_name)  # fmt: skip
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token")
+        self.itl = hist("inter_token_latency_seconds", "Time between streamed outputs")
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last output")

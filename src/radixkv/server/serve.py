@@ -1,0 +1,74 @@
+"""``radixkv serve``: build the engine, serve the app with uvicorn, shut down cleanly.
+
+On SIGINT or SIGTERM the server stops accepting connections, aborts every request in
+flight (streams end with finish reason ``abort``, their KV is freed), stops the engine
+loop and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from radixkv.engine.async_engine import AsyncEngine
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.engine import Engine
+
+log = logging.getLogger("radixkv.serve")
+GRACEFUL_TIMEOUT_S = 5  # at most this long for open connections after the aborts
+
+
+@dataclass
+class ServeConfig:
+    """Where and how to serve."""
+
+    model: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    max_queue: int = 1024
+    log_level: str = "warning"
+
+
+def served_name(engine: Engine, model: str) -> str:
+    """The model id clients send: the loaded model, not the word that picked it."""
+    if engine.model_name.startswith("SmolLM2"):
+        return "SmolLM2-135M-Instruct"
+    if engine.model_name.startswith("tiny random"):
+        return "random"
+    return Path(model).name or model
+
+
+def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, AsyncEngine]:
+    """A uvicorn server (not yet running) and its engine loop."""
+    import uvicorn
+
+    from radixkv.server.app import build_app
+
+    engine = Engine(serve.model, engine_config)
+    name = serve.served_model_name or served_name(engine, serve.model)
+    aeng = AsyncEngine(engine, serve.max_queue)
+    app = build_app(aeng, name)
+    config = uvicorn.Config(
+        app,
+        host=serve.host,
+        port=serve.port,
+        log_level=serve.log_level,
+        access_log=serve.log_level in ("info", "debug", "trace"),
+        timeout_graceful_shutdown=GRACEFUL_TIMEOUT_S,
+    )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if aeng.alive:  # end the streams now, so open connections close at once
+                aeng.abort_all()
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises a caught signal after shutting down (exit 130/143);
+            # a requested, completed shutdown exits 0
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    return Server(config), aeng
