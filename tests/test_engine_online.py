@@ -98,7 +98,7 @@ def test_stop_strings_cut_the_text_and_streamed_text_adds_up():
     assert len(full) > 8
     stop = full[5:8]
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=24, stop=(stop,)))
-    ids, text, reason = run_all(engine)[rid]
+    _ids, text, reason = run_all(engine)[rid]
     assert reason == "stop" and text == full[: full.find(stop)]
 
 

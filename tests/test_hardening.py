@@ -5,7 +5,6 @@ records, command lines); the examples found by hand are pinned as table rows."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -75,7 +74,7 @@ def test_bad_keys_are_refused_even_by_a_disabled_cache(bad, error, disable):
     cache = filled_cache(disable=disable)
     before = snapshot(cache)
     for call in (cache.match_prefix, cache.match_len, cache.insert):
-        with pytest.raises(error, match="token_ids|key"):
+        with pytest.raises(error, match=r"token_ids|key"):
             call(bad)
     assert snapshot(cache) == before
 
