@@ -396,3 +396,45 @@ def test_a_full_queue_answers_503_then_shutdown_aborts_streams_and_exits_0():
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
+
+
+# --- bench-serve -----------------------------------------------------------------------------
+def test_bench_serve_reports_latencies_and_the_servers_hit_rate(server, tmp_path, capsys):
+    from radixkv.cli import main
+
+    out = tmp_path / "bench.json"
+    argv = ["bench-serve", "--url", server.url, "--num-prompts", "12", "--groups", "2",
+            "--prompts-per-group", "6", "--system-words", "60", "--max-tokens", "4",
+            "--max-concurrency", "4", "--time-limit", "60", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert rep["requests"] == {"planned": 12, "completed": 12, "failed": 0, "not_finished": 0}
+    assert rep["output_tokens"] == 48 and len(rep["outputs"]) == 12
+    assert 0.5 < rep["server_hit_rate"] <= 1 and rep["cached_tokens"] > 0
+    assert rep["ttft_s"]["p50"] > 0 and rep["e2e_s"]["p99"] >= rep["e2e_s"]["p50"]
+    assert "time to first token" in capsys.readouterr().out
+    turns = ["bench-serve", "--url", server.url, "--workload", "multi-turn",
+             "--conversations", "2", "--turns", "3", "--num-prompts", "6", "--max-tokens", "3",
+             "--first-words", "20", "--message-words", "5", "--json", str(out)]  # fmt: skip
+    assert main(turns) == 0
+    rep = json.loads(out.read_text())
+    assert rep["requests"]["completed"] == 6 and rep["cached_tokens"] > 0  # later turns hit
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://example.com", "ftp://127.0.0.1"])
+def test_bench_serve_only_loads_loopback(url, capsys):
+    from radixkv.cli import main
+
+    assert main(["bench-serve", "--url", url]) == 2
+    assert capsys.readouterr().err.startswith("error: --url")
+
+
+def test_bench_serve_stops_at_its_time_limit(server, capsys):
+    from radixkv.cli import main
+
+    t0 = time.monotonic()
+    code = main(["bench-serve", "--url", server.url, "--num-prompts", "40",
+                 "--max-tokens", "400", "--system-words", "10", "--max-concurrency", "2",
+                 "--time-limit", "1.5"])  # fmt: skip
+    assert time.monotonic() - t0 < 10
+    assert code in (0, 1) and "unfinished" in capsys.readouterr().out

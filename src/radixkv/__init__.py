@@ -1,14 +1,26 @@
 """radixkv: automatic prefix caching for LLM KV caches.
 
-``import radixkv`` is light: the key, the tree and its policies. The engine, the
-simulator and plotting import lazily from their own subpackages.
+``import radixkv`` is light (no torch, no numpy): the names below load on first use, so
+``from radixkv import RadixCache`` (or ``radixkv.RadixCache``) imports the tree, numpy
+and torch (about 2-3 s the first time), while the command line starts without them. The
+engine, the simulator, the server and plotting import from their own subpackages.
 """
 
-from radixkv.key import RadixKey
-from radixkv.policy import POLICIES
-from radixkv.tree import InsertResult, MatchResult, RadixCache, TreeNode
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "RadixKey": "radixkv.key",
+    "POLICIES": "radixkv.policy",
+    "InsertResult": "radixkv.tree",
+    "MatchResult": "radixkv.tree",
+    "RadixCache": "radixkv.tree",
+    "TreeNode": "radixkv.tree",
+}
 
 __all__ = [
     "POLICIES",
@@ -19,3 +31,21 @@ __all__ = [
     "TreeNode",
     "__version__",
 ]
+
+if TYPE_CHECKING:
+    from radixkv.key import RadixKey
+    from radixkv.policy import POLICIES
+    from radixkv.tree import InsertResult, MatchResult, RadixCache, TreeNode
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'radixkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -8,6 +8,7 @@ failure prints one ``error:`` line and exits 1. Never a traceback, unless ``--de
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=positive_int, default=24)
     demo.add_argument("--page-size", type=positive_int, default=1)
     add_serve_parser(sub, common)
+    add_bench_serve_parser(sub, common)
     return parser
 
 
@@ -199,6 +201,15 @@ def add_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
 
 
+def _flag_error(e: ValueError) -> CliError:
+    """A config error ("kv_tokens must be ...", "url: ...") as ``--flag: message``."""
+    text = str(e)
+    name, _, rest = text.partition(" ")
+    if name.endswith(":"):
+        name, text = name[:-1], rest
+    return CliError(f"--{name.replace('_', '-')}: {text}")
+
+
 SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
 
 
@@ -210,6 +221,106 @@ def _require_serve_extra() -> None:
         raise CliError(
             f"needs {', '.join(lacking)} (the serve extra): pip install 'radixkv[serve]'"
         )
+
+
+def add_bench_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    b = sub.add_parser(
+        "bench-serve",
+        parents=[common],
+        help="load-test an OpenAI-compatible server on loopback",
+        description="Send a bounded, seeded workload to a server on this machine and report "
+        "time to first token, inter-token and end-to-end latency (p50/p90/p99), throughput "
+        "and the server's prefix-cache hit rate.",
+    )
+    b.add_argument("--url", default="http://127.0.0.1:8000", help="[http://127.0.0.1:8000]")
+    b.add_argument("--workload", choices=["shared-prefix", "multi-turn", "file"],
+                   default="shared-prefix")  # fmt: skip
+    b.add_argument("--dataset", help="JSONL of prompts for --workload file")
+    b.add_argument("--num-prompts", type=positive_int, default=64, help="requests at most [64]")
+    b.add_argument(
+        "--request-rate",
+        type=_number(float, 0.0, "a positive number or inf"),
+        default=math.inf,
+        help="Poisson arrivals per second; inf sends at once [inf]",
+    )
+    b.add_argument("--max-concurrency", type=positive_int, default=8, help="in flight [8]")
+    b.add_argument(
+        "--time-limit",
+        type=_number(float, 0.001, "a positive number of seconds"),
+        default=600.0,
+        help="seconds; then nothing new is sent and in-flight requests stop [600]",
+    )
+    b.add_argument("--max-tokens", type=positive_int, default=32, help="per request [32]")
+    b.add_argument("--groups", type=positive_int, default=8, help="shared-prefix groups [8]")
+    b.add_argument("--prompts-per-group", type=positive_int, default=8, help="[8]")
+    b.add_argument("--system-words", type=positive_int, default=1000,
+                   help="shared system prompt length in words (~tokens) [1000]")  # fmt: skip
+    b.add_argument("--question-words", type=positive_int, default=24, help="[24]")
+    b.add_argument("--conversations", type=positive_int, default=8, help="multi-turn [8]")
+    b.add_argument("--turns", type=positive_int, default=4, help="multi-turn [4]")
+    b.add_argument("--first-words", type=positive_int, default=200,
+                   help="multi-turn first message length [200]")  # fmt: skip
+    b.add_argument("--message-words", type=positive_int, default=24,
+                   help="multi-turn later messages [24]")  # fmt: skip
+    b.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    b.add_argument("--model", help="model id to send [the server's]")
+    b.add_argument("--seed", type=_number(int, 0, "a non-negative integer"), default=0)
+    b.add_argument("--json", dest="json_out", help="write the report (with outputs) here")
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    _require_serve_extra()
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from radixkv.server.bench_serve import BenchConfig, format_report, run_bench, write_json
+
+    _check_output("--json", args.json_out)
+    if args.json_out == "-":
+        raise CliError("--json: give a file name")
+    try:
+        cfg = BenchConfig(
+            url=args.url,
+            workload=args.workload,
+            dataset=args.dataset,
+            num_prompts=args.num_prompts,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            time_limit=args.time_limit,
+            max_tokens=args.max_tokens,
+            groups=args.groups,
+            prompts_per_group=args.prompts_per_group,
+            system_words=args.system_words,
+            question_words=args.question_words,
+            conversations=args.conversations,
+            turns=args.turns,
+            first_words=args.first_words,
+            message_words=args.message_words,
+            seed=args.seed,
+            model=args.model,
+            endpoint=args.endpoint,
+        )
+    except ValueError as e:
+        raise _flag_error(e) from None
+    console = Console(stderr=True)
+    import httpx
+
+    try:
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task(f"{cfg.workload} requests", total=None)
+            rep = asyncio.run(
+                run_bench(cfg, lambda done, total: bar.update(task, completed=done, total=total))
+            )
+    except httpx.TransportError as e:
+        raise CliError(f"--url {args.url}: cannot reach the server ({e})") from None
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    format_report(rep, Console())
+    if args.json_out:
+        write_json(rep, args.json_out)
+    return 0 if rep["requests"]["completed"] else 1
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -232,8 +343,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             check_memory=args.check_memory,
         )
     except ValueError as e:
-        flag = str(e).split(" ", 1)[0].replace("_", "-")
-        raise CliError(f"--{flag}: {e}") from None
+        raise _flag_error(e) from None
     serve = ServeConfig(
         args.model, args.host, args.port, args.served_model_name, args.max_queue, args.log_level
     )
@@ -437,6 +547,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": cmd_simulate,
     "demo": cmd_demo,
     "serve": cmd_serve,
+    "bench-serve": cmd_bench_serve,
 }
 
 

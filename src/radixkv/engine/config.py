@@ -58,7 +58,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.kv_tokens < 2 * self.page_size:
             raise ValueError(
-                f"kv_tokens={self.kv_tokens} must hold at least two pages of {self.page_size}"
+                f"kv_tokens must hold at least two pages of {self.page_size} tokens, "
+                f"got {self.kv_tokens}"
             )
         as_bool(self.prefix_cache, "prefix_cache")
         as_bool(self.check_memory, "check_memory")
