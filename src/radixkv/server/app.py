@@ -147,11 +147,14 @@ class Api:
 
     # --- running ----------------------------------------------------------------------------
     async def start(
-        self, ids: list[int], sampling: SamplingParams, salt: str | None
-    ) -> tuple[str, AsyncIterator[StepOutput]]:
-        rid = uuid.uuid4().hex
+        self, ids: list[int], sampling: SamplingParams, salt: str | None, arrival: float
+    ) -> tuple[StepOutput, AsyncIterator[StepOutput]]:
+        """Submit the request and wait for its first output, so that a refusal becomes
+        an HTTP error before any response starts. Returns (first output, the rest)."""
+        submitted = await self.aeng.submit(ids, sampling, None, salt, chat=False)
+        outputs = self.timed(submitted, arrival)
         try:
-            outputs = await self.aeng.submit(ids, sampling, rid, salt, chat=False)
+            first = await anext(outputs)
         except QueueFull as e:
             raise ApiError(
                 503,
@@ -164,11 +167,12 @@ class Api:
             raise ApiError(503, str(e), code="engine_dead", kind="server_error") from None
         except ValueError as e:
             raise ApiError(400, str(e), "max_tokens") from None
-        return rid, outputs
+        return first, outputs
 
-    async def timed(self, outputs: AsyncIterator[StepOutput]) -> AsyncIterator[StepOutput]:
+    async def timed(
+        self, outputs: AsyncIterator[StepOutput], arrival: float
+    ) -> AsyncIterator[StepOutput]:
         """Pass outputs through, observing TTFT, inter-token and end-to-end latency."""
-        arrival = time.perf_counter()
         last = None
         async with aclosing(outputs):
             async for out in outputs:
@@ -203,17 +207,19 @@ async def _until_disconnected(request: Request) -> None:
 
 
 async def _collect_or_abort(
-    request: Request, outputs: AsyncIterator[StepOutput]
+    request: Request, first: StepOutput, outputs: AsyncIterator[StepOutput]
 ) -> tuple[str, StepOutput] | None:
     """All outputs of a non-streamed request; a client that disconnects first cancels
     it (the request is aborted and its KV freed)."""
+    if first.finished:
+        return first.text, first
 
     async def collect() -> tuple[str, StepOutput]:
-        text, last = [], None
-        async for out in outputs:
-            text.append(out.text)
-            last = out
-        assert last is not None
+        text, last = [first.text], first
+        async with aclosing(outputs):
+            async for out in outputs:
+                text.append(out.text)
+                last = out
         return "".join(text), last
 
     task = asyncio.ensure_future(collect())
@@ -230,12 +236,13 @@ async def _collect_or_abort(
 
 
 def build_app(aeng: AsyncEngine, model_name: str, owns_engine: bool = True) -> FastAPI:
-    """The FastAPI app. With ``owns_engine`` it starts the engine loop at startup and
-    stops it (aborting what is in flight) at shutdown."""
+    """The FastAPI app over a started (or, with ``owns_engine``, a not yet started)
+    engine loop. With ``owns_engine`` it starts the loop at startup if needed and stops
+    it (aborting what is in flight) at shutdown."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        if owns_engine:
+        if owns_engine and not aeng.started:
             aeng.start()
         try:
             yield
@@ -263,6 +270,7 @@ def build_app(aeng: AsyncEngine, model_name: str, owns_engine: bool = True) -> F
 
     async def serve(
         request: Request,
+        arrival: float,
         kind: str,
         ids: list[int],
         req: Any,
@@ -271,32 +279,31 @@ def build_app(aeng: AsyncEngine, model_name: str, owns_engine: bool = True) -> F
         final: Callable[[str, StepOutput], dict],
     ) -> Response:
         sampling = api._sampling(req, ids, max_tokens, kind)
-        _, outputs = await api.start(ids, sampling, req.cache_salt)
-        outputs = api.timed(outputs)
+        first, outputs = await api.start(ids, sampling, req.cache_salt, arrival)
         if not req.stream:
-            done = await _collect_or_abort(request, outputs)
+            done = await _collect_or_abort(request, first, outputs)
             if done is None:  # the client went away; its request was aborted
                 return Response(status_code=499)
             return JSONResponse(final(*done))
         usage = req.stream_options is not None and req.stream_options.include_usage
 
         async def events() -> AsyncIterator[str]:
-            first = True
             async with aclosing(outputs):
-                async for out in outputs:
-                    if out.text or out.finished or first:
-                        yield _sse(chunk(out.text, out.finish_reason, first))
-                        first = False
-                    if out.finished and usage:
-                        yield _sse(
-                            {**chunk("", None, False), "choices": [], "usage": api.usage(out)}
-                        )
+                yield _sse(chunk(first.text, first.finish_reason, True))
+                out = first
+                while not out.finished:
+                    out = await anext(outputs)
+                    if out.text or out.finished:
+                        yield _sse(chunk(out.text, out.finish_reason, False))
+                if usage:
+                    yield _sse({**chunk("", None, False), "choices": [], "usage": api.usage(out)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
         req = await _parse(request, CompletionRequest)
         api._check_common(req)
         ids = api.completion_ids(req)
@@ -310,10 +317,11 @@ def build_app(aeng: AsyncEngine, model_name: str, owns_engine: bool = True) -> F
         def final(text: str, last: StepOutput) -> dict:
             return {**chunk(text, last.finish_reason, False), "usage": api.usage(last)}
 
-        return await serve(request, "completion", ids, req, req.max_tokens, chunk, final)
+        return await serve(request, arrival, "completion", ids, req, req.max_tokens, chunk, final)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        arrival = time.perf_counter()
         req = await _parse(request, ChatCompletionRequest)
         api._check_common(req)
         ids = api.chat_ids(req)
@@ -335,7 +343,7 @@ def build_app(aeng: AsyncEngine, model_name: str, owns_engine: bool = True) -> F
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
-        return await serve(request, "chat", ids, req, max_tokens, chunk, final)
+        return await serve(request, arrival, "chat", ids, req, max_tokens, chunk, final)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -47,9 +47,9 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
 
     from radixkv.server.app import build_app
 
-    engine = Engine(serve.model, engine_config)
-    name = serve.served_model_name or served_name(engine, serve.model)
-    aeng = AsyncEngine(engine, serve.max_queue)
+    aeng = AsyncEngine(lambda: Engine(serve.model, engine_config), serve.max_queue)
+    aeng.start()  # builds the engine on its own thread (see AsyncEngine)
+    name = serve.served_model_name or served_name(aeng.engine, serve.model)
     app = build_app(aeng, name)
     config = uvicorn.Config(
         app,

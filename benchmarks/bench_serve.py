@@ -1,0 +1,205 @@
+"""`radixkv serve` over HTTP: the prefix cache's effect on time to first token, and what
+the HTTP layer costs.
+
+    python benchmarks/bench_serve.py                 # SmolLM2 when installed, else random
+    python benchmarks/bench_serve.py --model random --json out.json
+
+1. Cache on vs ``--no-prefix-cache``: eight groups of prompts sharing a ~1,000-token
+   system prompt, fixed concurrency, greedy; a server process per setting, driven by
+   ``bench-serve``'s client. Reports TTFT p50 (and the ratio), the hit rate against the
+   best this arrival order allows (each prefix computed once, the last prompt token
+   always computed, whole pages), and whether the outputs are identical.
+2. Serving overhead: the tiny random model at concurrency 1, the same prompts through
+   HTTP and through an in-process `Engine`; the difference of the TTFT medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from radixkv import RadixCache, RadixKey
+from radixkv.engine.engine import Engine, load_model
+from radixkv.engine.request import SamplingParams
+from radixkv.server.bench_serve import BenchConfig, run_bench, shared_prefix_items
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SERVER = ["--page-size", "16", "--kv-tokens", "65536", "--max-running", "16"]
+SERVER += ["--max-context-len", "4096", "--chunk-size", "2048"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``radixkv serve`` process on a free loopback port."""
+
+    def __init__(self, *args: str) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        cmd = [sys.executable, "-m", "radixkv.cli", "serve", "--port", port, *args]
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300  # a first SmolLM2 run converts its GGUF
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {' '.join(cmd)}")
+            try:
+                httpx.get(f"{self.url}/health", timeout=1).raise_for_status()
+                return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        raise RuntimeError("server did not start")
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def best_hit_rate(model: str, cfg: BenchConfig, page: int) -> float:
+    """Hits if every shared prefix were computed once, in arrival order (ceiling)."""
+    engine_tok = load_model(model)[1]
+    tree = RadixCache(page_size=page)
+    hit = total = 0
+    for item in shared_prefix_items(cfg):
+        ids = engine_tok.encode(item.prompt)
+        key = RadixKey(ids)
+        hit += tree.match_len(key[: len(ids) - 1])
+        total += len(ids)
+        tree.insert(key)
+    return hit / total
+
+
+def cache_on_off(args: argparse.Namespace) -> dict:
+    cfg = BenchConfig(
+        num_prompts=args.groups * args.per_group,
+        groups=args.groups,
+        prompts_per_group=args.per_group,
+        system_words=args.system_words,
+        question_words=args.question_words,
+        max_tokens=args.max_tokens,
+        max_concurrency=args.concurrency,
+        time_limit=1800,
+    )
+    reps = {}
+    for cache in (False, True):
+        flags = [] if cache else ["--no-prefix-cache"]
+        with Server("--model", args.model, *SERVER, *flags) as srv:
+            cfg.url = srv.url
+            warm = BenchConfig(url=srv.url, num_prompts=2, system_words=20, max_tokens=2, seed=99)
+            asyncio.run(run_bench(warm))  # first requests pay for allocations
+            reps[cache] = asyncio.run(run_bench(cfg))
+        r = reps[cache]
+        print(
+            f"cache {'on ' if cache else 'off'}: TTFT p50 {r['ttft_s']['p50'] * 1e3:8.1f} ms, "
+            f"p90 {r['ttft_s']['p90'] * 1e3:8.1f} ms, E2E p50 {r['e2e_s']['p50']:.2f} s, "
+            f"{r['request_throughput']:.2f} req/s, {r['output_throughput']:.1f} out tok/s, "
+            f"hit rate {r['server_hit_rate']:.3f}",
+            flush=True,
+        )
+    off, on = reps[False], reps[True]
+    best = best_hit_rate(args.model, cfg, 16)
+    return {
+        "model": on["model"],
+        "prompts": cfg.num_prompts,
+        "prompt_tokens": on["prompt_tokens"],
+        "concurrency": args.concurrency,
+        "ttft_p50_off_s": off["ttft_s"]["p50"],
+        "ttft_p50_on_s": on["ttft_s"]["p50"],
+        "ttft_p90_off_s": off["ttft_s"]["p90"],
+        "ttft_p90_on_s": on["ttft_s"]["p90"],
+        "ttft_ratio": off["ttft_s"]["p50"] / on["ttft_s"]["p50"],
+        "e2e_p50_off_s": off["e2e_s"]["p50"],
+        "e2e_p50_on_s": on["e2e_s"]["p50"],
+        "throughput_off": off["request_throughput"],
+        "throughput_on": on["request_throughput"],
+        "hit_rate": on["server_hit_rate"],
+        "best_hit_rate": best,
+        "hit_rate_of_best": on["server_hit_rate"] / best,
+        "identical_outputs": off["outputs"] == on["outputs"],
+        "failed": off["requests"]["failed"] + on["requests"]["failed"],
+    }
+
+
+def overhead(args: argparse.Namespace) -> dict:
+    """TTFT through HTTP minus TTFT in process, tiny random model, concurrency 1."""
+    cfg = BenchConfig(
+        num_prompts=args.overhead_requests,
+        groups=8,
+        prompts_per_group=8,
+        system_words=60,
+        question_words=8,
+        max_tokens=1,
+        max_concurrency=1,
+    )
+    prompts = [item.prompt for item in shared_prefix_items(cfg)]
+    engine = Engine("random", page_size=16, kv_tokens=65536, max_running=16,
+                    max_context_len=4096, chunk_size=2048)  # fmt: skip
+    sp = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    engine.generate(["warm up"], max_new_tokens=1, chat=False)
+    local = []
+    for p in prompts:
+        t0 = time.perf_counter()
+        engine.add_request(p, sp, chat=False)
+        while not any(o.token_ids for o in engine.step()):
+            pass
+        local.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            engine.step()
+    with Server("--model", "random", *SERVER) as srv:
+        cfg.url = srv.url
+        asyncio.run(run_bench(BenchConfig(url=srv.url, num_prompts=2, system_words=5, seed=9)))
+        rep = asyncio.run(run_bench(cfg))
+    http_p50, local_p50 = rep["ttft_s"]["p50"], statistics.median(local)
+    print(f"overhead: TTFT p50 in process {local_p50 * 1e3:.2f} ms, over HTTP "
+          f"{http_p50 * 1e3:.2f} ms, HTTP adds {(http_p50 - local_p50) * 1e3:.2f} ms")  # fmt: skip
+    return {"requests": len(prompts), "ttft_p50_local_s": local_p50, "ttft_p50_http_s": http_p50,
+            "overhead_s": http_p50 - local_p50}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="auto", help="auto, smollm2, random or a folder [auto]")
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=8)
+    p.add_argument("--system-words", type=int, default=1000)
+    p.add_argument("--question-words", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--overhead-requests", type=int, default=64)
+    p.add_argument("--only", choices=["cache", "overhead"], help="run one part")
+    p.add_argument("--json", default=str(RESULTS / "serve.json"))
+    args = p.parse_args()
+    if args.model == "auto":
+        args.model = "smollm2" if "SmolLM2" in load_model("auto")[2] else "random"
+    result = {}
+    if args.only != "overhead":
+        result["cache"] = c = cache_on_off(args)
+        print(
+            f"{c['model']}: TTFT p50 {c['ttft_ratio']:.2f}x better with the cache; hit rate "
+            f"{c['hit_rate']:.3f} = {c['hit_rate_of_best']:.1%} of the best "
+            f"{c['best_hit_rate']:.3f}; identical outputs: {c['identical_outputs']}"
+        )
+    if args.only != "cache":
+        result["overhead"] = overhead(args)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
