@@ -438,3 +438,16 @@ def test_bench_serve_stops_at_its_time_limit(server, capsys):
                  "--time-limit", "1.5"])  # fmt: skip
     assert time.monotonic() - t0 < 10
     assert code in (0, 1) and "unfinished" in capsys.readouterr().out
+
+
+def test_the_readme_openai_snippet_gets_cached_tokens_on_its_second_call(server, capsys):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```python serve\n(.*?)```", readme, flags=re.S)
+    assert len(blocks) == 1
+    code = blocks[0].replace("http://127.0.0.1:8000", server.url)
+    exec(compile(code, "README.md", "exec"), {})
+    lines = capsys.readouterr().out.split("\n")
+    (p1, c1), (p2, c2) = (map(int, line.split()) for line in lines[:2])
+    assert c1 < p1 and c2 > 0.8 * p2  # the second call reuses the shared system prompt
