@@ -20,54 +20,18 @@ import asyncio
 import json
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
-
-import httpx
 
 from radixkv import RadixCache, RadixKey
 from radixkv.engine.engine import Engine, load_model
 from radixkv.engine.request import SamplingParams
 from radixkv.server.bench_serve import BenchConfig, run_bench, shared_prefix_items
+from radixkv.server.process import ServerProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER = ["--page-size", "16", "--kv-tokens", "65536", "--max-running", "16"]
 SERVER += ["--max-context-len", "4096", "--chunk-size", "2048"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A ``radixkv serve`` process on a free loopback port."""
-
-    def __init__(self, *args: str) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = self.url.rsplit(":", 1)[1]
-        cmd = [sys.executable, "-m", "radixkv.cli", "serve", "--port", port, *args]
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300  # a first SmolLM2 run converts its GGUF
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {' '.join(cmd)}")
-            try:
-                httpx.get(f"{self.url}/health", timeout=1).raise_for_status()
-                return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise RuntimeError("server did not start")
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
 
 
 def best_hit_rate(model: str, cfg: BenchConfig, page: int) -> float:
@@ -98,7 +62,7 @@ def cache_on_off(args: argparse.Namespace) -> dict:
     reps = {}
     for cache in (False, True):
         flags = [] if cache else ["--no-prefix-cache"]
-        with Server("--model", args.model, *SERVER, *flags) as srv:
+        with ServerProcess("--model", args.model, *SERVER, *flags, timeout=600) as srv:
             cfg.url = srv.url
             warm = BenchConfig(url=srv.url, num_prompts=2, system_words=20, max_tokens=2, seed=99)
             asyncio.run(run_bench(warm))  # first requests pay for allocations
@@ -165,7 +129,7 @@ def overhead(args: argparse.Namespace) -> dict:
             engine.step()
         return ttft
 
-    with Server("--model", "random", *SERVER) as srv:
+    with ServerProcess("--model", "random", *SERVER) as srv:
         host, port = srv.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -7,9 +7,7 @@ import asyncio
 import json
 import re
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -18,6 +16,7 @@ import openai
 import pytest
 
 from radixkv.engine.engine import Engine
+from radixkv.server.process import ServerProcess
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -25,32 +24,11 @@ SERVER_ARGS = ["--model", "random", "--page-size", "4", "--kv-tokens", "4096"]
 SERVER_ARGS += ["--max-running", "8", "--max-context-len", "512", "--check-memory"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProcess):
+    """A server whose standard error the test reads, with the client and metrics helpers."""
 
-
-class Server:
     def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.cli", "serve", "--port", str(self.port), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.proc.stderr.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        raise RuntimeError("the server did not come up in 60 s")
+        super().__init__(*args, timeout=60, stderr=subprocess.PIPE)
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
@@ -63,13 +41,8 @@ class Server:
                 out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
         return out
 
-    def stop(self, sig: int = signal.SIGINT) -> tuple[int, str]:
-        self.proc.send_signal(sig)
-        try:
-            code = self.proc.wait(30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+    def finish(self, sig: int = signal.SIGINT) -> tuple[int, str]:
+        code = self.stop(sig)
         return code, self.proc.stderr.read()
 
 
@@ -77,7 +50,7 @@ class Server:
 def server() -> Iterator[Server]:
     srv = Server(*SERVER_ARGS)
     yield srv
-    code, err = srv.stop()
+    code, err = srv.finish()
     assert code == 0 and "Traceback" not in err, err
 
 

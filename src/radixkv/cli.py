@@ -8,6 +8,7 @@ failure prints one ``error:`` line and exits 1. Never a traceback, unless ``--de
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -281,27 +282,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.json_out == "-":
         raise CliError("--json: give a file name")
     try:
-        cfg = BenchConfig(
-            url=args.url,
-            workload=args.workload,
-            dataset=args.dataset,
-            num_prompts=args.num_prompts,
-            request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency,
-            time_limit=args.time_limit,
-            max_tokens=args.max_tokens,
-            groups=args.groups,
-            prompts_per_group=args.prompts_per_group,
-            system_words=args.system_words,
-            question_words=args.question_words,
-            conversations=args.conversations,
-            turns=args.turns,
-            first_words=args.first_words,
-            message_words=args.message_words,
-            seed=args.seed,
-            model=args.model,
-            endpoint=args.endpoint,
-        )
+        names = {f.name for f in dataclasses.fields(BenchConfig)}  # the flags' own names
+        cfg = BenchConfig(**{k: v for k, v in vars(args).items() if k in names})
     except ValueError as e:
         raise _flag_error(e) from None
     console = Console(stderr=True)

@@ -1,0 +1,74 @@
+"""`ServerProcess`: ``radixkv serve`` in a child process on a free loopback port, for
+tests, benchmarks and scripts that need a real server to talk to."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import IO, Any
+
+import httpx
+
+
+def free_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """Start ``radixkv serve ARGS`` on a free port and wait until ``/health`` answers.
+
+    Args:
+        args: ``radixkv serve`` arguments (not ``--port``).
+        timeout: seconds to wait for the server (a first SmolLM2 run converts its GGUF).
+        stderr: where the server's standard error goes (``subprocess.PIPE`` to read it).
+
+    Raises:
+        RuntimeError: the server exited or did not answer in time.
+    """
+
+    def __init__(
+        self, *args: str, timeout: float = 120, stderr: int | IO[Any] | None = None
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "radixkv.cli", "serve", "--port", str(self.port), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL if stderr is None else stderr,
+            text=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                raise RuntimeError(f"the server exited with {self.proc.returncode}: {err}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError(f"the server did not answer within {timeout} s")
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
+        """Send ``sig`` and wait; returns the exit status (kills it after ``timeout``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
