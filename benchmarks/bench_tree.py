@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "adapters"))
 
+import radixkv_adapter
 from radixkv_adapter import run
 
 
@@ -20,7 +21,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--page-sizes", default="1,16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--events", action="store_true", help="caches report KV events")
     args = parser.parse_args()
+    radixkv_adapter.EVENTS = args.events
     rows = run(["a", "b", "c", "d"], [int(p) for p in args.page_sizes.split(",")], args.repeats)
     print(f"{'workload':<10}{'page':>6}{'µs GC on':>12}{'µs GC off':>12}{'hit rate':>10}")
     for r in rows:

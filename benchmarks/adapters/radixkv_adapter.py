@@ -23,6 +23,28 @@ from radixkv import RadixCache, RadixKey
 from radixkv.lifecycle import CacheManager, Req
 from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
 
+# Set by ``bench_tree.py --events``: caches report KV events to a sink that keeps them
+# (what a publisher would encode), to measure what the hooks cost.
+EVENTS = False
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def stored(self, block_hashes, parent_hash, token_ids, block_size, extra_key) -> None:
+        self.n += len(block_hashes)
+
+    def removed(self, block_hashes) -> None:
+        self.n += len(block_hashes)
+
+    def cleared(self) -> None:
+        self.n += 1
+
+
+def _cache(page_size: int = 1, **kw) -> RadixCache:
+    return RadixCache(page_size=page_size, event_sink=_Sink() if EVENTS else None, **kw)
+
 
 def _keys(seqs: list[list[int]]) -> list[RadixKey]:
     return [RadixKey(array("q", s)) for s in seqs]
@@ -39,7 +61,7 @@ def _values(seqs: list[list[int]]) -> list[torch.Tensor]:
 def match_insert(seqs: list[list[int]], page: int) -> tuple[float, dict]:
     """(a)/(b): per request, match then insert (keys and values built beforehand)."""
     keys, values = _keys(seqs), _values(seqs)
-    cache = RadixCache(page_size=page)
+    cache = _cache(page)
     hit = 0
     t0 = time.perf_counter()
     for key, value in zip(keys, values, strict=True):
@@ -52,7 +74,7 @@ def match_insert(seqs: list[list[int]], page: int) -> tuple[float, dict]:
 def evict_calls(page: int) -> tuple[float, dict]:
     """(c): evict(1000) with ~5,000 leaves, refilling ~1,024 tokens between calls."""
     initial, batches = workloads.eviction_leaves()
-    cache = RadixCache(page_size=page)
+    cache = _cache(page)
     for key in _keys(initial):
         cache.insert(key)
     refills = [_keys(b) for b in batches]
@@ -69,7 +91,7 @@ def evict_calls(page: int) -> tuple[float, dict]:
 def chain_match(page: int, matches: int = 1000) -> tuple[float, dict]:
     """(d): match a 32k-token prompt stored as a 256-node chain."""
     chain = workloads.deep_chain()
-    cache = RadixCache(page_size=page)
+    cache = _cache(page)
     for key in _keys(chain):
         cache.insert(key)
     query = _keys(chain[-1:])[0]
@@ -86,7 +108,7 @@ def request_path(page: int, tight: bool, alive: int = 16) -> tuple[float, dict]:
     size = 1024 * page if tight else 1 << 21
     alloc = TokenToKVPoolAllocator(size, page)
     mgr = CacheManager(
-        RadixCache(page, allocator=alloc),
+        _cache(page, allocator=alloc),
         alloc,
         ReqToTokenPool(alive + 1, max(map(len, seqs)) + page),
     )

@@ -192,6 +192,13 @@ def add_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="waiting requests at most; beyond, 503 with Retry-After [1024]",
     )
     serve.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish KV events (vLLM's ZeroMQ wire) on this PUB address, e.g. "
+        "tcp://127.0.0.1:5557; replay on the next port",
+    )
+    serve.add_argument("--kv-events-replay", metavar="ENDPOINT", help="[the next port]")
+    serve.add_argument(
         "--check-memory",
         action="store_true",
         help="verify every memory invariant after each step; a violation stops the engine "
@@ -327,12 +334,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise _flag_error(e) from None
     serve = ServeConfig(
-        args.model, args.host, args.port, args.served_model_name, args.max_queue, args.log_level
+        args.model,
+        args.host,
+        args.port,
+        args.served_model_name,
+        args.max_queue,
+        args.log_level,
+        args.kv_events,
+        args.kv_events_replay,
     )
+    if args.kv_events:
+        from radixkv.server.serve import next_port_endpoint
+
+        try:
+            next_port_endpoint(args.kv_events)
+        except ValueError as e:
+            raise CliError(f"--kv-events: {e}") from None
     try:
         server, aeng = build_server(serve, engine_config)
     except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
         raise CliError(f"--model {args.model}: {e}") from None
+    except Exception as e:
+        if type(e).__name__ == "ZMQError":  # pyzmq's: a bad or busy events address
+            raise CliError(f"--kv-events {args.kv_events}: cannot bind ({e})") from None
+        raise
     name = server.config.app.state.api.model_name
     print(
         f"radixkv serve: {name} ({aeng.engine.model_name}) on "

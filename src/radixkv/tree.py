@@ -38,11 +38,12 @@ Nothing here recurses: deep chains (thousands of nodes) are fine.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import heapq
 import sys
 from array import array
 from collections.abc import Iterator
-from typing import IO, Any, NamedTuple
+from typing import IO, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -80,6 +81,7 @@ class TreeNode:
     """
 
     __slots__ = (
+        "_hashes",
         "_key",
         "_value",
         "_ver",
@@ -107,6 +109,7 @@ class TreeNode:
         self.id = node_id
         self.extra_key: Any = None
         self._ver = 0
+        self._hashes = _EMPTY  # 8 bytes a page: its chained block hash (with an event sink)
 
     def __len__(self) -> int:
         """Number of logical units (tokens or bigram pairs) in this node."""
@@ -148,6 +151,37 @@ class TreeNode:
         return (
             f"TreeNode(id={self.id}, len={len(self)}, lock_ref={self.lock_ref}, key={keys}{more})"
         )
+
+
+class CacheEventSink(Protocol):
+    """Receives the pages (blocks) entering and leaving a cache (see `radixkv.events`).
+
+    ``block_hashes`` chain page by page (`page_hash`): each names its whole prefix and
+    namespace. ``token_ids`` are the pages' tokens, in order (under EAGLE, the first
+    token of each bigram unit)."""
+
+    def stored(
+        self, block_hashes: list[int], parent_hash: int | None, token_ids: list[int],
+        block_size: int, extra_key: Any,
+    ) -> None: ...  # fmt: skip
+
+    def removed(self, block_hashes: list[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
+def page_hash(parent: bytes | None, extra_key: Any, page: bytes) -> bytes:
+    """The 8-byte block hash of a page: BLAKE2b-64 over the parent's hash (or, for a
+    first page, the namespace's ``repr``) and the page's packed units. Deterministic
+    across processes and machines (Python's ``hash`` is salted per process)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(parent if parent is not None else b"root:" + repr(extra_key).encode())
+    h.update(page)
+    return h.digest()
+
+
+def _hash_ints(hashes: bytes) -> list[int]:
+    return [int.from_bytes(hashes[i : i + 8], "big") for i in range(0, len(hashes), 8)]
 
 
 class MatchResult(NamedTuple):
@@ -244,6 +278,7 @@ class RadixCache:
         allocator: Any = None,
         is_eagle: bool = False,
         disable: bool = False,
+        event_sink: CacheEventSink | None = None,
     ) -> None:
         page_size = as_count(page_size, "page_size")
         if not 1 <= page_size <= MAX_PAGE_SIZE:
@@ -257,11 +292,30 @@ class RadixCache:
         self.eviction_policy = eviction_policy
         self.allocator = allocator
         self._width = 2 * TOKEN_BYTES if self.is_eagle else TOKEN_BYTES
+        self._sink: CacheEventSink | None = None
         self.reset()
+        self.set_event_sink(event_sink)
 
     # --- state -------------------------------------------------------------------------
+    def set_event_sink(self, sink: CacheEventSink | None) -> None:
+        """Report pages entering and leaving the cache to ``sink`` (``None``: stop). Only
+        while the cache is empty, so every page the sink hears of has a hash.
+
+        Raises:
+            ValueError: the cache holds pages.
+        """
+        if sink is not None and self._num_nodes:
+            raise ValueError("set_event_sink: the cache must be empty (reset it first)")
+        for name in ("stored", "removed", "cleared"):
+            if sink is not None and not callable(getattr(sink, name, None)):
+                raise TypeError(f"event_sink must have a {name}() method")
+        self._sink = sink
+
     def reset(self) -> None:
-        """Drop every node (without calling the allocator) and restart the clock."""
+        """Drop every node (without calling the allocator) and restart the clock; an
+        event sink hears ``cleared``."""
+        if getattr(self, "_sink", None) is not None and self._num_nodes:
+            self._sink.cleared()
         self.root = TreeNode(0)
         self.root.lock_ref = 1  # the root is never evictable
         self._next_id = 1
@@ -361,6 +415,9 @@ class RadixCache:
         upper._value = upper._key if shared else child._value[: m * TOKEN_BYTES]
         child._key = child._key[m * width :]
         child._value = child._key if shared else child._value[m * TOKEN_BYTES :]
+        if child._hashes:
+            cut = m // self.page_size * 8
+            upper._hashes, child._hashes = child._hashes[:cut], child._hashes[cut:]
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
@@ -531,6 +588,8 @@ class RadixCache:
             return InsertResult(off, path[-1])
         parent = path[-1] if path else self.root
         leaf = self._new_node(leaf_key, leaf_value, parent, ns)
+        if self._sink is not None:
+            self._report_stored(leaf, parent)
         if path:  # the path's last node gains a child, so it needs no re-index
             self._touch(path, priority, reindex=False)
         self._clock += 1
@@ -540,6 +599,25 @@ class RadixCache:
         self._evictable += n - off
         self._push(leaf)
         return InsertResult(off, leaf)
+
+    def _report_stored(self, leaf: TreeNode, parent: TreeNode) -> None:
+        """Hash the new leaf's pages (chained from its parent's last page) and tell the
+        sink."""
+        assert self._sink is not None
+        step = self.page_size * self._width
+        prev = parent._hashes[-8:] if parent is not self.root else None
+        hashes = bytearray()
+        key = leaf._key
+        for off in range(0, len(key), step):
+            prev = page_hash(prev, leaf.extra_key, key[off : off + step])
+            hashes += prev
+        leaf._hashes = bytes(hashes)
+        units = np.frombuffer(key, dtype=np.int64)
+        tokens = units[::2] if self.is_eagle else units
+        parent_hash = _hash_ints(parent._hashes[-8:])[0] if parent is not self.root else None
+        self._sink.stored(
+            _hash_ints(leaf._hashes), parent_hash, tokens.tolist(), self.page_size, leaf.extra_key
+        )
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``min(num_tokens, evictable_size())`` tokens, overshooting by
@@ -600,11 +678,13 @@ class RadixCache:
                 for entry in popped:
                     heapq.heappush(heap, entry)
                 raise
+        gone_hashes = bytearray()
         for node in victims:
             parent = node.parent
             del parent.children[self._dict_key(parent, node)]
             node.parent = None
             self._num_nodes -= 1
+            gone_hashes += node._hashes
         for _, _, parent in uncovered:  # left childless, and not victims themselves
             if parent.parent is not None and not parent.children:
                 self._push(parent)
@@ -614,8 +694,14 @@ class RadixCache:
             shared = node._key is node._value
             node._key = node._key[: keep * self._width]
             node._value = node._key if shared else node._value[: keep * TOKEN_BYTES]
+            if node._hashes:
+                cut = keep // page * 8
+                gone_hashes += node._hashes[cut:]
+                node._hashes = node._hashes[:cut]
             self._push(node)
         self._evictable -= evicted
+        if self._sink is not None and gone_hashes:
+            self._sink.removed(_hash_ints(bytes(gone_hashes)))
         return evicted
 
     def detach_leaf(self, node: TreeNode) -> torch.Tensor:
@@ -637,6 +723,8 @@ class RadixCache:
         self._evictable -= len(node._value) >> 3
         if parent is not self.root and not parent.children and parent.lock_ref == 0:
             self._push(parent)
+        if self._sink is not None and node._hashes:
+            self._sink.removed(_hash_ints(node._hashes))
         return _bytes_to_tensor([node._value])
 
     def _path_to_root(self, node: TreeNode, op: str) -> list[TreeNode]:
@@ -779,6 +867,15 @@ class RadixCache:
                     fail(f"{where}: statistics ahead of the clock or negative")
                 if child.id >= self._next_id:
                     fail(f"{where}: id beyond the id counter")
+                if self._sink is not None:
+                    prev = node._hashes[-8:] if node is not root else None
+                    step = page * width
+                    for j in range(0, nk, step):
+                        prev = page_hash(prev, child.extra_key, child._key[j : j + step])
+                        if child._hashes[j // step * 8 : j // step * 8 + 8] != prev:
+                            fail(f"{where}: block hash of page {j // step} is not its chain's")
+                    if len(child._hashes) != units // page * 8:
+                        fail(f"{where}: {len(child._hashes) // 8} hashes, {units // page} pages")
                 child_locks += child.lock_ref
                 if child.lock_ref:
                     protected += units

@@ -183,6 +183,23 @@ class Engine:
         self.requests: dict[Any, EngineReq] = {}  # unfinished requests by id
         self._order = itertools.count()
         self._aborted: list[EngineReq] = []  # aborted since the last step (reported once)
+        self._events: Any = None  # (collector, publish) once KV events are on
+
+    def publish_kv_events(self, publish: Callable[[Any], None]) -> None:
+        """Report the cache's pages as KV events (`radixkv.events`): after each step the
+        step's events go to ``publish`` as one `KVEventBatch`. Call it before the first
+        request (the cache must be empty)."""
+        from radixkv.events import EventCollector
+
+        collector = EventCollector()
+        self.cache.set_event_sink(collector)
+        self._events = (collector, publish)
+
+    def _flush_events(self) -> None:
+        if self._events is not None:
+            batch = self._events[0].drain()
+            if batch is not None:
+                self._events[1](batch)
 
     # --- requests ---------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = True) -> list[int]:
@@ -283,6 +300,7 @@ class Engine:
         """Drop every cached token no running request holds; returns how many."""
         n = self.cache.evict(self.cache.evictable_size())
         self.mgr.evicted_tokens += n
+        self._flush_events()
         return n
 
     # --- the step ---------------------------------------------------------------------------
@@ -298,6 +316,7 @@ class Engine:
         if self.engine_config.check_memory:
             self.mgr.check_memory()
             self.cache.check_integrity()
+        self._flush_events()
         return outputs
 
     def _postprocess(

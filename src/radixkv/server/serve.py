@@ -30,6 +30,16 @@ class ServeConfig:
     served_model_name: str | None = None
     max_queue: int = 1024
     log_level: str = "warning"
+    kv_events: str | None = None  # PUB endpoint for KV events
+    kv_events_replay: str | None = None  # ROUTER endpoint (default: the next port)
+
+
+def next_port_endpoint(endpoint: str) -> str:
+    """``tcp://HOST:PORT`` -> ``tcp://HOST:PORT+1`` (vLLM's replay convention)."""
+    head, _, port = endpoint.rpartition(":")
+    if not head.startswith("tcp://") or not port.isdigit():
+        raise ValueError(f"kv_events must look like tcp://127.0.0.1:5557, got {endpoint!r}")
+    return f"{head}:{int(port) + 1}"
 
 
 def served_name(engine: Engine, model: str) -> str:
@@ -47,7 +57,20 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
 
     from radixkv.server.app import build_app
 
-    aeng = AsyncEngine(lambda: Engine(serve.model, engine_config), serve.max_queue)
+    publisher = None
+    if serve.kv_events:
+        from radixkv.events import ZmqEventPublisher
+
+        replay = serve.kv_events_replay or next_port_endpoint(serve.kv_events)
+        publisher = ZmqEventPublisher(serve.kv_events, replay)
+
+    def build() -> Engine:
+        engine = Engine(serve.model, engine_config)
+        if publisher is not None:
+            engine.publish_kv_events(publisher.publish)
+        return engine
+
+    aeng = AsyncEngine(build, serve.max_queue)
     aeng.start()  # builds the engine on its own thread (see AsyncEngine)
     name = serve.served_model_name or served_name(aeng.engine, serve.model)
     app = build_app(aeng, name)

@@ -1,0 +1,238 @@
+"""KV cache events and vLLM's wire for them (msgspec msgpack over ZeroMQ).
+
+A cache with an event sink reports each page (block) as it enters or leaves:
+``BlockStored`` (the new pages' chained hashes, the parent page's hash, their token ids,
+the block size, and the namespace per block as ``extra_keys``), ``BlockRemoved`` and
+``AllBlocksCleared``. The field names are vLLM's, so routers written for vLLM (Dynamo,
+llm-d, SGLang's) read radixkv's stream, and radixkv's router reads vLLM's.
+
+Wire: a batch is msgpack ``[ts, events, data_parallel_rank]``; an event is a map with a
+``"type"`` field (vLLM's current encoding, what `encode_batch` writes) or, in streams
+from before mid-2026, a tagged array ``["BlockStored", block_hashes, ...]``;
+`decode_batch` reads both and ignores fields it does not know.
+
+Publisher (`ZmqEventPublisher`): a PUB socket sends three frames per batch (topic,
+8-byte big-endian sequence number, payload); a ROUTER socket answers a replay request
+(one frame: the first wanted sequence number, 8 bytes big-endian) with
+``("", topic, seq, payload)`` for each buffered batch from there on, then
+``("", "", -1, "")``, as vLLM's publisher does.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("radixkv.events")
+MEDIUM_GPU = "GPU"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+BlockHash = int | bytes
+
+
+class KVCacheEvent(msgspec.Struct, tag=True, gc=False):
+    """Base of the events; encoded as a map with ``"type"``: the class name."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None  # one per block
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    medium: str | None = MEDIUM_GPU
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+EVENT_TYPES: dict[str, type[KVCacheEvent]] = {
+    "BlockStored": BlockStored,
+    "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
+# Positional fields of the legacy tagged-array encoding, in order (later ones optional).
+_LEGACY_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}  # fmt: skip
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """The batch in vLLM's current encoding (events as maps with ``"type"``)."""
+    return _encoder.encode(batch)
+
+
+def _event(raw: Any) -> Event:
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        fields = {k: v for k, v in raw.items() if k != "type"}
+    elif isinstance(raw, (list, tuple)) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        names = _LEGACY_FIELDS.get(kind, ())
+        fields = dict(zip(names, raw[1:], strict=False))  # extra trailing fields ignored
+    else:
+        raise ValueError(f"not a KV event: {raw!r:.80}")
+    cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"unknown KV event type {kind!r}")
+    known = set(cls.__struct_fields__)
+    return msgspec.convert({k: v for k, v in fields.items() if k in known}, cls)  # type: ignore[return-value]
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A batch in either encoding vLLM has shipped (maps with ``"type"``, or tagged
+    arrays); unknown extra fields are ignored.
+
+    Raises:
+        ValueError: not a KV event batch.
+    """
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"not msgpack: {e}") from None
+    if isinstance(raw, dict):
+        raw = [raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")]
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise ValueError("not a KV event batch: expected [ts, events, ...]")
+    try:
+        events = [_event(e) for e in raw[1]]
+        rank = raw[2] if len(raw) > 2 else None
+        return KVEventBatch(float(raw[0]), events, rank)
+    except (msgspec.ValidationError, TypeError) as e:
+        raise ValueError(f"bad KV event: {e}") from None
+
+
+class EventCollector:
+    """A cache's event sink (`radixkv.tree.CacheEventSink`) that buffers events until
+    `drain` (the engine drains it once per step into one batch)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def stored(
+        self, block_hashes: list[int], parent_hash: int | None, token_ids: list[int],
+        block_size: int, extra_key: Any,
+    ) -> None:  # fmt: skip
+        extra = None if extra_key is None else [(extra_key,)] * len(block_hashes)
+        self.events.append(
+            BlockStored(block_hashes, parent_hash, token_ids, block_size, extra_keys=extra)
+        )
+
+    def removed(self, block_hashes: list[int]) -> None:
+        self.events.append(BlockRemoved(block_hashes))
+
+    def cleared(self) -> None:
+        self.events.append(AllBlocksCleared())
+
+    def drain(self, rank: int | None = None) -> KVEventBatch | None:
+        """The buffered events as one batch (``None`` when there are none)."""
+        if not self.events:
+            return None
+        events, self.events = self.events, []
+        return KVEventBatch(time.time(), events, rank)
+
+
+class ZmqEventPublisher:
+    """Publish batches on a PUB socket, with a ROUTER socket that replays the last
+    ``buffer_steps`` batches (see the module docstring). A background thread owns the
+    sockets; `publish` only queues.
+
+    Args:
+        endpoint: where PUB binds, e.g. ``tcp://127.0.0.1:5557``.
+        replay_endpoint: where ROUTER binds (``None``: no replay).
+        buffer_steps: batches kept for replay.
+        topic: the first frame of every message.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        topic: str = "kv-events",
+    ) -> None:
+        import zmq
+
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
+        self._topic = topic.encode()
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._seq = 0
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)  # raises zmq.ZMQError on a bad or busy address
+        self._replay = None
+        if replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+            self._replay.bind(replay_endpoint)
+        self._thread = threading.Thread(target=self._run, name="radixkv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, batch: KVEventBatch) -> None:
+        """Queue ``batch`` (thread-safe; never blocks)."""
+        self._queue.put(encode_batch(batch))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                payload = self._queue.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            if payload is None:
+                break
+            seq, self._seq = self._seq, self._seq + 1
+            self._buffer.append((seq, payload))
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        self._pub.close()
+        if self._replay is not None:
+            self._replay.close()
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("ignoring a malformed replay request of %d frames", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in self._buffer:
+            if seq >= first:
+                self._replay.send_multipart(
+                    (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                )
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -1,0 +1,2 @@
+"""Cache-aware routing over many replicas: a global index fed by KV events, and the
+``radixkv route`` proxy (needs the ``serve`` extra and pyzmq)."""

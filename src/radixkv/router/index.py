@@ -1,0 +1,155 @@
+"""`KvIndex`: which worker holds which pages, built from the workers' KV events.
+
+Keys are built from the events' token ids, never from the workers' hashes, so workers
+that hash differently (radixkv, vLLM) share one index: a page's key is an interned id of
+``(parent page's id, namespace, page tokens)``, so equal ids mean equal whole prefixes.
+Each worker's block hashes map to those ids (``parent_block_hash`` links a stored run to
+what the worker stored before).
+
+``overlap(token_ids)`` walks the request's whole pages from the root and returns, per
+worker, how many leading pages it holds: O(pages + workers matched).
+
+Invariant (checked by ``check``): ``holders[id]`` contains worker ``w`` iff some block
+hash of ``w`` maps to ``id``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any
+
+from radixkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+
+class KvIndex:
+    """A global prefix index over workers' KV events.
+
+    Args:
+        block_size: tokens per page; every worker's events must use it.
+    """
+
+    def __init__(self, block_size: int | None = None) -> None:
+        self.block_size = block_size
+        self._ids: dict[tuple[int, Any, tuple[int, ...]], int] = {}
+        self.holders: dict[int, set[Hashable]] = {}
+        self._blocks: dict[Hashable, dict[Any, int]] = {}  # worker -> its hash -> page id
+        self._refs: dict[Hashable, Counter[int]] = {}  # worker -> page id -> its hashes
+        self.unknown_parents = 0  # stored runs whose parent hash the index never saw
+
+    # --- events -------------------------------------------------------------------------
+    def apply(self, worker: Hashable, batch: KVEventBatch) -> None:
+        """Apply one batch of ``worker``'s events, in order."""
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(worker, event)
+            elif isinstance(event, BlockRemoved):
+                self._removed(worker, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.remove_worker(worker)
+                self._blocks[worker] = {}
+
+    def _stored(self, worker: Hashable, e: BlockStored) -> None:
+        size = e.block_size
+        if self.block_size is None:
+            self.block_size = size
+        elif size != self.block_size:
+            raise ValueError(
+                f"worker {worker!r} uses block size {size}, the index {self.block_size}"
+            )
+        if len(e.token_ids) != size * len(e.block_hashes):
+            raise ValueError(
+                f"BlockStored: {len(e.token_ids)} token ids for {len(e.block_hashes)} "
+                f"blocks of {size}"
+            )
+        blocks = self._blocks.setdefault(worker, {})
+        parent = 0  # the root
+        if e.parent_block_hash is not None:
+            parent = blocks.get(e.parent_block_hash, -1)
+            if parent < 0:  # the parent's event was lost: the run's keys cannot be known
+                self.unknown_parents += 1
+                return
+        ns = None
+        for i, block_hash in enumerate(e.block_hashes):
+            if e.extra_keys is not None and i < len(e.extra_keys) and e.extra_keys[i]:
+                ns = tuple(e.extra_keys[i])
+            key = (
+                parent,
+                ns if parent == 0 else None,
+                tuple(e.token_ids[i * size : (i + 1) * size]),
+            )
+            pid = self._ids.get(key)
+            if pid is None:
+                pid = self._ids[key] = len(self._ids) + 1
+            old = blocks.get(block_hash)
+            if old != pid:
+                if old is not None:
+                    self._drop(worker, old)
+                blocks[block_hash] = pid
+                self._refs.setdefault(worker, Counter())[pid] += 1
+                self.holders.setdefault(pid, set()).add(worker)
+            parent = pid
+
+    def _removed(self, worker: Hashable, hashes: Iterable[Any]) -> None:
+        blocks = self._blocks.get(worker, {})
+        for h in hashes:
+            pid = blocks.pop(h, None)
+            if pid is not None:
+                self._drop(worker, pid)
+
+    def _drop(self, worker: Hashable, pid: int) -> None:
+        """One of ``worker``'s hashes for page ``pid`` is gone."""
+        refs = self._refs[worker]
+        refs[pid] -= 1
+        if refs[pid] > 0:
+            return
+        del refs[pid]
+        held = self.holders[pid]
+        held.discard(worker)
+        if not held:
+            del self.holders[pid]
+
+    def remove_worker(self, worker: Hashable) -> None:
+        """Forget everything ``worker`` holds (it left, or cleared its cache)."""
+        self._blocks.pop(worker, None)
+        for pid in self._refs.pop(worker, {}):
+            held = self.holders[pid]
+            held.discard(worker)
+            if not held:
+                del self.holders[pid]
+
+    # --- queries ------------------------------------------------------------------------
+    def overlap(self, token_ids: Sequence[int], namespace: Any = None) -> dict[Hashable, int]:
+        """Per worker, how many leading whole pages of ``token_ids`` it holds (workers
+        holding none are left out). ``namespace`` is the request's cache salt."""
+        size = self.block_size
+        if not size:
+            return {}
+        ns = None if namespace is None else (namespace,)
+        out: dict[Hashable, int] = {}
+        alive: set[Hashable] | None = None
+        parent = 0
+        for i in range(len(token_ids) // size):
+            key = (parent, ns if parent == 0 else None, tuple(token_ids[i * size : (i + 1) * size]))
+            pid = self._ids.get(key)
+            held = self.holders.get(pid) if pid is not None else None
+            if not held:
+                break
+            alive = set(held) if alive is None else alive & held
+            if not alive:
+                break
+            for w in alive:
+                out[w] = i + 1
+            parent = pid
+        return out
+
+    def num_blocks(self, worker: Hashable) -> int:
+        return len(self._blocks.get(worker, {}))
+
+    def check(self) -> None:
+        """Recompute ``holders`` from the workers' block maps; raises AssertionError."""
+        want: dict[int, set[Hashable]] = {}
+        for worker, blocks in self._blocks.items():
+            for pid in blocks.values():
+                want.setdefault(pid, set()).add(worker)
+        assert want == self.holders, "KvIndex: holders disagree with the workers' blocks"

@@ -1,0 +1,280 @@
+"""KV events: the tree reports every page it gains and loses, the wire reads both vLLM
+encodings (and real vLLM's bytes), and an index fed by the events knows exactly what each
+worker holds, also over ZeroMQ with replay."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from helpers import content
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixkv import RadixCache, RadixKey
+from radixkv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventCollector,
+    KVEventBatch,
+    ZmqEventPublisher,
+    decode_batch,
+    encode_batch,
+)
+from radixkv.router.index import KvIndex
+from radixkv.router.subscriber import EventSubscriber
+from radixkv.server.process import free_port
+
+DATA = Path(__file__).parent / "data"
+
+
+def index_pages(index: KvIndex, worker) -> set:
+    """The index's pages of ``worker`` as (namespace, pages of the prefix) keys."""
+    by_id = {pid: key for key, pid in index._ids.items()}
+    out = set()
+    for pid in index._blocks.get(worker, {}).values():
+        pages, ns, x = [], None, pid
+        while x:
+            parent, key_ns, page = by_id[x]
+            pages.append(page)
+            if parent == 0:
+                ns = key_ns[0] if key_ns else None
+            x = parent
+        out.add((ns, tuple(reversed(pages))))
+    return out
+
+
+def tree_pages(cache: RadixCache) -> set:
+    return set(content(cache))
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("insert"),
+            st.lists(st.integers(0, 2), min_size=1, max_size=14),
+            st.sampled_from([None, "salt-a"]),
+        ),
+        st.tuples(st.just("match"), st.lists(st.integers(0, 2), max_size=14), st.none()),
+        st.tuples(st.just("evict"), st.integers(0, 12), st.none()),
+        st.tuples(st.just("reset"), st.none(), st.none()),
+    ),
+    max_size=40,
+)
+
+
+@given(page=st.sampled_from([1, 2, 4]), policy=st.sampled_from(["lru", "fifo", "lfu"]), seq=ops)
+@settings(max_examples=300)
+def test_events_replayed_into_an_index_reproduce_the_trees_pages(page, policy, seq):
+    sink = EventCollector()
+    cache = RadixCache(page, policy, event_sink=sink)
+    index = KvIndex()
+    slot = 0
+    for op, arg, ns in seq:
+        if op == "insert":
+            cache.insert(RadixKey(arg, ns), torch.arange(slot, slot + len(arg)))
+            slot += len(arg)
+        elif op == "match":
+            cache.match_prefix(RadixKey(arg))
+        elif op == "evict":
+            cache.evict(arg)
+        else:
+            cache.reset()
+        batch = sink.drain()
+        if batch is not None:
+            batch = decode_batch(encode_batch(batch))  # through the wire
+            index.apply("w", batch)
+        cache.check_integrity()
+        index.check()
+        assert index_pages(index, "w") == tree_pages(cache)
+        for key, _ in list(content(cache).items())[:3]:  # overlap agrees with the tree
+            ns_, pages = key
+            tokens = [t for p in pages for t in p]
+            assert index.overlap(tokens, ns_)["w"] == len(pages)
+
+
+def test_two_workers_and_removal():
+    index = KvIndex(2)
+    index.apply("a", KVEventBatch(0, [BlockStored([11, 12], None, [1, 2, 3, 4], 2)]))
+    index.apply("b", KVEventBatch(0, [BlockStored([99], None, [1, 2], 2)]))
+    assert index.overlap([1, 2, 3, 4, 5]) == {"a": 2, "b": 1}
+    assert index.overlap([1, 2], "tenant") == {}  # another namespace shares nothing
+    index.apply("a", KVEventBatch(0, [BlockRemoved([12])]))
+    assert index.overlap([1, 2, 3, 4]) == {"a": 1, "b": 1}
+    index.remove_worker("b")
+    assert index.overlap([1, 2, 3, 4]) == {"a": 1}
+    index.apply("a", KVEventBatch(0, [AllBlocksCleared()]))
+    assert index.overlap([1, 2, 3, 4]) == {}
+    index.check()
+    with pytest.raises(ValueError, match="block size"):
+        index.apply("c", KVEventBatch(0, [BlockStored([1], None, [1, 2, 3], 3)]))
+
+
+def test_a_run_whose_parent_is_unknown_is_skipped_and_counted():
+    index = KvIndex(2)
+    index.apply("a", KVEventBatch(0, [BlockStored([5], 4, [1, 2], 2)]))
+    assert index.unknown_parents == 1 and index.overlap([1, 2]) == {}
+
+
+# --- the wire ------------------------------------------------------------------------------
+hashes = st.lists(
+    st.one_of(st.integers(0, 2**64 - 1), st.binary(min_size=1, max_size=32)), max_size=4
+)
+events = st.one_of(
+    st.builds(
+        lambda h, parent, size: BlockStored(h, parent, [7] * size * len(h), size),
+        hashes,
+        st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+        st.integers(1, 4),
+    ),
+    st.builds(BlockRemoved, hashes),
+    st.just(AllBlocksCleared()),
+)
+
+
+@given(st.floats(0, 2e9), st.lists(events, max_size=6), st.one_of(st.none(), st.integers(0, 8)))
+def test_wire_round_trip(ts, evs, rank):
+    batch = KVEventBatch(ts, evs, rank)
+    assert decode_batch(encode_batch(batch)) == batch
+
+
+class _LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    pass
+
+
+class _LegacyStored(_LegacyEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _LegacyRemoved(_LegacyEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class _LegacyCleared(_LegacyEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _LegacyBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    ts: float
+    events: list[_LegacyStored | _LegacyRemoved | _LegacyCleared]
+    data_parallel_rank: int | None = None
+
+
+def test_the_legacy_tagged_array_encoding_decodes():
+    """vLLM's encoding before mid-2026: events as arrays whose first item is the tag."""
+    old = _LegacyBatch(
+        5.0,
+        [_LegacyStored([3, 4], 2, [1, 2, 3, 4], 2, None, "GPU"), _LegacyRemoved([3], "GPU"),
+         _LegacyCleared()],
+    )  # fmt: skip
+    payload = msgspec.msgpack.encode(old)
+    assert msgspec.msgpack.decode(payload)[1][0][0] == "BlockStored"  # really tagged arrays
+    got = decode_batch(payload)
+    assert got.ts == 5.0 and got.events == [
+        BlockStored([3, 4], 2, [1, 2, 3, 4], 2, medium="GPU"),
+        BlockRemoved([3], "GPU"),
+        AllBlocksCleared(),
+    ]
+
+
+def test_real_vllm_bytes_decode():
+    """Encoded by vLLM 0.33's own classes (``vllm.distributed.kv_events``), with fields
+    radixkv does not know (group_idx); and vLLM's typed decoder reads ours (checked when
+    the file was made, in vLLM's own environment)."""
+    got = decode_batch((DATA / "vllm_0_33_event_batch.msgpack").read_bytes())
+    assert got.data_parallel_rank == 1 and got.events[0] == BlockStored(
+        [7, 8], 6, [1, 2, 3, 4], 2, extra_keys=[("s",), ("s",)]
+    )
+    assert isinstance(got.events[2], AllBlocksCleared)
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", msgspec.msgpack.encode([1.0, [["Nope"]]]),
+                                     msgspec.msgpack.encode({"x": 1})])  # fmt: skip
+def test_garbage_is_a_value_error(payload):
+    with pytest.raises(ValueError):
+        decode_batch(payload)
+
+
+# --- over ZeroMQ -----------------------------------------------------------------------------
+def wait_for(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_publisher_and_subscriber_with_replay_for_a_late_joiner():
+    port = free_port()
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 100)
+    index = KvIndex()
+    sub = None
+    try:
+        sink = EventCollector()
+        cache = RadixCache(2, event_sink=sink)
+        for i in range(5):  # published before anyone listens: only the replay has them
+            cache.insert(RadixKey([i, i, 9, 9]))
+            pub.publish(sink.drain())
+        time.sleep(0.2)
+        sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
+        time.sleep(0.3)  # the SUB connection settles
+        cache.evict(2)
+        cache.insert(RadixKey([7, 7]))
+        pub.publish(sink.drain())
+        assert wait_for(lambda: sub.last_seq == 5)
+        assert sub.replayed == 5 and sub.lost == 0
+        assert index_pages(index, "w") == tree_pages(cache)
+    finally:
+        if sub is not None:
+            sub.close()
+        pub.close()
+
+
+def test_batches_beyond_the_replay_buffer_are_counted_lost():
+    port = free_port()
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 2)
+    index = KvIndex()
+    sub = None
+    try:
+        for i in range(6):
+            pub.publish(KVEventBatch(0, [BlockStored([i], None, [i], 1)]))
+        time.sleep(0.2)
+        sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
+        time.sleep(0.3)
+        pub.publish(KVEventBatch(0, [BlockStored([6], None, [6], 1)]))
+        assert wait_for(lambda: sub.last_seq == 6)
+        # the buffer holds the last two batches (5 and the new 6): 5 is replayed, 0-4 lost
+        assert sub.replayed == 1 and sub.lost == 5
+        assert index.overlap([5]) == {"w": 1} and index.overlap([4]) == {}
+    finally:
+        if sub is not None:
+            sub.close()
+        pub.close()
+
+
+def test_an_engine_publishes_what_its_cache_holds():
+    from radixkv.engine.engine import Engine
+
+    batches = []
+    engine = Engine("random", page_size=4, kv_tokens=256)
+    engine.publish_kv_events(batches.append)
+    engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10]] * 3,
+                    max_new_tokens=4, ignore_eos=True)  # fmt: skip
+    engine.flush_cache()
+    engine.generate([list(range(40, 60))], max_new_tokens=2, ignore_eos=True)
+    index = KvIndex()
+    for b in batches:
+        index.apply("e", b)
+    assert index_pages(index, "e") == tree_pages(engine.cache)
+    assert any(isinstance(e, BlockRemoved) for b in batches for e in b.events)
