@@ -131,6 +131,23 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", dest="json_out", help="write results as JSON here ('-' stdout)")
     sim.add_argument("--csv", dest="csv_out", help="write results as CSV here ('-' stdout)")
     sim.add_argument("--plot", help="write a hit-rate-vs-capacity plot (PNG) here")
+    sim.add_argument(
+        "--replicas",
+        help="comma-separated replica counts: route the trace over this many replicas, "
+        "each of --capacity (e.g. 8,16,32,64)",
+    )
+    sim.add_argument(
+        "--router",
+        default=None,
+        help="with --replicas: comma-separated round_robin, least_load, approx, kv, oracle "
+        "or 'all' [all]",
+    )
+    sim.add_argument(
+        "--kv-weight",
+        type=_number(float, 0.0, "a non-negative number"),
+        default=1.0,
+        help="the kv router's weight on prefill blocks (Dynamo's overlap_score_weight) [1]",
+    )
     sim.add_argument("--workers", type=positive_int, help="processes for the sweep [all cores]")
     demo = sub.add_parser(
         "demo",
@@ -487,6 +504,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 f"--policy: unknown {p!r} for --scope {args.scope}; valid: {', '.join(valid)}"
             )
     console = Console(stderr=bool(args.json_out == "-" or args.csv_out == "-"))
+    replica_counts = _replica_counts(args)
     trace = _load_trace(args)
     if args.requests:
         trace.requests = trace.requests[: args.requests]
@@ -499,6 +517,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise CliError(f"--capacity: {e}") from None
     caps = list(labels)
     outputs = args.cache_outputs if args.cache_outputs is not None else not args.trace
+    if replica_counts:
+        return _simulate_replicas(args, trace, replica_counts, caps, labels, outputs, console)
     if len(caps) > 1 and None in caps:  # the unbounded point is the same for every policy
         bounded = [c for c in caps if c is not None]
     else:
@@ -546,6 +566,68 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise CliError(f"--plot: {e}") from None
         except OSError as e:
             raise CliError(f"--plot: cannot write {args.plot}: {e.strerror or e}") from None
+        console.print(f"plot written to {args.plot}", markup=False)
+    return 0
+
+
+def _replica_counts(args: argparse.Namespace) -> list[int]:
+    if args.replicas is None:
+        if args.router is not None:
+            raise CliError("--router: needs --replicas")
+        return []
+    try:
+        counts = [int(x) for x in args.replicas.split(",")]
+    except ValueError:
+        raise CliError(f"--replicas: expected counts like 8,16,32, got {args.replicas!r}") from None
+    if any(c < 1 for c in counts):
+        raise CliError(f"--replicas: counts must be positive, got {args.replicas!r}")
+    return counts
+
+
+def _simulate_replicas(
+    args: argparse.Namespace,
+    trace: Any,
+    counts: list[int],
+    caps: list[int | None],
+    labels: dict[int | None, str],
+    outputs: bool,
+    console: Any,
+) -> int:
+    import json
+
+    from radixkv.sim import replicas
+
+    names = replicas.ROUTERS if args.router in (None, "all") else tuple(args.router.split(","))
+    for name in names:
+        if name not in replicas.ROUTERS:
+            raise CliError(f"--router: unknown {name!r}; valid: {', '.join(replicas.ROUTERS)}")
+    results = []
+    bounds = {}
+    for cap in caps:
+        for n in counts:
+            bounds[(n, cap)] = replicas.pooled_bound(trace, n, cap)
+            for name in names:
+                results.append(
+                    replicas.simulate_replicas(
+                        trace, n, cap, name, outputs, kv_weight=args.kv_weight
+                    )
+                )
+    replicas.print_replicas_table(results, console, labels)
+    for (n, cap), bound in bounds.items():
+        console.print(
+            f"{n} replicas x {labels[cap]}: one cache as large as all of them would hit "
+            f"{bound:.4f}",
+            markup=False,
+        )
+    rows = [r.to_dict() | {"pooled_bound": bounds[(r.replicas, r.capacity_units)]} for r in results]
+    if args.json_out:
+        text = json.dumps({"results": rows}, indent=2)
+        sys.stdout.write(text) if args.json_out == "-" else _write("--json", args.json_out, text)
+    if args.plot:
+        try:
+            replicas.plot_replicas(results, args.plot)
+        except RuntimeError as e:
+            raise CliError(f"--plot: {e}") from None
         console.print(f"plot written to {args.plot}", markup=False)
     return 0
 

@@ -115,27 +115,39 @@ def simulate(
     for t, req in enumerate(trace.requests):
         if belady:
             belady.now = t
-        prompt = RadixKey(array("q", req.units[: req.num_prompt_units]))
-        hit = cache.match_prefix(prompt)
-        units = req.units if cache_outputs else req.units[: req.num_prompt_units]
-        if capacity_units is None:
-            cache.insert(RadixKey(array("q", units)))
-        else:
-            cache.inc_lock_ref(hit.last_node)
-            need = len(units) - hit.prefix_len
-            over = cache.total_size() + need - capacity_units
-            if over > 0:
-                evicted += cache.evict(over)
-            room = capacity_units - cache.total_size()
-            if need > room:  # the request alone overflows what is left: keep its head
-                units = units[: hit.prefix_len + max(room, 0)]
-            if len(units) > hit.prefix_len:
-                cache.insert(RadixKey(array("q", units)))
-            cache.dec_lock_ref(hit.last_node)
+        hit, freed = serve_request(cache, req, capacity_units, cache_outputs)
+        evicted += freed
         if check_every and t % check_every == 0:
             cache.check_integrity()
-        tally.add(t, req, hit.prefix_len)
+        tally.add(t, req, hit)
     return tally.result(policy, capacity_units, evicted)
+
+
+def serve_request(
+    cache: RadixCache, req: SimRequest, capacity_units: int | None, cache_outputs: bool
+) -> tuple[int, int]:
+    """One request through a cache of ``capacity_units`` (``None``: unbounded): match
+    its prompt, then cache it (evicting what does not fit). Returns (prompt units hit,
+    units evicted)."""
+    prompt = RadixKey(array("q", req.units[: req.num_prompt_units]))
+    hit = cache.match_prefix(prompt)
+    units = req.units if cache_outputs else req.units[: req.num_prompt_units]
+    evicted = 0
+    if capacity_units is None:
+        cache.insert(RadixKey(array("q", units)))
+        return hit.prefix_len, 0
+    cache.inc_lock_ref(hit.last_node)
+    need = len(units) - hit.prefix_len
+    over = cache.total_size() + need - capacity_units
+    if over > 0:
+        evicted = cache.evict(over)
+    room = capacity_units - cache.total_size()
+    if need > room:  # the request alone overflows what is left: keep its head
+        units = units[: hit.prefix_len + max(room, 0)]
+    if len(units) > hit.prefix_len:
+        cache.insert(RadixKey(array("q", units)))
+    cache.dec_lock_ref(hit.last_node)
+    return hit.prefix_len, evicted
 
 
 class _Tally:

@@ -38,6 +38,7 @@ class SimRequest:
     num_prompt_units: int
     prompt_tokens: int
     timestamp: float = 0.0
+    output_tokens: int = 0
 
 
 @dataclass
@@ -151,12 +152,13 @@ def load_mooncake(path: str | Path) -> Trace:
                     f"input_length {length} needs {div_ceil(length, MOONCAKE_BLOCK)} hash_ids "
                     f"(one per {MOONCAKE_BLOCK} tokens), got {len(ids)}"
                 )
+            output = 0
             if "output_length" in rec:
-                _integer(rec["output_length"], "output_length", 0, MAX_OUTPUT_TOKENS + 1)
+                output = _integer(rec["output_length"], "output_length", 0, MAX_OUTPUT_TOKENS + 1)
             stamp = _timestamp(rec)
         except ValueError as e:
             raise TraceError(f"{path}:{n}: {e}") from None
-        trace.requests.append(SimRequest(ids, len(ids), length, stamp))
+        trace.requests.append(SimRequest(ids, len(ids), length, stamp, output))
     return trace
 
 
@@ -210,7 +212,7 @@ def _from_tokens(name: str, records: list[tuple[list[int], dict]], block: int) -
         units = interner.units(prompt + list(output), block, ns)
         n_prompt = len(prompt) // block
         trace.requests.append(
-            SimRequest(units, n_prompt, len(prompt), float(rec.get("timestamp", 0)))
+            SimRequest(units, n_prompt, len(prompt), float(rec.get("timestamp", 0)), len(output))
         )
     return trace
 

@@ -1,0 +1,252 @@
+"""Routing over many replicas, simulated: a trace replayed over N replicas, each a radix
+cache of the given capacity, with a router choosing a replica for every request.
+
+Load model (simple on purpose, the same for every router): a request occupies its
+replica from its arrival for ``computed prompt tokens / prefill_rate + output tokens x
+decode_s`` seconds (replicas run requests concurrently); "in flight" counts the requests
+still occupying a replica. Busy time is the sum of those durations; load imbalance is the
+busiest replica's busy time over the mean.
+
+Routers:
+    round_robin   replicas in turn
+    least_load    fewest requests in flight
+    approx        SGLang router's cache-aware policy with its defaults: if the loads are
+                  imbalanced (max - min > 64 and max > 1.5 x min) the least loaded;
+                  else, if some replica's tree of routed prompts matches more than 0.3
+                  of the request, the best match; else the replica with the smallest
+                  tree. Each replica's tree holds what was routed to it, bounded by the
+                  replica's capacity (LRU).
+    kv            Dynamo's KV router: cost = prefill blocks after the replica's cached
+                  overlap (known exactly, as events would report it) + blocks of the
+                  requests in flight there; the lowest cost wins.
+    oracle        the replica with the longest cached prefix, load ignored (ties: the
+                  emptiest cache). Not a bound when capacity is short: a prefix every
+                  request shares (a system prompt) pulls all traffic to one replica,
+                  whose cache then thrashes. `pooled_bound` is the reference instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from array import array
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from radixkv.key import RadixKey
+from radixkv.sim.replay import serve_request
+from radixkv.sim.traces import SimRequest, Trace
+from radixkv.tree import RadixCache
+
+ROUTERS = ("round_robin", "least_load", "approx", "kv", "oracle")
+PREFILL_RATE = 10_000.0  # prompt tokens a second a replica computes (default)
+DECODE_S = 0.02  # seconds per output token (default)
+APPROX_CACHE_THRESHOLD = 0.3
+APPROX_BALANCE_ABS = 64
+APPROX_BALANCE_REL = 1.5
+KV_OVERLAP_WEIGHT = 1.0  # Dynamo's default overlap_score_weight
+
+
+@dataclass
+class ReplicaResult:
+    trace: str
+    router: str
+    replicas: int
+    capacity_units: int | None
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    token_hit_rate: float
+    prefill_tokens: int  # prompt tokens computed (not served from a cache)
+    load_imbalance: float  # max busy time / mean busy time
+    max_in_flight: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Replica:
+    def __init__(self, capacity: int | None) -> None:
+        self.cache = RadixCache(page_size=1)
+        self.capacity = capacity
+        self.busy = 0.0
+        self.finishing: list[tuple[float, int]] = []  # (finish time, blocks) heap
+        self.active_blocks = 0
+        self.routed = RadixCache(page_size=1)  # approx: prompts routed here
+
+    def retire(self, now: float) -> None:
+        while self.finishing and self.finishing[0][0] <= now:
+            self.active_blocks -= heapq.heappop(self.finishing)[1]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.finishing)
+
+
+def simulate_replicas(
+    trace: Trace,
+    replicas: int,
+    capacity_units: int | None,
+    router: str = "kv",
+    cache_outputs: bool = False,
+    prefill_rate: float = PREFILL_RATE,
+    decode_s: float = DECODE_S,
+    kv_weight: float = KV_OVERLAP_WEIGHT,
+) -> ReplicaResult:
+    """Replay ``trace`` over ``replicas`` replicas of ``capacity_units`` each.
+    ``kv_weight`` weighs the prefill blocks in the ``kv`` router's cost."""
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}; valid: {', '.join(ROUTERS)}")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive int, got {replicas!r}")
+    reps = [_Replica(capacity_units) for _ in range(replicas)]
+    choose = _ROUTERS[router]
+    if router == "kv":
+        choose = functools.partial(_kv, w=kv_weight)
+    turn = itertools.count()
+    hit_tokens = prompt_tokens = prefill = 0
+    peak = 0
+    for req in trace.requests:
+        now = req.timestamp / 1000.0  # trace timestamps are milliseconds
+        for r in reps:
+            r.retire(now)
+        prompt = RadixKey(array("q", req.units[: req.num_prompt_units]))
+        i = choose(reps, req, prompt, next(turn))
+        rep = reps[i]
+        hit, _ = serve_request(rep.cache, req, capacity_units, cache_outputs)
+        if router == "approx":
+            serve_request(rep.routed, req, capacity_units, False)
+        hit_tok = trace.hit_tokens(req, hit)
+        computed = req.prompt_tokens - hit_tok
+        duration = computed / prefill_rate + req.output_tokens * decode_s
+        rep.busy += duration
+        blocks = len(req.units)
+        heapq.heappush(rep.finishing, (now + duration, blocks))
+        rep.active_blocks += blocks
+        peak = max(peak, rep.in_flight)
+        hit_tokens += hit_tok
+        prompt_tokens += req.prompt_tokens
+        prefill += computed
+    busy = [r.busy for r in reps]
+    mean = sum(busy) / len(busy)
+    return ReplicaResult(
+        trace=trace.name,
+        router=router,
+        replicas=replicas,
+        capacity_units=capacity_units,
+        requests=len(trace.requests),
+        prompt_tokens=prompt_tokens,
+        hit_tokens=hit_tokens,
+        token_hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        prefill_tokens=prefill,
+        load_imbalance=max(busy) / mean if mean else 1.0,
+        max_in_flight=peak,
+    )
+
+
+def pooled_bound(trace: Trace, replicas: int, capacity_units: int | None) -> float:
+    """Token hit rate of one LRU cache as large as all replicas together: what perfect
+    placement with no duplication would approach (no router sees more than it)."""
+    from radixkv.sim.replay import simulate
+
+    cap = None if capacity_units is None else capacity_units * replicas
+    return simulate(trace, cap, "lru").token_hit_rate
+
+
+Router = Callable[[list[_Replica], SimRequest, RadixKey, int], int]
+
+
+def _round_robin(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
+    return turn % len(reps)
+
+
+def _least_load(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
+    return min(range(len(reps)), key=lambda i: (reps[i].in_flight, i))
+
+
+def _approx(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
+    loads = [r.in_flight for r in reps]
+    hi, lo = max(loads), min(loads)
+    if hi - lo > APPROX_BALANCE_ABS and hi > lo * APPROX_BALANCE_REL:
+        return loads.index(lo)
+    n = len(prompt)
+    matched = [r.routed.match_len(prompt) for r in reps]
+    best = max(range(len(reps)), key=lambda i: (matched[i], -i))
+    if n and matched[best] / n > APPROX_CACHE_THRESHOLD:
+        return best
+    return min(range(len(reps)), key=lambda i: (reps[i].routed.total_size(), i))
+
+
+def _kv(
+    reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int, w: float = KV_OVERLAP_WEIGHT
+) -> int:
+    n = len(prompt)
+
+    def cost(i: int) -> tuple[float, int]:
+        return (w * (n - reps[i].cache.match_len(prompt)) + reps[i].active_blocks, i)
+
+    return min(range(len(reps)), key=cost)
+
+
+def _oracle(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
+    # ties (a cold prompt above all) go to the emptiest cache, spreading new prefixes
+    return max(
+        range(len(reps)),
+        key=lambda i: (reps[i].cache.match_len(prompt), -reps[i].cache.total_size(), -i),
+    )
+
+
+_ROUTERS: dict[str, Router] = {
+    "round_robin": _round_robin,
+    "least_load": _least_load,
+    "approx": _approx,
+    "kv": _kv,
+    "oracle": _oracle,
+}
+
+
+def print_replicas_table(results: list[ReplicaResult], console: Any, labels: dict) -> None:
+    from rich.table import Table
+
+    first = results[0]
+    table = Table(title=f"{first.trace}: {first.requests:,} requests over replicas")
+    for col in ("replicas", "capacity each", "router", "token hit rate", "prefill tokens",
+                "load imbalance", "max in flight"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "router" else "right")
+    for r in results:
+        table.add_row(
+            str(r.replicas),
+            labels.get(r.capacity_units, str(r.capacity_units)),
+            r.router,
+            f"{r.token_hit_rate:.4f}",
+            f"{r.prefill_tokens:,}",
+            f"{r.load_imbalance:.2f}",
+            str(r.max_in_flight),
+        )
+    console.print(table)
+
+
+def plot_replicas(results: list[ReplicaResult], path: str) -> None:
+    """Hit rate against replica count, one line per router."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("plotting needs matplotlib: pip install 'radixkv[plot]'") from e
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for router in dict.fromkeys(r.router for r in results):
+        pts = sorted((r.replicas, r.token_hit_rate) for r in results if r.router == router)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=router)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("token hit rate")
+    ax.set_title(f"Cache-aware routing: {results[0].trace}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
