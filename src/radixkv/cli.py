@@ -166,7 +166,65 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--page-size", type=positive_int, default=1)
     add_serve_parser(sub, common)
     add_bench_serve_parser(sub, common)
+    add_route_parser(sub, common)
     return parser
+
+
+def add_route_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    r = sub.add_parser(
+        "route",
+        parents=[common],
+        help="a cache-aware router over several radixkv serve (or vLLM) replicas",
+        description="An OpenAI-compatible proxy that sends each request to the replica "
+        "most likely to hold its prefix, fed by the replicas' KV events.",
+    )
+    r.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        metavar="URL[,EVENTS]",
+        help="a replica, e.g. http://127.0.0.1:8001,tcp://127.0.0.1:5557 (repeat the flag)",
+    )
+    r.add_argument("--policy", choices=["kv", "approx", "least_load", "round_robin"], default="kv")
+    r.add_argument("--model", default="auto", help="whose tokenizer to route with [auto]")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=_number(int, 0, "a port number"), default=8100)
+    r.add_argument(
+        "--kv-weight", type=_number(float, 0.0, "a non-negative number"), default=1.0,
+        help="weight on prefill blocks in the kv cost (Dynamo's overlap_score_weight) [1]",
+    )  # fmt: skip
+    r.add_argument("--health-interval", type=_number(float, 0.05, "seconds >= 0.05"), default=1.0)
+    r.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    _require_serve_extra()
+    from radixkv.engine.engine import load_tokenizer
+    from radixkv.router.proxy import Router, WorkerSpec, build_router_app
+    from radixkv.server.serve import uvicorn_server
+
+    try:
+        specs = [WorkerSpec.parse(w) for w in args.worker]
+    except ValueError as e:
+        raise CliError(f"--worker: {e}") from None
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
+        raise CliError(f"--model {args.model}: {e}") from None
+    router = Router(specs, args.policy, tokenizer, args.kv_weight)
+    app = build_router_app(router, args.health_interval)
+    print(
+        f"radixkv route: {args.policy} over {len(specs)} workers on "
+        f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = uvicorn_server(app, args.host, args.port, args.log_level)
+    server.run()
+    if not server.started:
+        raise CliError(f"--port: could not listen on {args.host}:{args.port}")
+    return 0
 
 
 def add_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -637,6 +695,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "demo": cmd_demo,
     "serve": cmd_serve,
     "bench-serve": cmd_bench_serve,
+    "route": cmd_route,
 }
 
 

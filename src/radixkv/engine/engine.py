@@ -127,6 +127,28 @@ def load_model(
     return load_hf_folder(folder), tok, str(folder)
 
 
+def load_tokenizer(model: str | Path) -> Tokenizer:
+    """The tokenizer `load_model` would give, without loading any weights (for routers).
+    ``auto``: SmolLM2's when it is installed, else the byte tokenizer."""
+    if model in ("auto", "smollm2"):
+        why_not = smollm2_missing()
+        if why_not is None:
+            folder = smollm2_folder()
+            assert folder is not None
+            return BPETokenizer(folder / "gguf_tokenizer.json")
+        if model == "smollm2":
+            raise ModuleNotFoundError(why_not)
+        model = "random"
+    if model == "random":
+        return ByteTokenizer(ModelConfig().vocab_size)
+    folder = Path(model)
+    if (folder / "gguf_tokenizer.json").exists():
+        return BPETokenizer(folder / "gguf_tokenizer.json")
+    if (folder / "config.json").exists():
+        return ByteTokenizer()
+    raise ValueError(f"model {model!r}: not auto/smollm2/random nor a checkpoint folder")
+
+
 @dataclass
 class EngineCounters:
     """Totals since the engine started (read by the server's metrics)."""

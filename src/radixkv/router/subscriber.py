@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from radixkv.events import END_SEQ, KVEventBatch, decode_batch
+from radixkv.events import END_SEQ, AllBlocksCleared, KVEventBatch, decode_batch
 
 log = logging.getLogger("radixkv.router")
 REPLAY_TIMEOUT_MS = 1000
@@ -73,6 +74,9 @@ class EventSubscriber:
                 continue
             _, seq_bytes, payload = frames
             seq = int.from_bytes(seq_bytes, "big")
+            if seq == 0 and self.last_seq > 0:  # the worker restarted: start over
+                self._apply(self.worker, KVEventBatch(time.time(), [AllBlocksCleared()]))
+                self.last_seq = -1
             if seq <= self.last_seq:
                 continue  # already applied (a replay overtook it)
             if seq > self.last_seq + 1:  # a gap, or joining late: replay from there

@@ -53,8 +53,6 @@ def served_name(engine: Engine, model: str) -> str:
 
 def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, AsyncEngine]:
     """A uvicorn server (not yet running) and its engine loop."""
-    import uvicorn
-
     from radixkv.server.app import build_app
 
     publisher = None
@@ -74,24 +72,36 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
     aeng.start()  # builds the engine on its own thread (see AsyncEngine)
     name = serve.served_model_name or served_name(aeng.engine, serve.model)
     app = build_app(aeng, name)
+
+    def abort_in_flight() -> None:
+        if aeng.alive:  # end the streams now, so open connections close at once
+            aeng.abort_all()
+
+    return uvicorn_server(app, serve.host, serve.port, serve.log_level, abort_in_flight), aeng
+
+
+def uvicorn_server(app: Any, host: str, port: int, log_level: str, on_exit: Any = None) -> Any:
+    """A uvicorn server that calls ``on_exit()`` first on SIGINT/SIGTERM and exits 0
+    after a requested, completed shutdown."""
+    import uvicorn
+
     config = uvicorn.Config(
         app,
-        host=serve.host,
-        port=serve.port,
-        log_level=serve.log_level,
-        access_log=serve.log_level in ("info", "debug", "trace"),
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=log_level in ("info", "debug", "trace"),
         timeout_graceful_shutdown=GRACEFUL_TIMEOUT_S,
     )
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if aeng.alive:  # end the streams now, so open connections close at once
-                aeng.abort_all()
+            if on_exit is not None:
+                on_exit()
             super().handle_exit(sig, frame)
-            # uvicorn re-raises a caught signal after shutting down (exit 130/143);
-            # a requested, completed shutdown exits 0
+            # uvicorn re-raises a caught signal after shutting down (exit 130/143)
             captured = getattr(self, "_captured_signals", None)
             if isinstance(captured, list):
                 captured.clear()
 
-    return Server(config), aeng
+    return Server(config)

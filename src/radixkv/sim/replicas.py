@@ -36,17 +36,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from radixkv.key import RadixKey
+from radixkv.router import policies
 from radixkv.sim.replay import serve_request
 from radixkv.sim.traces import SimRequest, Trace
 from radixkv.tree import RadixCache
 
-ROUTERS = ("round_robin", "least_load", "approx", "kv", "oracle")
+ROUTERS = (*policies.POLICIES, "oracle")
 PREFILL_RATE = 10_000.0  # prompt tokens a second a replica computes (default)
 DECODE_S = 0.02  # seconds per output token (default)
-APPROX_CACHE_THRESHOLD = 0.3
-APPROX_BALANCE_ABS = 64
-APPROX_BALANCE_REL = 1.5
-KV_OVERLAP_WEIGHT = 1.0  # Dynamo's default overlap_score_weight
+KV_OVERLAP_WEIGHT = policies.KV_OVERLAP_WEIGHT
 
 
 @dataclass
@@ -159,35 +157,34 @@ Router = Callable[[list[_Replica], SimRequest, RadixKey, int], int]
 
 
 def _round_robin(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
-    return turn % len(reps)
+    return policies.round_robin(range(len(reps)), turn)
 
 
 def _least_load(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
-    return min(range(len(reps)), key=lambda i: (reps[i].in_flight, i))
+    return policies.least_load(range(len(reps)), {i: r.in_flight for i, r in enumerate(reps)})
 
 
 def _approx(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
-    loads = [r.in_flight for r in reps]
-    hi, lo = max(loads), min(loads)
-    if hi - lo > APPROX_BALANCE_ABS and hi > lo * APPROX_BALANCE_REL:
-        return loads.index(lo)
-    n = len(prompt)
-    matched = [r.routed.match_len(prompt) for r in reps]
-    best = max(range(len(reps)), key=lambda i: (matched[i], -i))
-    if n and matched[best] / n > APPROX_CACHE_THRESHOLD:
-        return best
-    return min(range(len(reps)), key=lambda i: (reps[i].routed.total_size(), i))
+    ids = range(len(reps))
+    return policies.approx(
+        ids,
+        {i: r.in_flight for i, r in enumerate(reps)},
+        {i: r.routed.match_len(prompt) for i, r in enumerate(reps)},
+        len(prompt),
+        {i: r.routed.total_size() for i, r in enumerate(reps)},
+    )
 
 
 def _kv(
     reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int, w: float = KV_OVERLAP_WEIGHT
 ) -> int:
-    n = len(prompt)
-
-    def cost(i: int) -> tuple[float, int]:
-        return (w * (n - reps[i].cache.match_len(prompt)) + reps[i].active_blocks, i)
-
-    return min(range(len(reps)), key=cost)
+    return policies.kv(
+        range(len(reps)),
+        {i: r.cache.match_len(prompt) for i, r in enumerate(reps)},
+        len(prompt),
+        {i: r.active_blocks for i, r in enumerate(reps)},
+        w,
+    )
 
 
 def _oracle(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:

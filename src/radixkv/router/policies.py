@@ -1,0 +1,63 @@
+"""Routing decisions as pure functions of what a router knows, shared by ``radixkv
+route`` and the replica simulator (`radixkv.sim.replicas`).
+
+Workers are any hashable names, listed in a fixed order (ties go to the earlier one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+POLICIES = ("round_robin", "least_load", "approx", "kv")
+# SGLang router's cache-aware defaults
+APPROX_CACHE_THRESHOLD = 0.3
+APPROX_BALANCE_ABS = 64
+APPROX_BALANCE_REL = 1.5
+# Dynamo's default overlap_score_weight
+KV_OVERLAP_WEIGHT = 1.0
+
+
+def round_robin(workers: Sequence[Hashable], turn: int) -> Hashable:
+    return workers[turn % len(workers)]
+
+
+def least_load(workers: Sequence[Hashable], in_flight: Mapping[Hashable, int]) -> Hashable:
+    """The worker with the fewest requests in flight."""
+    return min(workers, key=lambda w: in_flight.get(w, 0))
+
+
+def approx(
+    workers: Sequence[Hashable],
+    in_flight: Mapping[Hashable, int],
+    matched: Mapping[Hashable, int],
+    request_len: int,
+    tree_size: Mapping[Hashable, int],
+) -> Hashable:
+    """SGLang router's cache-aware choice: the least loaded worker when loads are
+    imbalanced (max - min > 64 and max > 1.5 x min); else the worker whose tree of
+    routed prompts matches the request best, if that match exceeds 0.3 of it; else the
+    worker with the smallest tree."""
+    loads = [in_flight.get(w, 0) for w in workers]
+    hi, lo = max(loads), min(loads)
+    if hi - lo > APPROX_BALANCE_ABS and hi > lo * APPROX_BALANCE_REL:
+        return workers[loads.index(lo)]
+    best = max(workers, key=lambda w: matched.get(w, 0))
+    if request_len and matched.get(best, 0) / request_len > APPROX_CACHE_THRESHOLD:
+        return best
+    return min(workers, key=lambda w: tree_size.get(w, 0))
+
+
+def kv(
+    workers: Sequence[Hashable],
+    overlap_blocks: Mapping[Hashable, int],
+    request_blocks: int,
+    active_blocks: Mapping[Hashable, int],
+    weight: float = KV_OVERLAP_WEIGHT,
+) -> Hashable:
+    """Dynamo's KV router: cost = weight x blocks to prefill after the worker's cached
+    overlap + blocks of the requests in flight there; the lowest cost wins."""
+
+    def cost(w: Hashable) -> float:
+        return weight * (request_blocks - overlap_blocks.get(w, 0)) + active_blocks.get(w, 0)
+
+    return min(workers, key=cost)

@@ -1,0 +1,360 @@
+"""``radixkv route``: an OpenAI-compatible proxy that sends each request to the replica
+most likely to hold its prefix.
+
+Workers are ``radixkv serve`` (or vLLM) replicas, each optionally with its KV events
+address. The router tokenizes the prompt with the model's tokenizer (chat template
+included), asks its policy for a worker (`radixkv.router.policies`), and forwards the
+request body unchanged, streaming the answer back byte for byte; the response carries
+``x-radixkv-worker``. Policies:
+
+    round_robin, least_load (requests in flight through this router),
+    approx  SGLang router's cache-aware policy over a tree of the prompts it routed,
+    kv      (default) Dynamo's cost over the event-fed index: prefill blocks after the
+            worker's cached overlap + blocks of the requests in flight there.
+
+A health check (``GET /health``) runs every ``health_interval`` seconds; a worker that
+fails it, or whose connection fails, is taken out (its index entries dropped) until it
+answers again. A request whose worker fails before the answer starts is retried on the
+next worker; once streaming has started it cannot be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Hashable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+
+from radixkv.engine.tokenizer import Tokenizer
+from radixkv.events import KVEventBatch
+from radixkv.key import RadixKey
+from radixkv.router import policies
+from radixkv.router.index import KvIndex
+from radixkv.tree import RadixCache
+
+log = logging.getLogger("radixkv.router")
+APPROX_TREE_TOKENS = 1 << 22  # per worker; the oldest routed prompts are evicted beyond
+FORWARDED_HEADERS = ("content-type", "retry-after")
+
+
+@dataclass
+class WorkerSpec:
+    """A worker's HTTP base URL and, optionally, its KV events endpoints."""
+
+    url: str
+    events: str | None = None
+    replay: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerSpec:
+        """``URL`` or ``URL,EVENTS`` (replay on the events port + 1)."""
+        url, _, events = text.partition(",")
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"worker {text!r}: expected http://HOST:PORT[,tcp://HOST:PORT]")
+        if not events:
+            return cls(url)
+        head, _, port = events.rpartition(":")
+        if not head.startswith("tcp://") or not port.isdigit():
+            raise ValueError(f"worker {text!r}: events must look like tcp://127.0.0.1:5557")
+        return cls(url, events, f"{head}:{int(port) + 1}")
+
+
+@dataclass(eq=False)
+class Worker:
+    spec: WorkerSpec
+    alive: bool = True
+    in_flight: int = 0
+    active_blocks: int = 0
+    routed: RadixCache = field(default_factory=lambda: RadixCache(page_size=1))
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+
+class Router:
+    """The routing state: workers, the event-fed index, the policy."""
+
+    def __init__(
+        self,
+        specs: list[WorkerSpec],
+        policy: str,
+        tokenizer: Tokenizer,
+        kv_weight: float = policies.KV_OVERLAP_WEIGHT,
+    ) -> None:
+        if policy not in policies.POLICIES:
+            raise ValueError(f"policy must be one of {policies.POLICIES}, got {policy!r}")
+        if not specs:
+            raise ValueError("give at least one worker")
+        self.workers = [Worker(s) for s in specs]
+        self.policy, self.tokenizer, self.kv_weight = policy, tokenizer, kv_weight
+        self.index = KvIndex()
+        self._index_lock = threading.Lock()  # subscriber threads write, handlers read
+        self._turn = itertools.count()
+        self.subscribers: list[Any] = []
+        self.registry = CollectorRegistry()
+        self.m_requests = Counter("radixkv_router:requests", "Requests routed",
+                                  ["worker", "policy"], registry=self.registry)  # fmt: skip
+        self.m_retries = Counter("radixkv_router:retries", "Requests retried after a "
+                                 "worker failed", ["worker"], registry=self.registry)  # fmt: skip
+        self.m_overlap = Counter("radixkv_router:overlap_blocks", "Cached blocks the index "
+                                 "reported on the chosen worker", ["worker"],
+                                 registry=self.registry)  # fmt: skip
+        self.m_blocks = Counter("radixkv_router:request_blocks", "Whole blocks of routed "
+                                "prompts", registry=self.registry)  # fmt: skip
+        self.m_in_flight = Gauge("radixkv_router:in_flight", "Requests in flight",
+                                 ["worker"], registry=self.registry)  # fmt: skip
+        self.m_alive = Gauge("radixkv_router:worker_alive", "1 while the worker is healthy",
+                             ["worker"], registry=self.registry)  # fmt: skip
+        for w in self.workers:
+            self.m_alive.labels(w.url).set(1)
+
+    # --- events -------------------------------------------------------------------------
+    def start_events(self) -> None:
+        from radixkv.router.subscriber import EventSubscriber
+
+        for w in self.workers:
+            if w.spec.events:
+                self.subscribers.append(
+                    EventSubscriber(w.url, w.spec.events, w.spec.replay, self._apply)
+                )
+
+    def _apply(self, worker: Hashable, batch: KVEventBatch) -> None:
+        with self._index_lock:
+            self.index.apply(worker, batch)
+
+    def stop_events(self) -> None:
+        for s in self.subscribers:
+            s.close()
+
+    # --- choosing -----------------------------------------------------------------------
+    def tokens(self, path: str, body: dict) -> list[int]:
+        """The prompt's token ids as the workers will see them (best effort: [] when
+        the body is not a prompt the tokenizer understands; the worker will say why)."""
+        try:
+            if path.endswith("chat/completions"):
+                messages = [
+                    {"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                     else "".join(p.get("text", "") for p in m["content"])}
+                    for m in body["messages"]
+                ]  # fmt: skip
+                return list(self.tokenizer.apply_chat_template(messages))
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                return list(self.tokenizer.encode(prompt))
+            return [int(t) for t in prompt]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return []
+
+    def choose(self, tokens: list[int], salt: Any, max_tokens: int) -> tuple[Worker, int]:
+        """(worker, the index's cached blocks there) for a request."""
+        alive = [w for w in self.workers if w.alive] or self.workers
+        in_flight = {w: w.in_flight for w in alive}
+        overlap: dict[Hashable, int] = {}
+        if self.policy == "kv":
+            with self._index_lock:
+                by_url = self.index.overlap(tokens, salt)
+            overlap = {w: by_url.get(w.url, 0) for w in alive}
+        if self.policy == "round_robin":
+            w = policies.round_robin(alive, next(self._turn))
+        elif self.policy == "least_load":
+            w = policies.least_load(alive, in_flight)
+        elif self.policy == "approx":
+            key = RadixKey(tokens, salt) if tokens else None
+            matched = {x: x.routed.match_len(key) if key else 0 for x in alive}
+            sizes = {x: x.routed.total_size() for x in alive}
+            w = policies.approx(alive, in_flight, matched, len(tokens), sizes)
+            if key is not None:
+                self._remember(w, key)
+        else:
+            size = self.index.block_size or 16
+            w = policies.kv(
+                alive, overlap, len(tokens) // size, {x: x.active_blocks for x in alive},
+                self.kv_weight,
+            )  # fmt: skip
+        return w, overlap.get(w, 0)
+
+    def _remember(self, w: Worker, key: RadixKey) -> None:
+        over = w.routed.total_size() + len(key) - APPROX_TREE_TOKENS
+        if over > 0:
+            w.routed.evict(over)
+        w.routed.insert(key)
+
+    def mark_dead(self, w: Worker, why: str) -> None:
+        if w.alive:
+            log.warning("worker %s is out: %s", w.url, why)
+        w.alive = False
+        self.m_alive.labels(w.url).set(0)
+        with self._index_lock:
+            self.index.remove_worker(w.url)
+
+    def mark_alive(self, w: Worker) -> None:
+        if not w.alive:
+            log.warning("worker %s is back", w.url)
+        w.alive = True
+        self.m_alive.labels(w.url).set(1)
+
+
+def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
+    """The proxy app. Its lifespan starts the event subscribers and the health loop."""
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+
+    async def health_loop() -> None:
+        while True:
+            for w in router.workers:
+                try:
+                    ok = (await client.get(f"{w.url}/health", timeout=2.0)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    router.mark_alive(w)
+                else:
+                    router.mark_dead(w, "health check failed")
+            await asyncio.sleep(health_interval)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        router.start_events()
+        task = asyncio.ensure_future(health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            router.stop_events()
+            await client.aclose()
+
+    app = FastAPI(title="radixkv route", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = router
+
+    def error(status: int, message: str, code: str | None = None) -> JSONResponse:
+        body = {"error": {"message": message, "type": "router_error", "param": None, "code": code}}
+        return JSONResponse(body, status_code=status)
+
+    async def forward(request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            return error(400, f"the body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            return error(400, "the body must be a JSON object")
+        tokens = router.tokens(path, body)
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        max_tokens = max_tokens if isinstance(max_tokens, int) else 16
+        first, overlap = router.choose(tokens, salt, max_tokens)
+        order = [first] + [w for w in router.workers if w is not first and w.alive]
+        size = router.index.block_size or 16
+        blocks = (len(tokens) + max_tokens) // size
+        for attempt, w in enumerate(order):
+            try:
+                upstream = await client.send(
+                    client.build_request(
+                        "POST",
+                        f"{w.url}{path}",
+                        content=raw,
+                        headers={"content-type": "application/json"},
+                    ),
+                    stream=True,
+                )
+            except httpx.TransportError as e:
+                router.mark_dead(w, f"{type(e).__name__}: {e}")
+                router.m_retries.labels(w.url).inc()
+                continue
+            if upstream.status_code >= 500 and attempt + 1 < len(order):
+                await upstream.aclose()  # busy or broken before answering: next worker
+                router.m_retries.labels(w.url).inc()
+                continue
+            router.m_requests.labels(w.url, router.policy).inc()
+            router.m_overlap.labels(w.url).inc(overlap if w is first else 0)
+            router.m_blocks.inc(len(tokens) // size)
+            w.in_flight += 1
+            w.active_blocks += blocks
+            router.m_in_flight.labels(w.url).set(w.in_flight)
+
+            async def relay(
+                w: Worker = w, upstream: httpx.Response = upstream
+            ) -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in upstream.aiter_raw():
+                        yield chunk
+                except httpx.HTTPError as e:  # the worker died mid-answer: nothing to retry
+                    router.mark_dead(w, f"mid-stream: {e}")
+                finally:
+                    await upstream.aclose()
+                    w.in_flight -= 1
+                    w.active_blocks -= blocks
+                    router.m_in_flight.labels(w.url).set(w.in_flight)
+
+            headers = {k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_HEADERS}
+            headers["x-radixkv-worker"] = w.url
+            return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers)
+        return error(503, "no worker could take the request", "no_worker")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for w in router.workers:
+            if w.alive:
+                try:
+                    r = await client.get(f"{w.url}/v1/models", timeout=5.0)
+                    return Response(r.content, r.status_code, media_type="application/json")
+                except httpx.HTTPError as e:
+                    router.mark_dead(w, str(e))
+        return error(503, "no worker is alive", "no_worker")
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = [w.url for w in router.workers if w.alive]
+        status = 200 if alive else 503
+        return JSONResponse({"status": "ok" if alive else "no worker", "alive": alive}, status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/route/state")
+    async def state() -> dict:
+        return {
+            "policy": router.policy,
+            "block_size": router.index.block_size,
+            "workers": [
+                {
+                    "url": w.url,
+                    "alive": w.alive,
+                    "in_flight": w.in_flight,
+                    "indexed_blocks": router.index.num_blocks(w.url),
+                }
+                for w in router.workers
+            ],
+            "time": time.time(),
+        }
+
+    return app
