@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--kv-weight",
         type=_number(float, 0.0, "a non-negative number"),
-        default=1.0,
-        help="the kv router's weight on prefill blocks (Dynamo's overlap_score_weight) [1]",
+        default=4.0,
+        help="the kv router's weight on prefill blocks (Dynamo's overlap_score_weight; "
+        "Dynamo's default is 1) [4]",
     )
     sim.add_argument("--workers", type=positive_int, help="processes for the sweep [all cores]")
     demo = sub.add_parser(
@@ -190,8 +191,9 @@ def add_route_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=_number(int, 0, "a port number"), default=8100)
     r.add_argument(
-        "--kv-weight", type=_number(float, 0.0, "a non-negative number"), default=1.0,
-        help="weight on prefill blocks in the kv cost (Dynamo's overlap_score_weight) [1]",
+        "--kv-weight", type=_number(float, 0.0, "a non-negative number"), default=4.0,
+        help="weight on prefill blocks in the kv cost (Dynamo's overlap_score_weight; "
+        "Dynamo's default is 1) [4]",
     )  # fmt: skip
     r.add_argument("--health-interval", type=_number(float, 0.05, "seconds >= 0.05"), default=1.0)
     r.add_argument("--log-level", default="warning",

@@ -10,7 +10,10 @@ request body unchanged, streaming the answer back byte for byte; the response ca
     round_robin, least_load (requests in flight through this router),
     approx  SGLang router's cache-aware policy over a tree of the prompts it routed,
     kv      (default) Dynamo's cost over the event-fed index: prefill blocks after the
-            worker's cached overlap + blocks of the requests in flight there.
+            worker's cached overlap + blocks of the requests in flight there. A prompt
+            routed in the last PENDING_S seconds counts as cached on its worker until
+            the worker's events arrive (they follow the request by a step or more, and
+            a chat's next turn often comes first).
 
 A health check (``GET /health``) runs every ``health_interval`` seconds; a worker that
 fails it, or whose connection fails, is taken out (its index entries dropped) until it
@@ -26,6 +29,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -51,6 +55,9 @@ from radixkv.tree import RadixCache
 
 log = logging.getLogger("radixkv.router")
 APPROX_TREE_TOKENS = 1 << 22  # per worker; the oldest routed prompts are evicted beyond
+# kv: a routed prompt counts as cached on its worker for this long, until the worker's
+# events (which follow the request by a step or more) make the index say so
+PENDING_S = 10.0
 FORWARDED_HEADERS = ("content-type", "retry-after")
 
 
@@ -84,6 +91,17 @@ class Worker:
     in_flight: int = 0
     active_blocks: int = 0
     routed: RadixCache = field(default_factory=lambda: RadixCache(page_size=1))
+    pending: deque = field(default_factory=deque)  # (expiry, RadixKey) of recent routes
+
+    def pending_overlap(self, key: RadixKey, now: float) -> int:
+        """Tokens of ``key`` shared with a prompt routed here in the last PENDING_S."""
+        while self.pending and self.pending[0][0] < now:
+            self.pending.popleft()
+        best = 0
+        for _, k in self.pending:
+            if k.extra_key == key.extra_key:
+                best = max(best, k.match(key))
+        return best
 
     @property
     def url(self) -> str:
@@ -174,7 +192,11 @@ class Router:
         if self.policy == "kv":
             with self._index_lock:
                 by_url = self.index.overlap(tokens, salt)
-            overlap = {w: by_url.get(w.url, 0) for w in alive}
+            size = self.index.block_size or 16
+            key, now = RadixKey(tokens, salt), time.monotonic()
+            overlap = {
+                w: max(by_url.get(w.url, 0), w.pending_overlap(key, now) // size) for w in alive
+            }
         if self.policy == "round_robin":
             w = policies.round_robin(alive, next(self._turn))
         elif self.policy == "least_load":
@@ -188,10 +210,13 @@ class Router:
                 self._remember(w, key)
         else:
             size = self.index.block_size or 16
+            with self._index_lock:
+                cached = {x: self.index.num_blocks(x.url) for x in alive}
             w = policies.kv(
                 alive, overlap, len(tokens) // size, {x: x.active_blocks for x in alive},
-                self.kv_weight,
+                self.kv_weight, cached,
             )  # fmt: skip
+            w.pending.append((now + PENDING_S, key))
         return w, overlap.get(w, 0)
 
     def _remember(self, w: Worker, key: RadixKey) -> None:

@@ -184,6 +184,7 @@ def _kv(
         len(prompt),
         {i: r.active_blocks for i, r in enumerate(reps)},
         w,
+        {i: r.cache.total_size() for i, r in enumerate(reps)},
     )
 
 

@@ -1,0 +1,230 @@
+"""Routing: the policies as pure decisions, the replica simulator, and ``radixkv route``
+over two real tiny-model servers publishing KV events."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from radixkv.cli import main
+from radixkv.router import policies
+from radixkv.router.proxy import WorkerSpec
+from radixkv.server.process import ServerProcess, free_port
+from radixkv.sim.replicas import ROUTERS, pooled_bound, simulate_replicas
+from radixkv.sim.traces import SimRequest, Trace
+
+A, B, C = "a", "b", "c"
+
+
+# --- decisions -----------------------------------------------------------------------------
+def test_round_robin_and_least_load():
+    assert [policies.round_robin([A, B, C], t) for t in range(4)] == [A, B, C, A]
+    assert policies.least_load([A, B, C], {A: 3, B: 1, C: 1}) == B
+
+
+def test_approx_prefers_a_good_match_then_the_smallest_tree_and_balances_load():
+    loads = {A: 0, B: 0, C: 0}
+    assert policies.approx([A, B, C], loads, {A: 10, B: 40}, 100, {A: 5, B: 9, C: 7}) == B
+    # 0.25 of the request matched: not above the 0.3 threshold, so the smallest tree
+    assert policies.approx([A, B, C], loads, {A: 25}, 100, {A: 5, B: 9, C: 2}) == C
+    # imbalanced: 100 vs 10 in flight (> 64 apart and > 1.5x): the least loaded wins
+    assert policies.approx([A, B], {A: 100, B: 10}, {A: 100}, 100, {A: 1, B: 1}) == B
+    # 100 vs 40: 60 apart is within the absolute threshold, so the cache still wins
+    assert policies.approx([A, B], {A: 100, B: 40}, {A: 100}, 100, {A: 1, B: 1}) == A
+
+
+def test_kv_cost_weighs_overlap_against_load():
+    # a 20-block request; A holds 15 of it. Dynamo's weight 1: A costs 5 + in flight, B 20
+    w1 = policies.DYNAMO_DEFAULT_WEIGHT
+    assert policies.kv([A, B], {A: 15}, 20, {A: 12, B: 0}, weight=w1) == A  # 17 < 20
+    assert policies.kv([A, B], {A: 15}, 20, {A: 30, B: 0}, weight=w1) == B  # 35 > 20
+    assert policies.kv([A, B], {A: 15}, 20, {A: 30, B: 0}) == A  # weight 4: 20 + 30 < 80
+    assert policies.kv([A, B], {A: 15}, 20, {A: 70, B: 0}) == B  # 20 + 70 > 80
+    # equal cost: the worker caching fewer blocks takes a cold prompt
+    assert policies.kv([A, B, C], {}, 10, {}, cached_blocks={A: 9, B: 3, C: 5}) == B
+
+
+# --- the simulator ------------------------------------------------------------------------
+def conversations(n_conv: int, turns: int, gap_ms: float = 1000.0) -> Trace:
+    """Chats whose every turn extends the previous one: a unit id per whole prefix."""
+    trace, uid, t = Trace("chats", 16), 0, 0.0
+    history: dict[int, list[int]] = {c: [] for c in range(n_conv)}
+    for _ in range(turns):
+        for c in range(n_conv):
+            history[c] = history[c] + list(range(uid, uid + 4))
+            uid += 4
+            units = list(history[c])
+            trace.requests.append(SimRequest(units, len(units), 16 * len(units), t, 8))
+            t += gap_ms
+    return trace
+
+
+def test_cache_aware_routers_keep_conversations_together():
+    trace = conversations(13, 6)  # 13 chats over 4 replicas: round robin scatters them
+    res = {r: simulate_replicas(trace, 4, 200, r) for r in ROUTERS}
+    assert res["kv"].token_hit_rate > 2 * res["round_robin"].token_hit_rate
+    assert res["approx"].token_hit_rate > 2 * res["round_robin"].token_hit_rate
+    bound = pooled_bound(trace, 4, 200)
+    for r in res.values():
+        assert r.token_hit_rate <= bound + 1e-9
+        assert r.prefill_tokens + r.hit_tokens == r.prompt_tokens
+    assert res["kv"].load_imbalance < 1.5
+
+
+def test_simulate_replicas_command(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    lines = []
+    for c in range(6):
+        ids = []
+        for turn in range(3):
+            ids += [c * 100 + turn * 2, c * 100 + turn * 2 + 1]
+            lines.append(
+                f'{{"timestamp": {turn * 1000 + c}, "input_length": {512 * len(ids)}, '
+                f'"output_length": 20, "hash_ids": {ids}}}'
+            )
+    trace.write_text("\n".join(lines))
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--trace", str(trace), "--replicas", "2,3", "--capacity", "20blocks",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    import json
+
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["replicas"], r["router"]) for r in rows} == {(n, p) for n in (2, 3) for p in ROUTERS}
+    assert main(["simulate", "--workload", "few-shot", "--router", "kv"]) == 2
+    assert main([*argv[:5], "--router", "nope"]) == 2
+    assert main(["simulate", "--trace", str(trace), "--replicas", "0"]) == 2
+    assert "error: --replicas" in capsys.readouterr().err
+
+
+def test_worker_specs():
+    spec = WorkerSpec.parse("http://127.0.0.1:8001,tcp://127.0.0.1:5557")
+    assert spec.events == "tcp://127.0.0.1:5557" and spec.replay == "tcp://127.0.0.1:5558"
+    assert (
+        WorkerSpec.parse("http://h:1/").url == "http://h:1"
+        and WorkerSpec.parse("http://h:1").events is None
+    )
+    for bad in ("127.0.0.1:8001", "http://h:1,udp://x:1", "http://h:1,tcp://x:y"):
+        with pytest.raises(ValueError, match="worker"):
+            WorkerSpec.parse(bad)
+
+
+# --- real processes -------------------------------------------------------------------------
+WORKER = [
+    "--model",
+    "random",
+    "--page-size",
+    "4",
+    "--kv-tokens",
+    "4096",
+    "--max-context-len",
+    "512",
+]
+
+
+class Router:
+    def __init__(self, workers: list[str], policy: str = "kv") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [a for w in workers for a in ("--worker", w)]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "radixkv.cli", "route", "--port", str(self.port), "--model",
+             "random", "--policy", policy, "--health-interval", "0.2", *args],
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        raise RuntimeError("the router did not come up")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    ports = [free_port() for _ in range(2)]
+    workers = [
+        ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=60) for p in ports
+    ]
+    specs = [f"{w.url},tcp://127.0.0.1:{p}" for w, p in zip(workers, ports, strict=True)]
+    router = Router(specs)
+    yield router, workers
+    router.stop()
+    for w in workers:
+        w.stop()
+
+
+def complete(url: str, prompt: str, **kw) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, **kw}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def test_a_shared_prefix_lands_where_it_is_cached(fleet):
+    router, _ = fleet
+    system = "You are the routing test assistant; answer briefly and politely. " * 3
+    first = complete(router.url, system + "first?")
+    assert first.status_code == 200
+    holder = first.headers["x-radixkv-worker"]
+    time.sleep(0.5)  # the holder's events reach the router
+    for q in ("second?", "third?", "fourth?"):
+        r = complete(router.url, system + q)
+        assert r.headers["x-radixkv-worker"] == holder
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > len(system) - 8
+    other = complete(router.url, "A different prompt altogether, nothing shared. " * 3)
+    assert other.status_code == 200
+    state = httpx.get(f"{router.url}/route/state").json()
+    assert state["block_size"] == 4
+    assert any(w["indexed_blocks"] > 0 for w in state["workers"])
+    metrics = httpx.get(f"{router.url}/metrics").text
+    assert "radixkv_router:requests_total" in metrics
+
+
+def test_streaming_passes_through(fleet):
+    router, _ = fleet
+    body = {
+        "prompt": "stream through the router",
+        "max_tokens": 4,
+        "stream": True,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    bad = httpx.post(f"{router.url}/v1/completions", json={"prompt": "x", "n": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"  # the worker's answer
+
+
+def test_killing_a_worker_loses_no_request_that_had_not_started():
+    ports = [free_port() for _ in range(2)]
+    workers = [
+        ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=60) for p in ports
+    ]
+    specs = [f"{w.url},tcp://127.0.0.1:{p}" for w, p in zip(workers, ports, strict=True)]
+    router = Router(specs, policy="round_robin")
+    try:
+        assert complete(router.url, "warm up").status_code == 200
+        workers[0].proc.kill()  # gone without a word
+        workers[0].proc.wait()
+        codes = [complete(router.url, f"request {i} after the crash").status_code for i in range(6)]
+        assert codes == [200] * 6
+        state = httpx.get(f"{router.url}/route/state").json()
+        assert [w["alive"] for w in state["workers"]] == [False, True]
+        assert (
+            'radixkv_router:retries_total{worker="' + workers[0].url
+            in httpx.get(f"{router.url}/metrics").text
+            or not state["workers"][0]["alive"]
+        )
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
