@@ -120,9 +120,8 @@ def main() -> None:
             w.stop()
     by = {r["policy"]: r for r in rows}
     if "kv" in by and "round_robin" in by:
-        print(
-            f"kv hit rate / round_robin: {by['kv']['hit_rate'] / by['round_robin']['hit_rate']:.2f}x"
-        )
+        ratio = by["kv"]["hit_rate"] / by["round_robin"]["hit_rate"]
+        print(f"kv hit rate / round_robin: {ratio:.2f}x")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=2))
 
