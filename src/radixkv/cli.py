@@ -295,7 +295,7 @@ def _flag_error(e: ValueError) -> CliError:
     return CliError(f"--{name.replace('_', '-')}: {text}")
 
 
-SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx", "msgspec", "zmq")
 
 
 def _require_serve_extra() -> None:
