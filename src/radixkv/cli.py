@@ -132,6 +132,23 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--csv", dest="csv_out", help="write results as CSV here ('-' stdout)")
     sim.add_argument("--plot", help="write a hit-rate-vs-capacity plot (PNG) here")
     sim.add_argument(
+        "--tiers",
+        action="store_true",
+        help="simulate a device cache (--capacity) over a host tier (--host-capacity) and "
+        "a shared store; report hits by tier",
+    )
+    sim.add_argument(
+        "--host-capacity",
+        default="0",
+        help="with --tiers: comma-separated host tier sizes, in --capacity's units [0]",
+    )
+    sim.add_argument(
+        "--shared",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --tiers: an unbounded shared store behind the host tier [on]",
+    )
+    sim.add_argument(
         "--replicas",
         help="comma-separated replica counts: route the trace over this many replicas, "
         "each of --capacity (e.g. 8,16,32,64)",
@@ -579,6 +596,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     outputs = args.cache_outputs if args.cache_outputs is not None else not args.trace
     if replica_counts:
         return _simulate_replicas(args, trace, replica_counts, caps, labels, outputs, console)
+    if args.tiers:
+        return _simulate_tiers(args, trace, caps, labels, outputs, console, bpt)
     if len(caps) > 1 and None in caps:  # the unbounded point is the same for every policy
         bounded = [c for c in caps if c is not None]
     else:
@@ -628,6 +647,56 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise CliError(f"--plot: cannot write {args.plot}: {e.strerror or e}") from None
         console.print(f"plot written to {args.plot}", markup=False)
     return 0
+
+
+def _simulate_tiers(
+    args: argparse.Namespace,
+    trace: Any,
+    caps: list[int | None],
+    labels: dict,
+    outputs: bool,
+    console: Any,
+    bpt: int | None,
+) -> int:
+    import json
+
+    from radixkv.sim import sweep, tiers
+
+    hosts = []
+    try:
+        for text in args.host_capacity.split(","):
+            units = sweep.parse_capacity(text, trace.block_size, bpt)
+            if units is None:
+                raise ValueError(f"capacity {text!r}: the host tier must be bounded")
+            labels.setdefault(("host", units), text.strip())
+            hosts.append(units)
+    except ValueError as e:
+        raise CliError(f"--host-capacity: {e}") from None
+    results = [
+        tiers.simulate_tiers(trace, cap, host, args.shared, outputs)
+        for cap in caps
+        for host in dict.fromkeys(hosts)
+    ]
+    tiers.print_tiers_table(results, console, labels)
+    for cap in caps:
+        for host in dict.fromkeys(hosts):
+            if cap is not None:
+                pooled = replay_pooled(trace, cap + host, outputs)
+                console.print(
+                    f"device {labels[cap]} + host {labels[('host', host)]}: one cache of that "
+                    f"total size would hit {pooled:.4f}",
+                    markup=False,
+                )
+    if args.json_out:
+        text = json.dumps({"results": [r.to_dict() for r in results]}, indent=2)
+        sys.stdout.write(text) if args.json_out == "-" else _write("--json", args.json_out, text)
+    return 0
+
+
+def replay_pooled(trace: Any, units: int, outputs: bool) -> float:
+    from radixkv.sim.replay import simulate
+
+    return simulate(trace, units, "lru", outputs).token_hit_rate
 
 
 def _replica_counts(args: argparse.Namespace) -> list[int]:
