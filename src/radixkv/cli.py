@@ -286,6 +286,12 @@ def add_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="waiting requests at most; beyond, 503 with Retry-After [1024]",
     )
     serve.add_argument(
+        "--storage",
+        metavar="URL",
+        help="a shared KV page store: redis://127.0.0.1:6379/0, file:///DIR or memory:// "
+        "(write-through: prompts' missing pages are read from it, finished ones written)",
+    )
+    serve.add_argument(
         "--kv-events",
         metavar="ENDPOINT",
         help="publish KV events (vLLM's ZeroMQ wire) on this PUB address, e.g. "
@@ -424,6 +430,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_context_len=args.max_context_len,
             eviction_policy=args.eviction_policy,
             check_memory=args.check_memory,
+            storage=args.storage,
         )
     except ValueError as e:
         raise _flag_error(e) from None

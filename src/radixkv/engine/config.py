@@ -28,6 +28,9 @@ class EngineConfig:
         device, dtype: where and how the model and the KV live.
         check_memory: run ``check_memory`` and ``check_integrity`` after every step.
         seed: seed of the random weights (``model="random"``).
+        storage: a shared page store (``redis://...``, ``file:///DIR``, ``memory://``):
+            prompt pages the device cache lacks are read from it, finished requests'
+            pages written to it (write-through).
     """
 
     prefix_cache: bool = True
@@ -42,6 +45,7 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     check_memory: bool = False
     seed: int = 0
+    storage: str | None = None  # a shared page store URL (radixkv.storage)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -64,5 +68,7 @@ class EngineConfig:
         as_bool(self.prefix_cache, "prefix_cache")
         as_bool(self.check_memory, "check_memory")
         as_count(self.seed, "seed")
+        if self.storage is not None and not self.prefix_cache:
+            raise ValueError("storage needs the prefix cache (prefix_cache=True)")
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")

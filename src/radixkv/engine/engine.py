@@ -206,6 +206,26 @@ class Engine:
         self._order = itertools.count()
         self._aborted: list[EngineReq] = []  # aborted since the last step (reported once)
         self._events: Any = None  # (collector, publish) once KV events are on
+        self.tier: Any = None  # the shared store's tier (radixkv.storage), if any
+        if cfg.storage is not None:
+            from radixkv.storage.store import open_store
+            from radixkv.storage.tier import SharedTier, model_fingerprint
+
+            fp = model_fingerprint(self.model, cfg.dtype, cfg.page_size)
+            self.tier = SharedTier(open_store(cfg.storage), self.kv, self.cache, fp)
+            self.scheduler.prefetch = self._prefetch
+
+    def _prefetch(self, r: EngineReq) -> None:
+        def alloc(n: int) -> Any:
+            slots = self.mgr.allocator.alloc(n)
+            if slots is None:
+                self.mgr.evicted_tokens += self.cache.evict(n - self.mgr.allocator.available_size())
+                slots = self.mgr.allocator.alloc(n)
+            return slots
+
+        usable = len(r.input_ids) - 1  # the last prompt token is always computed
+        r.store_hit = self.tier.load(r.token_array(), r.extra_key, usable, alloc)
+        self.tier.hit_tokens += r.store_hit
 
     def publish_kv_events(self, publish: Callable[[Any], None]) -> None:
         """Report the cache's pages as KV events (`radixkv.events`): after each step the
@@ -359,6 +379,10 @@ class Engine:
             self.counters.generation_tokens += 1
             reason = self._stop_reason(r, token)
             if reason is not None:
+                if self.tier is not None:
+                    n = r.kv_len - r.kv_len % self.cache.page_size
+                    slots = self.mgr.req_pool.read(r.row, 0, n).clone()
+                    self.tier.save(r.token_array()[:n], r.extra_key, slots)
                 self.scheduler.finish(r)
                 del self.requests[r.rid]
                 self._finish(r, reason)

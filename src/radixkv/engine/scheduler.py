@@ -19,6 +19,7 @@ request always advances and no request is preempted forever.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.request import EngineReq
@@ -43,6 +44,8 @@ class Scheduler:
         self.preemptions = 0
         self.queried_tokens = 0  # prompt tokens looked up at first admission
         self.hit_tokens = 0  # of which served from the cache
+        # called once per request before its first admission (loads shared-store pages)
+        self.prefetch: Callable[[EngineReq], None] | None = None
 
     def max_tokens(self) -> int:
         """The most tokens (prompt + output) one request may need: it must fit the
@@ -82,6 +85,11 @@ class Scheduler:
         if not self.waiting or len(self.running) >= cfg.max_running:
             return
         lpm = cfg.schedule_policy == "lpm"
+        if self.prefetch is not None:
+            for r in self.waiting:
+                if r.prompt_cached < 0 and not r.prefetched:
+                    r.prefetched = True
+                    self.prefetch(r)
         key = {id(r): RadixKey(r.token_array(), r.extra_key) for r in self.waiting}
         hits = {id(r): cache.match_len(key[id(r)]) for r in self.waiting}
         order = list(self.waiting)

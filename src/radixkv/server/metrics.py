@@ -61,6 +61,25 @@ class EngineCollector(Collector):
             (GaugeMetricFamily, "prefix_cache_tokens", "Tokens held by the prefix cache",
              e.cache.total_size()),
         ]  # fmt: skip
+        tier = e.tier
+        if tier is not None:
+            st = tier.stats
+            values += [
+                (CounterMetricFamily, "storage_hit_tokens", "Prompt tokens read from the "
+                 "shared store (part of prefix_cache_hits)", tier.hit_tokens),
+                (CounterMetricFamily, "storage_pages_read", "Pages read from the store",
+                 st.pages_read),
+                (CounterMetricFamily, "storage_pages_written", "Pages written to the store",
+                 st.pages_written),
+                (CounterMetricFamily, "storage_bytes_read", "Bytes read", st.bytes_read),
+                (CounterMetricFamily, "storage_bytes_written", "Bytes written", st.bytes_written),
+                (CounterMetricFamily, "storage_read_seconds", "Time reading pages", st.read_s),
+                (CounterMetricFamily, "storage_write_seconds", "Time writing pages", st.write_s),
+                (CounterMetricFamily, "storage_errors", "Store calls that failed (down, "
+                 "full, timed out)", st.errors),
+                (CounterMetricFamily, "storage_corrupt_pages", "Values that failed the "
+                 "header check (treated as misses)", st.corrupt),
+            ]  # fmt: skip
         for family, name, doc, value in values:
             m = family(f"radixkv:{name}", doc, labels=labels)
             m.add_metric([self.model_name], value)

@@ -1,0 +1,228 @@
+"""The shared KV tier against real stores: the Redis on 127.0.0.1:6379 (tests use db 15
+and flush it), a redis-server of their own to kill or fill, and a folder."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+
+from radixkv.engine.engine import Engine
+from radixkv.server.process import free_port
+from radixkv.storage import FileStore, MemoryStore, PageCodec, RedisStore, open_store
+
+REDIS_URL = "redis://127.0.0.1:6379/15"
+PROMPTS = ["You are a careful assistant who answers briefly. " * 4 + q
+           for q in ("Where is Paris?", "Where is Rome?", "Where is Oslo?")]  # fmt: skip
+
+
+@pytest.fixture
+def shared_redis():
+    """The machine's Redis (CI starts it): a test fails, not skips, if it is down."""
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
+    client.ping()
+    client.flushdb()
+    yield REDIS_URL
+    client.flushdb()
+
+
+class OwnRedis:
+    """A redis-server of the test's own on a free port, to kill or to fill."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
+             "--save", "", "--appendonly", "no", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def engine(storage: str | None, page: int = 4, **kw) -> Engine:
+    return Engine("random", page_size=page, kv_tokens=4096, storage=storage, **kw)
+
+
+def run(e: Engine) -> list[list[int]]:
+    out = e.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    if e.tier is not None:
+        e.tier.flush()
+    return [o.token_ids for o in out.outputs]
+
+
+# --- stores --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["memory", "file", "redis"])
+def test_store_backends(kind, tmp_path, shared_redis):
+    store = {"memory": MemoryStore, "file": lambda: FileStore(tmp_path),
+             "redis": lambda: RedisStore(shared_redis)}[kind]()  # fmt: skip
+    keys = [bytes([i]) * 24 for i in range(5)]
+    assert store.exists_prefix(keys) == 0
+    assert store.set(keys[:3], [b"a", b"bb", b"ccc"]) == 3
+    assert store.exists_prefix(keys) == 3
+    assert store.exists_prefix(keys[1:]) == 2
+    assert store.get(keys[:4]) == [b"a", b"bb", b"ccc", None]
+
+
+def test_open_store_urls(tmp_path):
+    assert isinstance(open_store("memory://"), MemoryStore)
+    assert isinstance(open_store(f"file://{tmp_path}/pages"), FileStore)
+    assert isinstance(open_store("redis://127.0.0.1:6379/15"), RedisStore)
+    for bad in ("s3://bucket", "file://", "nonsense"):
+        with pytest.raises(ValueError, match="storage"):
+            open_store(bad)
+
+
+def test_the_page_header_catches_every_kind_of_bad_value():
+    codec, other = PageCodec(b"f" * 16), PageCodec(b"g" * 16)
+    value = codec.encode(b"k" * 8, b"payload" * 10)
+    assert codec.decode(b"k" * 8, value) == b"payload" * 10
+    flipped = bytearray(value)
+    flipped[-3] ^= 1
+    cases = {
+        "missing": None,
+        "truncated": value[:-5],
+        "corrupted": bytes(flipped),
+        "another key": codec.encode(b"j" * 8, b"payload"),
+        "another model": other.encode(b"k" * 8, b"payload"),
+        "short": b"RKV1",
+    }
+    for case, bad in cases.items():
+        assert codec.decode(b"k" * 8, bad) is None, case
+
+
+# --- the engine ----------------------------------------------------------------------------
+@pytest.mark.parametrize("page", [1, 16])
+def test_pages_loaded_from_a_store_give_the_same_tokens_as_recomputing(page, tmp_path):
+    url = f"file://{tmp_path}/pages"
+    cold = run(engine(None, page))
+    first = engine(url, page)
+    assert run(first) == cold
+    assert first.tier.stats.pages_written > 0
+    second = engine(url, page)  # another engine: an empty device cache
+    out = second.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in out.outputs] == cold
+    assert second.tier.hit_tokens > 0 and out.outputs[0].cached_tokens > 100
+    second.mgr.check_memory()
+    second.cache.check_integrity()
+
+
+def test_another_model_or_page_size_never_matches(tmp_path):
+    url = f"file://{tmp_path}/pages"
+    run(engine(url, 4))
+    for other in (
+        engine(url, 8),
+        Engine("random", page_size=4, kv_tokens=4096, storage=url, seed=1),
+    ):
+        other.generate(PROMPTS[:1], max_new_tokens=2, ignore_eos=True)
+        assert other.tier.hit_tokens == 0
+
+
+def test_two_engine_processes_share_a_system_prompt_through_redis(shared_redis):
+    script = (
+        "import json, sys\n"
+        "from radixkv.engine.engine import Engine\n"
+        f"e = Engine('random', page_size=4, kv_tokens=4096, storage={shared_redis!r})\n"
+        f"out = e.generate({PROMPTS!r}, max_new_tokens=8, ignore_eos=True)\n"
+        "e.tier.flush()\n"
+        "print(json.dumps([[o.token_ids for o in out.outputs], e.tier.hit_tokens]))\n"
+    )
+    import json
+
+    runs = [
+        json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True,
+                                  text=True, check=True).stdout)
+        for _ in range(2)
+    ]  # fmt: skip
+    (tokens1, hits1), (tokens2, hits2) = runs
+    assert tokens1 == tokens2 and hits1 == 0 and hits2 > 150
+
+
+# --- faults -------------------------------------------------------------------------------
+def test_a_store_down_at_start_costs_a_recompute_not_a_crash():
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    e = engine(dead)
+    t0 = time.monotonic()
+    assert run(e) == run(engine(None))
+    assert time.monotonic() - t0 < 10
+    assert e.tier.stats.errors >= 1 and e.tier.hit_tokens == 0
+
+
+def test_redis_killed_mid_run():
+    own = OwnRedis()
+    try:
+        first = engine(own.url)
+        want = run(first)
+        own.kill()
+        second = engine(own.url)
+        t0 = time.monotonic()
+        assert run(second) == want  # recomputed, identical
+        assert time.monotonic() - t0 < 10  # timeouts, then the store is skipped
+        assert second.tier.stats.errors >= 1
+        second.mgr.check_memory()
+    finally:
+        if own.proc.poll() is None:
+            own.kill()
+
+
+def test_a_corrupted_page_is_a_counted_miss(shared_redis):
+    first = engine(shared_redis)
+    want = run(first)
+    client = redis.Redis.from_url(shared_redis)
+    for key in client.keys("*"):
+        value = bytearray(client.get(key))
+        value[-1] ^= 0xFF
+        client.set(key, bytes(value))
+    second = engine(shared_redis)
+    assert run(second) == want
+    assert second.tier.stats.corrupt >= 1 and second.tier.hit_tokens == 0
+
+
+def test_a_full_store_fails_writes_softly():
+    own = OwnRedis("--maxmemory-policy", "noeviction")
+    try:
+        client = redis.Redis.from_url(own.url)
+        client.config_set("maxmemory", "1")  # full already: every write is refused (OOM)
+        e = engine(own.url)
+        assert run(e) == run(engine(None))
+        assert e.tier.stats.errors >= 1 and e.tier.stats.pages_written == 0
+    finally:
+        own.kill()
+
+
+def test_two_servers_share_through_redis(shared_redis):
+    from openai import OpenAI
+
+    from radixkv.server.process import ServerProcess
+
+    args = ["--model", "random", "--page-size", "4", "--kv-tokens", "4096", "--storage",
+            shared_redis]  # fmt: skip
+    cached = []
+    for _ in range(2):  # one after the other: the second starts with an empty device cache
+        with ServerProcess(*args, timeout=60) as srv:
+            client = OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+            r = client.completions.create(model="random", prompt=PROMPTS[0], max_tokens=4,
+                                          temperature=0)  # fmt: skip
+            cached.append((r.usage.prompt_tokens_details.cached_tokens, r.choices[0].text))
+            time.sleep(0.3)  # the write-through finishes
+            import httpx
+
+            metrics = httpx.get(f"{srv.url}/metrics").text
+            assert "radixkv:storage_pages_written_total" in metrics
+    (c1, t1), (c2, t2) = cached
+    assert c1 == 0 and c2 > 150 and t1 == t2
