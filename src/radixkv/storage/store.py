@@ -53,13 +53,13 @@ class PageCodec:
         )
         return header + payload
 
-    def decode(self, key_hash: bytes, value: bytes | None) -> bytes | None:
-        """The payload, or ``None`` when the value is missing or fails any check
-        (another format or model, another key, truncated, corrupted)."""
+    def decode(self, key_hash: bytes, value: bytes | None) -> memoryview | None:
+        """The payload (a view, no copy), or ``None`` when the value is missing or fails
+        any check (another format or model, another key, truncated, corrupted)."""
         if value is None or len(value) < _HEADER.size:
             return None
         magic, version, fp, kh, length, crc = _HEADER.unpack_from(value)
-        payload = value[_HEADER.size :]
+        payload = memoryview(value)[_HEADER.size :]
         if (magic, version, fp, kh) != (MAGIC, FORMAT_VERSION, self.fingerprint, key_hash):
             return None
         if len(payload) != length or zlib.crc32(payload) != crc:
@@ -160,7 +160,11 @@ class RedisStore:
 
         self.url, self.retry_s, self.ttl_s = url, retry_s, ttl_s
         self.client = redis.Redis.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry_on_timeout=False
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry_on_timeout=False,
+            socket_read_size=1 << 22,  # pages are ~1 MB: read them in few syscalls
         )
         self.stats = StoreStats()
         self._down_until = 0.0

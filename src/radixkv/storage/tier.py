@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixkv.key import RadixKey
@@ -91,16 +92,20 @@ class SharedTier:
         v = torch.stack([self.kv.v[i][slots] for i in range(self.kv.num_layers)])
         return torch.stack((k, v)).cpu().contiguous().numpy().tobytes()
 
-    def _write_pool(self, slots: torch.Tensor, payload: bytes) -> bool:
+    def _write_pool(self, slots: torch.Tensor, payloads: list[memoryview]) -> bool:
+        """Write whole pages (each ``[2, layers, page, heads, dim]``) at ``slots``: one
+        copy into a fresh array, then one indexed write per layer for K and for V."""
         k0 = self.kv.k[0]
-        shape = (2, self.kv.num_layers, len(slots), k0.shape[1], k0.shape[2])
-        data = torch.frombuffer(bytearray(payload), dtype=k0.dtype)
-        if data.numel() != torch.Size(shape).numel():
+        dtype = torch.empty(0, dtype=k0.dtype).numpy().dtype
+        page_shape = (2, self.kv.num_layers, self.page, k0.shape[1], k0.shape[2])
+        if any(len(x) != int(np.prod(page_shape)) * dtype.itemsize for x in payloads):
             return False
-        data = data.view(shape).to(k0.device)
+        flat = np.concatenate([np.frombuffer(x, dtype=dtype) for x in payloads])
+        data = torch.from_numpy(flat).view(len(payloads), *page_shape).to(k0.device)
+        by_page = slots.view(len(payloads), self.page)  # a 2-D index: no reshaping copy
         for i in range(self.kv.num_layers):
-            self.kv.k[i][slots] = data[0, i]
-            self.kv.v[i][slots] = data[1, i]
+            self.kv.k[i][by_page] = data[:, 0, i]
+            self.kv.v[i][by_page] = data[:, 1, i]
         return True
 
     # --- load ---------------------------------------------------------------------------
@@ -121,7 +126,7 @@ class SharedTier:
         if not found:
             return 0
         values = self.store.get(keys[:found])
-        good: list[bytes] = []
+        good: list[memoryview] = []
         for h, v in zip(hashes[have : have + found], values, strict=True):
             payload = self.codec.decode(h, v)
             if payload is None:
@@ -134,11 +139,10 @@ class SharedTier:
         slots = alloc(len(good) * p)
         if slots is None:
             return 0
-        for i, payload in enumerate(good):
-            if not self._write_pool(slots[i * p : (i + 1) * p], payload):
-                self.stats.corrupt += 1
-                self.cache.allocator.free(slots)
-                return 0
+        if not self._write_pool(slots, good):  # a page of the wrong size (layout changed)
+            self.stats.corrupt += 1
+            self.cache.allocator.free(slots)
+            return 0
         hit = self.cache.match_prefix(key[: have * p])
         end = (have + len(good)) * p
         self.cache.insert(key[:end], torch.cat((hit.indices, slots)))
