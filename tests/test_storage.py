@@ -160,7 +160,7 @@ def test_a_store_down_at_start_costs_a_recompute_not_a_crash():
     t0 = time.monotonic()
     assert run(e) == run(engine(None))
     assert time.monotonic() - t0 < 10
-    assert e.tier.stats.errors >= 1 and e.tier.hit_tokens == 0
+    assert e.tier.errors >= 1 and e.tier.hit_tokens == 0
 
 
 def test_redis_killed_mid_run():
@@ -173,7 +173,7 @@ def test_redis_killed_mid_run():
         t0 = time.monotonic()
         assert run(second) == want  # recomputed, identical
         assert time.monotonic() - t0 < 10  # timeouts, then the store is skipped
-        assert second.tier.stats.errors >= 1
+        assert second.tier.errors >= 1
         second.mgr.check_memory()
     finally:
         if own.proc.poll() is None:
@@ -200,7 +200,7 @@ def test_a_full_store_fails_writes_softly():
         client.config_set("maxmemory", "1")  # full already: every write is refused (OOM)
         e = engine(own.url)
         assert run(e) == run(engine(None))
-        assert e.tier.stats.errors >= 1 and e.tier.stats.pages_written == 0
+        assert e.tier.errors >= 1 and e.tier.stats.pages_written == 0
     finally:
         own.kill()
 

@@ -292,6 +292,18 @@ def add_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "(write-through: prompts' missing pages are read from it, finished ones written)",
     )
     serve.add_argument(
+        "--host-tokens",
+        type=_number(int, 0, "a non-negative integer"),
+        default=0,
+        help="KV tokens of a host-memory tier below the device pool [0: none]",
+    )
+    serve.add_argument(
+        "--write-policy",
+        choices=["write_through", "write_through_selective", "write_back"],
+        default="write_through",
+        help="when pages reach --storage [write_through]",
+    )
+    serve.add_argument(
         "--kv-events",
         metavar="ENDPOINT",
         help="publish KV events (vLLM's ZeroMQ wire) on this PUB address, e.g. "
@@ -431,6 +443,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             eviction_policy=args.eviction_policy,
             check_memory=args.check_memory,
             storage=args.storage,
+            host_tokens=args.host_tokens,
+            write_policy=args.write_policy,
         )
     except ValueError as e:
         raise _flag_error(e) from None

@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import heapq
+import logging
 import sys
 from array import array
 from collections.abc import Iterator
@@ -59,6 +60,7 @@ from radixkv.key import (
 from radixkv.policy import get_policy
 
 _EMPTY = b""
+log = logging.getLogger("radixkv.tree")
 MAX_PAGE_SIZE = 1 << 16  # tokens; larger pages are a units mistake (bytes for tokens?)
 # format_tree indents at most this many levels, then writes the depth as a number
 _MAX_INDENT = 32
@@ -293,6 +295,8 @@ class RadixCache:
         self.allocator = allocator
         self._width = 2 * TOKEN_BYTES if self.is_eagle else TOKEN_BYTES
         self._sink: CacheEventSink | None = None
+        self._evict_hook: Any = None
+        self._hashing = False  # block hashes are kept (for a sink or an evict hook)
         self.reset()
         self.set_event_sink(event_sink)
 
@@ -310,6 +314,20 @@ class RadixCache:
             if sink is not None and not callable(getattr(sink, name, None)):
                 raise TypeError(f"event_sink must have a {name}() method")
         self._sink = sink
+        self._hashing = sink is not None or self._evict_hook is not None
+
+    def set_evict_hook(self, hook: Any) -> None:
+        """Call ``hook(page_hashes, slots)`` with the pages `evict` is about to free
+        (8-byte block hashes concatenated, and their slots in the same order), before the
+        allocator reuses them: a host tier copies them out. Only while the cache is empty.
+
+        Raises:
+            ValueError: the cache holds pages.
+        """
+        if hook is not None and self._num_nodes:
+            raise ValueError("set_evict_hook: the cache must be empty (reset it first)")
+        self._evict_hook = hook
+        self._hashing = self._sink is not None or hook is not None
 
     def reset(self) -> None:
         """Drop every node (without calling the allocator) and restart the clock; an
@@ -588,7 +606,7 @@ class RadixCache:
             return InsertResult(off, path[-1])
         parent = path[-1] if path else self.root
         leaf = self._new_node(leaf_key, leaf_value, parent, ns)
-        if self._sink is not None:
+        if self._hashing:
             self._report_stored(leaf, parent)
         if path:  # the path's last node gains a child, so it needs no re-index
             self._touch(path, priority, reindex=False)
@@ -602,8 +620,7 @@ class RadixCache:
 
     def _report_stored(self, leaf: TreeNode, parent: TreeNode) -> None:
         """Hash the new leaf's pages (chained from its parent's last page) and tell the
-        sink."""
-        assert self._sink is not None
+        sink, if any."""
         step = self.page_size * self._width
         prev = parent._hashes[-8:] if parent is not self.root else None
         hashes = bytearray()
@@ -612,6 +629,8 @@ class RadixCache:
             prev = page_hash(prev, leaf.extra_key, key[off : off + step])
             hashes += prev
         leaf._hashes = bytes(hashes)
+        if self._sink is None:
+            return
         units = np.frombuffer(key, dtype=np.int64)
         tokens = units[::2] if self.is_eagle else units
         parent_hash = _hash_ints(parent._hashes[-8:])[0] if parent is not self.root else None
@@ -643,6 +662,7 @@ class RadixCache:
         victims: list[TreeNode] = []
         trim: tuple[TreeNode, int] | None = None
         freed: list[bytes] = []
+        gone_hashes = bytearray()  # the freed pages' block hashes, in the same order
         evicted = 0
         while need > 0:
             if uncovered and (not heap or uncovered[0][0] < heap[0][0]):
@@ -659,11 +679,13 @@ class RadixCache:
             take = -(-need // page) * page
             if take < length:  # the last victim: trim its tail
                 freed.append(node._value[(length - take) * TOKEN_BYTES :])
+                gone_hashes += node._hashes[(length - take) // page * 8 :]
                 trim = (node, take)
                 evicted += take
                 break
             victims.append(node)
             freed.append(node._value)
+            gone_hashes += node._hashes
             evicted += length
             need -= length
             parent = node.parent
@@ -671,6 +693,11 @@ class RadixCache:
             gone[id(parent)] = left = gone.get(id(parent), 0) + 1
             if parent is not root and left == len(parent.children) and parent.lock_ref == 0:
                 heapq.heappush(uncovered, (self._policy_key(parent), 0, parent))
+        if freed and self._evict_hook is not None:
+            try:  # best effort (a host tier copying the pages out): never blocks eviction
+                self._evict_hook(bytes(gone_hashes), _bytes_to_tensor(freed))
+            except Exception:
+                log.exception("the evict hook failed; the pages are dropped")
         if freed and self.allocator is not None:
             try:
                 self.allocator.free(_bytes_to_tensor(freed))
@@ -678,13 +705,11 @@ class RadixCache:
                 for entry in popped:
                     heapq.heappush(heap, entry)
                 raise
-        gone_hashes = bytearray()
         for node in victims:
             parent = node.parent
             del parent.children[self._dict_key(parent, node)]
             node.parent = None
             self._num_nodes -= 1
-            gone_hashes += node._hashes
         for _, _, parent in uncovered:  # left childless, and not victims themselves
             if parent.parent is not None and not parent.children:
                 self._push(parent)
@@ -695,9 +720,7 @@ class RadixCache:
             node._key = node._key[: keep * self._width]
             node._value = node._key if shared else node._value[: keep * TOKEN_BYTES]
             if node._hashes:
-                cut = keep // page * 8
-                gone_hashes += node._hashes[cut:]
-                node._hashes = node._hashes[:cut]
+                node._hashes = node._hashes[: keep // page * 8]
             self._push(node)
         self._evictable -= evicted
         if self._sink is not None and gone_hashes:
@@ -867,7 +890,7 @@ class RadixCache:
                     fail(f"{where}: statistics ahead of the clock or negative")
                 if child.id >= self._next_id:
                     fail(f"{where}: id beyond the id counter")
-                if self._sink is not None:
+                if self._hashing:
                     prev = node._hashes[-8:] if node is not root else None
                     step = page * width
                     for j in range(0, nk, step):

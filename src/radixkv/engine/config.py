@@ -30,7 +30,10 @@ class EngineConfig:
         seed: seed of the random weights (``model="random"``).
         storage: a shared page store (``redis://...``, ``file:///DIR``, ``memory://``):
             prompt pages the device cache lacks are read from it, finished requests'
-            pages written to it (write-through).
+            pages written to it per ``write_policy``.
+        host_tokens: KV tokens of a host-memory tier: pages the device evicts are copied
+            there and loaded back when a prompt needs them.
+        write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
     """
 
     prefix_cache: bool = True
@@ -46,6 +49,8 @@ class EngineConfig:
     check_memory: bool = False
     seed: int = 0
     storage: str | None = None  # a shared page store URL (radixkv.storage)
+    host_tokens: int = 0  # a host-memory tier below the device pool
+    write_policy: str = "write_through"
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -68,7 +73,14 @@ class EngineConfig:
         as_bool(self.prefix_cache, "prefix_cache")
         as_bool(self.check_memory, "check_memory")
         as_count(self.seed, "seed")
-        if self.storage is not None and not self.prefix_cache:
-            raise ValueError("storage needs the prefix cache (prefix_cache=True)")
+        if (self.storage is not None or self.host_tokens) and not self.prefix_cache:
+            raise ValueError("storage and host_tokens need the prefix cache (prefix_cache=True)")
+        as_count(self.host_tokens, "host_tokens")
+        from radixkv.storage.tier import WRITE_POLICIES
+
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}"
+            )
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")

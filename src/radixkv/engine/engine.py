@@ -206,13 +206,16 @@ class Engine:
         self._order = itertools.count()
         self._aborted: list[EngineReq] = []  # aborted since the last step (reported once)
         self._events: Any = None  # (collector, publish) once KV events are on
-        self.tier: Any = None  # the shared store's tier (radixkv.storage), if any
-        if cfg.storage is not None:
+        self.tier: Any = None  # host pool and shared store (radixkv.storage), if any
+        if cfg.storage is not None or cfg.host_tokens:
             from radixkv.storage.store import open_store
-            from radixkv.storage.tier import SharedTier, model_fingerprint
+            from radixkv.storage.tier import KVTiers, model_fingerprint
 
             fp = model_fingerprint(self.model, cfg.dtype, cfg.page_size)
-            self.tier = SharedTier(open_store(cfg.storage), self.kv, self.cache, fp)
+            store = open_store(cfg.storage) if cfg.storage is not None else None
+            self.tier = KVTiers(
+                self.kv, self.cache, fp, store, cfg.host_tokens // cfg.page_size, cfg.write_policy
+            )
             self.scheduler.prefetch = self._prefetch
 
     def _prefetch(self, r: EngineReq) -> None:
@@ -225,7 +228,6 @@ class Engine:
 
         usable = len(r.input_ids) - 1  # the last prompt token is always computed
         r.store_hit = self.tier.load(r.token_array(), r.extra_key, usable, alloc)
-        self.tier.hit_tokens += r.store_hit
 
     def publish_kv_events(self, publish: Callable[[Any], None]) -> None:
         """Report the cache's pages as KV events (`radixkv.events`): after each step the

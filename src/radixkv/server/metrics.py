@@ -65,8 +65,16 @@ class EngineCollector(Collector):
         if tier is not None:
             st = tier.stats
             values += [
+                (CounterMetricFamily, "host_hit_tokens", "Prompt tokens loaded from the host "
+                 "tier (part of prefix_cache_hits)", st.host_hit_tokens),
                 (CounterMetricFamily, "storage_hit_tokens", "Prompt tokens read from the "
-                 "shared store (part of prefix_cache_hits)", tier.hit_tokens),
+                 "shared store (part of prefix_cache_hits)", st.store_hit_tokens),
+                (CounterMetricFamily, "host_demoted_pages", "Pages copied to the host tier "
+                 "as the device evicted them", st.demoted_pages),
+                (CounterMetricFamily, "host_load_bytes", "Bytes loaded from the host tier",
+                 st.host_load_bytes),
+                (CounterMetricFamily, "host_load_seconds", "Time loading from the host tier",
+                 st.host_load_s),
                 (CounterMetricFamily, "storage_pages_read", "Pages read from the store",
                  st.pages_read),
                 (CounterMetricFamily, "storage_pages_written", "Pages written to the store",
@@ -76,7 +84,7 @@ class EngineCollector(Collector):
                 (CounterMetricFamily, "storage_read_seconds", "Time reading pages", st.read_s),
                 (CounterMetricFamily, "storage_write_seconds", "Time writing pages", st.write_s),
                 (CounterMetricFamily, "storage_errors", "Store calls that failed (down, "
-                 "full, timed out)", st.errors),
+                 "full, timed out)", tier.errors),
                 (CounterMetricFamily, "storage_corrupt_pages", "Values that failed the "
                  "header check (treated as misses)", st.corrupt),
             ]  # fmt: skip

@@ -1,14 +1,29 @@
-"""`SharedTier`: the engine's side of a shared store (write-through).
+"""`KVTiers`: the device pool's KV backed by a host pool and a shared store.
 
-Before a request is admitted, the pages of its prompt that the device cache lacks are
-looked up in the store (``exists_prefix``), read, checked, written into the KV pool and
-inserted into the radix tree, so the request finds them cached. When a request finishes,
-the whole pages of its prompt and output that the store lacks are written to it by a
-background thread (the engine does not wait on the network).
+    device   the KV pool and its radix tree (the engine's)
+    host     ``host_pages`` pages of KV in host memory (pinned when the device is CUDA),
+             LRU; pages the device tree evicts are copied here first (demotion)
+    store    a shared page store (`radixkv.storage.store`): Redis, a folder, memory
+
+Before a request is admitted, the pages of its prompt the device lacks are looked for in
+the host pool, then in the store; those found are copied into the KV pool and inserted
+into the tree, so the request finds them cached (promotion). Write policies, as SGLang
+HiCache names them, decide when pages reach the store:
+
+    write_through            every whole page of a finished request
+    write_through_selective  a page the second time a finished request carries it
+    write_back               a page when it leaves the last tier above the store (the
+                             host pool, or the device when there is no host pool)
+
+Writes go through a background thread (the engine never waits on the network); reads
+are synchronous (the prefill needs the data).
 
 Keys: ``fingerprint (16 bytes) + page hash (8 bytes)``, the page hash chained over the
 pages and salted with the namespace (`radixkv.tree.page_hash`), the fingerprint naming
 the model's weights, dtype, page size and KV layout (`model_fingerprint`).
+
+Invariants (``check``): every host page is either free or holds exactly one key; the
+host index and the free list together cover the pool once.
 """
 
 from __future__ import annotations
@@ -26,12 +41,13 @@ import torch
 
 from radixkv.key import RadixKey
 from radixkv.memory import KVPool
-from radixkv.storage.store import PageCodec, PageStore
+from radixkv.storage.store import PageCodec, PageStore, StoreStats
 from radixkv.tree import RadixCache, page_hash
 
 log = logging.getLogger("radixkv.storage")
 KNOWN_KEYS = 1 << 16  # keys remembered as stored, to skip asking the store again
-WRITE_QUEUE = 256  # pages batches waiting for the writer; beyond, writes are dropped
+WRITE_QUEUE = 256  # page batches waiting for the writer; beyond, writes are dropped
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype, page_size: int) -> bytes:
@@ -50,28 +66,80 @@ def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype, page_size: int
     return h.digest()
 
 
-class SharedTier:
-    """Load and save a request's pages through ``store``.
+class TierStats(StoreStats):
+    """Store traffic (`StoreStats`) plus the host pool's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_hit_tokens = 0
+        self.store_hit_tokens = 0
+        self.demoted_pages = 0
+        self.host_evicted_pages = 0
+        self.host_load_bytes = 0
+        self.host_load_s = 0.0
+
+
+class KVTiers:
+    """Host pool and shared store behind a device KV pool and its tree.
 
     Args:
-        store: the page store.
         kv: the engine's KV pool.
-        cache: the device radix tree (pages loaded are inserted there).
+        cache: the device radix tree; its evictions demote to the host pool.
         fingerprint: from `model_fingerprint`.
+        store: a page store, or ``None`` (host pool only).
+        host_pages: pages the host pool holds (0: none).
+        write_policy: one of `WRITE_POLICIES`.
     """
 
-    def __init__(self, store: PageStore, kv: KVPool, cache: RadixCache, fingerprint: bytes) -> None:
-        self.store, self.kv, self.cache = store, kv, cache
+    def __init__(
+        self,
+        kv: KVPool,
+        cache: RadixCache,
+        fingerprint: bytes,
+        store: PageStore | None = None,
+        host_pages: int = 0,
+        write_policy: str = "write_through",
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if host_pages < 0:
+            raise ValueError(f"host_pages must be >= 0, got {host_pages}")
+        self.kv, self.cache, self.store = kv, cache, store
         self.page = cache.page_size
         self.codec = PageCodec(fingerprint)
         self.prefix = fingerprint
-        self.stats = store.stats
-        self.hit_tokens = 0  # prompt tokens served from the store
-        self._known: OrderedDict[bytes, None] = OrderedDict()  # engine thread only
+        self.write_policy = write_policy
+        self.stats = TierStats()
+        k0 = kv.k[0]
+        self._page_shape = (2, kv.num_layers, self.page, k0.shape[1], k0.shape[2])
+        self.host_pages = host_pages
+        self.host = torch.empty(
+            (host_pages, *self._page_shape),
+            dtype=k0.dtype,
+            pin_memory=k0.device.type == "cuda",
+        )
+        self._host_free = list(range(host_pages - 1, -1, -1))
+        self._host_index: OrderedDict[bytes, int] = OrderedDict()  # key -> page, LRU first
+        self._known: OrderedDict[bytes, None] = OrderedDict()  # keys the store has
+        self._seen: OrderedDict[bytes, int] = OrderedDict()  # selective: finishes per key
         self._failed: deque[bytes] = deque()  # written by the writer, drained by save
         self._queue: queue.Queue = queue.Queue(WRITE_QUEUE)
-        self._writer = threading.Thread(target=self._write_loop, name="kv-writer", daemon=True)
-        self._writer.start()
+        self._writer = None
+        if store is not None:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-writer", daemon=True)
+            self._writer.start()
+        if host_pages or (store is not None and write_policy == "write_back"):
+            cache.set_evict_hook(self._demote)
+
+    @property
+    def errors(self) -> int:
+        """Store calls that failed (down, full, timed out) and writes dropped."""
+        return self.stats.errors + (self.store.stats.errors if self.store is not None else 0)
+
+    @property
+    def hit_tokens(self) -> int:
+        """Prompt tokens served from below the device: host pool and store."""
+        return self.stats.host_hit_tokens + self.stats.store_hit_tokens
 
     # --- keys ---------------------------------------------------------------------------
     def page_hashes(self, tokens: Any, ns: Any, n_pages: int) -> list[bytes]:
@@ -86,78 +154,143 @@ class SharedTier:
     def _key(self, h: bytes) -> bytes:
         return self.prefix + h
 
-    # --- pages <-> pool -----------------------------------------------------------------
-    def _payload(self, slots: torch.Tensor) -> bytes:
-        k = torch.stack([self.kv.k[i][slots] for i in range(self.kv.num_layers)])
-        v = torch.stack([self.kv.v[i][slots] for i in range(self.kv.num_layers)])
-        return torch.stack((k, v)).cpu().contiguous().numpy().tobytes()
+    # --- pages <-> pools ----------------------------------------------------------------
+    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Device pages at ``slots`` (whole pages) as ``[pages, 2, layers, page, H, D]``."""
+        by_page = slots.view(-1, self.page)
+        k = torch.stack([self.kv.k[i][by_page] for i in range(self.kv.num_layers)], dim=1)
+        v = torch.stack([self.kv.v[i][by_page] for i in range(self.kv.num_layers)], dim=1)
+        return torch.stack((k, v), dim=1)
 
-    def _write_pool(self, slots: torch.Tensor, payloads: list[memoryview]) -> bool:
-        """Write whole pages (each ``[2, layers, page, heads, dim]``) at ``slots``: one
-        copy into a fresh array, then one indexed write per layer for K and for V."""
+    def _scatter(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
+        """Write ``[pages, 2, layers, page, H, D]`` into the device at ``slots``."""
+        by_page = slots.view(-1, self.page)
+        pages = pages.to(self.kv.k[0].device, non_blocking=True)
+        for i in range(self.kv.num_layers):
+            self.kv.k[i][by_page] = pages[:, 0, i]
+            self.kv.v[i][by_page] = pages[:, 1, i]
+
+    def _decode_pages(self, payloads: list[memoryview]) -> torch.Tensor | None:
         k0 = self.kv.k[0]
         dtype = torch.empty(0, dtype=k0.dtype).numpy().dtype
-        page_shape = (2, self.kv.num_layers, self.page, k0.shape[1], k0.shape[2])
-        if any(len(x) != int(np.prod(page_shape)) * dtype.itemsize for x in payloads):
-            return False
+        size = int(np.prod(self._page_shape)) * dtype.itemsize
+        if any(len(x) != size for x in payloads):
+            return None
         flat = np.concatenate([np.frombuffer(x, dtype=dtype) for x in payloads])
-        data = torch.from_numpy(flat).view(len(payloads), *page_shape).to(k0.device)
-        by_page = slots.view(len(payloads), self.page)  # a 2-D index: no reshaping copy
-        for i in range(self.kv.num_layers):
-            self.kv.k[i][by_page] = data[:, 0, i]
-            self.kv.v[i][by_page] = data[:, 1, i]
-        return True
+        return torch.from_numpy(flat).view(len(payloads), *self._page_shape)
 
-    # --- load ---------------------------------------------------------------------------
+    # --- demotion (the device evicts) ---------------------------------------------------
+    def _demote(self, hashes: bytes, slots: torch.Tensor) -> None:
+        n = len(hashes) // 8
+        if not n or len(slots) != n * self.page:
+            return
+        keys = [self._key(hashes[i * 8 : (i + 1) * 8]) for i in range(n)]
+        if not self.host_pages:  # write_back with no host pool: straight to the store
+            self._queue_write(keys, [hashes[i * 8 : (i + 1) * 8] for i in range(n)],
+                              self._gather(slots))  # fmt: skip
+            return
+        new = [i for i in range(n) if keys[i] not in self._host_index]
+        for i in range(n):
+            if keys[i] in self._host_index:
+                self._host_index.move_to_end(keys[i])
+        if not new:
+            return
+        new = new[-self.host_pages :]  # more than the pool holds: keep the last ones
+        targets = [self._take_host_page() for _ in new]
+        idx = torch.tensor(new, dtype=torch.int64)
+        pages = self._gather(slots.view(n, self.page)[idx].reshape(-1))
+        self.host[torch.tensor(targets)] = pages.to("cpu")
+        for i, t in zip(new, targets, strict=True):
+            self._host_index[keys[i]] = t
+        self.stats.demoted_pages += len(new)
+
+    def _take_host_page(self) -> int:
+        if self._host_free:
+            return self._host_free.pop()
+        key, page = self._host_index.popitem(last=False)  # the least recently used
+        self.stats.host_evicted_pages += 1
+        if self.store is not None and self.write_policy == "write_back":
+            h = key[len(self.prefix) :]
+            self._queue_write([key], [h], self.host[page : page + 1].clone())
+        return page
+
+    # --- promotion (a request arrives) --------------------------------------------------
     def load(self, tokens: Any, ns: Any, usable: int, alloc: Any) -> int:
-        """Bring the store's pages of ``tokens[:usable]`` that the device lacks into the
-        pool and the tree. ``alloc(n)`` gives ``n`` slots or ``None``. Returns tokens
-        loaded."""
+        """Bring the pages of ``tokens[:usable]`` that the device lacks, from the host
+        pool then the store, into the pool and the tree. ``alloc(n)`` gives ``n`` slots
+        or ``None``. Returns tokens loaded."""
         p = self.page
         key = RadixKey(tokens, ns)
         n_pages = usable // p
-        have = self.cache.match_len(key[:usable]) // p
+        hit = self.cache.match_prefix(key[: n_pages * p])
+        have = hit.prefix_len // p
         if have >= n_pages:
             return 0
+        self.cache.inc_lock_ref(hit.last_node)  # allocating below may evict: not this
+        try:
+            return self._load_after(key, tokens, ns, have, n_pages, hit.indices, alloc)
+        finally:
+            self.cache.dec_lock_ref(hit.last_node)
+
+    def _load_after(
+        self, key: RadixKey, tokens: Any, ns: Any, have: int, n_pages: int,
+        device: torch.Tensor, alloc: Any,
+    ) -> int:  # fmt: skip
+        p = self.page
         hashes = self.page_hashes(tokens, ns, n_pages)
+        keys = [self._key(h) for h in hashes]
+        host = []
+        j = have
+        while j < n_pages and keys[j] in self._host_index:
+            self._host_index.move_to_end(keys[j])
+            host.append(self._host_index[keys[j]])
+            j += 1
         t0 = time.perf_counter()
-        keys = [self._key(h) for h in hashes[have:]]
-        found = self.store.exists_prefix(keys)
-        if not found:
+        stored: list[memoryview] = []
+        if self.store is not None and j < n_pages:
+            found = self.store.exists_prefix(keys[j:])
+            values = self.store.get(keys[j : j + found]) if found else []
+            for h, v in zip(hashes[j : j + found], values, strict=True):
+                payload = self.codec.decode(h, v)
+                if payload is None:
+                    if v is not None:
+                        self.stats.corrupt += 1
+                    break
+                stored.append(payload)
+        store_pages = self._decode_pages(stored) if stored else None
+        if stored and store_pages is None:  # a page of the wrong size: the layout changed
+            self.stats.corrupt += 1
+            stored = []
+        total = len(host) + len(stored)
+        if not total:
             return 0
-        values = self.store.get(keys[:found])
-        good: list[memoryview] = []
-        for h, v in zip(hashes[have : have + found], values, strict=True):
-            payload = self.codec.decode(h, v)
-            if payload is None:
-                if v is not None:
-                    self.stats.corrupt += 1
-                break
-            good.append(payload)
-        if not good:
-            return 0
-        slots = alloc(len(good) * p)
+        host_data = self.host[torch.tensor(host)].clone() if host else None  # before alloc
+        slots = alloc(total * p)  # may evict, and so demote into the host pool
         if slots is None:
             return 0
-        if not self._write_pool(slots, good):  # a page of the wrong size (layout changed)
-            self.stats.corrupt += 1
-            self.cache.allocator.free(slots)
-            return 0
-        hit = self.cache.match_prefix(key[: have * p])
-        end = (have + len(good)) * p
-        self.cache.insert(key[:end], torch.cat((hit.indices, slots)))
-        n = len(good)
-        self.stats.pages_read += n
-        self.stats.bytes_read += sum(len(x) for x in good)
-        self.stats.read_s += time.perf_counter() - t0
-        for h in hashes[have : have + n]:
-            self._remember(self._key(h))
-        return n * p
+        if host_data is not None:
+            t1 = time.perf_counter()
+            self._scatter(slots[: len(host) * p], host_data)
+            self.stats.host_load_s += time.perf_counter() - t1
+            self.stats.host_load_bytes += host_data.numel() * host_data.element_size()
+        if stored:
+            self._scatter(slots[len(host) * p :], store_pages)
+            self.stats.pages_read += len(stored)
+            self.stats.bytes_read += sum(len(x) for x in stored)
+            self.stats.read_s += time.perf_counter() - t0
+            for k in keys[j : j + len(stored)]:
+                self._remember(k)
+        self.cache.insert(key[: (have + total) * p], torch.cat((device[: have * p], slots)))
+        self.stats.host_hit_tokens += len(host) * p
+        self.stats.store_hit_tokens += len(stored) * p
+        return total * p
 
-    # --- save ---------------------------------------------------------------------------
+    # --- writing to the store -----------------------------------------------------------
     def save(self, tokens: Any, ns: Any, slots: torch.Tensor) -> None:
-        """Queue the whole pages of ``tokens`` (whose KV sits at ``slots``) that the
-        store lacks for writing; never blocks the engine."""
+        """A request finished: queue the whole pages of ``tokens`` (whose KV sits at
+        ``slots``) that the write policy sends to the store and it lacks."""
+        if self.store is None or self.write_policy == "write_back":
+            return
         while self._failed:
             self._known.pop(self._failed.popleft(), None)
         p = self.page
@@ -166,24 +299,43 @@ class SharedTier:
             return
         hashes = self.page_hashes(tokens, ns, n_pages)
         keys = [self._key(h) for h in hashes]
-        first = 0
-        while first < n_pages and keys[first] in self._known:
-            first += 1
-        if first == n_pages:
+        wanted = list(range(n_pages))
+        if self.write_policy == "write_through_selective":
+            wanted = [i for i in wanted if self._count(keys[i]) >= 2]
+        wanted = [i for i in wanted if keys[i] not in self._known]
+        if not wanted:
             return
-        first += self.store.exists_prefix(keys[first:])
-        todo = [i for i in range(first, n_pages) if keys[i] not in self._known]
-        if not todo:
+        first = wanted[0]
+        present = self.store.exists_prefix(keys[first:])
+        wanted = [i for i in wanted if i >= first + present]
+        for i in range(first, first + present):
+            self._remember(keys[i])
+        if not wanted:
             return
-        values = [self.codec.encode(hashes[i], self._payload(slots[i * p : (i + 1) * p]))
-                  for i in todo]  # fmt: skip
+        idx = torch.tensor(wanted, dtype=torch.int64)
+        pages = self._gather(slots.view(n_pages, p)[idx].reshape(-1))
+        self._queue_write([keys[i] for i in wanted], [hashes[i] for i in wanted], pages)
+
+    def _count(self, key: bytes) -> int:
+        n = self._seen.get(key, 0) + 1
+        self._seen[key] = n
+        self._seen.move_to_end(key)
+        if len(self._seen) > KNOWN_KEYS:
+            self._seen.popitem(last=False)
+        return n
+
+    def _queue_write(self, keys: list[bytes], hashes: list[bytes], pages: torch.Tensor) -> None:
+        if self.store is None:
+            return
+        cpu = pages.to("cpu").contiguous().numpy()
+        values = [self.codec.encode(h, cpu[i].tobytes()) for i, h in enumerate(hashes)]
         try:
-            self._queue.put_nowait(([keys[i] for i in todo], values))
+            self._queue.put_nowait((keys, values))
         except queue.Full:
             self.stats.errors += 1
             return
-        for i in todo:
-            self._remember(keys[i])
+        for k in keys:
+            self._remember(k)
 
     def _remember(self, key: bytes) -> None:
         self._known[key] = None
@@ -192,11 +344,9 @@ class SharedTier:
             self._known.popitem(last=False)
 
     def _write_loop(self) -> None:
+        assert self.store is not None
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            keys, values = item
+            keys, values = self._queue.get()
             t0 = time.perf_counter()
             n = self.store.set(keys, values)
             self.stats.pages_written += n
@@ -210,3 +360,14 @@ class SharedTier:
         deadline = time.monotonic() + timeout
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.005)
+
+    # --- inspection ---------------------------------------------------------------------
+    def host_keys(self) -> dict[bytes, int]:
+        return dict(self._host_index)
+
+    def check(self) -> None:
+        """The host pool's bookkeeping; raises AssertionError."""
+        used = list(self._host_index.values())
+        assert len(set(used)) == len(used), "a host page holds two keys"
+        assert not set(used) & set(self._host_free), "a host page is both used and free"
+        assert len(used) + len(self._host_free) == self.host_pages, "a host page is lost"
