@@ -99,15 +99,53 @@ def child(model: str, storage: str, prompts: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def host_tier(model: str, system: str) -> dict:
+    """The host tier's load rate (SmolLM2's pages), and a working set 4x the device pool:
+    device + host against one pool of the same total size and against the device alone."""
+    from radixkv.engine.engine import Engine
+
+    e = Engine(model, page_size=16, kv_tokens=32768, max_context_len=4096, host_tokens=32768)
+    prompts = [f"{system}\nQuestion {i}?" for i in range(4)]
+    e.generate(prompts[:1], max_new_tokens=1, chat=False)
+    for p in prompts:
+        e.flush_cache()  # the device forgets: every page is demoted to the host pool
+        e.generate([p], max_new_tokens=1, chat=False)
+    st = e.tier.stats
+    rate = st.host_load_bytes / st.host_load_s / 1e9 if st.host_load_s else 0.0
+    # working set: 16 prefixes of 512 tokens = 8,192 tokens; the device holds 2,048
+    rng_prompts = [[g * 7 % 251 + 1] * 512 + [q + 1] for q in range(4) for g in range(16)]
+    rates = {}
+    for name, kw in (("device 2k", {"kv_tokens": 2048}),
+                     ("device 2k + host 6k", {"kv_tokens": 2048, "host_tokens": 6144}),
+                     ("device 8k", {"kv_tokens": 8192})):  # fmt: skip
+        eng = Engine("random", page_size=16, max_context_len=1024, **kw)
+        hit = sum(
+            eng.generate([p], max_new_tokens=1, ignore_eos=True).stats.cached_tokens
+            for p in rng_prompts
+        )
+        rates[name] = hit / sum(len(p) for p in rng_prompts)
+    return {"host_load_gb_s": rate, "host_loaded_mb": st.host_load_bytes / 1e6,
+            "working_set_4x": rates}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="auto")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/14")
     p.add_argument("--system-words", type=int, default=1000)
+    p.add_argument("--only", choices=["redis", "host"], help="run one part")
     p.add_argument("--json", default=str(RESULTS / "storage.json"))
     args = p.parse_args()
     system = " ".join(WORDS[i * 7 % len(WORDS)] for i in range(args.system_words))
     prompts = [f"{system}\nQuestion {i}: what is {WORDS[i]}?" for i in range(8)]
+    if args.only == "host":
+        model = "smollm2" if args.model == "auto" else args.model
+        result = host_tier(model, system)
+        ws = result["working_set_4x"]
+        print(f"host tier: loaded {result['host_loaded_mb']:.0f} MB at "
+              f"{result['host_load_gb_s']:.2f} GB/s; working set 4x the device: hit rate "
+              + ", ".join(f"{k} {v:.3f}" for k, v in ws.items()))  # fmt: skip
+        return
     redis.Redis.from_url(args.redis).flushdb()
     writer = child(args.model, args.redis, prompts)
     reader = child(args.model, args.redis, prompts)

@@ -226,3 +226,36 @@ def test_two_servers_share_through_redis(shared_redis):
             assert "radixkv:storage_pages_written_total" in metrics
     (c1, t1), (c2, t2) = cached
     assert c1 == 0 and c2 > 150 and t1 == t2
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("tier", ["store", "host"])
+def test_loaded_kv_is_bit_identical_to_recomputed_kv(page, tier, tmp_path):
+    """Stronger than equal logits: the KV a prompt's pages bring back from the host pool or
+    the store equals, bit for bit, the KV a cold engine computes for them."""
+    import torch
+
+    from radixkv import RadixKey
+
+    prompt = PROMPTS[0]
+    cold = engine(None, page)
+    cold.generate([prompt], max_new_tokens=1, ignore_eos=True)
+    if tier == "store":
+        url = f"file://{tmp_path}/pages"
+        run(engine(url, page))
+        warm = engine(url, page)
+    else:
+        warm = Engine("random", page_size=page, kv_tokens=4096, host_tokens=4096)
+        warm.generate([prompt], max_new_tokens=1, ignore_eos=True)
+        warm.flush_cache()  # everything leaves the device: demoted to the host pool
+        assert warm.cache.total_size() == 0 and warm.tier.stats.demoted_pages > 0
+    out = warm.generate([prompt], max_new_tokens=1, ignore_eos=True)
+    assert warm.tier.hit_tokens > 0 and out.outputs[0].cached_tokens > 100
+    ids = cold.encode(prompt)  # generate wraps prompts in the chat template
+    n = (len(ids) - 1) // page * page
+    a = cold.cache.match_prefix(RadixKey(ids[:n])).indices
+    b = warm.cache.match_prefix(RadixKey(ids[:n])).indices
+    assert len(a) == len(b) == n
+    for layer in range(cold.kv.num_layers):
+        assert torch.equal(cold.kv.k[layer][a], warm.kv.k[layer][b])
+        assert torch.equal(cold.kv.v[layer][a], warm.kv.v[layer][b])

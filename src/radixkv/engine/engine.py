@@ -360,6 +360,8 @@ class Engine:
         if self.engine_config.check_memory:
             self.mgr.check_memory()
             self.cache.check_integrity()
+            if self.tier is not None:
+                self.tier.check()
         self._flush_events()
         return outputs
 

@@ -3,7 +3,8 @@ can size the host tier before buying RAM.
 
     device   a radix cache of ``device_units`` (LRU, evicts leaves); what it evicts is
              demoted to the host tier
-    host     ``host_units`` of pages (LRU over pages; a unit id names its whole prefix)
+    host     ``host_units`` of pages (LRU over pages; a unit id names its whole prefix);
+             a page loaded back to the device leaves it (exclusive tiers)
     shared   every page ever computed (write-through to an unbounded store such as
              Redis), or nothing with ``shared=False``
 
@@ -92,7 +93,7 @@ def simulate_tiers(
         d = device.match_len(RadixKey(array("q", prompt)))
         h = d
         while h < len(prompt) and prompt[h] in host:
-            host.move_to_end(prompt[h])
+            del host[prompt[h]]  # loaded back: it lives on the device now (exclusive)
             h += 1
         s = h
         if shared:

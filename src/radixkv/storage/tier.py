@@ -2,7 +2,9 @@
 
     device   the KV pool and its radix tree (the engine's)
     host     ``host_pages`` pages of KV in host memory (pinned when the device is CUDA),
-             LRU; pages the device tree evicts are copied here first (demotion)
+             LRU; pages the device tree evicts are copied here first (demotion), and a
+             page loaded back leaves it (the tiers are exclusive, so device + host hold
+             as much as one pool of their total size)
     store    a shared page store (`radixkv.storage.store`): Redis, a folder, memory
 
 Before a request is admitted, the pages of its prompt the device lacks are looked for in
@@ -265,6 +267,8 @@ class KVTiers:
         if not total:
             return 0
         host_data = self.host[torch.tensor(host)].clone() if host else None  # before alloc
+        for k in keys[have : have + len(host)]:  # exclusive: a page lives on the device or
+            self._host_free.append(self._host_index.pop(k))  # in the host pool, not both
         slots = alloc(total * p)  # may evict, and so demote into the host pool
         if slots is None:
             return 0
