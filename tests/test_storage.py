@@ -259,3 +259,43 @@ def test_loaded_kv_is_bit_identical_to_recomputed_kv(page, tier, tmp_path):
     for layer in range(cold.kv.num_layers):
         assert torch.equal(cold.kv.k[layer][a], warm.kv.k[layer][b])
         assert torch.equal(cold.kv.v[layer][a], warm.kv.v[layer][b])
+
+
+def test_a_redis_cluster_works_through_the_same_code(tmp_path):
+    ports = [free_port() for _ in range(3)]
+    procs = []
+    try:
+        for port in ports:
+            folder = tmp_path / str(port)
+            folder.mkdir()
+            procs.append(subprocess.Popen(
+                ["redis-server", "--port", str(port), "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no"],
+                cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))  # fmt: skip
+        time.sleep(0.5)
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+             "--cluster-yes"], check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        url = f"redis://127.0.0.1:{ports[0]}?cluster=1"
+        keys = [bytes([i]) * 24 for i in range(6)]
+        deadline = time.monotonic() + 30
+        while True:  # until the cluster has settled and takes writes
+            try:
+                store = RedisStore(url, timeout=2.0, retry_s=0.0)
+                if store.set(keys, [b"v%d" % i for i in range(6)]) == 6:
+                    break
+            except redis.RedisError:
+                pass
+            assert time.monotonic() < deadline, "the cluster did not settle"
+            time.sleep(0.3)
+        assert store.exists_prefix(keys) == 6 and store.get(keys[:2]) == [b"v0", b"v1"]
+        first = engine(url)
+        want = run(first)
+        second = engine(url)
+        assert run(second) == want and second.tier.hit_tokens > 150
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

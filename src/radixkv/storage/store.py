@@ -147,7 +147,8 @@ class RedisStore:
     """Pages in Redis (or Valkey), pipelined; ``rediss://`` for TLS.
 
     Args:
-        url: ``redis://HOST:PORT/DB``.
+        url: ``redis://HOST:PORT/DB``; ``redis://HOST:PORT?cluster=1`` for a Redis Cluster
+            (any node; single-key commands, so pages spread over the cluster's slots).
         timeout: seconds a call may take before it counts as failed.
         retry_s: after a failure, the store is skipped (every call a miss) this long.
         ttl_s: expiry of written pages (``None``: none; let ``maxmemory`` evict).
@@ -157,15 +158,21 @@ class RedisStore:
         self, url: str, timeout: float = 0.5, retry_s: float = 5.0, ttl_s: int | None = None
     ) -> None:
         import redis
+        from redis.cluster import RedisCluster
 
         self.url, self.retry_s, self.ttl_s = url, retry_s, ttl_s
-        self.client = redis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry_on_timeout=False,
-            socket_read_size=1 << 22,  # pages are ~1 MB: read them in few syscalls
-        )
+        parsed = urlparse(url)
+        cluster = "cluster=1" in parsed.query.split("&")
+        kw = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+        if cluster:  # Redis Cluster: the same single-key pipelines, split by node
+            self.client = RedisCluster.from_url(parsed._replace(query="").geturl(), **kw)
+        else:
+            self.client = redis.Redis.from_url(
+                url,
+                retry_on_timeout=False,
+                socket_read_size=1 << 22,  # pages are ~1 MB: read them in few syscalls
+                **kw,
+            )
         self.stats = StoreStats()
         self._down_until = 0.0
         self._warned = False
