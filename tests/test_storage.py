@@ -261,8 +261,23 @@ def test_loaded_kv_is_bit_identical_to_recomputed_kv(page, tier, tmp_path):
         assert torch.equal(cold.kv.v[layer][a], warm.kv.v[layer][b])
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    import random
+
+    while True:
+        port = random.randrange(20000, 45000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+
+
 def test_a_redis_cluster_works_through_the_same_code(tmp_path):
-    ports = [free_port() for _ in range(3)]
+    ports = [cluster_port() for _ in range(3)]
     procs = []
     try:
         for port in ports:
@@ -273,11 +288,20 @@ def test_a_redis_cluster_works_through_the_same_code(tmp_path):
                  "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no"],
                 cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             ))  # fmt: skip
-        time.sleep(0.5)
-        subprocess.run(
+        for port in ports:  # every node answers before the cluster is made
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    redis.Redis(port=port, socket_timeout=1).ping()
+                    break
+                except redis.RedisError:
+                    assert time.monotonic() < deadline, f"redis-server on {port} did not start"
+                    time.sleep(0.1)
+        made = subprocess.run(
             ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-             "--cluster-yes"], check=True, capture_output=True, timeout=60,
+             "--cluster-yes"], capture_output=True, text=True, timeout=60,
         )  # fmt: skip
+        assert made.returncode == 0, made.stdout + made.stderr
         url = f"redis://127.0.0.1:{ports[0]}?cluster=1"
         keys = [bytes([i]) * 24 for i in range(6)]
         deadline = time.monotonic() + 30
