@@ -21,47 +21,9 @@ from pathlib import Path
 
 import redis
 
+from radixkv.server.bench_serve import WORDS
+
 RESULTS = Path(__file__).resolve().parent / "results"
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "you",
-    "that",
-    "it",
-    "he",
-    "was",
-    "for",
-    "on",
-    "are",
-    "as",
-    "with",
-    "his",
-    "they",
-    "at",
-    "be",
-    "this",
-    "have",
-    "from",
-    "or",
-    "one",
-    "had",
-    "by",
-    "word",
-    "but",
-    "not",
-    "what",
-    "all",
-    "were",
-    "we",
-    "when",
-    "your",
-    "can",
-    "said",
-]
 
 CHILD = """
 import json, statistics, sys, time
