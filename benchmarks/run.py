@@ -39,6 +39,8 @@ def run_adapter(name: str, python: str, workloads: str, pages: str, repeats: int
         str(repeats),
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if name == "sglang_rust":  # the peer shim must leave memory_pool to the real module
+        env["SGLANG_PEER_UNIFIED"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} adapter failed:\n{proc.stderr[-2000:]}")
@@ -67,13 +69,14 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name, python in (
         ("radixkv", args.radixkv_python),
-        ("sglang", args.sglang_python),
+        ("sglang_rust", args.sglang_python),  # the production UnifiedRadixCache
+        ("sglang", args.sglang_python),  # the legacy Python RadixCache
         ("vllm", args.vllm_python),
     ):
         if not Path(python).exists():
             console.print(
                 f"[yellow]skipping {name}:[/yellow] no interpreter at {python} "
-                f"(build it with ../shared/peers/setup.sh {name})"
+                f"(build it with ../shared/peers/setup.sh {name.split('_')[0]})"
             )
             continue
         with console.status(f"running {name} ..."):
@@ -91,7 +94,8 @@ def main() -> None:
         title=f"µs per operation, median of {args.repeats}, GC on (GC off in "
         "brackets); ratio = peer ÷ radixkv"
     )
-    for col in ("workload", "page", "radixkv", "SGLang", "ratio", "vLLM", "ratio", "hit rates"):
+    for col in ("workload", "page", "radixkv", "SGLang Rust core", "ratio", "SGLang legacy",
+                "ratio", "vLLM", "ratio", "hit rates"):  # fmt: skip
         table.add_column(col, justify="left" if col == "workload" else "right")
 
     def cell(row: dict | None) -> str:
@@ -111,12 +115,15 @@ def main() -> None:
 
     for k, mine in ours.items():
         w, variant, page = k
+        rs = rows.get("sglang_rust", {}).get(k)
         sg, vl = rows.get("sglang", {}).get(k), rows.get("vllm", {}).get(k)
-        hits = [f"{r['hit_rate']:.4f}" for r in (mine, sg, vl) if r and "hit_rate" in r]
+        hits = [f"{r['hit_rate']:.4f}" for r in (mine, rs, sg, vl) if r and "hit_rate" in r]
         table.add_row(
             f"({w}) {variant}".strip(),
             str(page),
             cell(mine),
+            cell(rs),
+            ratio(rs, mine),
             cell(sg),
             ratio(sg, mine),
             cell(vl),
