@@ -15,9 +15,6 @@ import argparse
 import asyncio
 import json
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -41,22 +38,10 @@ def worker_totals(urls: list[str]) -> dict[str, float]:
     return out
 
 
-def start_router(specs: list[str], policy: str, weight: float) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def start_router(specs: list[str], policy: str, weight: float) -> ServerProcess:
     args = [a for s in specs for a in ("--worker", s)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "radixkv.cli", "route", "--port", str(port), "--model", "random",
-         "--policy", policy, "--kv-weight", str(weight), *args],
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    raise RuntimeError("router did not start")
+    return ServerProcess("--model", "random", "--policy", policy, "--kv-weight", str(weight),
+                         *args, command="route")  # fmt: skip
 
 
 def main() -> None:
@@ -81,7 +66,8 @@ def main() -> None:
         for policy in args.policies.split(","):
             for url in urls:
                 httpx.post(f"{url}/flush_cache").raise_for_status()
-            router, rurl = start_router(specs, policy, args.kv_weight)
+            router = start_router(specs, policy, args.kv_weight)
+            rurl = router.url
             try:
                 before = worker_totals(urls)
                 cfg = BenchConfig(
@@ -94,8 +80,7 @@ def main() -> None:
                 rep = asyncio.run(run_bench(cfg))
                 after = worker_totals(urls)
             finally:
-                router.terminate()
-                router.wait(30)
+                router.stop()
             d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
             row = {
                 "policy": policy,

@@ -3,8 +3,6 @@ over two real tiny-model servers publishing KV events."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import httpx
@@ -126,28 +124,11 @@ WORKER = [
 ]
 
 
-class Router:
-    def __init__(self, workers: list[str], policy: str = "kv") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [a for w in workers for a in ("--worker", w)]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.cli", "route", "--port", str(self.port), "--model",
-             "random", "--policy", policy, "--health-interval", "0.2", *args],
-            stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        raise RuntimeError("the router did not come up")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+def Router(workers: list[str], policy: str = "kv") -> ServerProcess:
+    """``radixkv route`` over ``workers`` (``URL,EVENTS``) on a free port."""
+    args = [a for w in workers for a in ("--worker", w)]
+    return ServerProcess("--model", "random", "--policy", policy, "--health-interval", "0.2",
+                         *args, command="route", timeout=60)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

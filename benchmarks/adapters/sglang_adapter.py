@@ -62,9 +62,9 @@ def _values(seqs):  # type: ignore[no-untyped-def]
     return out
 
 
-def match_insert(seqs, page):  # type: ignore[no-untyped-def]
+def match_insert(seqs, page, make=new_cache):  # type: ignore[no-untyped-def]
     keys, values = _keys(seqs), _values(seqs)
-    cache = new_cache(page)
+    cache = make(page)
     hit = 0
     t0 = time.perf_counter()
     for key, value in zip(keys, values, strict=True):
@@ -75,9 +75,9 @@ def match_insert(seqs, page):  # type: ignore[no-untyped-def]
     return dt / len(seqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
 
 
-def evict_calls(page):  # type: ignore[no-untyped-def]
+def evict_calls(page, make=new_cache):  # type: ignore[no-untyped-def]
     initial, batches = workloads.eviction_leaves()
-    cache = new_cache(page)
+    cache = make(page)
     for key in _keys(initial):
         cache.insert(InsertParams(key=key, value=torch.tensor(list(key.token_ids))))
     refills = [_keys(b) for b in batches]
@@ -91,15 +91,18 @@ def evict_calls(page):  # type: ignore[no-untyped-def]
     return total / len(refills) * 1e6, {}
 
 
-def chain_match(page, matches=1000):  # type: ignore[no-untyped-def]
+def chain_match(page, matches=1000, make=new_cache, indices=False):  # type: ignore[no-untyped-def]
+    """``indices``: also build the indices tensor (for a match that returns none)."""
     chain = workloads.deep_chain()
-    cache = new_cache(page)
+    cache = make(page)
     for key, value in zip(_keys(chain), _values(chain), strict=True):
         cache.insert(InsertParams(key=key, value=value))
     query = _keys(chain[-1:])[0]
     t0 = time.perf_counter()
     for _ in range(matches):
-        cache.match_prefix(MatchPrefixParams(key=query))
+        r = cache.match_prefix(MatchPrefixParams(key=query))
+        if indices:
+            cache.path_device_indices(r.last_device_node)
     return (time.perf_counter() - t0) / matches * 1e6, {}
 
 
@@ -160,12 +163,12 @@ def request_path(page, tight, alive=16):  # type: ignore[no-untyped-def]
     return dt / len(seqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
 
 
-def memory_per_token():  # type: ignore[no-untyped-def]
+def memory_per_token(make=new_cache):  # type: ignore[no-untyped-def]
     leaves = workloads.memory_leaves()
     first = next(leaves)
     gc.collect()
     base = rss_bytes()
-    cache = new_cache(1)
+    cache = make(1)
     nxt = 0
     for seq in itertools.chain([first], leaves):
         cache.insert(
@@ -174,7 +177,8 @@ def memory_per_token():  # type: ignore[no-untyped-def]
         nxt += len(seq)
     gc.collect()
     grown = rss_bytes() - base
-    return {"bytes_per_token": grown / cache.total_size()}
+    size = cache.total_size()  # the unified cache returns (device, host)
+    return {"bytes_per_token": grown / (size[0] if isinstance(size, tuple) else size)}
 
 
 def run(wl: list[str], pages: list[int], repeats: int) -> list[dict]:

@@ -459,10 +459,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.kv_events_replay,
     )
     if args.kv_events:
-        from radixkv.server.serve import next_port_endpoint
+        from radixkv.events import replay_endpoint
 
         try:
-            next_port_endpoint(args.kv_events)
+            replay_endpoint(args.kv_events)
         except ValueError as e:
             raise CliError(f"--kv-events: {e}") from None
     try:

@@ -35,6 +35,19 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 BlockHash = int | bytes
 
 
+def replay_endpoint(endpoint: str) -> str:
+    """The replay address that goes with a PUB address: the next port, vLLM's convention
+    (``tcp://HOST:5557`` -> ``tcp://HOST:5558``).
+
+    Raises:
+        ValueError: not ``tcp://HOST:PORT``.
+    """
+    head, _, port = endpoint.rpartition(":")
+    if not head.startswith("tcp://") or not port.isdigit():
+        raise ValueError(f"events endpoint must look like tcp://127.0.0.1:5557, got {endpoint!r}")
+    return f"{head}:{int(port) + 1}"
+
+
 class KVCacheEvent(msgspec.Struct, tag=True, gc=False):
     """Base of the events; encoded as a map with ``"type"``: the class name."""
 

@@ -227,7 +227,7 @@ class Engine:
             return slots
 
         usable = len(r.input_ids) - 1  # the last prompt token is always computed
-        r.store_hit = self.tier.load(r.token_array(), r.extra_key, usable, alloc)
+        self.tier.load(r.token_array(), r.extra_key, usable, alloc)
 
     def publish_kv_events(self, publish: Callable[[Any], None]) -> None:
         """Report the cache's pages as KV events (`radixkv.events`): after each step the

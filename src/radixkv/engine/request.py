@@ -71,7 +71,6 @@ class EngineReq(Req):
     prompt_cached: int = -1  # prompt tokens served from cache at first admission
     preemptions: int = 0
     prefetched: bool = False  # shared-store pages looked up
-    store_hit: int = 0  # prompt tokens read from the shared store
     text: str = ""  # the output decoded so far, stop string removed
     stop_cut: bool = False  # ``text`` was cut at a stop string: it is final
     sent_text: int = 0  # characters of ``text`` already handed out in step outputs

@@ -47,7 +47,7 @@ from prometheus_client import (
 )
 
 from radixkv.engine.tokenizer import Tokenizer
-from radixkv.events import KVEventBatch
+from radixkv.events import KVEventBatch, replay_endpoint
 from radixkv.key import RadixKey
 from radixkv.router import policies
 from radixkv.router.index import KvIndex
@@ -78,10 +78,10 @@ class WorkerSpec:
             raise ValueError(f"worker {text!r}: expected http://HOST:PORT[,tcp://HOST:PORT]")
         if not events:
             return cls(url)
-        head, _, port = events.rpartition(":")
-        if not head.startswith("tcp://") or not port.isdigit():
-            raise ValueError(f"worker {text!r}: events must look like tcp://127.0.0.1:5557")
-        return cls(url, events, f"{head}:{int(port) + 1}")
+        try:
+            return cls(url, events, replay_endpoint(events))
+        except ValueError as e:
+            raise ValueError(f"worker {text!r}: {e}") from None
 
 
 @dataclass(eq=False)

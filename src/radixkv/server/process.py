@@ -1,5 +1,5 @@
-"""`ServerProcess`: ``radixkv serve`` in a child process on a free loopback port, for
-tests, benchmarks and scripts that need a real server to talk to."""
+"""`ServerProcess`: ``radixkv serve`` (or ``radixkv route``) in a child process on a free
+loopback port, for tests, benchmarks and scripts that need a real server to talk to."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """Start ``radixkv serve ARGS`` on a free port and wait until ``/health`` answers.
+    """Start ``radixkv COMMAND ARGS`` on a free port and wait until ``/health`` answers.
 
     Args:
-        args: ``radixkv serve`` arguments (not ``--port``).
+        args: the command's arguments (not ``--port``).
+        command: ``serve`` or ``route``.
         timeout: seconds to wait for the server (a first SmolLM2 run converts its GGUF).
         stderr: where the server's standard error goes (``subprocess.PIPE`` to read it).
 
@@ -33,12 +34,16 @@ class ServerProcess:
     """
 
     def __init__(
-        self, *args: str, timeout: float = 120, stderr: int | IO[Any] | None = None
+        self,
+        *args: str,
+        command: str = "serve",
+        timeout: float = 120,
+        stderr: int | IO[Any] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.cli", "serve", "--port", str(self.port), *args],
+            [sys.executable, "-m", "radixkv.cli", command, "--port", str(self.port), *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL if stderr is None else stderr,
             text=True,

@@ -34,14 +34,6 @@ class ServeConfig:
     kv_events_replay: str | None = None  # ROUTER endpoint (default: the next port)
 
 
-def next_port_endpoint(endpoint: str) -> str:
-    """``tcp://HOST:PORT`` -> ``tcp://HOST:PORT+1`` (vLLM's replay convention)."""
-    head, _, port = endpoint.rpartition(":")
-    if not head.startswith("tcp://") or not port.isdigit():
-        raise ValueError(f"kv_events must look like tcp://127.0.0.1:5557, got {endpoint!r}")
-    return f"{head}:{int(port) + 1}"
-
-
 def served_name(engine: Engine, model: str) -> str:
     """The model id clients send: the loaded model, not the word that picked it."""
     if engine.model_name.startswith("SmolLM2"):
@@ -57,9 +49,9 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
 
     publisher = None
     if serve.kv_events:
-        from radixkv.events import ZmqEventPublisher
+        from radixkv.events import ZmqEventPublisher, replay_endpoint
 
-        replay = serve.kv_events_replay or next_port_endpoint(serve.kv_events)
+        replay = serve.kv_events_replay or replay_endpoint(serve.kv_events)
         publisher = ZmqEventPublisher(serve.kv_events, replay)
 
     def build() -> Engine:
