@@ -186,7 +186,7 @@ def test_generate_with_no_prompts_returns_nothing():
 
 # --- scale ---------------------------------------------------------------------------------
 def test_format_tree_is_linear_in_depth():
-    cache = RadixCache()
+    cache = RadixCache(merge_chains=False)  # merging would store the chain as one node
     for depth in range(1, 4001):  # a 4,000-node chain
         cache.insert(RadixKey(list(range(depth))))
     text = cache.format_tree()

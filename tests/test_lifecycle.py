@@ -86,6 +86,32 @@ def test_chunked_prefill_hands_whole_pages_to_the_tree_as_it_goes():
     m.check_memory()
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_chunks_and_turns_of_one_chat_merge_into_one_node(merge):
+    alloc = TokenToKVPoolAllocator(256, 4)
+    cache = RadixCache(4, "lru", alloc, merge_chains=merge)
+    m = CacheManager(cache, alloc, ReqToTokenPool(2, 128))
+    history: list[int] = []
+    for turn in range(3):  # each turn: the history + a new message, prefilled in 2 chunks
+        history = history + [turn + 1] * 12
+        req = Req(turn, list(history))
+        assert m.admit(req)
+        rest = len(history) - req.kv_len
+        for n in (rest // 2, rest - rest // 2):
+            assert m.allocate(req, n) is not None
+            m.cache_unfinished_req(req)
+            m.check_memory()
+        req.output_ids.append(7)
+        m.allocate(req, 1)
+        m.cache_finished_req(req)
+        history = req.all_ids
+        m.check_memory()
+        cache.check_integrity()
+    # without merging: one node per chunk and per finish; merged: the whole chat
+    assert (cache.num_nodes() == 1) == merge
+    assert cache.match_len(history) == cache.total_size() == len(history) // 4 * 4
+
+
 def test_identical_prompts_in_one_step_free_the_duplicates():
     m = make(page=1)
     a, b = Req("a", [1, 2, 3, 4, 5]), Req("b", [1, 2, 3, 4, 5])

@@ -227,25 +227,38 @@ class CacheManager:
         already had, point the row at the tree's slots and move the lock to where the
         insert ends. Returns the units the tree now holds for this request.
 
+        The lock on the old last node is released *before* the insert, so a tree that
+        merges chains extends that node instead of hanging a new child under it (nothing
+        else runs in between: the lock is taken again on the new last node, or on the
+        old one if the insert fails).
+
         The one call that can fail after the insert is freeing the duplicates; it runs
-        before the row or the lock change, and a failure undoes the insert (its new leaf
-        goes back to the request), so the request still owns exactly
+        before the row changes, and a failure undoes the insert (the units it added go
+        back to the request), so the request still owns exactly
         ``row[cache_protected_len:kv_len]`` when the error propagates."""
         key = self._key(req, req.kv_len) if key is None else key
         stored = self.cache.cacheable_len(key)
         if stored <= req.cache_protected_len:
             return req.cache_protected_len
-        had, last = self.cache.insert_node(key, self._row(req, 0, len(key)))
+        old = req.last_node
+        assert old is not None
+        self.cache.dec_lock_ref(old)
+        try:
+            had, last = self.cache.insert_node(key, self._row(req, 0, len(key)))
+        except BaseException:
+            self.cache.inc_lock_ref(old)  # the insert validates before it changes anything
+            raise
         if had > req.cache_protected_len:  # another request cached some of it first
+            # the tree went past `old` before this insert, so `old` was not merged away
             try:
                 self.allocator.free(self._row(req, req.cache_protected_len, had).clone())
             except BaseException:
                 if had < stored:
-                    self.cache.detach_leaf(last)
+                    self.cache.detach_leaf(last, stored - had)
+                self.cache.inc_lock_ref(old)
                 raise
             self.req_pool.write(req.row, 0, self.cache.path_values(last))
         self.cache.inc_lock_ref(last)
-        self.cache.dec_lock_ref(req.last_node)
         req.last_node, req.cache_protected_len = last, stored
         return stored
 

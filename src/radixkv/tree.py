@@ -33,6 +33,29 @@ other threads hand it work through a queue, as `radixkv.engine`'s async engine d
 Concurrent calls corrupt it (slots owned twice or by nobody).
 
 Nothing here recurses: deep chains (thousands of nodes) are fine.
+
+Chain merging (``merge_chains``, on by default under ``lru``): multi-turn chats and
+chunked prefills grow a chain one node per turn or chunk, and a walk pays a dict lookup
+and a ``memcmp`` per node. When an insert extends a leaf that nothing pins (no lock, no
+child), the new units join that leaf instead of hanging under it as a new child: the
+merged node is a fresh node that replaces the leaf (the old leaf object is detached, as
+an evicted one is, so an unlocked reference to it fails loudly instead of silently
+covering more tokens). A chain inserted without locks is then one node, and a match over
+it one ``memcmp``.
+
+Why LRU's order is exactly kept: without merging, the insert touches the leaf (tick t)
+and gives the new child tick t + 1; no other node can ever hold a tick between the two,
+and every later walk that reaches the child touches the leaf right before it. So the
+child is always evicted before the leaf, and the leaf right after it (no other leaf can
+come between): the pair behaves as one node with the child's tick whose tail goes
+first, which is what ``evict`` does to a merged node (it trims the last victim from its
+tail, whole pages). A match or insert that ends or branches inside a merged node splits
+it, as it would split the leaf. The differential test (``test_tree_merge.py``) runs the
+same operations with and without merging and checks every match, every evicted slot and
+the sizes agree. Other policies order by ``created``, ``hit_count`` or ``priority``,
+which differ along a chain, so they keep one node per insert (``merge_chains=True`` with
+another policy is refused). A merged node keeps the chain's first ``created`` tick and
+its ``hit_count``.
 """
 
 from __future__ import annotations
@@ -268,6 +291,9 @@ class RadixCache:
             removed slot indices (one call per ``evict``). ``None`` drops them.
         is_eagle: key every sequence by its bigram view (EAGLE speculative decoding).
         disable: a cache that never matches and never stores.
+        event_sink: reports pages stored and removed (see `CacheEventSink`).
+        merge_chains: extend an unpinned leaf in place of adding a child under it (see
+            the module docstring). ``None`` (the default): on under ``lru`` only.
 
     Complexities (n nodes, L key units, d path length): ``match_prefix`` and ``insert``
     O(L + d); ``evict`` O((k + 1) log n) for k nodes removed; locks O(d).
@@ -281,6 +307,7 @@ class RadixCache:
         is_eagle: bool = False,
         disable: bool = False,
         event_sink: CacheEventSink | None = None,
+        merge_chains: bool | None = None,
     ) -> None:
         page_size = as_count(page_size, "page_size")
         if not 1 <= page_size <= MAX_PAGE_SIZE:
@@ -290,6 +317,15 @@ class RadixCache:
         self.is_eagle = as_bool(is_eagle, "is_eagle")
         self.disable = as_bool(disable, "disable")
         self._policy_key = get_policy(eviction_policy)
+        lru = isinstance(eviction_policy, str) and eviction_policy.lower() == "lru"
+        if merge_chains is None:
+            merge_chains = lru
+        elif as_bool(merge_chains, "merge_chains") and not lru:
+            raise ValueError(
+                f"merge_chains keeps only LRU's eviction order; eviction_policy is "
+                f"{eviction_policy!r}"
+            )
+        self.merge_chains = merge_chains
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self.allocator = allocator
@@ -613,10 +649,30 @@ class RadixCache:
         self._clock += 1
         leaf.last_access = leaf.created = self._clock
         leaf.priority = priority
-        parent.children[self._dict_key(parent, leaf)] = leaf
         self._evictable += n - off
+        if self.merge_chains and path and not parent.children and not parent.lock_ref:
+            self._absorb(leaf, parent)
+        else:
+            parent.children[self._dict_key(parent, leaf)] = leaf
         self._push(leaf)
         return InsertResult(off, leaf)
+
+    def _absorb(self, leaf: TreeNode, parent: TreeNode) -> None:
+        """Make ``leaf`` (new, not yet linked) take the place of ``parent``, an unpinned
+        leaf, holding ``parent``'s units followed by its own; ``parent`` leaves the tree
+        (its heap entries die with it)."""
+        grand = parent.parent
+        assert grand is not None
+        shared = parent._key is parent._value and leaf._key is leaf._value
+        leaf._key = parent._key + leaf._key
+        leaf._value = leaf._key if shared else parent._value + leaf._value
+        leaf._hashes = parent._hashes + leaf._hashes
+        leaf.parent = grand
+        leaf.created, leaf.hit_count = parent.created, parent.hit_count
+        leaf.priority = max(leaf.priority, parent.priority)
+        grand.children[self._dict_key(grand, leaf)] = leaf
+        parent.parent = None
+        self._num_nodes -= 1
 
     def _report_stored(self, leaf: TreeNode, parent: TreeNode) -> None:
         """Hash the new leaf's pages (chained from its parent's last page) and tell the
@@ -727,17 +783,29 @@ class RadixCache:
             self._sink.removed(_hash_ints(bytes(gone_hashes)))
         return evicted
 
-    def detach_leaf(self, node: TreeNode) -> torch.Tensor:
-        """Remove an unlocked leaf *without* freeing its slots, and return them: undoes an
-        insert whose caller cannot finish (the slots go back to the caller, who owns
-        them again).
+    def detach_leaf(self, node: TreeNode, units: int | None = None) -> torch.Tensor:
+        """Remove an unlocked leaf, or its last ``units`` units (whole pages), *without*
+        freeing their slots, and return them: undoes an insert whose caller cannot finish
+        (the slots go back to the caller, who owns them again). An insert whose units
+        were merged into an existing leaf is undone with ``units`` = what it added.
 
         Raises:
-            ValueError: ``node`` is not an unlocked leaf of this cache; nothing changes.
+            ValueError: ``node`` is not an unlocked leaf of this cache, or ``units`` is
+                not a positive multiple of the page size up to its length; nothing
+                changes.
         """
         self._path_to_root(node, "detach_leaf")
         if node is self.root or node.children or node.lock_ref:
             raise ValueError(f"detach_leaf: node {node.id} is not an unlocked leaf")
+        if units is not None:
+            units = as_count(units, "units")
+            if not 0 < units <= len(node) or units % self.page_size:
+                raise ValueError(
+                    f"detach_leaf: units must be a positive multiple of page_size "
+                    f"{self.page_size} up to {len(node)}, got {units}"
+                )
+            if units < len(node):
+                self._split(node, len(node) - units)  # node keeps its identity: the tail
         parent = node.parent
         assert parent is not None
         del parent.children[self._dict_key(parent, node)]
