@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from helpers import content
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -443,3 +445,82 @@ LifecycleMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestLifecycleMachine = LifecycleMachine.TestCase
+
+
+# --- the batched step API ----------------------------------------------------------------------
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    page=st.sampled_from([1, 4]),
+    prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=1, max_size=6),
+    chunk=st.integers(1, 9),
+    decodes=st.integers(0, 6),
+)
+def test_a_batched_step_does_what_the_per_request_calls_do(page, prompts, chunk, decodes):
+    """The same steps run request by request and batched: identical slots, rows, tree and
+    allocator, with the accounting identity after every step. (Frees are grouped alike
+    on both sides: one free call returns pages to the stack in another order than
+    several.)"""
+    ms = [make(size=512, page=page, max_reqs=8, max_len=64) for _ in range(2)]
+    reqs = [[Req(i, list(p)) for i, p in enumerate(prompts)] for _ in ms]
+    for m, rs in zip(ms, reqs, strict=True):
+        for r in rs:
+            assert m.admit(r)
+    for step in range(40):
+        outs = []
+        for batched, (m, rs) in enumerate(zip(ms, reqs, strict=True)):
+            live = [r for r in rs if r.admitted]
+            if not live:
+                continue
+            ns = [min(chunk, r.num_tokens - r.kv_len) for r in live]
+            if batched:
+                slots = m.allocate_batch(live, ns)
+            else:
+                slots = torch.cat([m.allocate(r, n) for r, n in zip(live, ns, strict=True)])
+            outs.append(slots)
+            done = [r for r in live if r.kv_len == r.num_tokens and len(r.output_ids) >= decodes]
+            going = [r for r in live if r not in done]
+            for r in going:
+                if r.kv_len == r.num_tokens:
+                    r.output_ids.append(step % 4)  # a sampled token, computed next step
+            if batched:
+                m.cache_unfinished_batch(going)
+                m.cache_finished_batch(done)
+            else:  # one free group each, as the batch calls use (same free order)
+                with m.allocator.free_group():
+                    for r in going:
+                        m.cache_unfinished_req(r)
+                with m.allocator.free_group():
+                    for r in done:
+                        m.cache_finished_req(r)
+            m.check_memory()
+        if len(outs) == 2:
+            assert torch.equal(outs[0], outs[1])
+        a, b = ms
+        assert content(a.cache) == content(b.cache)
+        assert np.array_equal(a.allocator._owned, b.allocator._owned)
+        assert np.array_equal(a.req_pool._np, b.req_pool._np)
+
+
+def test_allocate_batch_is_all_or_nothing_and_checks_every_request():
+    m = make(size=32, page=4, max_reqs=4, max_len=64)
+    a, b = Req("a", list(range(20))), Req("b", list(range(100, 120)))
+    assert m.admit(a) and m.admit(b)
+    before = m.allocator.available_size()
+    for bad, err in (
+        (([a, b], [4]), ValueError),  # lengths differ
+        (([a, a], [1, 1]), ValueError),  # twice
+        (([a, b], [1, -1]), ValueError),
+        (([a, b], [1, 21]), ValueError),  # more than it has
+        (([a, Req("x", [1])], [1, 1]), ValueError),  # not admitted
+        (([a, b], [1, 1.0]), ValueError),
+    ):
+        with pytest.raises(err):
+            m.allocate_batch(*bad)
+        assert m.allocator.available_size() == before and a.kv_len == b.kv_len == 0
+    assert m.allocate_batch([a, b], [20, 20]) is None  # 40 > 32: nothing handed out
+    assert m.allocator.available_size() == before and a.kv_len == b.kv_len == 0
+    m.check_memory()
+    slots = m.allocate_batch([a, b], [13, 13])
+    assert len(slots) == 26 and a.kv_len == b.kv_len == 13
+    assert m.req_pool.read(b.row, 0, 13).tolist() == slots[13:].tolist()
+    m.check_memory()

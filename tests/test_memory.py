@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 
@@ -168,4 +170,57 @@ def test_a_pool_smaller_than_one_page_has_nothing_to_hand_out():
     a = TokenToKVPoolAllocator(10, page_size=16)
     assert a.size == 0 and a.available_size() == 0
     assert a.alloc(1) is None and a.alloc(0).tolist() == []
+    a.check()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    page=st.sampled_from([1, 2, 4, 16]),
+    before=st.lists(st.integers(1, 40), max_size=6),
+    batch=st.lists(st.tuples(st.integers(-1, 5), st.integers(0, 40)), max_size=8),
+)
+def test_alloc_extend_batch_equals_alloc_extend_request_by_request(page, before, batch):
+    size = 24 * page + 160  # small enough that some batches do not fit
+    a, b = TokenToKVPoolAllocator(size, page), TokenToKVPoolAllocator(size, page)
+    ends = []
+    for n in before:
+        x, y = a.alloc(n), b.alloc(n)
+        assert (x is None and y is None) or torch.equal(x, y)
+        if x is not None:
+            ends.append(int(x[-1]))
+    # each request continues one of the earlier allocations (at most once) or starts fresh
+    last = [ends[i] if 0 <= i < len(ends) else -1 for i, _ in batch]
+    last = [s if s < 0 or last.index(s) == k else -1 for k, s in enumerate(last)]
+    counts = [n for _, n in batch]
+    unchanged = state(a)
+    out = a.alloc_extend_batch(np.array(last, dtype=np.int64), np.array(counts, dtype=np.int64))
+    ref = [b.alloc_extend(s, n) for s, n in zip(last, counts, strict=True)]
+    if out is None:  # all or nothing: refused only when the whole batch does not fit
+        assert any(r is None for r in ref)
+        assert state(a) == unchanged
+        return
+    assert all(r is not None for r in ref)
+    assert out.tolist() == [s for r in ref for s in r.tolist()]
+    assert state(a) == state(b)
+    a.check()
+
+
+def test_alloc_extend_batch_refuses_bad_batches_unchanged():
+    a = TokenToKVPoolAllocator(64, 4)
+    x = a.alloc(6)  # slots 0-5: page 1 has room after slot 5
+    before = state(a)
+    for last, counts in (
+        ([5, 5], [1, 1]),  # two requests extend one page
+        ([2], [1]),  # the rest of page 0 is handed out
+        ([9], [1]),  # never handed out
+        ([5], [-1]),
+        ([5, -1], [1]),
+    ):
+        with pytest.raises(ValueError, match="alloc_extend_batch"):
+            a.alloc_extend_batch(np.array(last), np.array(counts))
+        assert state(a) == before
+    assert a.alloc_extend_batch(np.array([5, -1]), np.array([40, 40])) is None
+    assert state(a) == before
+    out = a.alloc_extend_batch(np.array([5, -1]), np.array([3, 2]))
+    assert out.tolist() == [6, 7, 8, 12, 13] and int(x[-1]) == 5
     a.check()

@@ -26,6 +26,7 @@ every slot is owned exactly once (by the tree, by one request, or by the allocat
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ import torch
 from radixkv.key import RadixKey
 from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.tree import RadixCache, TreeNode
-from radixkv.units import align_up
+from radixkv.units import align_up, div_ceil
 
 
 @dataclass(eq=False)
@@ -221,6 +222,57 @@ class CacheManager:
         req.kv_len = end
         return slots
 
+    def allocate_batch(self, reqs: Sequence[Req], counts: Sequence[int]) -> torch.Tensor | None:
+        """`allocate` for a whole step: request ``i`` gets slots for its next
+        ``counts[i]`` tokens, with one allocator call and one row-table write for the
+        batch (SGLang's ``alloc_extend`` / ``alloc_decode``). Evicts when short.
+
+        Returns:
+            Every request's new slots concatenated in order (``out_cache_loc``), or
+            ``None`` (nothing changed but evictions) when memory is short for the batch
+            as a whole even after evicting everything evictable.
+
+        Raises:
+            TypeError / ValueError: as `allocate`, for any request (or a request listed
+                twice, or lengths that differ); nothing changes.
+        """
+        if len(reqs) != len(counts):
+            raise ValueError(f"allocate_batch: {len(reqs)} requests but {len(counts)} counts")
+        if len({id(r) for r in reqs}) != len(reqs):
+            raise ValueError("allocate_batch: a request is listed twice")
+        limit = self.req_pool.max_context_len
+        for req, n in zip(reqs, counts, strict=True):
+            self._require_admitted(req, "allocate_batch")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"allocate_batch: counts must be non-negative ints, got {n!r}")
+            if req.kv_len + n > min(limit, req.num_tokens):
+                raise ValueError(
+                    f"allocate_batch: request {req.rid!r} would need {req.kv_len + n} tokens, "
+                    f"more than its {req.num_tokens} or max_context_len={limit}"
+                )
+        p = self.allocator.page_size
+        rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
+        kv = np.fromiter((r.kv_len for r in reqs), np.int64, len(reqs))
+        n = np.asarray(counts, dtype=np.int64)
+        last = np.full(len(reqs), -1, dtype=np.int64)
+        if p > 1:  # a partial page of the request's own continues; the tree's never does
+            own = (kv % p != 0) & (kv > np.fromiter((r.cache_protected_len for r in reqs),
+                                                    np.int64, len(reqs)))  # fmt: skip
+            last[own] = self.req_pool._np[rows[own], kv[own] - 1]
+        slots = self.allocator.alloc_extend_batch(last, n)
+        if slots is None:
+            room = np.where(last >= 0, (p - kv % p) % p, 0)
+            pages = div_ceil(np.maximum(n - room, 0), p)
+            need = int(pages.sum()) * p - self.allocator.available_size()
+            self.evicted_tokens += self.cache.evict(max(need, 0))
+            slots = self.allocator.alloc_extend_batch(last, n)
+            if slots is None:
+                return None
+        self.req_pool.write_batch(rows, kv, n, slots)
+        for req, k in zip(reqs, counts, strict=True):
+            req.kv_len += k
+        return slots
+
     # --- caching ----------------------------------------------------------------------------
     def _insert_computed(self, req: Req, key: RadixKey | None = None) -> int:
         """Insert the computed tokens, free the request's duplicates of what the tree
@@ -282,6 +334,26 @@ class CacheManager:
             req.kv_len = min(req.kv_len, stored)  # it no longer owns the freed tail
             raise
         self._release(req)
+
+    def cache_unfinished_batch(self, reqs: Sequence[Req]) -> None:
+        """`cache_unfinished_req` for every request of a step; the duplicates they free go
+        to the allocator in one call."""
+        for req in reqs:
+            self._require_admitted(req, "cache_unfinished_batch")
+        with self.allocator.free_group():
+            for req in reqs:
+                self._insert_computed(req)
+
+    def cache_finished_batch(self, reqs: Sequence[Req]) -> None:
+        """`cache_finished_req` for every request of a step; tails and duplicates go to
+        the allocator in one call. That call validates the whole group at once: if it is
+        refused (a slot freed twice, a bug upstream), it frees nothing and the error
+        propagates after the tree has taken what it caches."""
+        for req in reqs:
+            self._require_admitted(req, "cache_finished_batch")
+        with self.allocator.free_group():
+            for req in reqs:
+                self.cache_finished_req(req)
 
     def abort(self, req: Req) -> None:
         """Drop the request at any point: free exactly its own slots, nothing cached."""

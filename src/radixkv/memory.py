@@ -185,6 +185,71 @@ class TokenToKVPoolAllocator:
         slots = np.concatenate((tail, fresh)) if rest else tail
         return self._hand_out(slots, pages, last_slot // p, len(tail))
 
+    def alloc_extend_batch(self, last_slots: np.ndarray, counts: np.ndarray) -> torch.Tensor | None:
+        """`alloc_extend` for a whole batch in one call (SGLang's batched ``alloc_extend``):
+        request ``i`` gets ``counts[i]`` slots continuing ``last_slots[i]`` (-1: none),
+        first the rest of that slot's page, then fresh pages taken off the free stack in
+        request order, so the result equals calling `alloc_extend` request by request.
+        Returns every request's slots concatenated, in order; ``None`` (nothing
+        changed) when not enough pages are free. O(slots + requests), a fixed number of
+        numpy calls.
+
+        Raises:
+            ValueError: the arrays differ in length, a count is negative, a last slot is
+                not handed out, or a page would be extended twice (by two requests, or
+                one handed out already); the allocator is unchanged.
+        """
+        last = np.asarray(last_slots, dtype=np.int64)
+        n = np.asarray(counts, dtype=np.int64)
+        if last.ndim != 1 or last.shape != n.shape:
+            raise ValueError("alloc_extend_batch: last_slots and counts must be 1-D, equal length")
+        if len(n) and n.min() < 0:
+            raise ValueError(f"alloc_extend_batch: counts must be >= 0, got {int(n.min())}")
+        p = self.page_size
+        ext = (last >= 0) & ((last + 1) % p != 0) if p > 1 else np.zeros(len(n), dtype=bool)
+        if ext.any():
+            ends = last[ext]
+            if ends.max() >= self.size or not self._owned[ends].all():
+                bad = ends[(ends >= self.size) | ~self._owned[np.minimum(ends, self.size - 1)]]
+                raise ValueError(f"alloc_extend_batch: last slot {bad[0]} is not handed out")
+            if self._owned[ends + 1].any():  # the rest of a page belongs to one owner
+                raise ValueError("alloc_extend_batch: a page is already extended")
+            if len(np.unique(ends // p)) != len(ends):
+                raise ValueError("alloc_extend_batch: two requests extend the same page")
+        room = np.where(ext, p - 1 - last % p, 0)
+        tail = np.minimum(room, n)  # slots filling each request's partial page
+        rest = n - tail
+        pages = div_ceil(rest, p)
+        total_pages = int(pages.sum())
+        if total_pages > self._num_free:
+            return None
+        total = int(n.sum())
+        nf = self._num_free
+        taken = self._free_pages[nf - total_pages : nf][::-1].copy()
+        # slot j belongs to request owner[j], at position local[j] of its share
+        owner = np.repeat(np.arange(len(n)), n)
+        starts = np.cumsum(n) - n
+        local = np.arange(total, dtype=np.int64) - starts[owner]
+        in_tail = local < tail[owner]
+        fresh = local - tail[owner]
+        if total_pages:
+            first_page = (np.cumsum(pages) - pages)[owner]  # clamped: tail lanes unused
+            page_of = taken[np.minimum(first_page + fresh // p, total_pages - 1)]
+            slots = np.where(in_tail, last[owner] + 1 + local, page_of * p + fresh % p)
+        else:
+            slots = last[owner] + 1 + local
+        out = torch.from_numpy(slots).to(self.device)  # the one step that can fail: first
+        self._num_free = nf - total_pages
+        if total_pages:
+            self._page_count[taken] = p
+            last_pages = taken[np.cumsum(pages)[pages > 0] - 1]  # each request's last page
+            self._page_count[last_pages] -= (pages * p - rest)[pages > 0]
+        if ext.any():
+            self._page_count[last[ext] // p] += tail[ext]
+        self._owned[slots] = True
+        self._handed_out += total
+        return out
+
     # --- free -----------------------------------------------------------------------------
     def free(self, indices: Any) -> None:
         """Return slots. Inside ``free_group()`` the call is deferred to the group's end.
@@ -373,6 +438,21 @@ class ReqToTokenPool:
         self._np[row, start:end] = (
             slots.numpy(force=True) if isinstance(slots, torch.Tensor) else slots
         )
+
+    def write_batch(
+        self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: torch.Tensor
+    ) -> None:
+        """`write` for many rows in one numpy call: ``table[rows[i], starts[i]:starts[i] +
+        counts[i]]`` gets the next ``counts[i]`` of ``slots`` (concatenated in order)."""
+        ends = starts + counts
+        if len(ends) and ends.max() > self.max_context_len:
+            raise ValueError(
+                f"request needs {int(ends.max())} tokens, more than "
+                f"max_context_len={self.max_context_len}"
+            )
+        total = int(counts.sum())
+        shift = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+        self._np[np.repeat(rows, counts), shift + np.arange(total)] = slots.numpy(force=True)
 
     def slot_at(self, row: int, i: int) -> int:
         """The slot of token ``i`` of ``row``."""

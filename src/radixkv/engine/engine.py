@@ -370,12 +370,13 @@ class Engine:
     ) -> list[StepOutput]:
         outputs = []
         now = time.perf_counter()
+        computed, finished = [], []  # cached once for the step, in one call each
         for (r, n), row_logits in zip(plan, logits, strict=True):
             was_prefill = r.kv_len - n < len(r.input_ids)
             if was_prefill:
                 self.counters.prefill_tokens += n
             if r.kv_len < r.num_tokens:  # a prompt chunk: cache it, no token yet
-                self.mgr.cache_unfinished_req(r)
+                computed.append(r)
                 continue
             token = self.runner.sample(r, row_logits)
             r.first_token_at = r.first_token_at or now
@@ -387,12 +388,14 @@ class Engine:
                     n = r.kv_len - r.kv_len % self.cache.page_size
                     slots = self.mgr.req_pool.read(r.row, 0, n).clone()
                     self.tier.save(r.token_array()[:n], r.extra_key, slots)
-                self.scheduler.finish(r)
+                finished.append(r)
                 del self.requests[r.rid]
                 self._finish(r, reason)
             elif was_prefill:
-                self.mgr.cache_unfinished_req(r)
+                computed.append(r)
             outputs.append(self._output(r))
+        self.mgr.cache_unfinished_batch(computed)
+        self.scheduler.finish(finished)
         return outputs
 
     def _stop_reason(self, r: EngineReq, token: int) -> str | None:

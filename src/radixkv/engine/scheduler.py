@@ -123,8 +123,16 @@ class Scheduler:
     def _plan(self) -> Plan:
         budget = self.config.chunk_size
         plan: Plan = []
-        # decodes first (one token each), then prefill chunks within the budget
-        for r in sorted(self.running, key=lambda r: (r.prefilling, r.order)):
+        # decodes first (one token each): one allocation for all of them when memory
+        # allows; otherwise request by request below, preempting as needed
+        order = sorted(self.running, key=lambda r: (r.prefilling, r.order))
+        decodes = [r for r in order if not r.prefilling and r.num_tokens > r.kv_len]
+        counts = [r.num_tokens - r.kv_len for r in decodes]
+        if decodes and self.mgr.allocate_batch(decodes, counts) is not None:
+            plan = list(zip(decodes, counts, strict=True))
+            order = [r for r in order if r.prefilling]
+        # then prefill chunks within the budget
+        for r in order:
             if r not in self.running:
                 continue  # preempted while planning
             pending = r.num_tokens - r.kv_len
@@ -158,10 +166,12 @@ class Scheduler:
         req.preemptions += 1
         self.preemptions += 1
 
-    def finish(self, req: EngineReq) -> None:
-        """A finished request: cache its prompt and output, release its memory."""
-        self.mgr.cache_finished_req(req)
-        self.running.remove(req)
+    def finish(self, reqs: list[EngineReq]) -> None:
+        """Finished requests: cache their prompts and outputs, release their memory (one
+        free for the step)."""
+        self.mgr.cache_finished_batch(reqs)
+        gone = {id(r) for r in reqs}
+        self.running = [r for r in self.running if id(r) not in gone]
 
     def abort(self, req: EngineReq) -> None:
         """Drop the request wherever it is; frees its KV (nothing is cached)."""
