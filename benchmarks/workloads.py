@@ -84,6 +84,48 @@ def request_path(seed: int = 0) -> list[list[int]]:
     return shared_system_prompt(seed)
 
 
+STEP_PHASES = 8  # admit + chunk 1, chunk 2, five decodes, finish
+STEP_ADMITS = 8  # requests entering each phase per step: 8 x 8 = 64 requests a step
+
+
+def scheduler_steps(
+    seed: int = 0,
+    steps: int = 120,
+    prompts: int = 8,
+    prompt_len: int = 1024,
+    suffix_len: int = 512,
+    outputs: int = 6,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(g) A continuous-batching scheduler in steady state. ``STEP_ADMITS`` requests (one
+    of ``prompts`` system prompts + a unique suffix) arrive every step; request ``i``
+    arrives at step ``i // STEP_ADMITS`` and then, one phase a step (`step_phases`):
+
+        age 0   admit (match all but the last prompt token, lock), compute the first half
+                of what the cache lacks, cache it (a chunked prefill)
+        age 1   compute the second half, cache the prompt; its first output is sampled
+        age 2-6 decode: compute the KV of the last sampled token, sample the next
+        age 7   finish: cache prompt + outputs, free the rest, release the request
+
+    From step 7 on every step holds 64 requests: 8 admissions, 8 second chunks, 40
+    decodes and 8 finishes. Returns (prompts, the ``outputs`` sampled tokens of each)."""
+    rng = random.Random(seed)
+    systems = [_tokens(rng, prompt_len) for _ in range(prompts)]
+    n = steps * STEP_ADMITS
+    reqs = [systems[rng.randrange(prompts)] + _tokens(rng, suffix_len) for _ in range(n)]
+    return reqs, [_tokens(rng, outputs) for _ in range(n)]
+
+
+def step_phases(step: int, requests: int) -> tuple[range, range, range, range]:
+    """Indices of the requests that are (admitted, on their second chunk, decoding,
+    finishing) at ``step`` of `scheduler_steps`."""
+
+    def age(lo: int, hi: int) -> range:  # requests of ages lo..hi
+        first = max(0, (step - hi) * STEP_ADMITS)
+        return range(first, max(first, min(requests, (step - lo + 1) * STEP_ADMITS)))
+
+    return age(0, 0), age(1, 1), age(2, 6), age(7, 7)
+
+
 def memory_leaves(
     seed: int = 0,
     prefixes: int = 100,

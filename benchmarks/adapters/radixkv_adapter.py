@@ -22,6 +22,7 @@ from harness import adapter_main, rss_bytes, run_suite
 from radixkv import RadixCache, RadixKey
 from radixkv.lifecycle import CacheManager, Req
 from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.units import div_ceil
 
 # Set by ``bench_tree.py --events``: caches report KV events to a sink that keeps them
 # (what a publisher would encode), to measure what the hooks cost.
@@ -134,6 +135,45 @@ def request_path(page: int, tight: bool, alive: int = 16) -> tuple[float, dict]:
     return dt / len(reqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
 
 
+def scheduler_step(page: int) -> tuple[float, dict]:
+    """(g): µs per scheduler step of 64 requests (``workloads.scheduler_steps``): admit
+    the arrivals; one allocation for every chunk and decode of the step; after the
+    forward, cache the chunks in one call and the finished requests in another."""
+    prompts, outputs = workloads.scheduler_steps()
+    alloc = TokenToKVPoolAllocator(1 << 21, page)
+    rows = workloads.STEP_PHASES * workloads.STEP_ADMITS + 1
+    longest = max(map(len, prompts)) + len(outputs[0]) + page
+    mgr = CacheManager(_cache(page, allocator=alloc), alloc, ReqToTokenPool(rows, longest))
+    reqs = [Req(i, array("q", s)) for i, s in enumerate(prompts)]
+    for r in reqs:
+        r.token_array()
+    hit, total, timed = 0, 0.0, 0
+    steps = len(reqs) // workloads.STEP_ADMITS
+    for step in range(steps):
+        new, second, decode, finish = (
+            [reqs[i] for i in rng] for rng in workloads.step_phases(step, len(reqs))
+        )
+        t0 = time.perf_counter()
+        for r in new:
+            mgr.admit(r)
+            hit += r.cached_len
+        batch = new + second + decode
+        counts = [div_ceil(len(r.input_ids) - r.kv_len, 2) for r in new]
+        counts += [len(r.input_ids) - r.kv_len for r in second] + [1] * len(decode)
+        if mgr.allocate_batch(batch, counts) is None:
+            raise RuntimeError("pool too small")
+        # (the forward pass runs here) then the sampled tokens come back
+        for r in second + decode:
+            r.output_ids.append(outputs[r.rid][len(r.output_ids)])
+        mgr.cache_unfinished_batch(new + second)
+        mgr.cache_finished_batch(finish)
+        if step >= workloads.STEP_PHASES - 1:  # every phase is full
+            total += time.perf_counter() - t0
+            timed += 1
+    mgr.check_memory()
+    return total / timed * 1e6, {"hit_rate": hit / sum(map(len, prompts))}
+
+
 def memory_per_token() -> dict:
     """(f): RSS growth per cached token, 1M tokens in 10k leaves."""
     leaves = workloads.memory_leaves()
@@ -158,6 +198,7 @@ def run(wl: list[str], pages: list[int], repeats: int) -> list[dict]:
         "b": lambda p: match_insert(b, p),
         "c": evict_calls,
         "d": chain_match,
+        "g": scheduler_step,
     }
     return run_suite(wl, pages, repeats, per_page, request_path, memory_per_token)
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixkv.key import RadixKey
+from radixkv.key import RadixKey, check_namespace
 from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.tree import RadixCache, TreeNode
 from radixkv.units import align_up, div_ceil
@@ -125,8 +125,7 @@ class CacheManager:
     def _key(self, req: Req, n: int) -> RadixKey:
         """The first ``n`` tokens as a key in the cache's view: under EAGLE a bigram view,
         so slicing counts the units the tree stores (pairs), not raw tokens."""
-        key = RadixKey(req.token_array(), req.extra_key)[:n]
-        return key.maybe_to_bigram_view(self.cache.is_eagle)[0]
+        return RadixKey._view(req.token_array(), 0, n, req.extra_key, self.cache.is_eagle)
 
     def _row(self, req: Req, start: int, end: int) -> torch.Tensor:
         return self.req_pool.read(req.row, start, end)
@@ -164,7 +163,9 @@ class CacheManager:
                 f"admit: request {req.rid!r} has {n} tokens, more than "
                 f"max_context_len={self.req_pool.max_context_len}"
             )
-        key = self._key(req, n)  # validates the tokens and namespace before any change
+        if req.extra_key is not None:  # validated before any change, as the tokens are
+            check_namespace(req.extra_key)
+        key = self._key(req, n)
         row = self.req_pool.alloc()
         if row is None:
             return False
@@ -240,24 +241,28 @@ class CacheManager:
             raise ValueError(f"allocate_batch: {len(reqs)} requests but {len(counts)} counts")
         if len({id(r) for r in reqs}) != len(reqs):
             raise ValueError("allocate_batch: a request is listed twice")
-        limit = self.req_pool.max_context_len
-        for req, n in zip(reqs, counts, strict=True):
-            self._require_admitted(req, "allocate_batch")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not reqs:
+            return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+        limit, running = self.req_pool.max_context_len, self.running
+        rows, kvs, protected = [], [], []
+        for req, n in zip(reqs, counts, strict=True):  # one pass: check and gather
+            if running.get(getattr(req, "row", None)) is not req:
+                self._require_admitted(req, "allocate_batch")
+            if type(n) is not int or n < 0:
                 raise ValueError(f"allocate_batch: counts must be non-negative ints, got {n!r}")
-            if req.kv_len + n > min(limit, req.num_tokens):
+            if req.kv_len + n > min(limit, len(req.input_ids) + len(req.output_ids)):
                 raise ValueError(
                     f"allocate_batch: request {req.rid!r} would need {req.kv_len + n} tokens, "
                     f"more than its {req.num_tokens} or max_context_len={limit}"
                 )
+            rows.append(req.row)
+            kvs.append(req.kv_len)
+            protected.append(req.cache_protected_len)
         p = self.allocator.page_size
-        rows = np.fromiter((r.row for r in reqs), np.int64, len(reqs))
-        kv = np.fromiter((r.kv_len for r in reqs), np.int64, len(reqs))
-        n = np.asarray(counts, dtype=np.int64)
+        rows, kv, n = np.array(rows), np.array(kvs, dtype=np.int64), np.array(counts)
         last = np.full(len(reqs), -1, dtype=np.int64)
         if p > 1:  # a partial page of the request's own continues; the tree's never does
-            own = (kv % p != 0) & (kv > np.fromiter((r.cache_protected_len for r in reqs),
-                                                    np.int64, len(reqs)))  # fmt: skip
+            own = (kv % p != 0) & (kv > np.array(protected))
             last[own] = self.req_pool._np[rows[own], kv[own] - 1]
         slots = self.allocator.alloc_extend_batch(last, n)
         if slots is None:
@@ -296,7 +301,11 @@ class CacheManager:
         assert old is not None
         self.cache.dec_lock_ref(old)
         try:
-            had, last = self.cache.insert_node(key, self._row(req, 0, len(key)))
+            had, last = self.cache.insert_node(
+                key,
+                self._row(req, 0, len(key)),
+                slots_checked=True,  # the allocator's
+            )
         except BaseException:
             self.cache.inc_lock_ref(old)  # the insert validates before it changes anything
             raise

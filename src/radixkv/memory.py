@@ -64,6 +64,13 @@ def usable_device(device: Any) -> torch.device:
     return dev
 
 
+def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The concatenated ranges ``starts[i] .. starts[i] + lengths[i] - 1``."""
+    total = int(lengths.sum())
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
+
+
 class TokenToKVPoolAllocator:
     """Hands out KV slots in whole pages; every slot is returned exactly once.
 
@@ -214,7 +221,8 @@ class TokenToKVPoolAllocator:
                 raise ValueError(f"alloc_extend_batch: last slot {bad[0]} is not handed out")
             if self._owned[ends + 1].any():  # the rest of a page belongs to one owner
                 raise ValueError("alloc_extend_batch: a page is already extended")
-            if len(np.unique(ends // p)) != len(ends):
+            pages_ext = np.sort(ends // p)
+            if (pages_ext[1:] == pages_ext[:-1]).any():
                 raise ValueError("alloc_extend_batch: two requests extend the same page")
         room = np.where(ext, p - 1 - last % p, 0)
         tail = np.minimum(room, n)  # slots filling each request's partial page
@@ -226,24 +234,31 @@ class TokenToKVPoolAllocator:
         total = int(n.sum())
         nf = self._num_free
         taken = self._free_pages[nf - total_pages : nf][::-1].copy()
-        # slot j belongs to request owner[j], at position local[j] of its share
-        owner = np.repeat(np.arange(len(n)), n)
-        starts = np.cumsum(n) - n
-        local = np.arange(total, dtype=np.int64) - starts[owner]
-        in_tail = local < tail[owner]
-        fresh = local - tail[owner]
-        if total_pages:
-            first_page = (np.cumsum(pages) - pages)[owner]  # clamped: tail lanes unused
-            page_of = taken[np.minimum(first_page + fresh // p, total_pages - 1)]
-            slots = np.where(in_tail, last[owner] + 1 + local, page_of * p + fresh % p)
+        # fresh slots: each request's pages in turn, less the unused end of its last page
+        fresh = taken if p == 1 else self._page_slots[taken].ravel()
+        page_ends = np.cumsum(pages)
+        unused = pages * p - rest
+        if unused.any():
+            keep = np.ones(len(fresh), dtype=bool)
+            keep[_runs(page_ends * p - unused, unused)] = False
+            fresh = fresh[keep]
+        # then each request's tail (the rest of its partial page) goes in front of them
+        if tail.any():
+            starts = np.cumsum(n) - n
+            slots = np.empty(total, dtype=np.int64)
+            at = _runs(starts, tail)
+            slots[at] = at - np.repeat(starts - last - 1, tail)
+            is_fresh = np.ones(total, dtype=bool)
+            is_fresh[at] = False
+            slots[is_fresh] = fresh
         else:
-            slots = last[owner] + 1 + local
+            slots = fresh
         out = torch.from_numpy(slots).to(self.device)  # the one step that can fail: first
         self._num_free = nf - total_pages
         if total_pages:
             self._page_count[taken] = p
-            last_pages = taken[np.cumsum(pages)[pages > 0] - 1]  # each request's last page
-            self._page_count[last_pages] -= (pages * p - rest)[pages > 0]
+            some = pages > 0
+            self._page_count[taken[page_ends[some] - 1]] -= unused[some]  # last pages
         if ext.any():
             self._page_count[last[ext] // p] += tail[ext]
         self._owned[slots] = True
@@ -379,6 +394,9 @@ class KVPool:
         return self.k[layer][slots], self.v[layer][slots]
 
 
+_SLICE_WRITE = 32  # write_batch copies runs longer than this slice by slice
+
+
 class ReqToTokenPool:
     """One row of slot indices per running request: ``[max_reqs, max_context_len]``.
 
@@ -450,9 +468,19 @@ class ReqToTokenPool:
                 f"request needs {int(ends.max())} tokens, more than "
                 f"max_context_len={self.max_context_len}"
             )
-        total = int(counts.sum())
-        shift = np.repeat(starts - (np.cumsum(counts) - counts), counts)
-        self._np[np.repeat(rows, counts), shift + np.arange(total)] = slots.numpy(force=True)
+        src = slots.numpy(force=True)
+        offsets = np.cumsum(counts) - counts
+        long = counts > _SLICE_WRITE
+        for row, start, n, off in zip(  # long runs: a slice copy each
+            rows[long].tolist(), starts[long].tolist(), counts[long].tolist(),
+            offsets[long].tolist(), strict=True,
+        ):  # fmt: skip
+            self._np[row, start : start + n] = src[off : off + n]
+        if not long.all():  # short runs (decodes): one scatter for all of them
+            short = ~long
+            c = counts[short]
+            cols, at = _runs(starts[short], c), _runs(offsets[short], c)
+            self._np[np.repeat(rows[short], c), cols] = src[at]
 
     def slot_at(self, row: int, i: int) -> int:
         """The slot of token ``i`` of ``row``."""

@@ -577,7 +577,9 @@ class RadixCache:
         ``prefix_len``)."""
         return self.insert_node(key, value, priority).prefix_len
 
-    def insert_node(self, key: RadixKey, value: Any = None, priority: int = 0) -> InsertResult:
+    def insert_node(
+        self, key: RadixKey, value: Any = None, priority: int = 0, *, slots_checked: bool = False
+    ) -> InsertResult:
         """Cache ``key`` with slot indices ``value``, and say where it ends.
 
         Args:
@@ -585,6 +587,9 @@ class RadixCache:
             value: slot indices, one per unit of ``key`` as given (1-D ints: tensor,
                 ndarray, array or list); defaults to the token ids.
             priority: for the ``priority`` policy; nodes on the path keep the maximum.
+            slots_checked: the caller vouches that ``value`` holds distinct non-negative
+                slots (an allocator's, as `radixkv.lifecycle` passes): skips the
+                O(k log k) check of the new slots.
 
         Returns:
             `InsertResult`: ``prefix_len``, how many leading units were cached already
@@ -632,7 +637,7 @@ class RadixCache:
                 )
             else:
                 leaf_value = tail[start * TOKEN_BYTES : n * TOKEN_BYTES]
-            if value is not None:
+            if value is not None and not slots_checked:
                 _check_slots(leaf_value)
         if partial is not None:
             path.append(self._split(partial, m))
