@@ -391,7 +391,7 @@ def corrupt_cases():
 
     def heap_key(c, leaf):
         i = next(i for i, e in enumerate(c._heap) if c._live(e))
-        c._heap[i] = ((-1, -1), c._heap[i][1], c._heap[i][2])
+        c._heap[i] = (-1, -1, *c._heap[i][-2:])
         heapq.heapify(c._heap)
 
     def page(c, leaf):

@@ -75,9 +75,11 @@ POLICIES: dict[str, PolicyKey] = {
 def get_policy(name: str | PolicyKey) -> PolicyKey:
     """The sort-key function of policy ``name``, or ``name`` itself when it is callable.
 
-    A custom sort key (the simulator's Belady policy is one) must change only when the
-    cache touches the node: the cache re-indexes a leaf when a match or insert passes
-    through it, when it becomes a leaf, when it is unlocked and when it is trimmed.
+    A custom sort key (the simulator's Belady policy is one) returns a tuple, of the same
+    length for every node (the cache flattens it into its heap entries), and must change
+    only when the cache touches the node: the cache re-indexes a leaf when a match or
+    insert passes through it, when it becomes a leaf, when it is unlocked and when it is
+    trimmed.
 
     Raises:
         ValueError: unknown name; the message lists the valid ones.

@@ -15,6 +15,8 @@ Representation (why it is fast):
       makes a node an evictable leaf, or changes the sort key of one, pushes a fresh entry;
       the heap is compacted in place once it holds more than twice as many entries as
       there are nodes. ``evict`` therefore costs O((k + 1) log n) for k nodes removed.
+      An entry is flat, ``(*sort key, version, node)``, so heap comparisons stop at the
+      first int (a policy's keys all have one length).
 
 Invariants (all checked from scratch by ``check_integrity``):
     * every non-root node has a non-empty key, a multiple of ``page_size`` units long, and
@@ -377,7 +379,8 @@ class RadixCache:
         self._num_nodes = 0
         self._evictable = 0
         self._protected = 0
-        self._heap: list[tuple[tuple[Any, ...], int, TreeNode]] = []
+        # entries (*sort key, version, node): flat, so a comparison is one int compare
+        self._heap: list[tuple[Any, ...]] = []
 
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes (what ``evict`` can free)."""
@@ -503,16 +506,16 @@ class RadixCache:
     def _push(self, node: TreeNode) -> None:
         node._ver += 1
         heap = self._heap
-        heapq.heappush(heap, (self._policy_key(node), node._ver, node))
+        heapq.heappush(heap, (*self._policy_key(node), node._ver, node))
         if len(heap) > 2 * self._num_nodes + 64:
             heap[:] = [e for e in heap if self._live(e)]
             heapq.heapify(heap)
 
     @staticmethod
-    def _live(entry: tuple[tuple[Any, ...], int, TreeNode]) -> bool:
-        node = entry[2]
+    def _live(entry: tuple[Any, ...]) -> bool:
+        node = entry[-1]
         return (
-            entry[1] == node._ver
+            entry[-2] == node._ver
             and node.parent is not None
             and not node.children
             and node.lock_ref == 0
@@ -716,44 +719,49 @@ class RadixCache:
         if self.disable or need == 0:
             return 0
         page, root = self.page_size, self.root
-        heap = self._heap
+        heap, pop, push = self._heap, heapq.heappop, heapq.heappush
+        policy_key = self._policy_key
         popped: list[Any] = []  # entries taken off the heap: put back if the free fails
         uncovered: list[Any] = []  # parents that become leaves once their children go
-        gone: dict[int, int] = {}  # id(parent) -> children chosen as victims
+        gone: dict[TreeNode, int] = {}  # parent -> its children chosen as victims
         victims: list[TreeNode] = []
         trim: tuple[TreeNode, int] | None = None
         freed: list[bytes] = []
         gone_hashes = bytearray()  # the freed pages' block hashes, in the same order
+        hashing = self._hashing
         evicted = 0
         while need > 0:
-            if uncovered and (not heap or uncovered[0][0] < heap[0][0]):
-                _, _, node = heapq.heappop(uncovered)
+            if uncovered and (not heap or uncovered[0][:-2] < heap[0][:-2]):
+                node = pop(uncovered)[-1]
             elif heap:
-                entry = heapq.heappop(heap)
+                entry = pop(heap)
                 popped.append(entry)
-                _, ver, node = entry
-                if ver != node._ver or node.children or node.lock_ref or node.parent is None:
+                node = entry[-1]
+                if entry[-2] != node._ver or node.children or node.lock_ref or node.parent is None:
                     continue
             else:
                 break
-            length = len(node._value) >> 3
-            take = -(-need // page) * page
-            if take < length:  # the last victim: trim its tail
-                freed.append(node._value[(length - take) * TOKEN_BYTES :])
-                gone_hashes += node._hashes[(length - take) // page * 8 :]
-                trim = (node, take)
-                evicted += take
-                break
+            value = node._value
+            length = len(value) >> 3
+            if need < length:  # the last victim: trim its tail (whole pages)
+                take = -(-need // page) * page
+                if take < length:
+                    freed.append(value[(length - take) * TOKEN_BYTES :])
+                    if hashing:
+                        gone_hashes += node._hashes[(length - take) // page * 8 :]
+                    trim = (node, take)
+                    evicted += take
+                    break
             victims.append(node)
-            freed.append(node._value)
-            gone_hashes += node._hashes
+            freed.append(value)
+            if hashing:
+                gone_hashes += node._hashes
             evicted += length
             need -= length
             parent = node.parent
-            assert parent is not None
-            gone[id(parent)] = left = gone.get(id(parent), 0) + 1
-            if parent is not root and left == len(parent.children) and parent.lock_ref == 0:
-                heapq.heappush(uncovered, (self._policy_key(parent), 0, parent))
+            left = gone[parent] = gone.get(parent, 0) + 1
+            if parent is not root and left == len(parent.children) and not parent.lock_ref:
+                push(uncovered, (*policy_key(parent), 0, parent))
         if freed and self._evict_hook is not None:
             try:  # best effort (a host tier copying the pages out): never blocks eviction
                 self._evict_hook(bytes(gone_hashes), _bytes_to_tensor(freed))
@@ -764,14 +772,19 @@ class RadixCache:
                 self.allocator.free(_bytes_to_tensor(freed))
             except BaseException:
                 for entry in popped:
-                    heapq.heappush(heap, entry)
+                    push(heap, entry)
                 raise
+        step = page * self._width
         for node in victims:
             parent = node.parent
-            del parent.children[self._dict_key(parent, node)]
+            first = node._key[:step]
+            del parent.children[
+                (node.extra_key, first) if parent is root and node.extra_key is not None else first
+            ]
             node.parent = None
-            self._num_nodes -= 1
-        for _, _, parent in uncovered:  # left childless, and not victims themselves
+        self._num_nodes -= len(victims)
+        for entry in uncovered:  # left childless, and not victims themselves
+            parent = entry[-1]
             if parent.parent is not None and not parent.children:
                 self._push(parent)
         if trim is not None:
@@ -992,15 +1005,15 @@ class RadixCache:
             )
         heap = self._heap
         for i in range(1, len(heap)):
-            if heap[i][:2] < heap[(i - 1) >> 1][:2]:
+            if heap[i][:-1] < heap[(i - 1) >> 1][:-1]:
                 fail(f"eviction heap order broken at entry {i}")
         live: dict[int, int] = {}
         for entry in heap:
             if self._live(entry):
-                node = entry[2]
+                node = entry[-1]
                 if id(node) not in evictable_leaves:
                     fail(f"eviction index holds node {node.id}, which is not in the tree")
-                if entry[0] != self._policy_key(node):
+                if entry[:-2] != tuple(self._policy_key(node)):
                     fail(f"eviction index holds a stale sort key for node {node.id}")
                 live[id(node)] = live.get(id(node), 0) + 1
         for ident, node in evictable_leaves.items():
