@@ -68,7 +68,8 @@ import heapq
 import logging
 import sys
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import IO, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -85,6 +86,8 @@ from radixkv.key import (
 from radixkv.policy import get_policy
 
 _EMPTY = b""
+# every leaf shares this read-only empty mapping (an empty dict is 64 bytes a leaf)
+_NO_CHILDREN: Mapping[Any, Any] = MappingProxyType({})
 log = logging.getLogger("radixkv.tree")
 MAX_PAGE_SIZE = 1 << 16  # tokens; larger pages are a units mistake (bytes for tokens?)
 # format_tree indents at most this many levels, then writes the depth as a number
@@ -95,7 +98,8 @@ class TreeNode:
     """A node of the radix tree: a run of key units and the KV slot indices they occupy.
 
     Attributes:
-        children: dict from the first page of a child's key to the child.
+        children: mapping from the first page of a child's key to the child (leaves share
+            one read-only empty mapping; a node gets its own dict with its first child).
         parent: the parent node; ``None`` for the root and for evicted nodes.
         lock_ref: number of holders whose locked path passes through this node; a node
             with ``lock_ref > 0`` is never evicted.
@@ -124,7 +128,7 @@ class TreeNode:
     )
 
     def __init__(self, node_id: int, key: bytes = _EMPTY, value: bytes = _EMPTY) -> None:
-        self.children: dict[Any, TreeNode] = {}
+        self.children: Mapping[Any, TreeNode] = _NO_CHILDREN  # a dict once it has one
         self.parent: TreeNode | None = None
         self._key = key
         self._value = value
@@ -481,7 +485,7 @@ class RadixCache:
         upper.created = child.created
         upper.priority = child.priority
         parent.children[self._dict_key(parent, upper)] = upper
-        upper.children[child._key[: self.page_size * width]] = child
+        upper.children = {child._key[: self.page_size * width]: child}
         child.parent = upper
         return upper
 
@@ -660,8 +664,10 @@ class RadixCache:
         self._evictable += n - off
         if self.merge_chains and path and not parent.children and not parent.lock_ref:
             self._absorb(leaf, parent)
-        else:
+        elif parent.children:
             parent.children[self._dict_key(parent, leaf)] = leaf
+        else:
+            parent.children = {self._dict_key(parent, leaf): leaf}
         self._push(leaf)
         return InsertResult(off, leaf)
 
@@ -782,6 +788,8 @@ class RadixCache:
                 (node.extra_key, first) if parent is root and node.extra_key is not None else first
             ]
             node.parent = None
+            if not parent.children:
+                parent.children = _NO_CHILDREN
         self._num_nodes -= len(victims)
         for entry in uncovered:  # left childless, and not victims themselves
             parent = entry[-1]
@@ -827,6 +835,8 @@ class RadixCache:
         parent = node.parent
         assert parent is not None
         del parent.children[self._dict_key(parent, node)]
+        if not parent.children:
+            parent.children = _NO_CHILDREN
         node.parent = None
         self._num_nodes -= 1
         self._evictable -= len(node._value) >> 3
