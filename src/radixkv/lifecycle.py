@@ -130,6 +130,10 @@ class CacheManager:
     def _row(self, req: Req, start: int, end: int) -> torch.Tensor:
         return self.req_pool.read(req.row, start, end)
 
+    def _slots(self, req: Req, start: int, end: int) -> np.ndarray:
+        """``row[start:end]`` as a numpy view of the host table (copy it to keep it)."""
+        return self.req_pool._np[req.row, start:end]
+
     def _require_admitted(self, req: Req, op: str) -> None:
         if not isinstance(req, Req):
             raise TypeError(f"{op}: req must be a Req, got {type(req).__name__}")
@@ -303,7 +307,7 @@ class CacheManager:
         try:
             had, last = self.cache.insert_node(
                 key,
-                self._row(req, 0, len(key)),
+                self._slots(req, 0, len(key)),
                 slots_checked=True,  # the allocator's
             )
         except BaseException:
@@ -312,7 +316,7 @@ class CacheManager:
         if had > req.cache_protected_len:  # another request cached some of it first
             # the tree went past `old` before this insert, so `old` was not merged away
             try:
-                self.allocator.free(self._row(req, req.cache_protected_len, had).clone())
+                self.allocator.free(self._slots(req, req.cache_protected_len, had).copy())
             except BaseException:
                 if had < stored:
                     self.cache.detach_leaf(last, stored - had)
@@ -336,7 +340,7 @@ class CacheManager:
         key = self._key(req, req.kv_len)
         stored = max(self.cache.cacheable_len(key), req.cache_protected_len)
         if req.kv_len > stored:  # the unaligned tail first: if this raises, nothing changed
-            self.allocator.free(self._row(req, stored, req.kv_len).clone())
+            self.allocator.free(self._slots(req, stored, req.kv_len).copy())
         try:
             self._insert_computed(req, key)
         except BaseException:
@@ -368,7 +372,7 @@ class CacheManager:
         """Drop the request at any point: free exactly its own slots, nothing cached."""
         self._require_admitted(req, "abort")
         if req.kv_len > req.cache_protected_len:
-            self.allocator.free(self._row(req, req.cache_protected_len, req.kv_len).clone())
+            self.allocator.free(self._slots(req, req.cache_protected_len, req.kv_len).copy())
         self._release(req)
 
     def _release(self, req: Req) -> None:

@@ -27,6 +27,8 @@ from radixkv.units import div_ceil
 
 
 def _as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
+    if type(indices) is np.ndarray and indices.dtype == np.int64 and indices.ndim == 1:
+        return indices
     if isinstance(indices, torch.Tensor):
         if indices.dtype == torch.int64 and indices.device.type == "cpu" and indices.dim() == 1:
             return indices.numpy(force=True)

@@ -623,6 +623,10 @@ class RadixCache:
             tail = value  # packed below, only the part the tree does not have yet
             if value.shape[0] != given:
                 raise ValueError(f"len(value) must equal len(key): got {value.shape[0]} != {given}")
+        elif type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
+            tail = value  # likewise (a row of the request table, say)
+            if len(value) != given:
+                raise ValueError(f"len(value) must equal len(key): got {len(value)} != {given}")
         else:
             tail = as_int64_bytes(value)
             if len(tail) != given * TOKEN_BYTES:
@@ -642,6 +646,8 @@ class RadixCache:
                 leaf_value = ctypes.string_at(
                     tail.data_ptr() + start * TOKEN_BYTES, (n - start) * TOKEN_BYTES
                 )
+            elif isinstance(tail, np.ndarray):
+                leaf_value = tail[start:n].tobytes()
             else:
                 leaf_value = tail[start * TOKEN_BYTES : n * TOKEN_BYTES]
             if value is not None and not slots_checked:
