@@ -257,6 +257,8 @@ def _check_slots(packed: bytes) -> None:
         if slots[0] < 0:
             raise ValueError(f"value holds a negative slot index {int(slots[0])}")
         return
+    if slots[0] >= 0 and (slots[1:] > slots[:-1]).all():
+        return  # increasing from a non-negative start: distinct, O(k) (the common case)
     ordered = np.sort(slots)
     if ordered[0] < 0:
         raise ValueError(f"value holds a negative slot index {int(ordered[0])}")
