@@ -83,7 +83,7 @@ def adapter_main(impl: str, run: Callable[[list[str], list[int], int], list[Resu
     import argparse
 
     p = argparse.ArgumentParser(description=f"{impl} on the shared benchmark workloads")
-    p.add_argument("--workloads", default="a,b,c,d,e,f")
+    p.add_argument("--workloads", default="a,b,c,d,e,f,g")
     p.add_argument("--page-sizes", default="1,16")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()

@@ -11,7 +11,8 @@ built by ``../shared/peers/setup.sh sglang|vllm``; a missing one is skipped with
 Workloads: (a) shared system prompt, match+insert; (b) multi-turn chat, match+insert;
 (c) evict(1000) with ~5k leaves; (d) match a 32k-token prompt in a 256-node chain;
 (e) full request path at page 16 (ample pool, and a tight one of 1,024 pages);
-(f) RSS bytes per cached token, 1M tokens in 10k leaves.
+(f) RSS bytes per cached token, 1M tokens in 10k leaves; (g) one scheduler step of 64
+requests (admissions, prefill chunks, decodes, finishes), µs per step.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def key(row: dict) -> tuple:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--workloads", default="a,b,c,d,e,f")
+    p.add_argument("--workloads", default="a,b,c,d,e,f,g")
     p.add_argument("--page-sizes", default="1,16")
     p.add_argument("--radixkv-python", default=sys.executable)
     p.add_argument("--sglang-python", default=str(PEERS / "sglang" / "bin" / "python"))

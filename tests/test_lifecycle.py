@@ -233,7 +233,7 @@ class InjectedFault(Exception):
 
 
 # where a fault may strike: the allocator's and the tree's calls the manager makes
-FAULT_SITES = {"alloc_extend", "free", "match_prefix", "insert_node"}
+FAULT_SITES = {"alloc_extend", "alloc_extend_batch", "free", "match_parts", "insert_node"}
 
 
 @contextmanager
@@ -262,7 +262,7 @@ def test_a_failed_admit_returns_its_row():
         with pytest.raises(TypeError, match="extra_key"):
             m.admit(Req(i, [1, 2, 3], extra_key=["tenant"]))
     for i in range(6):  # a tree that fails mid-admit: the row comes back
-        with inject_fault(m.cache, "match_prefix", 0), pytest.raises(InjectedFault):
+        with inject_fault(m.cache, "match_parts", 0), pytest.raises(InjectedFault):
             m.admit(Req(i, [1, 2, 3]))
         m.check_memory()
     assert m.req_pool.available_size() == 4
@@ -383,6 +383,43 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.reqs.remove(req)
 
     @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), chunk=st.integers(1, 7))
+    def step_all(self, data, chunk):
+        """One engine step through the batched calls: every request prefills a chunk or
+        decodes a token, all allocated at once, then cached at once."""
+        batch, counts = [], []
+        for req in self.reqs:
+            if req.kv_len < len(req.input_ids):
+                counts.append(min(chunk, len(req.input_ids) - req.kv_len))
+            elif len(req.all_ids) < 40:
+                if req.kv_len == req.num_tokens:
+                    req.output_ids.append(data.draw(st.integers(0, 2)))
+                counts.append(req.num_tokens - req.kv_len)
+            else:
+                continue
+            batch.append(req)
+        slots = self.m.allocate_batch(batch, counts)
+        if slots is None:  # short for the whole batch: preempt the newest
+            self.abort_req(self.reqs[-1])
+            return
+        for req, part in zip(batch, torch.split(slots, counts), strict=True):
+            self.compute(req, part)
+        self.m.cache_unfinished_batch(batch)
+        for req in batch:
+            self.check_row(req)
+
+    @precondition(lambda self: self.reqs)
+    @rule()
+    def finish_all(self):
+        done = [r for r in self.reqs if r.kv_len >= len(r.input_ids)]
+        self.m.cache_finished_batch(done)
+        self.reqs = [r for r in self.reqs if r.admitted]
+
+    def abort_req(self, req):
+        self.m.abort(req)
+        self.reqs.remove(req)
+
+    @precondition(lambda self: self.reqs)
     @rule(data=st.data())
     def abort(self, data):
         req = data.draw(st.sampled_from(self.reqs))
@@ -410,21 +447,25 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(
         data=st.data(),
         site=st.sampled_from(sorted(FAULT_SITES)),
-        op=st.sampled_from(["arrive", "step", "finish", "abort", "evict"]),
+        op=st.sampled_from(
+            ["arrive", "step", "step_all", "finish", "finish_all", "abort", "evict"]
+        ),
         after=st.integers(0, 2),
     )
     def fault(self, data, site, op, after):
         """Run an operation while a call it makes raises midway (fault injection); the
         invariant then proves nothing leaked, and the requests carry on."""
-        target = self.m.cache if site in ("match_prefix", "insert_node") else self.m.allocator
+        target = self.m.cache if site in ("match_parts", "insert_node") else self.m.allocator
         with inject_fault(target, site, after):
             try:
                 if op == "arrive":
                     self.arrive(data.draw(prompts), data.draw(st.sampled_from([None, "a"])), 1)
                 elif op == "evict":
                     self.evict(data.draw(st.integers(1, 40)))
+                elif op == "finish_all":
+                    self.finish_all()
                 elif self.reqs:
-                    getattr(self, op)(data) if op != "step" else self.step(data, 7)
+                    getattr(self, op)(data, 7) if op.startswith("step") else getattr(self, op)(data)
             except InjectedFault:
                 pass
         self.reqs = [r for r in self.reqs if r.admitted]

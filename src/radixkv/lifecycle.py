@@ -173,15 +173,15 @@ class CacheManager:
         row = self.req_pool.alloc()
         if row is None:
             return False
-        try:
-            hit = self.cache.match_prefix(key[: n - 1])  # the last token is always computed
-            self.req_pool.write(row, 0, hit.indices)
+        try:  # the last token is always computed
+            parts, last, hit = self.cache.match_parts(key[: n - 1])
+            self.req_pool.write_parts(row, parts)
         except BaseException:
             self.req_pool.free(row)  # nothing else changed yet (a split is harmless)
             raise
-        self.cache.inc_lock_ref(hit.last_node)
-        req.row, req.last_node = row, hit.last_node
-        req.kv_len = req.cache_protected_len = req.cached_len = hit.prefix_len
+        self.cache.inc_lock_ref(last)
+        req.row, req.last_node = row, last
+        req.kv_len = req.cache_protected_len = req.cached_len = hit
         self.running[row] = req
         return True
 

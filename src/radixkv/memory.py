@@ -459,6 +459,19 @@ class ReqToTokenPool:
             slots.numpy(force=True) if isinstance(slots, torch.Tensor) else slots
         )
 
+    def write_parts(self, row: int, parts: list[bytes]) -> None:
+        """Set the start of ``row`` to packed int64 chunks, in order (a prefix match)."""
+        end = sum(len(x) for x in parts) >> 3
+        if end > self.max_context_len:
+            raise ValueError(
+                f"request needs {end} tokens, more than max_context_len={self.max_context_len}"
+            )
+        at, out = 0, self._np[row]
+        for part in parts:
+            k = len(part) >> 3
+            out[at : at + k] = np.frombuffer(part, dtype=np.int64)
+            at += k
+
     def write_batch(
         self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: torch.Tensor
     ) -> None:

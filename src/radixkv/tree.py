@@ -541,17 +541,24 @@ class RadixCache:
         Returns:
             `MatchResult` (indices, last_node, prefix_len).
         """
+        parts, last, n = self.match_parts(key, split)
+        return MatchResult(_bytes_to_tensor(parts), last, n)
+
+    def match_parts(self, key: RadixKey, split: bool = True) -> tuple[list[bytes], TreeNode, int]:
+        """`match_prefix` without building the tensor: the matched slot indices as packed
+        int64 ``bytes`` chunks (one per node on the path, in order; read-only), the last
+        node and the prefix length. For callers that copy the slots somewhere anyway (a
+        request's row) and so would pay for the tensor twice."""
         split = as_bool(split, "split")
         units, n, ns, _ = self._prepare(key)
         if self.disable:
-            return MatchResult(torch.empty(0, dtype=torch.int64), self.root, 0)
+            return [], self.root, 0
         path, off, partial, m = self._descend(units, n, ns)
         parts = [node._value for node in path]
         if not split:
             if partial is not None:
                 parts.append(partial._value[: m * TOKEN_BYTES])
-            last = path[-1] if path else self.root
-            return MatchResult(_bytes_to_tensor(parts), last, off + m)
+            return parts, path[-1] if path else self.root, off + m
         if partial is not None:
             upper = self._split(partial, m)
             path.append(upper)
@@ -559,8 +566,8 @@ class RadixCache:
             off += m
         if path:
             self._touch(path)
-            return MatchResult(_bytes_to_tensor(parts), path[-1], off)
-        return MatchResult(torch.empty(0, dtype=torch.int64), self.root, 0)
+            return parts, path[-1], off
+        return parts, self.root, 0
 
     def match_len(self, key: RadixKey) -> int:
         """Read-only hit length of ``key`` in units: no split, no recency change, no tensor.
