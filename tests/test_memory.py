@@ -224,3 +224,25 @@ def test_alloc_extend_batch_refuses_bad_batches_unchanged():
     out = a.alloc_extend_batch(np.array([5, -1]), np.array([3, 2]))
     assert out.tolist() == [6, 7, 8, 12, 13] and int(x[-1]) == 5
     a.check()
+
+
+def test_freeing_whole_pages_takes_the_fast_path_and_still_refuses_bad_frees():
+    a = TokenToKVPoolAllocator(64, 4)
+    x = a.alloc(12)  # pages 0-2, whole
+    y = a.alloc(6)  # page 3 whole, page 4 half
+    before = state(a)
+    for bad in (
+        torch.cat([x[:4], x[:4]]),  # one page twice
+        torch.cat([x[:4], y[4:6], y[4:6]]),  # not whole pages, and a slot twice
+        torch.arange(20, 28),  # pages 5 and 6 were never handed out
+    ):
+        with pytest.raises(ValueError):
+            a.free(bad)
+        assert state(a) == before
+    a.free(torch.cat([y[:4], x[4:8]]))  # pages 3 and 1, whole: the fast path
+    assert a._num_free == 16 - 5 + 2
+    a.free(x[[1, 0, 2, 3]])  # page 0 out of order: the general path
+    a.free(y[4:])
+    a.free(x[8:])
+    assert a.available_size() == 64
+    a.check()
