@@ -8,6 +8,7 @@ Token ids are drawn from a 32k vocabulary.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 VOCAB = 32_000
 
@@ -124,6 +125,15 @@ def step_phases(step: int, requests: int) -> tuple[range, range, range, range]:
         return range(first, max(first, min(requests, (step - lo + 1) * STEP_ADMITS)))
 
     return age(0, 0), age(1, 1), age(2, 6), age(7, 7)
+
+
+def step_batches(reqs: list) -> Iterator[tuple[bool, list, list, list, list]]:
+    """Walk `scheduler_steps` step by step over the caller's request objects: yields
+    (timed, admitted, second chunks, decoding, finishing) lists; ``timed`` once every
+    phase is full (the steady state a benchmark measures)."""
+    for step in range(len(reqs) // STEP_ADMITS):
+        phases = [[reqs[i] for i in r] for r in step_phases(step, len(reqs))]
+        yield (step >= STEP_PHASES - 1, *phases)
 
 
 def memory_leaves(

@@ -148,11 +148,7 @@ def scheduler_step(page: int) -> tuple[float, dict]:
     for r in reqs:
         r.token_array()
     hit, total, timed = 0, 0.0, 0
-    steps = len(reqs) // workloads.STEP_ADMITS
-    for step in range(steps):
-        new, second, decode, finish = (
-            [reqs[i] for i in rng] for rng in workloads.step_phases(step, len(reqs))
-        )
+    for steady, new, second, decode, finish in workloads.step_batches(reqs):
         t0 = time.perf_counter()
         for r in new:
             mgr.admit(r)
@@ -167,7 +163,7 @@ def scheduler_step(page: int) -> tuple[float, dict]:
             r.output_ids.append(outputs[r.rid][len(r.output_ids)])
         mgr.cache_unfinished_batch(new + second)
         mgr.cache_finished_batch(finish)
-        if step >= workloads.STEP_PHASES - 1:  # every phase is full
+        if steady:
             total += time.perf_counter() - t0
             timed += 1
     mgr.check_memory()

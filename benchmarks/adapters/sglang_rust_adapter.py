@@ -111,11 +111,7 @@ def scheduler_step(page: int) -> tuple[float, dict]:
     pool = ReqToTokenPool(rows, max(map(len, prompts)) + len(outputs[0]) + page, "cpu", False)
     reqs = [_Req(i, s) for i, s in enumerate(prompts)]
     hit, total, timed = 0, 0.0, 0
-    steps = len(reqs) // workloads.STEP_ADMITS
-    for step in range(steps):
-        new, second, decode, finish = (
-            [reqs[i] for i in rng] for rng in workloads.step_phases(step, len(reqs))
-        )
+    for steady, new, second, decode, finish in workloads.step_batches(reqs):
         t0 = time.perf_counter()
         prefixes = []
         for r in new:  # admission
@@ -167,7 +163,7 @@ def scheduler_step(page: int) -> tuple[float, dict]:
         for r in finish:
             _checkpoint(cache, pool, alloc, r, page, finished=True)
         alloc.free_group_end()
-        if step >= workloads.STEP_PHASES - 1:  # every phase is full
+        if steady:
             total += time.perf_counter() - t0
             timed += 1
     return total / timed * 1e6, {"hit_rate": hit / sum(map(len, prompts))}
