@@ -388,10 +388,14 @@ def corrupt_cases():
 
     def stale_heap(c, leaf):
         c._heap.clear()
+        c._run.clear()
 
-    def heap_key(c, leaf):
-        i = next(i for i, e in enumerate(c._heap) if c._live(e))
-        c._heap[i] = (-1, -1, *c._heap[i][-2:])
+    def heap_key(c, leaf):  # a live entry with a key that is not its node's
+        entries = c._heap + list(c._run)
+        i = next(i for i, e in enumerate(entries) if c._live(e))
+        entries[i] = (-1, -1, *entries[i][-2:])
+        c._heap[:] = entries
+        c._run.clear()
         heapq.heapify(c._heap)
 
     def page(c, leaf):

@@ -9,14 +9,17 @@ Representation (why it is fast):
     * Children are keyed by the bytes of their first page (``page_size`` units); under the
       root the key is ``(extra_key, first_page)`` when the key has a namespace, so
       namespaces never share nodes.
-    * Evictable leaves sit in a binary heap ordered by the policy's sort key (see
-      `radixkv.policy`). Entries are invalidated lazily: an entry is live when its version
-      equals the node's ``_ver`` and the node is still an evictable leaf. Each change that
-      makes a node an evictable leaf, or changes the sort key of one, pushes a fresh entry;
-      the heap is compacted in place once it holds more than twice as many entries as
-      there are nodes. ``evict`` therefore costs O((k + 1) log n) for k nodes removed.
-      An entry is flat, ``(*sort key, version, node)``, so heap comparisons stop at the
-      first int (a policy's keys all have one length).
+    * Evictable leaves sit in an index ordered by the policy's sort key (see
+      `radixkv.policy`): a queue of entries pushed in order (under LRU nearly all: a
+      touched or new leaf has the newest key) and a binary heap for the rest; the smaller
+      head of the two is the next victim. Entries are invalidated lazily: an entry is live
+      when its version equals the node's ``_ver`` and the node is still an evictable leaf.
+      Each change that makes a node an evictable leaf, or changes the sort key of one,
+      pushes a fresh entry; the index is compacted once it holds more than twice as many
+      entries as there are nodes. ``evict`` therefore costs O((k + 1) log n) for k nodes
+      removed, and O(k + 1) when the queue serves them. An entry is flat,
+      ``(*sort key, version, node)``, so comparisons stop at the first int (a policy's
+      keys all have one length).
 
 Invariants (all checked from scratch by ``check_integrity``):
     * every non-root node has a non-empty key, a multiple of ``page_size`` units long, and
@@ -68,6 +71,7 @@ import heapq
 import logging
 import sys
 from array import array
+from collections import deque
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import IO, Any, NamedTuple, Protocol
@@ -385,8 +389,10 @@ class RadixCache:
         self._num_nodes = 0
         self._evictable = 0
         self._protected = 0
-        # entries (*sort key, version, node): flat, so a comparison is one int compare
+        # entries (*sort key, version, node): flat, so a comparison is one int compare;
+        # those pushed in order queue up in _run, the others go to the heap
         self._heap: list[tuple[Any, ...]] = []
+        self._run: deque[tuple[Any, ...]] = deque()
 
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes (what ``evict`` can free)."""
@@ -511,10 +517,16 @@ class RadixCache:
     # --- eviction index ----------------------------------------------------------------
     def _push(self, node: TreeNode) -> None:
         node._ver += 1
-        heap = self._heap
-        heapq.heappush(heap, (*self._policy_key(node), node._ver, node))
-        if len(heap) > 2 * self._num_nodes + 64:
-            heap[:] = [e for e in heap if self._live(e)]
+        entry = (*self._policy_key(node), node._ver, node)
+        run, heap = self._run, self._heap
+        if not run or entry > run[-1]:
+            run.append(entry)
+        else:
+            heapq.heappush(heap, entry)
+        if len(heap) + len(run) > 2 * self._num_nodes + 64:
+            live = self._live
+            self._run = deque(e for e in run if live(e))  # still in order
+            heap[:] = [e for e in heap if live(e)]
             heapq.heapify(heap)
 
     @staticmethod
@@ -740,7 +752,7 @@ class RadixCache:
         if self.disable or need == 0:
             return 0
         page, root = self.page_size, self.root
-        heap, pop, push = self._heap, heapq.heappop, heapq.heappush
+        heap, run, pop, push = self._heap, self._run, heapq.heappop, heapq.heappush
         policy_key = self._policy_key
         popped: list[Any] = []  # entries taken off the heap: put back if the free fails
         uncovered: list[Any] = []  # parents that become leaves once their children go
@@ -752,10 +764,11 @@ class RadixCache:
         hashing = self._hashing
         evicted = 0
         while need > 0:
-            if uncovered and (not heap or uncovered[0][:-2] < heap[0][:-2]):
+            first = run[0] if run and (not heap or run[0] < heap[0]) else heap[0] if heap else None
+            if uncovered and (first is None or uncovered[0][:-2] < first[:-2]):
                 node = pop(uncovered)[-1]
-            elif heap:
-                entry = pop(heap)
+            elif first is not None:
+                entry = run.popleft() if run and first is run[0] else pop(heap)
                 popped.append(entry)
                 node = entry[-1]
                 if entry[-2] != node._ver or node.children or node.lock_ref or node.parent is None:
@@ -1028,12 +1041,15 @@ class RadixCache:
                 f"sizes recomputed (evictable={evictable}, protected={protected}) != recorded "
                 f"(evictable={self._evictable}, protected={self._protected})"
             )
-        heap = self._heap
+        heap, run = self._heap, list(self._run)
         for i in range(1, len(heap)):
             if heap[i][:-1] < heap[(i - 1) >> 1][:-1]:
                 fail(f"eviction heap order broken at entry {i}")
+        for i in range(1, len(run)):
+            if run[i][:-1] < run[i - 1][:-1]:
+                fail(f"eviction queue out of order at entry {i}")
         live: dict[int, int] = {}
-        for entry in heap:
+        for entry in heap + run:
             if self._live(entry):
                 node = entry[-1]
                 if id(node) not in evictable_leaves:
