@@ -8,6 +8,7 @@ Token ids are drawn from a 32k vocabulary.
 from __future__ import annotations
 
 import random
+from array import array
 from collections.abc import Iterator
 
 VOCAB = 32_000
@@ -96,7 +97,7 @@ def scheduler_steps(
     prompt_len: int = 1024,
     suffix_len: int = 512,
     outputs: int = 6,
-) -> tuple[list[list[int]], list[list[int]]]:
+) -> tuple[list[array], list[array]]:
     """(g) A continuous-batching scheduler in steady state. ``STEP_ADMITS`` requests (one
     of ``prompts`` system prompts + a unique suffix) arrive every step; request ``i``
     arrives at step ``i // STEP_ADMITS`` and then, one phase a step (`step_phases`):
@@ -108,12 +109,15 @@ def scheduler_steps(
         age 7   finish: cache prompt + outputs, free the rest, release the request
 
     From step 7 on every step holds 64 requests: 8 admissions, 8 second chunks, 40
-    decodes and 8 finishes. Returns (prompts, the ``outputs`` sampled tokens of each)."""
+    decodes and 8 finishes. Returns (prompts, the ``outputs`` sampled tokens of each), as
+    ``array('q')``: no per-token objects for the garbage collector to walk while steps
+    are timed (lists of ints would make its full collections cost ~0.1 s here)."""
     rng = random.Random(seed)
     systems = [_tokens(rng, prompt_len) for _ in range(prompts)]
     n = steps * STEP_ADMITS
     reqs = [systems[rng.randrange(prompts)] + _tokens(rng, suffix_len) for _ in range(n)]
-    return reqs, [_tokens(rng, outputs) for _ in range(n)]
+    outs = [_tokens(rng, outputs) for _ in range(n)]
+    return [array("q", r) for r in reqs], [array("q", o) for o in outs]
 
 
 def step_phases(step: int, requests: int) -> tuple[range, range, range, range]:
