@@ -7,9 +7,11 @@ It owns the waiting and running queues. Each step it
        being computed right now by an admitted request waits a step, so a group sharing
        a prompt computes it once (SGLang's in-batch prefix deprioritisation);
     2. plans the batch: one token for each decode, then prompt chunks within
-       ``chunk_size`` prefill tokens; allocating evicts from the cache, and a decode that
-       still finds no slot preempts the newest other running request (`preempt`: its KV
-       is freed, it re-queues at the front and later recomputes, mostly from cache).
+       ``chunk_size`` prefill tokens, the decodes in one allocation and the chunks in
+       another (`CacheManager.allocate_batch`); allocating evicts from the cache. When a
+       batch does not fit, it goes request by request: a chunk that finds no slot waits,
+       a decode preempts the newest other running request (`preempt`: its KV is freed,
+       it re-queues at the front and later recomputes, mostly from cache).
 
 Progress: a request is admitted only if it fits the pool alone (``add`` refuses one
 that never can), and preemption always picks the newest request, so the oldest running
@@ -130,8 +132,19 @@ class Scheduler:
         counts = [r.num_tokens - r.kv_len for r in decodes]
         if decodes and self.mgr.allocate_batch(decodes, counts) is not None:
             plan = list(zip(decodes, counts, strict=True))
+        if plan or not decodes:  # then the prefill chunks within the budget, at once too
             order = [r for r in order if r.prefilling]
-        # then prefill chunks within the budget
+            chunks = []
+            for r in order:
+                n = min(r.num_tokens - r.kv_len, budget)
+                if n > 0:
+                    chunks.append((r, n))
+                    budget -= n
+            reqs = [r for r, _ in chunks]
+            if not chunks or self.mgr.allocate_batch(reqs, [n for _, n in chunks]) is not None:
+                return plan + chunks
+            budget = self.config.chunk_size
+        # otherwise request by request: a chunk waits for memory, a decode preempts
         for r in order:
             if r not in self.running:
                 continue  # preempted while planning
