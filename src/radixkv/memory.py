@@ -128,6 +128,11 @@ class TokenToKVPoolAllocator:
         return np.flatnonzero(~self._owned)
 
     # --- alloc ----------------------------------------------------------------------------
+    def _tensor(self, slots: np.ndarray) -> torch.Tensor:
+        """``slots`` as an index tensor on the pool's device (a zero-copy view on the CPU)."""
+        out = torch.from_numpy(slots)
+        return out if self.device.type == "cpu" else out.to(self.device)
+
     def _fresh(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(pages, slots): ``n`` slots from the top ``ceil(n / page_size)`` pages of the
         free stack (the caller checked there are enough). Changes nothing."""
@@ -144,7 +149,7 @@ class TokenToKVPoolAllocator:
         """Commit an allocation: the tensor first (the one step that can fail, e.g. on a
         device), then the bookkeeping, so a failure leaves the allocator unchanged.
         ``pages`` come off the free stack; ``extended`` is a page gaining ``tail`` slots."""
-        out = torch.from_numpy(slots).to(self.device)
+        out = self._tensor(slots)
         p = self.page_size
         self._num_free -= len(pages)
         if len(pages):
@@ -256,7 +261,7 @@ class TokenToKVPoolAllocator:
             slots[is_fresh] = fresh
         else:
             slots = fresh
-        out = torch.from_numpy(slots).to(self.device)  # the one step that can fail: first
+        out = self._tensor(slots)  # the one step that can fail: first
         self._num_free = nf - total_pages
         if total_pages:
             self._page_count[taken] = p
