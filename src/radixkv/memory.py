@@ -510,8 +510,9 @@ class ReqToTokenPool:
     def write_batch(
         self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, slots: torch.Tensor
     ) -> None:
-        """`write` for many rows in one numpy call: ``table[rows[i], starts[i]:starts[i] +
-        counts[i]]`` gets the next ``counts[i]`` of ``slots`` (concatenated in order)."""
+        """`write` for a batch: ``table[rows[i], starts[i]:starts[i] + counts[i]]`` gets
+        the next ``counts[i]`` of ``slots`` (concatenated in order). Long runs (prefill
+        chunks) are a slice copy each, the short ones (decodes) one scatter together."""
         ends = starts + counts
         if len(ends) and ends.max() > self.max_context_len:
             raise ValueError(
