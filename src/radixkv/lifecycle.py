@@ -8,10 +8,15 @@ A request's row in the `ReqToTokenPool` holds its slot indices, one per token wh
                    to get logits), lock the matched node, copy the matched slots to the row
     allocate(n)    slots for the next n tokens; evicts from the tree when short
     chunk done     cache_unfinished_req: insert what is computed, free slots the tree
-                   already had (duplicates), re-match, move the lock, rewrite the row
+                   already had (duplicates), move the lock to where the insert ends,
+                   point the row at the tree's slots
     finished       cache_finished_req: insert prompt + output, free duplicates and the
                    unaligned tail, release the lock and the row
     abort          free exactly what the request owns, release the lock and the row
+
+A scheduler step uses the batched forms: `CacheManager.allocate_batch` (one allocator call
+and one row-table write for every chunk and decode of the step), then
+`cache_unfinished_batch` and `cache_finished_batch` (one free call each).
 
 The accounting identity, checked by `CacheManager.check_memory` after any step:
 
