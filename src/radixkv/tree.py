@@ -65,7 +65,6 @@ its ``hit_count``.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import heapq
 import logging
@@ -632,20 +631,17 @@ class RadixCache:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         units, n, ns, view = self._prepare(key)
         given = len(key) if isinstance(key, RadixKey) else view.raw_len()
-        if value is None:
-            tail: Any = units if not view.is_bigram else view.raw_view()[:n].tobytes()
-        elif (
+        if (
             isinstance(value, torch.Tensor)
             and value.dtype == torch.int64
             and value.is_cpu
             and value.dim() == 1
-            and value.is_contiguous()
         ):
-            tail = value  # packed below, only the part the tree does not have yet
-            if value.shape[0] != given:
-                raise ValueError(f"len(value) must equal len(key): got {value.shape[0]} != {given}")
+            value = value.numpy()  # a view: the fast path below
+        if value is None:
+            tail: Any = units if not view.is_bigram else view.raw_view()[:n].tobytes()
         elif type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
-            tail = value  # likewise (a row of the request table, say)
+            tail = value  # packed below, only the part the tree does not have yet
             if len(value) != given:
                 raise ValueError(f"len(value) must equal len(key): got {len(value)} != {given}")
         else:
@@ -663,10 +659,6 @@ class RadixCache:
             leaf_key = units[start * width :] if start else units
             if tail is units:
                 leaf_value = leaf_key
-            elif isinstance(tail, torch.Tensor):  # one memcpy straight from the tensor
-                leaf_value = ctypes.string_at(
-                    tail.data_ptr() + start * TOKEN_BYTES, (n - start) * TOKEN_BYTES
-                )
             elif isinstance(tail, np.ndarray):
                 leaf_value = tail[start:n].tobytes()
             else:
