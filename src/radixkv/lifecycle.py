@@ -132,9 +132,6 @@ class CacheManager:
         so slicing counts the units the tree stores (pairs), not raw tokens."""
         return RadixKey._view(req.token_array(), 0, n, req.extra_key, self.cache.is_eagle)
 
-    def _row(self, req: Req, start: int, end: int) -> torch.Tensor:
-        return self.req_pool.read(req.row, start, end)
-
     def _slots(self, req: Req, start: int, end: int) -> np.ndarray:
         """``row[start:end]`` as a numpy view of the host table (copy it to keep it)."""
         return self.req_pool._np[req.row, start:end]
@@ -407,9 +404,7 @@ class CacheManager:
             assert r.row == row, f"request {r.rid!r} is filed under row {row} but holds {r.row}"
         tree = cache.all_values().numpy()
         assert len(tree) == cache.total_size(), "tree values disagree with its size"
-        private = [
-            self._row(r, r.cache_protected_len, r.kv_len).numpy() for r in self.running.values()
-        ]
+        private = [self._slots(r, r.cache_protected_len, r.kv_len) for r in self.running.values()]
         private_n = sum(len(x) for x in private)
         free = alloc.free_slots()
         parts = [tree, free, *private]
@@ -432,7 +427,7 @@ class CacheManager:
         assert total == alloc.size, f"check_memory: sizes add to {total} != {alloc.size}"
         assert alloc.handed_out_size() == len(tree) + private_n, "handed-out count is off"
         for r in self.running.values():
-            protected = self._row(r, 0, r.cache_protected_len)
+            protected = self._slots(r, 0, r.cache_protected_len)
             assert r.last_node is not None and r.last_node.lock_ref > 0, "a request lost its lock"
-            expected = cache.path_values(r.last_node)  # raises if the node left the tree
-            assert torch.equal(protected, expected), f"request {r.rid!r}: row != tree path"
+            expected = cache.path_values(r.last_node).numpy()  # raises if it left the tree
+            assert np.array_equal(protected, expected), f"request {r.rid!r}: row != tree path"
