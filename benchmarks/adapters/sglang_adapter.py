@@ -38,16 +38,20 @@ class NullAllocator:
         pass
 
 
-def new_cache(page: int, allocator=None) -> RadixCache:  # type: ignore[no-untyped-def]
-    return RadixCache(
-        CacheInitParams(
-            disable=False,
-            req_to_token_pool=None,
-            token_to_kv_pool_allocator=allocator or NullAllocator(),
-            page_size=page,
-            eviction_policy="lru",
-        )
+def init_params(page: int, allocator=None, **extra) -> CacheInitParams:  # type: ignore[no-untyped-def]
+    """An LRU cache's parameters, as both SGLang caches take them."""
+    return CacheInitParams(
+        disable=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=allocator or NullAllocator(),
+        page_size=page,
+        eviction_policy="lru",
+        **extra,
     )
+
+
+def new_cache(page: int, allocator=None) -> RadixCache:  # type: ignore[no-untyped-def]
+    return RadixCache(init_params(page, allocator))
 
 
 def _keys(seqs):  # type: ignore[no-untyped-def]

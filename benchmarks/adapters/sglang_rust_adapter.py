@@ -34,24 +34,23 @@ import workloads
 from harness import adapter_main, run_suite
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-from sglang_adapter import NullAllocator, chain_match, evict_calls, match_insert, memory_per_token
+from sglang_adapter import (
+    chain_match,
+    evict_calls,
+    init_params,
+    match_insert,
+    memory_per_token,
+)
 
 
 def new_cache(page: int, allocator=None) -> UnifiedRadixCache:  # type: ignore[no-untyped-def]
     cache = UnifiedRadixCache(
-        CacheInitParams(
-            disable=False,
-            req_to_token_pool=None,
-            token_to_kv_pool_allocator=allocator or NullAllocator(),
-            page_size=page,
-            eviction_policy="lru",
-            tree_components=(ComponentType.FULL,),
-            tree_core_backend="rust",
+        init_params(
+            page, allocator, tree_components=(ComponentType.FULL,), tree_core_backend="rust"
         )
     )
     assert type(cache.tree_core).__name__ == "RustUnifiedTreeCore", "not the Rust core"
