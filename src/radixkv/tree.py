@@ -756,11 +756,12 @@ class RadixCache:
         hashing = self._hashing
         evicted = 0
         while need > 0:
-            first = run[0] if run and (not heap or run[0] < heap[0]) else heap[0] if heap else None
+            from_run = bool(run) and (not heap or run[0] < heap[0])  # the smaller head
+            first = run[0] if from_run else heap[0] if heap else None
             if uncovered and (first is None or uncovered[0][:-2] < first[:-2]):
                 node = pop(uncovered)[-1]
             elif first is not None:
-                entry = run.popleft() if run and first is run[0] else pop(heap)
+                entry = run.popleft() if from_run else pop(heap)
                 popped.append(entry)
                 node = entry[-1]
                 if entry[-2] != node._ver or node.children or node.lock_ref or node.parent is None:
