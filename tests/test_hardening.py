@@ -80,7 +80,7 @@ def test_bad_keys_are_refused_even_by_a_disabled_cache(bad, error, disable):
 
 
 def test_numpy_counts_are_ints_everywhere():
-    cache = filled_cache()
+    cache = filled_cache(precise=True)
     assert cache.evict(np.int64(3)) == 3
     alloc = TokenToKVPoolAllocator(np.int64(16), np.int32(4))
     assert len(alloc.alloc(np.int64(5))) == 5

@@ -94,8 +94,8 @@ def test_match_refreshes_recency_along_the_path():
     cache.insert(RadixKey([1, 1]))
     cache.insert(RadixKey([2, 2]))
     cache.match_prefix(RadixKey([1, 1]))  # [1,1] is now the most recent
-    assert cache.evict(1) == 1
-    assert cache.match_len(RadixKey([2, 2])) == 1 and cache.match_len(RadixKey([1, 1])) == 2
+    assert cache.evict(1) == 2  # a whole leaf, as SGLang evicts
+    assert cache.match_len(RadixKey([2, 2])) == 0 and cache.match_len(RadixKey([1, 1])) == 2
 
 
 # --- locks --------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def test_evict_frees_through_the_allocator_in_one_call():
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_evict_is_page_precise(page_size):
     alloc = RecordingAllocator()
-    cache = RadixCache(page_size=page_size, allocator=alloc)
+    cache = RadixCache(page_size=page_size, allocator=alloc, precise=True)
     cache.insert(RadixKey(list(range(96))), torch.arange(1000, 1096))
     k = cache.evict(1)
     assert k == page_size  # not the whole 96-token leaf
@@ -169,6 +169,17 @@ def test_evict_is_page_precise(page_size):
         before = cache.evictable_size()
         k = cache.evict(need)
         assert min(need, before) <= k < min(need, before) + page_size
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_evict_drops_whole_leaves_by_default(page_size):
+    alloc = RecordingAllocator()
+    cache = RadixCache(page_size=page_size, allocator=alloc)
+    cache.insert(RadixKey(list(range(96))), torch.arange(1000, 1096))
+    cache.insert(RadixKey([7] * 8), torch.arange(8))
+    assert cache.evict(1) == 96  # the least recent leaf, whole (SGLang's semantics)
+    assert alloc.freed == list(range(1000, 1096)) and cache.total_size() == 8
     cache.check_integrity()
 
 

@@ -24,7 +24,7 @@ class MergeDifferential(RuleBasedStateMachine):
     def setup(self, page: int, eagle: bool) -> None:
         self.allocs = (RecordingAllocator(), RecordingAllocator())
         self.caches = tuple(
-            RadixCache(page, "lru", a, is_eagle=eagle, merge_chains=m)
+            RadixCache(page, "lru", a, is_eagle=eagle, merge_chains=m, precise=True)
             for a, m in zip(self.allocs, (True, False), strict=True)
         )
         self.locked: list[tuple] = []  # (merged cache's node, plain cache's node)
@@ -93,7 +93,7 @@ TestMergeDifferential = MergeDifferential.TestCase
 
 # --- structure --------------------------------------------------------------------------------
 def test_a_chain_inserted_without_locks_is_one_node():
-    cache = RadixCache(page_size=4)
+    cache = RadixCache(page_size=4, merge_chains=True)
     tokens = list(range(4096))
     for end in range(64, 4097, 64):
         cache.insert(RadixKey(tokens[:end]), torch.arange(end) + 10)
@@ -104,7 +104,7 @@ def test_a_chain_inserted_without_locks_is_one_node():
 
 
 def test_a_locked_leaf_is_not_merged_and_a_stale_reference_fails_loudly():
-    cache = RadixCache()
+    cache = RadixCache(merge_chains=True)
     first = cache.insert_node(RadixKey([1, 2, 3])).last_node
     cache.inc_lock_ref(first)
     cache.insert(RadixKey([1, 2, 3, 4, 5]))  # extends a locked leaf: a child
@@ -138,7 +138,7 @@ def test_merging_reports_the_same_events_as_a_chain():
 
     sinks = Sink(), Sink()
     caches = [
-        RadixCache(2, event_sink=s, merge_chains=m)
+        RadixCache(2, event_sink=s, merge_chains=m, precise=True)
         for s, m in zip(sinks, (True, False), strict=True)
     ]
     for c in caches:
@@ -151,7 +151,7 @@ def test_merging_reports_the_same_events_as_a_chain():
 
 
 def test_detach_leaf_takes_back_only_what_an_insert_added():
-    cache = RadixCache(page_size=2)
+    cache = RadixCache(page_size=2, merge_chains=True)
     cache.insert(RadixKey([1, 2, 3, 4]), torch.tensor([10, 11, 12, 13]))
     last = cache.insert_node(RadixKey([1, 2, 3, 4, 5, 6]), torch.tensor([0, 0, 0, 0, 14, 15]))
     assert cache.num_nodes() == 1  # merged
@@ -170,9 +170,12 @@ def test_detach_leaf_takes_back_only_what_an_insert_added():
 
 
 def test_merge_chains_is_lru_only():
-    assert not RadixCache(eviction_policy="lfu").merge_chains
-    assert RadixCache().merge_chains and not RadixCache(merge_chains=False).merge_chains
+    assert not RadixCache().merge_chains and not RadixCache().precise  # SGLang's
+    merged = RadixCache(merge_chains=True)
+    assert merged.merge_chains and merged.precise  # merging implies precise eviction
+    assert RadixCache(precise=True).precise
     for bad, err in ((dict(eviction_policy="fifo", merge_chains=True), ValueError),
+                     (dict(merge_chains=True, precise=False), ValueError),
                      (dict(merge_chains="yes"), TypeError)):  # fmt: skip
         try:
             RadixCache(**bad)
@@ -180,3 +183,17 @@ def test_merge_chains_is_lru_only():
             assert "merge_chains" in str(e)
         else:
             raise AssertionError(f"RadixCache({bad}) must fail")
+
+
+def test_the_default_keeps_an_unlocked_node_valid_across_inserts():
+    """SGLang's contract: a node from a match stays lockable until evict removes it, even
+    when an insert extends it meanwhile (what merging would break)."""
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3]))
+    held = cache.match_prefix(RadixKey([1, 2, 3])).last_node
+    cache.insert(RadixKey([1, 2, 3, 4, 5]))  # extends the held leaf
+    assert cache.inc_lock_ref(held) == -3  # still the node of [1, 2, 3], no more
+    assert cache.path_values(held).tolist() == [1, 2, 3]
+    assert cache.protected_size() == 3 and cache.evictable_size() == 2
+    cache.dec_lock_ref(held)
+    cache.check_integrity()

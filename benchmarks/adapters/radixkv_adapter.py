@@ -43,8 +43,15 @@ class _Sink:
         self.n += 1
 
 
+# The engine's configuration: LRU with chain merging and precise eviction, both opt-in
+# (the default cache keeps SGLang's node contract and whole-leaf eviction).
+OPT_INS = {"merge_chains": True, "precise": True}
+
+
 def _cache(page_size: int = 1, **kw) -> RadixCache:
-    return RadixCache(page_size=page_size, event_sink=_Sink() if EVENTS else None, **kw)
+    return RadixCache(
+        page_size=page_size, event_sink=_Sink() if EVENTS else None, **OPT_INS, **kw
+    )
 
 
 def _keys(seqs: list[list[int]]) -> list[RadixKey]:
@@ -178,7 +185,7 @@ def memory_per_token() -> dict:
     first = next(leaves)  # builds the shared prefixes before the baseline
     gc.collect()
     base = rss_bytes()
-    cache = RadixCache()
+    cache = _cache()
     nxt = 0
     for seq in itertools.chain([first], leaves):
         cache.insert(RadixKey(array("q", seq)), torch.arange(nxt, nxt + len(seq)))

@@ -39,25 +39,43 @@ Concurrent calls corrupt it (slots owned twice or by nobody).
 
 Nothing here recurses: deep chains (thousands of nodes) are fine.
 
-Chain merging (``merge_chains``, on by default under ``lru``): multi-turn chats and
-chunked prefills grow a chain one node per turn or chunk, and a walk pays a dict lookup
-and a ``memcmp`` per node. When an insert extends a leaf that nothing pins (no lock, no
-child), the new units join that leaf instead of hanging under it as a new child: the
-merged node is a fresh node that replaces the leaf (the old leaf object is detached, as
-an evicted one is, so an unlocked reference to it fails loudly instead of silently
-covering more tokens). A chain inserted without locks is then one node, and a match over
-it one ``memcmp``.
+The node contract (SGLang's, kept by the default cache): a node you got from the cache
+(``match_prefix(...).last_node``, ``insert_node(...).last_node``) stays valid for
+``inc_lock_ref`` / ``dec_lock_ref`` / ``path_values`` until an ``evict`` (or ``reset``)
+removes it. Other matches and inserts never invalidate it: a split keeps the node object
+as the lower part, so it still ends where it ended and covers the same tokens from the
+root. A node that is locked is never removed. ``evict(n)`` removes whole leaves in the
+policy's order until at least ``n`` tokens are freed, as SGLang's ``RadixCache`` does.
+``tests/test_sglang_diff.py`` replays operation sequences recorded from SGLang's own
+``RadixCache`` (pages 1/2/4/16, EAGLE on and off, namespaces) on the default cache and
+compares every prefix length, matched slot, size, lock delta and evicted slot.
 
-Why LRU's order is exactly kept: without merging, the insert touches the leaf (tick t)
-and gives the new child tick t + 1; no other node can ever hold a tick between the two,
-and every later walk that reaches the child touches the leaf right before it. So the
-child is always evicted before the leaf, and the leaf right after it (no other leaf can
-come between): the pair behaves as one node with the child's tick whose tail goes
-first, which is what ``evict`` does to a merged node (it trims the last victim from its
-tail, whole pages). A match or insert that ends or branches inside a merged node splits
-it, as it would split the leaf. The differential test (``test_tree_merge.py``) runs the
-same operations with and without merging and checks every match, every evicted slot and
-the sizes agree. Other policies order by ``created``, ``hit_count`` or ``priority``,
+Two opt-in optimizations change what a caller can observe, so they are off by default:
+
+* ``precise=True``: radixkv's own eviction semantics. ``evict(n)`` trims the last
+  victim's tail (whole pages) instead of dropping the whole leaf, so it frees ``n``
+  tokens rounded up to a page; and a match or insert that ends inside a node refreshes
+  the recency of the part it matched only (SGLang also refreshes the unmatched rest).
+* ``merge_chains=True`` (LRU only; implies ``precise``): multi-turn chats and
+  chunked prefills grow a chain one node per turn or chunk, and a walk pays a dict lookup
+  and a ``memcmp`` per node. When an insert extends a leaf that nothing pins (no lock, no
+  child), the new units join that leaf instead of hanging under it as a new child: the
+  merged node is a fresh node that replaces the leaf (the old leaf object is detached, as
+  an evicted one is, so an unlocked reference to it fails loudly instead of silently
+  covering more tokens). This breaks the contract above for unlocked nodes: a node you
+  hold without a lock can be merged away by any insert, so lock what you keep (radixkv's
+  own lifecycle and engine do, and opt in).
+
+Why LRU's order is exactly kept by merging: without merging, the insert touches the leaf
+(tick t) and gives the new child tick t + 1; no other node can ever hold a tick between
+the two, and every later walk that reaches the child touches the leaf right before it. So
+the child is always evicted before the leaf, and the leaf right after it (no other leaf
+can come between): the pair behaves as one node with the child's tick whose tail goes
+first, which is what a precise ``evict`` does to a merged node (it trims the last victim
+from its tail, whole pages). A match or insert that ends or branches inside a merged node
+splits it, as it would split the leaf. The differential test (``test_tree_merge.py``) runs
+the same operations with and without merging and checks every match, every evicted slot
+and the sizes agree. Other policies order by ``created``, ``hit_count`` or ``priority``,
 which differ along a chain, so they keep one node per insert (``merge_chains=True`` with
 another policy is refused). A merged node keeps the chain's first ``created`` tick and
 its ``hit_count``.
@@ -303,8 +321,11 @@ class RadixCache:
         is_eagle: key every sequence by its bigram view (EAGLE speculative decoding).
         disable: a cache that never matches and never stores.
         event_sink: reports pages stored and removed (see `CacheEventSink`).
-        merge_chains: extend an unpinned leaf in place of adding a child under it (see
-            the module docstring). ``None`` (the default): on under ``lru`` only.
+        merge_chains: opt-in, LRU only: extend an unpinned leaf in place of adding a child
+            under it (see the module docstring); an unlocked node can then be merged away.
+        precise: opt-in: ``evict(n)`` trims the last victim's tail instead of
+            dropping whole leaves, and a walk ending inside a node refreshes only what it
+            matched. ``None`` (the default): on exactly when ``merge_chains``.
 
     Complexities (n nodes, L key units, d path length): ``match_prefix`` and ``insert``
     O(L + d); ``evict`` O((k + 1) log n) for k nodes removed; locks O(d).
@@ -318,7 +339,8 @@ class RadixCache:
         is_eagle: bool = False,
         disable: bool = False,
         event_sink: CacheEventSink | None = None,
-        merge_chains: bool | None = None,
+        merge_chains: bool = False,
+        precise: bool | None = None,
     ) -> None:
         page_size = as_count(page_size, "page_size")
         if not 1 <= page_size <= MAX_PAGE_SIZE:
@@ -329,13 +351,18 @@ class RadixCache:
         self.disable = as_bool(disable, "disable")
         self._policy_key = get_policy(eviction_policy)
         lru = isinstance(eviction_policy, str) and eviction_policy.lower() == "lru"
-        if merge_chains is None:
-            merge_chains = lru
-        elif as_bool(merge_chains, "merge_chains") and not lru:
+        merge_chains = as_bool(merge_chains, "merge_chains")
+        if merge_chains and not lru:
             raise ValueError(
                 f"merge_chains keeps only LRU's eviction order; eviction_policy is "
                 f"{eviction_policy!r}"
             )
+        if precise is None:
+            precise = merge_chains
+        elif not as_bool(precise, "precise") and merge_chains:
+            raise ValueError("merge_chains needs precise (a merged chain is evicted "
+                             "from its tail, as its nodes would be one by one)")  # fmt: skip
+        self.precise = precise
         self.merge_chains = merge_chains
         self.page_size = page_size
         self.eviction_policy = eviction_policy
@@ -513,6 +540,13 @@ class RadixCache:
         if reindex and not last.children and last.lock_ref == 0:
             self._push(last)
 
+    def _touch_lower(self, lower: TreeNode) -> None:
+        """SGLang refreshes the recency of a node a walk ends inside, before splitting it:
+        its unmatched lower part too (``precise`` refreshes only what was matched)."""
+        lower.last_access = self._clock
+        if not lower.children and lower.lock_ref == 0:
+            self._push(lower)
+
     # --- eviction index ----------------------------------------------------------------
     def _push(self, node: TreeNode) -> None:
         node._ver += 1
@@ -577,6 +611,8 @@ class RadixCache:
             off += m
         if path:
             self._touch(path)
+            if partial is not None and not self.precise:
+                self._touch_lower(partial)
             return parts, path[-1], off
         return parts, self.root, 0
 
@@ -670,6 +706,8 @@ class RadixCache:
         off = start
         if off == n:
             self._touch(path, priority)
+            if partial is not None and not self.precise:
+                self._touch_lower(partial)
             return InsertResult(off, path[-1])
         parent = path[-1] if path else self.root
         leaf = self._new_node(leaf_key, leaf_value, parent, ns)
@@ -677,6 +715,8 @@ class RadixCache:
             self._report_stored(leaf, parent)
         if path:  # the path's last node gains a child, so it needs no re-index
             self._touch(path, priority, reindex=False)
+            if partial is not None and not self.precise:
+                self._touch_lower(partial)
         self._clock += 1
         leaf.last_access = leaf.created = self._clock
         leaf.priority = priority
@@ -728,11 +768,12 @@ class RadixCache:
         )
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``min(num_tokens, evictable_size())`` tokens, overshooting by
-        less than one page, in the policy's order.
+        """Free at least ``min(num_tokens, evictable_size())`` tokens in the policy's order.
 
-        Whole unlocked leaves are removed while they fit in what is still needed; the last
-        one is trimmed from its tail (whole pages) instead of dropped when it is larger.
+        Whole unlocked leaves are removed until that many are freed (SGLang's semantics:
+        the last one can overshoot by up to its length). With ``precise`` the last
+        one is trimmed from its tail (whole pages) instead, overshooting by less than a
+        page.
         The removed slot indices go to ``allocator.free`` in a single call, made after the
         victims are chosen and before any of them is unlinked: if it raises, the tree is
         unchanged and the error propagates.
@@ -753,7 +794,7 @@ class RadixCache:
         trim: tuple[TreeNode, int] | None = None
         freed: list[bytes] = []
         gone_hashes = bytearray()  # the freed pages' block hashes, in the same order
-        hashing = self._hashing
+        hashing, precise = self._hashing, self.precise
         evicted = 0
         while need > 0:
             from_run = bool(run) and (not heap or run[0] < heap[0])  # the smaller head
@@ -770,7 +811,7 @@ class RadixCache:
                 break
             value = node._value
             length = len(value) >> 3
-            if need < length:  # the last victim: trim its tail (whole pages)
+            if need < length and precise:  # the last victim: trim its tail (whole pages)
                 take = -(-need // page) * page
                 if take < length:
                     freed.append(value[(length - take) * TOKEN_BYTES :])

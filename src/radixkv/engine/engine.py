@@ -186,8 +186,15 @@ class Engine:
         mc = self.model.config
         self.config: ModelConfig = mc
         allocator = TokenToKVPoolAllocator(cfg.kv_tokens, cfg.page_size, device=self.device)
+        # The engine locks every node it keeps right after matching or inserting it, so it
+        # opts in to chain merging (LRU) and precise eviction (see radixkv.tree).
         self.cache = RadixCache(
-            cfg.page_size, cfg.eviction_policy, allocator, disable=not cfg.prefix_cache
+            cfg.page_size,
+            cfg.eviction_policy,
+            allocator,
+            disable=not cfg.prefix_cache,
+            merge_chains=cfg.eviction_policy == "lru",
+            precise=True,
         )
         req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=self.device)
         self.kv = KVPool(

@@ -110,7 +110,10 @@ def simulate(
         return _simulate_blocks(trace, capacity_units, policy, cache_outputs, warmup)
     belady = _Belady(trace) if policy == "belady" else None
     sort_key: str | Callable = belady.key if belady else policy
-    cache = RadixCache(page_size=1, eviction_policy=sort_key)
+    # the engine's cache: precise eviction, chains merged under LRU (see radixkv.tree)
+    cache = RadixCache(
+        page_size=1, eviction_policy=sort_key, merge_chains=sort_key == "lru", precise=True
+    )
     tally, evicted = _Tally(trace, warmup), 0
     for t, req in enumerate(trace.requests):
         if belady:

@@ -67,7 +67,7 @@ class ReplicaResult:
 
 class _Replica:
     def __init__(self, capacity: int | None) -> None:
-        self.cache = RadixCache(page_size=1)
+        self.cache = RadixCache(page_size=1, merge_chains=True)  # as the engine's
         self.capacity = capacity
         self.busy = 0.0
         self.finishing: list[tuple[float, int]] = []  # (finish time, blocks) heap

@@ -85,7 +85,7 @@ def simulate_tiers(
     if host_units < 0:
         raise ValueError(f"host capacity must be >= 0, got {host_units}")
     host: OrderedDict[int, None] = OrderedDict()
-    device = RadixCache(page_size=1, allocator=_Demote(host, host_units))
+    device = RadixCache(page_size=1, allocator=_Demote(host, host_units), merge_chains=True)
     seen: set[int] = set()
     dev_tok = host_tok = shared_tok = prompt_tok = 0
     for req in trace.requests:
