@@ -15,6 +15,7 @@ import redis
 from radixkv.engine.engine import Engine
 from radixkv.server.process import free_port
 from radixkv.storage import FileStore, MemoryStore, PageCodec, RedisStore, open_store
+from radixkv.storage.store import PageError
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
 PROMPTS = ["You are a careful assistant who answers briefly. " * 4 + q
@@ -90,20 +91,49 @@ def test_open_store_urls(tmp_path):
 
 def test_the_page_header_catches_every_kind_of_bad_value():
     codec, other = PageCodec(b"f" * 16), PageCodec(b"g" * 16)
-    value = codec.encode(b"k" * 8, b"payload" * 10)
-    assert codec.decode(b"k" * 8, value) == b"payload" * 10
+    kh = b"k" * 16
+    value = codec.encode(kh, b"payload" * 10)
+    assert codec.decode(kh, value) == b"payload" * 10
     flipped = bytearray(value)
     flipped[-3] ^= 1
     cases = {
-        "missing": None,
         "truncated": value[:-5],
         "corrupted": bytes(flipped),
-        "another key": codec.encode(b"j" * 8, b"payload"),
-        "another model": other.encode(b"k" * 8, b"payload"),
-        "short": b"RKV1",
+        "another key": codec.encode(b"j" * 16, b"payload"),
+        "another model": other.encode(kh, b"payload"),
+        "short": b"RKV2",
+        "the old format": b"RKV1" + value[4:],
     }
     for case, bad in cases.items():
-        assert codec.decode(b"k" * 8, bad) is None, case
+        with pytest.raises(PageError) as e:
+            codec.decode(kh, bad)
+        assert e.value.kind == "corrupt", case
+
+
+def test_a_storage_secret_refuses_pages_without_its_mac():
+    fp, kh = b"f" * 16, b"k" * 16
+    signed, other = PageCodec(fp, b"fleet secret"), PageCodec(fp, b"another secret")
+    value = signed.encode(kh, b"payload" * 10)
+    assert signed.decode(kh, value) == b"payload" * 10
+    # a writer without the secret (or with another), and a page edited in place with a
+    # CRC recomputed to match: all refused, as unauthenticated
+    import struct
+    import zlib
+
+    header = len(PageCodec(fp).encode(kh, b""))  # ends with the payload's CRC-32
+    forged = bytearray(value)
+    forged[-40] ^= 1  # a payload byte (the MAC is the last 32)
+    forged[header - 4 : header] = struct.pack(">I", zlib.crc32(bytes(forged[header:-32])))
+    for case, bad in {
+        "unsigned": PageCodec(fp).encode(kh, b"payload" * 10),
+        "another secret": other.encode(kh, b"payload" * 10),
+        "edited, CRC fixed": bytes(forged),
+    }.items():
+        with pytest.raises(PageError) as e:
+            signed.decode(kh, bad)
+        assert e.value.kind == "unauthenticated", case
+    with pytest.raises(ValueError, match="secret"):
+        PageCodec(fp, b"")
 
 
 # --- the engine ----------------------------------------------------------------------------

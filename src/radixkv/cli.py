@@ -292,6 +292,14 @@ def add_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "(write-through: prompts' missing pages are read from it, finished ones written)",
     )
     serve.add_argument(
+        "--storage-secret",
+        metavar="SECRET",
+        help="a secret the engines sharing --storage hold: every page carries a MAC and "
+        "one whose MAC fails is a miss (default: $RADIXKV_STORAGE_SECRET; prefer it, a "
+        "command line is visible to other users). Without one, anyone who can write to "
+        "the store can change what the engines compute",
+    )
+    serve.add_argument(
         "--host-tokens",
         type=_number(int, 0, "a non-negative integer"),
         default=0,
@@ -445,6 +453,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             storage=args.storage,
             host_tokens=args.host_tokens,
             write_policy=args.write_policy,
+            storage_secret=args.storage_secret,
         )
     except ValueError as e:
         raise _flag_error(e) from None

@@ -110,6 +110,7 @@ _EMPTY = b""
 # every leaf shares this read-only empty mapping (an empty dict is 64 bytes a leaf)
 _NO_CHILDREN: Mapping[Any, Any] = MappingProxyType({})
 log = logging.getLogger("radixkv.tree")
+HASH_BYTES = 16  # a page's block hash (page_hash): 128 bits
 MAX_PAGE_SIZE = 1 << 16  # tokens; larger pages are a units mistake (bytes for tokens?)
 # format_tree indents at most this many levels, then writes the depth as a number
 _MAX_INDENT = 32
@@ -161,7 +162,7 @@ class TreeNode:
         self.id = node_id
         self.extra_key: Any = None
         self._ver = 0
-        self._hashes = _EMPTY  # 8 bytes a page: its chained block hash (with an event sink)
+        self._hashes = _EMPTY  # HASH_BYTES a page: its chained block hash (events, tiers)
 
     def __len__(self) -> int:
         """Number of logical units (tokens or bigram pairs) in this node."""
@@ -223,17 +224,20 @@ class CacheEventSink(Protocol):
 
 
 def page_hash(parent: bytes | None, extra_key: Any, page: bytes) -> bytes:
-    """The 8-byte block hash of a page: BLAKE2b-64 over the parent's hash (or, for a
-    first page, the namespace's ``repr``) and the page's packed units. Deterministic
-    across processes and machines (Python's ``hash`` is salted per process)."""
-    h = hashlib.blake2b(digest_size=8)
+    """The block hash of a page, `HASH_BYTES` long: BLAKE2b-128 over the parent's hash
+    (or, for a first page, the namespace's ``repr``) and the page's packed units, so it
+    names the page's whole prefix. Collision-resistant (128 bits: a shared store keys
+    pages by it), and deterministic across processes and machines (Python's ``hash`` is
+    salted per process). KV events carry its first 8 bytes as vLLM's 64-bit integer."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
     h.update(parent if parent is not None else b"root:" + repr(extra_key).encode())
     h.update(page)
     return h.digest()
 
 
 def _hash_ints(hashes: bytes) -> list[int]:
-    return [int.from_bytes(hashes[i : i + 8], "big") for i in range(0, len(hashes), 8)]
+    """The event wire's 64-bit block hashes: the first 8 bytes of each page's hash."""
+    return [int.from_bytes(hashes[i : i + 8], "big") for i in range(0, len(hashes), HASH_BYTES)]
 
 
 class MatchResult(NamedTuple):
@@ -392,7 +396,7 @@ class RadixCache:
 
     def set_evict_hook(self, hook: Any) -> None:
         """Call ``hook(page_hashes, slots)`` with the pages `evict` is about to free
-        (8-byte block hashes concatenated, and their slots in the same order), before the
+        (`HASH_BYTES` block hashes concatenated, and their slots in the same order), before the
         allocator reuses them: a host tier copies them out. Only while the cache is empty.
 
         Raises:
@@ -511,7 +515,7 @@ class RadixCache:
         child._key = child._key[m * width :]
         child._value = child._key if shared else child._value[m * TOKEN_BYTES :]
         if child._hashes:
-            cut = m // self.page_size * 8
+            cut = m // self.page_size * HASH_BYTES
             upper._hashes, child._hashes = child._hashes[:cut], child._hashes[cut:]
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
@@ -751,7 +755,7 @@ class RadixCache:
         """Hash the new leaf's pages (chained from its parent's last page) and tell the
         sink, if any."""
         step = self.page_size * self._width
-        prev = parent._hashes[-8:] if parent is not self.root else None
+        prev = parent._hashes[-HASH_BYTES:] if parent is not self.root else None
         hashes = bytearray()
         key = leaf._key
         for off in range(0, len(key), step):
@@ -762,7 +766,9 @@ class RadixCache:
             return
         units = np.frombuffer(key, dtype=np.int64)
         tokens = units[::2] if self.is_eagle else units
-        parent_hash = _hash_ints(parent._hashes[-8:])[0] if parent is not self.root else None
+        parent_hash = (
+            _hash_ints(parent._hashes[-HASH_BYTES:])[0] if parent is not self.root else None
+        )
         self._sink.stored(
             _hash_ints(leaf._hashes), parent_hash, tokens.tolist(), self.page_size, leaf.extra_key
         )
@@ -816,7 +822,7 @@ class RadixCache:
                 if take < length:
                     freed.append(value[(length - take) * TOKEN_BYTES :])
                     if hashing:
-                        gone_hashes += node._hashes[(length - take) // page * 8 :]
+                        gone_hashes += node._hashes[(length - take) // page * HASH_BYTES :]
                     trim = (node, take)
                     evicted += take
                     break
@@ -864,7 +870,7 @@ class RadixCache:
             node._key = node._key[: keep * self._width]
             node._value = node._key if shared else node._value[: keep * TOKEN_BYTES]
             if node._hashes:
-                node._hashes = node._hashes[: keep // page * 8]
+                node._hashes = node._hashes[: keep // page * HASH_BYTES]
             self._push(node)
         self._evictable -= evicted
         if self._sink is not None and gone_hashes:
@@ -1049,14 +1055,16 @@ class RadixCache:
                 if child.id >= self._next_id:
                     fail(f"{where}: id beyond the id counter")
                 if self._hashing:
-                    prev = node._hashes[-8:] if node is not root else None
+                    prev = node._hashes[-HASH_BYTES:] if node is not root else None
                     step = page * width
                     for j in range(0, nk, step):
                         prev = page_hash(prev, child.extra_key, child._key[j : j + step])
-                        if child._hashes[j // step * 8 : j // step * 8 + 8] != prev:
+                        at = j // step * HASH_BYTES
+                        if child._hashes[at : at + HASH_BYTES] != prev:
                             fail(f"{where}: block hash of page {j // step} is not its chain's")
-                    if len(child._hashes) != units // page * 8:
-                        fail(f"{where}: {len(child._hashes) // 8} hashes, {units // page} pages")
+                    if len(child._hashes) != units // page * HASH_BYTES:
+                        got = len(child._hashes) // HASH_BYTES
+                        fail(f"{where}: {got} hashes, {units // page} pages")
                 child_locks += child.lock_ref
                 if child.lock_ref:
                     protected += units

@@ -34,6 +34,9 @@ class EngineConfig:
         host_tokens: KV tokens of a host-memory tier: pages the device evicts are copied
             there and loaded back when a prompt needs them.
         write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
+        storage_secret: a secret shared by the engines of one store: every page carries
+            a MAC under it and a page whose MAC fails is a counted miss. ``None``:
+            ``RADIXKV_STORAGE_SECRET`` from the environment, if set.
     """
 
     prefix_cache: bool = True
@@ -51,6 +54,7 @@ class EngineConfig:
     storage: str | None = None  # a shared page store URL (radixkv.storage)
     host_tokens: int = 0  # a host-memory tier below the device pool
     write_policy: str = "write_through"
+    storage_secret: str | None = None
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -82,5 +86,9 @@ class EngineConfig:
             raise ValueError(
                 f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}"
             )
+        if self.storage_secret is not None and (
+            not isinstance(self.storage_secret, str) or not self.storage_secret
+        ):
+            raise ValueError("storage_secret must be a non-empty string")
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -215,14 +216,21 @@ class Engine:
         self._events: Any = None  # (collector, publish) once KV events are on
         self.tier: Any = None  # host pool and shared store (radixkv.storage), if any
         if cfg.storage is not None or cfg.host_tokens:
+            from radixkv.engine.weights import cache_dir
+            from radixkv.storage.identity import model_identity
             from radixkv.storage.store import open_store
-            from radixkv.storage.tier import KVTiers, model_fingerprint
+            from radixkv.storage.tier import KVTiers
 
-            fp = model_fingerprint(self.model, cfg.dtype, cfg.page_size)
+            identity = model_identity(
+                self.model, cfg.dtype, cfg.page_size, self.tokenizer,
+                getattr(net, "source_files", None), cache_dir(),
+            )  # fmt: skip
+            secret = cfg.storage_secret or os.environ.get("RADIXKV_STORAGE_SECRET") or None
             store = open_store(cfg.storage) if cfg.storage is not None else None
             self.tier = KVTiers(
-                self.kv, self.cache, fp, store, cfg.host_tokens // cfg.page_size, cfg.write_policy
-            )
+                self.kv, self.cache, identity, store, cfg.host_tokens // cfg.page_size,
+                cfg.write_policy, secret.encode() if secret else None,
+            )  # fmt: skip
             self.scheduler.prefetch = self._prefetch
 
     def _prefetch(self, r: EngineReq) -> None:

@@ -4,6 +4,7 @@ tokenizer for random models."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Protocol
@@ -48,7 +49,10 @@ class BPETokenizer:
         from tokenizers import AddedToken, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
-        meta = json.loads(Path(meta_path).read_text())
+        raw = Path(meta_path).read_bytes()
+        # what a shared store's model identity takes from the tokenizer (radixkv.storage)
+        self.identity = b"bpe:" + hashlib.blake2b(raw, digest_size=16).digest()
+        meta = json.loads(raw)
         tokens: list[str] = meta["tokens"]
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]

@@ -61,7 +61,10 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> Llam
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    # the files the weights came from: a shared store caches their digest by these
+    model.source_files = [path / "config.json", *files]
+    return model
 
 
 def smollm2_gguf_path() -> Path | None:

@@ -87,6 +87,8 @@ class EngineCollector(Collector):
                  "full, timed out)", tier.errors),
                 (CounterMetricFamily, "storage_corrupt_pages", "Values that failed the "
                  "header check (treated as misses)", st.corrupt),
+                (CounterMetricFamily, "storage_unauthenticated_pages", "Values whose MAC "
+                 "failed under --storage-secret (treated as misses)", st.unauthenticated),
             ]  # fmt: skip
         for family, name, doc, value in values:
             m = family(f"radixkv:{name}", doc, labels=labels)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import struct
@@ -15,10 +17,13 @@ from urllib.parse import urlparse
 
 log = logging.getLogger("radixkv.storage")
 
-MAGIC = b"RKV1"
-FORMAT_VERSION = 1
-# magic, version, fingerprint (16 bytes), key hash (8 bytes), payload length, CRC-32
-_HEADER = struct.Struct(">4sH16s8sQI")
+MAGIC = b"RKV2"
+FORMAT_VERSION = 2
+KEY_HASH_BYTES = 16  # a page's chained hash (radixkv.tree.page_hash)
+MAC_BYTES = 32  # keyed BLAKE2b-256 over the header and payload, with a storage secret
+_FLAG_MAC = 1
+# magic, version, fingerprint (16 bytes), key hash (16 bytes), flags, payload length, CRC-32
+_HEADER = struct.Struct(">4sH16s16sBQI")
 
 
 @dataclass
@@ -33,37 +38,84 @@ class StoreStats:
     write_s: float = 0.0
     errors: int = 0  # calls that failed (store down, full, timed out)
     corrupt: int = 0  # values that failed the header check
+    unauthenticated: int = 0  # values whose MAC failed (or that had none) under a secret
+
+
+class PageError(ValueError):
+    """A stored value that must not be used; ``kind`` is ``corrupt`` (the header, length
+    or CRC check failed: another format, model or key, truncated, flipped bits) or
+    ``unauthenticated`` (a storage secret is set and the value's MAC is missing or
+    wrong)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
 
 
 class PageCodec:
-    """Wraps a page's payload in a checked header.
+    """Wraps a page's payload in a checked header, and with a secret a MAC.
 
     Args:
-        fingerprint: 16 bytes naming the model, dtype, page size and KV layout.
+        fingerprint: 16 bytes naming the model (`radixkv.storage.identity`).
+        secret: a storage secret shared by the engines of one fleet: every page then
+            carries a keyed BLAKE2b-256 MAC over its header and payload, and a page
+            whose MAC fails (or that has none) is refused. Without one, anyone who can
+            write to the store can change what the engines compute.
     """
 
-    def __init__(self, fingerprint: bytes) -> None:
+    def __init__(self, fingerprint: bytes, secret: bytes | None = None) -> None:
         if len(fingerprint) != 16:
             raise ValueError("fingerprint must be 16 bytes")
+        if secret is not None and not (isinstance(secret, bytes) and secret):
+            raise ValueError("secret must be non-empty bytes")
         self.fingerprint = fingerprint
+        self.secret = secret
+        # the MAC key: a digest of the secret (any length), never the secret itself
+        self._mac_key = (
+            hashlib.blake2b(secret, digest_size=32, person=b"radixkv-page-mac").digest()
+            if secret is not None
+            else b""
+        )
+
+    def _mac(self, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+        h = hashlib.blake2b(digest_size=MAC_BYTES, key=self._mac_key)
+        h.update(header)
+        h.update(payload)
+        return h.digest()
 
     def encode(self, key_hash: bytes, payload: bytes) -> bytes:
+        flags = _FLAG_MAC if self.secret is not None else 0
         header = _HEADER.pack(
-            MAGIC, FORMAT_VERSION, self.fingerprint, key_hash, len(payload), zlib.crc32(payload)
-        )
-        return header + payload
+            MAGIC, FORMAT_VERSION, self.fingerprint, key_hash, flags, len(payload),
+            zlib.crc32(payload),
+        )  # fmt: skip
+        if self.secret is None:
+            return header + payload
+        return header + payload + self._mac(header, payload)
 
-    def decode(self, key_hash: bytes, value: bytes | None) -> memoryview | None:
-        """The payload (a view, no copy), or ``None`` when the value is missing or fails
-        any check (another format or model, another key, truncated, corrupted)."""
-        if value is None or len(value) < _HEADER.size:
-            return None
-        magic, version, fp, kh, length, crc = _HEADER.unpack_from(value)
-        payload = memoryview(value)[_HEADER.size :]
+    def decode(self, key_hash: bytes, value: bytes) -> memoryview:
+        """The payload (a view, no copy).
+
+        Raises:
+            PageError: the value fails a check (see `PageError`)."""
+        if len(value) < _HEADER.size:
+            raise PageError("corrupt")
+        magic, version, fp, kh, flags, length, crc = _HEADER.unpack_from(value)
         if (magic, version, fp, kh) != (MAGIC, FORMAT_VERSION, self.fingerprint, key_hash):
-            return None
-        if len(payload) != length or zlib.crc32(payload) != crc:
-            return None
+            raise PageError("corrupt")
+        view = memoryview(value)
+        end = _HEADER.size + length
+        if len(view) != end + (MAC_BYTES if flags & _FLAG_MAC else 0):
+            raise PageError("corrupt")
+        payload = view[_HEADER.size : end]
+        if zlib.crc32(payload) != crc:
+            raise PageError("corrupt")
+        if self.secret is not None:
+            mac = view[end:]
+            if not flags & _FLAG_MAC or not hmac.compare_digest(
+                mac, self._mac(view[: _HEADER.size], payload)
+            ):
+                raise PageError("unauthenticated")
         return payload
 
 
@@ -97,53 +149,113 @@ class MemoryStore:
         return len(keys)
 
 
-class FileStore:
-    """One file per page under ``root`` (``root/ab/abcdef...``); writes go to a temporary
-    file and are renamed into place, so readers in other processes never see half a page."""
+class _SoftStore:
+    """A store whose failures are soft: a failed call counts an error, warns once, and
+    marks the store down for ``retry_s`` seconds (every call a miss, none a wait)."""
 
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+    def __init__(self, name: str, retry_s: float) -> None:
+        self.name, self.retry_s = name, retry_s
         self.stats = StoreStats()
+        self._down_until = 0.0
+        self._warned = False
+
+    def _fail(self, what: str, e: BaseException) -> None:
+        self.stats.errors += 1
+        self._down_until = time.monotonic() + self.retry_s
+        if not self._warned:
+            log.warning("%s: %s failed (%s: %s); recomputing instead, retrying in %.0f s",
+                        self.name, what, type(e).__name__, e, self.retry_s)  # fmt: skip
+            self._warned = True
+
+    def _call(self, what: str, fn: Any, default: Any) -> Any:
+        if time.monotonic() < self._down_until:
+            return default
+        try:
+            out = fn()
+        except Exception as e:  # OSError, redis errors: the store is down, full or refuses
+            self._fail(what, e)
+            return default
+        self._warned = False
+        return out
+
+
+class FileStore(_SoftStore):
+    """One file per page under ``root`` (``root/ab/abcdef...``); writes go to a temporary
+    file and are renamed into place, so readers in other processes never see half a page,
+    and a write that fails (a full disk) removes its temporary file. A folder that cannot
+    be created or written (at start or later) is soft, as a down Redis is: a warning
+    naming the path, then misses until it works again.
+
+    Args:
+        root: the folder (created on first use, with its parents).
+        retry_s: after a failure, the store is skipped this long.
+    """
+
+    def __init__(self, root: str | Path, retry_s: float = 5.0) -> None:
+        super().__init__(f"file store {root}", retry_s)
+        self.root = Path(root)
+        self._ready = False
+        self._call("open", self._open, None)
+
+    def _open(self) -> None:
+        if not self._ready:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._ready = True
 
     def _path(self, key: bytes) -> Path:
         name = key.hex()
         return self.root / name[-2:] / name
 
     def exists_prefix(self, keys: list[bytes]) -> int:
-        n = 0
-        while n < len(keys) and self._path(keys[n]).exists():
-            n += 1
-        return n
+        def run() -> int:
+            self._open()
+            n = 0
+            while n < len(keys) and self._path(keys[n]).exists():
+                n += 1
+            return n
+
+        return self._call("exists", run, 0)
 
     def get(self, keys: list[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        for k in keys:
-            try:
-                out.append(self._path(k).read_bytes())
-            except OSError:
-                out.append(None)
-        return out
+        def run() -> list[bytes | None]:
+            self._open()
+            out: list[bytes | None] = []
+            for k in keys:
+                try:
+                    out.append(self._path(k).read_bytes())
+                except FileNotFoundError:
+                    out.append(None)
+            return out
+
+        return self._call("get", run, [None] * len(keys))
 
     def set(self, keys: list[bytes], values: list[bytes]) -> int:
-        done = 0
-        for k, v in zip(keys, values, strict=True):
-            path = self._path(k)
-            try:
-                path.parent.mkdir(exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(v)
-                os.replace(tmp, path)
+        def run() -> int:
+            self._open()
+            done = 0
+            for k, v in zip(keys, values, strict=True):
+                path = self._path(k)
+                try:
+                    path.parent.mkdir(exist_ok=True)  # not the root: a vanished root fails
+                    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+                except OSError as e:
+                    self._fail("set", e)
+                    return done
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(v)
+                    os.replace(tmp, path)
+                except OSError as e:
+                    Path(tmp).unlink(missing_ok=True)  # a full disk stays no fuller
+                    self._fail("set", e)
+                    return done
                 done += 1
-            except OSError as e:
-                self.stats.errors += 1
-                log.warning("file store: cannot write %s: %s", path, e)
-                break
-        return done
+            return done
+
+        return self._call("set", run, 0)
 
 
-class RedisStore:
+class RedisStore(_SoftStore):
     """Pages in Redis (or Valkey), pipelined; ``rediss://`` for TLS.
 
     Args:
@@ -160,7 +272,8 @@ class RedisStore:
         import redis
         from redis.cluster import RedisCluster
 
-        self.url, self.retry_s, self.ttl_s = url, retry_s, ttl_s
+        super().__init__(f"redis store {url}", retry_s)
+        self.url, self.ttl_s = url, ttl_s
         parsed = urlparse(url)
         cluster = "cluster=1" in parsed.query.split("&")
         kw = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
@@ -173,26 +286,6 @@ class RedisStore:
                 socket_read_size=1 << 22,  # pages are ~1 MB: read them in few syscalls
                 **kw,
             )
-        self.stats = StoreStats()
-        self._down_until = 0.0
-        self._warned = False
-
-    def _call(self, what: str, fn: Any, default: Any) -> Any:
-        if time.monotonic() < self._down_until:
-            return default
-        try:
-            return fn()
-        except Exception as e:  # redis errors, OSError: the store is down or refuses
-            self.stats.errors += 1
-            self._down_until = time.monotonic() + self.retry_s
-            if not self._warned:
-                log.warning("redis store %s failed (%s: %s); recomputing instead, retrying "
-                            "in %.0f s", what, type(e).__name__, e, self.retry_s)  # fmt: skip
-                self._warned = True
-            return default
-
-    def _ok(self) -> None:
-        self._warned = False
 
     def exists_prefix(self, keys: list[bytes]) -> int:
         if not keys:

@@ -20,9 +20,17 @@ HiCache names them, decide when pages reach the store:
 Writes go through a background thread (the engine never waits on the network); reads
 are synchronous (the prefill needs the data).
 
-Keys: ``fingerprint (16 bytes) + page hash (8 bytes)``, the page hash chained over the
-pages and salted with the namespace (`radixkv.tree.page_hash`), the fingerprint naming
-the model's weights, dtype, page size and KV layout (`model_fingerprint`).
+Keys: ``model identity (16 bytes) + page hash (16 bytes)``, the page hash chained over
+the pages and salted with the namespace (`radixkv.tree.page_hash`, BLAKE2b-128), the
+identity naming every byte of the weights, the config, tokenizer, dtype, page size and
+KV layout (`radixkv.storage.identity`).
+
+Self-repair: the writer remembers which pages the store has, to skip asking again. A
+page a read finds missing is forgotten; one it finds corrupt or unauthenticated is
+forgotten and marked for rewriting (the store says it exists, but its value is bad); a
+write that fails is forgotten. So the next time such a page is computed it is written
+again, and a store that lost pages (a restart without persistence, ``maxmemory``
+eviction) or holds bad ones heals as traffic passes.
 
 Invariants (``check``): every host page is either free or holds exactly one key; the
 host index and the free list together cover the pool once.
@@ -30,7 +38,6 @@ host index and the free list together cover the pool once.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
@@ -43,29 +50,13 @@ import torch
 
 from radixkv.key import RadixKey
 from radixkv.memory import KVPool
-from radixkv.storage.store import PageCodec, PageStore, StoreStats
-from radixkv.tree import RadixCache, page_hash
+from radixkv.storage.store import PageCodec, PageError, PageStore, StoreStats
+from radixkv.tree import HASH_BYTES, RadixCache, page_hash
 
 log = logging.getLogger("radixkv.storage")
 KNOWN_KEYS = 1 << 16  # keys remembered as stored, to skip asking the store again
 WRITE_QUEUE = 256  # page batches waiting for the writer; beyond, writes are dropped
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-
-
-def model_fingerprint(model: torch.nn.Module, dtype: torch.dtype, page_size: int) -> bytes:
-    """16 bytes naming what a page's bytes mean: the model's config, its weights (every
-    tensor's shape and a sample of its values: the first and last 256 elements, so a
-    fingerprint costs milliseconds, not a pass over gigabytes), dtype and page size."""
-    h = hashlib.blake2b(digest_size=16)
-    config = getattr(model, "config", None)
-    h.update(repr(getattr(config, "to_dict", lambda: config)()).encode())
-    h.update(f"{dtype}|page={page_size}".encode())
-    for name, t in model.state_dict().items():
-        flat = t.detach().reshape(-1)
-        h.update(f"{name}{tuple(t.shape)}".encode())
-        h.update(flat[:256].to("cpu", torch.float32).numpy().tobytes())
-        h.update(flat[-256:].to("cpu", torch.float32).numpy().tobytes())
-    return h.digest()
 
 
 class TierStats(StoreStats):
@@ -87,10 +78,12 @@ class KVTiers:
     Args:
         kv: the engine's KV pool.
         cache: the device radix tree; its evictions demote to the host pool.
-        fingerprint: from `model_fingerprint`.
+        fingerprint: the model's identity (`radixkv.storage.identity.model_identity`).
         store: a page store, or ``None`` (host pool only).
         host_pages: pages the host pool holds (0: none).
         write_policy: one of `WRITE_POLICIES`.
+        secret: the storage secret: pages carry a MAC and unauthenticated ones are
+            refused (`PageCodec`).
     """
 
     def __init__(
@@ -101,6 +94,7 @@ class KVTiers:
         store: PageStore | None = None,
         host_pages: int = 0,
         write_policy: str = "write_through",
+        secret: bytes | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
@@ -108,7 +102,7 @@ class KVTiers:
             raise ValueError(f"host_pages must be >= 0, got {host_pages}")
         self.kv, self.cache, self.store = kv, cache, store
         self.page = cache.page_size
-        self.codec = PageCodec(fingerprint)
+        self.codec = PageCodec(fingerprint, secret)
         self.prefix = fingerprint
         self.write_policy = write_policy
         self.stats = TierStats()
@@ -123,6 +117,9 @@ class KVTiers:
         self._host_free = list(range(host_pages - 1, -1, -1))
         self._host_index: OrderedDict[bytes, int] = OrderedDict()  # key -> page, LRU first
         self._known: OrderedDict[bytes, None] = OrderedDict()  # keys the store has
+        # keys whose stored value a read found bad: written even though the store has them
+        # (the writer thread drops a key once it is written)
+        self._rewrite: OrderedDict[bytes, None] = OrderedDict()
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # selective: finishes per key
         self._failed: deque[bytes] = deque()  # written by the writer, drained by save
         self._queue: queue.Queue = queue.Queue(WRITE_QUEUE)
@@ -146,7 +143,7 @@ class KVTiers:
     # --- keys ---------------------------------------------------------------------------
     def page_hashes(self, tokens: Any, ns: Any, n_pages: int) -> list[bytes]:
         raw = RadixKey(tokens).unit_bytes()
-        step = self.page * 8
+        step = self.page * 8  # int64 units
         out, prev = [], None
         for i in range(n_pages):
             prev = page_hash(prev, ns, raw[i * step : (i + 1) * step])
@@ -183,13 +180,13 @@ class KVTiers:
 
     # --- demotion (the device evicts) ---------------------------------------------------
     def _demote(self, hashes: bytes, slots: torch.Tensor) -> None:
-        n = len(hashes) // 8
+        n = len(hashes) // HASH_BYTES
         if not n or len(slots) != n * self.page:
             return
-        keys = [self._key(hashes[i * 8 : (i + 1) * 8]) for i in range(n)]
+        split = [hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(n)]
+        keys = [self._key(h) for h in split]
         if not self.host_pages:  # write_back with no host pool: straight to the store
-            self._queue_write(keys, [hashes[i * 8 : (i + 1) * 8] for i in range(n)],
-                              self._gather(slots))  # fmt: skip
+            self._queue_write(keys, split, self._gather(slots))
             return
         new = [i for i in range(n) if keys[i] not in self._host_index]
         for i in range(n):
@@ -252,13 +249,17 @@ class KVTiers:
         if self.store is not None and j < n_pages:
             found = self.store.exists_prefix(keys[j:])
             values = self.store.get(keys[j : j + found]) if found else []
-            for h, v in zip(hashes[j : j + found], values, strict=True):
-                payload = self.codec.decode(h, v)
-                if payload is None:
-                    if v is not None:
-                        self.stats.corrupt += 1
+            for h, k, v in zip(hashes[j : j + found], keys[j : j + found], values, strict=True):
+                if v is None:  # gone between exists and get
                     break
-                stored.append(payload)
+                try:
+                    stored.append(self.codec.decode(h, v))
+                except PageError as e:
+                    setattr(self.stats, e.kind, getattr(self.stats, e.kind) + 1)
+                    self._mark_rewrite(k)  # its value is bad: write it again when computed
+                    break
+            for k in keys[j + len(stored) :]:  # not (usably) in the store: forget them
+                self._known.pop(k, None)
         store_pages = self._decode_pages(stored) if stored else None
         if stored and store_pages is None:  # a page of the wrong size: the layout changed
             self.stats.corrupt += 1
@@ -306,14 +307,16 @@ class KVTiers:
         wanted = list(range(n_pages))
         if self.write_policy == "write_through_selective":
             wanted = [i for i in wanted if self._count(keys[i]) >= 2]
-        wanted = [i for i in wanted if keys[i] not in self._known]
+        rewrite = self._rewrite
+        wanted = [i for i in wanted if keys[i] not in self._known or keys[i] in rewrite]
         if not wanted:
             return
         first = wanted[0]
         present = self.store.exists_prefix(keys[first:])
-        wanted = [i for i in wanted if i >= first + present]
+        wanted = [i for i in wanted if i >= first + present or keys[i] in rewrite]
         for i in range(first, first + present):
-            self._remember(keys[i])
+            if keys[i] not in rewrite:
+                self._remember(keys[i])
         if not wanted:
             return
         idx = torch.tensor(wanted, dtype=torch.int64)
@@ -341,6 +344,12 @@ class KVTiers:
         for k in keys:
             self._remember(k)
 
+    def _mark_rewrite(self, key: bytes) -> None:
+        self._known.pop(key, None)
+        self._rewrite[key] = None
+        if len(self._rewrite) > KNOWN_KEYS:
+            self._rewrite.popitem(last=False)
+
     def _remember(self, key: bytes) -> None:
         self._known[key] = None
         self._known.move_to_end(key)
@@ -357,6 +366,8 @@ class KVTiers:
             self.stats.bytes_written += sum(len(v) for v in values[:n])
             self.stats.write_s += time.perf_counter() - t0
             self._failed.extend(keys[n:])
+            for k in keys[:n]:
+                self._rewrite.pop(k, None)
             self._queue.task_done()
 
     def flush(self, timeout: float = 10.0) -> None:
