@@ -35,8 +35,8 @@ def shared_redis():
 class OwnRedis:
     """A redis-server of the test's own on a free port, to kill or to fill."""
 
-    def __init__(self, *args: str) -> None:
-        self.port = free_port()
+    def __init__(self, *args: str, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.proc = subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
              "--save", "", "--appendonly", "no", *args],

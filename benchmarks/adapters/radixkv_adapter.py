@@ -49,9 +49,7 @@ OPT_INS = {"merge_chains": True, "precise": True}
 
 
 def _cache(page_size: int = 1, **kw) -> RadixCache:
-    return RadixCache(
-        page_size=page_size, event_sink=_Sink() if EVENTS else None, **OPT_INS, **kw
-    )
+    return RadixCache(page_size=page_size, event_sink=_Sink() if EVENTS else None, **OPT_INS, **kw)
 
 
 def _keys(seqs: list[list[int]]) -> list[RadixKey]:

@@ -249,15 +249,17 @@ class KVTiers:
         if self.store is not None and j < n_pages:
             found = self.store.exists_prefix(keys[j:])
             values = self.store.get(keys[j : j + found]) if found else []
+            usable = True  # the pages up to the first bad one are used; every bad one
             for h, k, v in zip(hashes[j : j + found], keys[j : j + found], values, strict=True):
-                if v is None:  # gone between exists and get
-                    break
-                try:
-                    stored.append(self.codec.decode(h, v))
+                try:  # is marked, to be written again when it is computed
+                    payload = self.codec.decode(h, v) if v is not None else None
                 except PageError as e:
                     setattr(self.stats, e.kind, getattr(self.stats, e.kind) + 1)
-                    self._mark_rewrite(k)  # its value is bad: write it again when computed
-                    break
+                    self._mark_rewrite(k)
+                    payload = None
+                usable = usable and payload is not None
+                if usable:
+                    stored.append(payload)
             for k in keys[j + len(stored) :]:  # not (usably) in the store: forget them
                 self._known.pop(k, None)
         store_pages = self._decode_pages(stored) if stored else None
