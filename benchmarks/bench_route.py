@@ -24,7 +24,9 @@ from radixkv.server.process import ServerProcess, free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKER = ["--model", "random", "--page-size", "16", "--kv-tokens", "65536", "--max-running", "16",
-          "--max-context-len", "8192", "--chunk-size", "2048"]  # fmt: skip
+          "--max-context-len", "8192", "--chunk-size", "2048",
+          "--admin-key", "bench-admin"]  # fmt: skip
+ADMIN = {"Authorization": "Bearer bench-admin"}  # /flush_cache is an admin endpoint
 POLICIES = ("round_robin", "least_load", "approx", "kv")
 
 
@@ -65,7 +67,7 @@ def main() -> None:
     try:
         for policy in args.policies.split(","):
             for url in urls:
-                httpx.post(f"{url}/flush_cache").raise_for_status()
+                httpx.post(f"{url}/flush_cache", headers=ADMIN).raise_for_status()
             router = start_router(specs, policy, args.kv_weight)
             rurl = router.url
             try:

@@ -319,6 +319,30 @@ def add_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--kv-events-replay", metavar="ENDPOINT", help="[the next port]")
     serve.add_argument(
+        "--api-key",
+        default=os.environ.get("RADIXKV_API_KEY"),
+        help="every request but /health must send Authorization: Bearer KEY "
+        "[$RADIXKV_API_KEY; none: open]",
+    )
+    serve.add_argument(
+        "--admin-key",
+        default=os.environ.get("RADIXKV_ADMIN_KEY"),
+        help="the key admin endpoints (/flush_cache) need; without one they answer 403 "
+        "[$RADIXKV_ADMIN_KEY]",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=4 << 20,
+        help="the largest request body; beyond, 413 [4194304]",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        metavar="NAMES",
+        help="comma-separated host names a request's Host header may name [loopback names "
+        "while --host is loopback; else any]",
+    )
+    serve.add_argument(
         "--check-memory",
         action="store_true",
         help="verify every memory invariant after each step; a violation stops the engine "
@@ -457,6 +481,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise _flag_error(e) from None
+    from radixkv.server.access import Access
+
+    try:
+        hosts = args.allowed_hosts
+        access = Access.for_bind(
+            args.host,
+            api_key=args.api_key,
+            admin_key=args.admin_key,
+            max_request_bytes=args.max_request_bytes,
+            allowed_hosts=tuple(h.strip().lower() for h in hosts.split(",")) if hosts else None,
+        )
+    except ValueError as e:
+        raise _flag_error(e) from None
     serve = ServeConfig(
         args.model,
         args.host,
@@ -466,6 +503,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.log_level,
         args.kv_events,
         args.kv_events_replay,
+        access,
     )
     if args.kv_events:
         from radixkv.events import replay_endpoint

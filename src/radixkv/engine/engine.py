@@ -450,7 +450,8 @@ class Engine:
                 end -= 1
             text = text[: max(end, r.sent_text)]
         new_text, r.sent_text = text[r.sent_text :], max(len(text), r.sent_text)
-        new_ids, r.sent_tokens = r.output_ids[r.sent_tokens :], len(r.output_ids)
+        sent = r.sent_tokens
+        new_ids, r.sent_tokens = r.output_ids[sent:], len(r.output_ids)
         return StepOutput(
             r.rid,
             new_ids,
@@ -459,6 +460,7 @@ class Engine:
             len(r.input_ids),
             max(r.prompt_cached, 0),
             len(r.output_ids),
+            r.output_logprobs[sent:] if r.sampling.logprobs is not None else None,
         )
 
     # --- offline ----------------------------------------------------------------------------

@@ -35,13 +35,51 @@ class ModelRunner:
 
     @staticmethod
     def sample(r: EngineReq, logits: torch.Tensor) -> int:
-        """Greedy at temperature 0; else temperature + top-p, from the request's generator."""
+        """Penalties and bias shape the logits; then greedy at temperature 0, else
+        temperature + top-p from the request's generator. With ``logprobs`` the chosen
+        token's log-probability and the top alternatives are appended to the request."""
         s = r.sampling
+        if s.shapes_logits:
+            logits = shape_logits(r, logits)
         if s.temperature == 0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float() / s.temperature, dim=-1)
-        if s.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < s.top_p
-            probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=r.generator))
+            token = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+            if s.top_p < 1.0:
+                sorted_p, idx = probs.sort(descending=True)
+                keep = sorted_p.cumsum(0) - sorted_p < s.top_p
+                probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+            token = int(torch.multinomial(probs.cpu(), 1, generator=r.generator))
+        if s.logprobs is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            top = lp.topk(s.logprobs) if s.logprobs else None
+            alts = (
+                list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                if top is not None
+                else []
+            )
+            r.output_logprobs.append((float(lp[token]), alts))
+        return token
+
+
+def shape_logits(r: EngineReq, logits: torch.Tensor) -> torch.Tensor:
+    """A copy of ``logits`` with the request's logit bias, repetition penalty (prompt and
+    output tokens) and presence / frequency penalties (output tokens) applied."""
+    s = r.sampling
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
+    if s.logit_bias:
+        ids = torch.tensor([t for t, _ in s.logit_bias], device=logits.device)
+        bias = torch.tensor([b for _, b in s.logit_bias], device=logits.device)
+        keep = ids < vocab  # the server refuses ids beyond the vocabulary
+        logits[ids[keep]] += bias[keep]
+    if s.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.input_ids) | set(r.output_ids)), device=logits.device)
+        vals = logits[seen]
+        p = s.repetition_penalty
+        logits[seen] = torch.where(vals > 0, vals / p, vals * p)
+    if (s.presence_penalty or s.frequency_penalty) and r.output_ids:
+        out = torch.tensor(r.output_ids, device=logits.device)
+        counts = torch.bincount(out, minlength=vocab).float()
+        logits -= counts * s.frequency_penalty + (counts > 0).float() * s.presence_penalty
+    return logits

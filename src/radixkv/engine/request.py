@@ -25,6 +25,15 @@ class SamplingParams:
         seed: seeds this request's sampler (same seed, same tokens); ``None``: unseeded.
         stop: strings that end the output (not included in the text).
         ignore_eos: keep generating past the end-of-sequence token.
+        presence_penalty: subtracted from the logit of every token the output holds
+            (OpenAI's; in [-2, 2]).
+        frequency_penalty: subtracted once per occurrence in the output (in [-2, 2]).
+        repetition_penalty: divides the positive logits (multiplies the negative ones)
+            of every token in the prompt or output (vLLM's and Hugging Face's; > 0).
+        logit_bias: ``(token id, bias)`` pairs added to the logits (bias in [-100, 100]).
+        logprobs: report each output token's log-probability and this many of the most
+            likely alternatives (``None``: none; 0: the chosen token's only). They are
+            of the distribution after penalties and bias, before temperature and top-p.
     """
 
     max_new_tokens: int = 32
@@ -33,12 +42,23 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {n!r}")
-        for name in ("temperature", "top_p"):
+        for name in (
+            "temperature",
+            "top_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
@@ -55,6 +75,27 @@ class SamplingParams:
             raise ValueError("stop must be non-empty strings")
         object.__setattr__(self, "stop", stop)
         as_bool(self.ignore_eos, "ignore_eos")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
+        if any(t < 0 or not -100 <= b <= 100 for t, b in bias):
+            raise ValueError("logit_bias takes token ids >= 0 and biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
+        lp = self.logprobs
+        bad = isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 20
+        if lp is not None and bad:
+            raise ValueError(f"logprobs must be an int in [0, 20], got {lp!r}")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """True when a penalty or a bias changes the logits before sampling."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -75,6 +116,8 @@ class EngineReq(Req):
     stop_cut: bool = False  # ``text`` was cut at a stop string: it is final
     sent_text: int = 0  # characters of ``text`` already handed out in step outputs
     sent_tokens: int = 0  # output tokens already handed out
+    # per output token (with sampling.logprobs): (its logprob, [(token, logprob), ...])
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -96,6 +139,8 @@ class StepOutput:
             out to be part of a stop string or of an incomplete character).
         finish_reason: ``stop``, ``length`` or ``abort`` once finished, else ``None``.
         prompt_tokens, cached_tokens, output_tokens: counts so far.
+        logprobs: with ``SamplingParams.logprobs``, one ``(logprob, top alternatives)``
+            per token of ``token_ids``.
     """
 
     rid: Any
@@ -105,6 +150,7 @@ class StepOutput:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -14,6 +14,9 @@ Message = dict[str, str]
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
+    # the most bytes of text one token covers: a text of n bytes has >= n / this tokens,
+    # so a server refuses an overlong prompt before tokenizing it
+    max_token_bytes: int
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
@@ -25,6 +28,7 @@ class ByteTokenizer:
 
     bos_token_id = 256
     eos_token_id = 257
+    max_token_bytes = 1
 
     def __init__(self, vocab_size: int = 384) -> None:
         if vocab_size < 258:
@@ -75,6 +79,8 @@ class BPETokenizer:
         self._specials = {vocab[t] for t in control}
         self._template = meta.get("chat_template")
         self._tokens = tokens
+        # byte-level tokens are one character a byte; special tokens are literal text
+        self.max_token_bytes = max((len(t.encode()) for t in tokens), default=1)
 
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=False).ids

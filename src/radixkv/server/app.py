@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,9 +31,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from radixkv.engine.request import SamplingParams, StepOutput
+from radixkv.server.access import Access, AccessMiddleware
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
+    MAX_N,
     MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,10 +54,11 @@ def _validation_error(e: ValidationError) -> ApiError:
     return ApiError(400, f"{where}: {err.get('msg', 'invalid value')}", param)
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    body = await request.body()
+def _parse(body: bytes, model: type[BaseModel]) -> Any:
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise ApiError(400, "the body is nested too deeply") from None
     except ValueError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -81,15 +86,49 @@ class Api:
                 "model",
                 "model_not_found",
             )
-        if req.n != 1:
-            raise ApiError(400, "n > 1 is not supported: send one request per choice", "n")
-        if req.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported", "logprobs")
+        refused = req.refused_field()
+        if refused is not None:
+            raise ApiError(400, f"{refused} is not supported by this server", refused,
+                           "unsupported_parameter")  # fmt: skip
+        if not 1 <= req.n <= MAX_N:
+            raise ApiError(400, f"n must be in [1, {MAX_N}], got {req.n}", "n")
+        if not 0 <= req.temperature <= 2:
+            raise ApiError(400, f"temperature must be in [0, 2], got {req.temperature}",
+                           "temperature")  # fmt: skip
+        if not 0 < req.top_p <= 1:
+            raise ApiError(400, f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(req, name) <= 2:
+                raise ApiError(400, f"{name} must be in [-2, 2], got {getattr(req, name)}", name)
+        if not req.repetition_penalty > 0:
+            raise ApiError(400, f"repetition_penalty must be > 0, got {req.repetition_penalty}",
+                           "repetition_penalty")  # fmt: skip
+        if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+            raise ApiError(400, f"seed must be in [-2**63, 2**64), got {req.seed}", "seed")
+        vocab = self.engine.config.vocab_size
+        for token, bias in (req.logit_bias or {}).items():
+            if not (token.isdigit() and int(token) < vocab) or not -100 <= bias <= 100:
+                raise ApiError(400, f"logit_bias maps token ids in [0, {vocab}) to biases in "
+                               f"[-100, 100]; got {token!r}: {bias}", "logit_bias")  # fmt: skip
         if req.cache_salt is not None and not req.cache_salt:
             raise ApiError(400, "cache_salt must be a non-empty string", "cache_salt")
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise ApiError(400, f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings", "stop")
+
+    @staticmethod
+    def logprobs_count(req: Any) -> int | None:
+        """Top alternatives per token to report (``None``: no logprobs)."""
+        if isinstance(req, ChatCompletionRequest):
+            if req.top_logprobs is not None and not req.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            n = (req.top_logprobs or 0) if req.logprobs else None
+            name = "top_logprobs"
+        else:
+            n, name = req.logprobs, "logprobs"
+        if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {n}", name)
+        return n
 
     def _sampling(self, req: Any, ids: list[int], max_tokens: int | None, kind: str) -> Any:
         limit = self.engine.scheduler.max_tokens()
@@ -109,12 +148,29 @@ class Api:
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
             return SamplingParams(
-                max_tokens, req.temperature, req.top_p, req.seed, stop, req.ignore_eos
-            )
+                max_tokens, req.temperature, req.top_p, req.seed, stop, req.ignore_eos,
+                req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
+                tuple((int(t), b) for t, b in (req.logit_bias or {}).items()),
+                self.logprobs_count(req),
+            )  # fmt: skip
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
     def _encode(self, prompt: Any, chat: bool) -> list[int]:
+        if isinstance(prompt, str) or chat:
+            texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+            per_token = getattr(self.engine.tokenizer, "max_token_bytes", None)
+            limit = self.engine.scheduler.max_tokens()
+            # a prompt's tokens cover at most per_token bytes each (and a character is a
+            # byte or more), so this many characters cannot fit: refuse before tokenizing
+            if per_token and sum(map(len, texts)) > limit * per_token:
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens; the prompt "
+                    f"has over {limit} tokens.",
+                    "messages" if chat else "prompt",
+                    "context_length_exceeded",
+                )
         try:
             ids = self.engine.encode(prompt, chat)
         except (ValueError, TypeError) as e:
@@ -124,8 +180,6 @@ class Api:
         return ids
 
     def completion_ids(self, req: CompletionRequest) -> list[int]:
-        if req.echo or (req.best_of or 1) > 1 or req.suffix:
-            raise ApiError(400, "echo, best_of and suffix are not supported", "echo")
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -136,12 +190,14 @@ class Api:
         return self._encode(prompt, chat=False)
 
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        if req.tools:
-            raise ApiError(400, "tools are not supported", "tools")
-        if req.top_logprobs:
-            raise ApiError(400, "logprobs are not supported", "top_logprobs")
         if not req.messages:
             raise ApiError(400, "messages must not be empty", "messages")
+        for i, m in enumerate(req.messages):
+            if m.role in ("tool", "function") or m.tool_calls or m.function_call:
+                raise ApiError(400, f"messages[{i}]: tool calls and tool results are not "
+                               "supported by this server", "messages")  # fmt: skip
+            if m.content is None:
+                raise ApiError(400, f"messages[{i}]: content is missing", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         return self._encode(messages, chat=True)
 
@@ -187,14 +243,64 @@ class Api:
                     self.metrics.e2e.observe(now - arrival)
                 yield out
 
+    async def start_all(
+        self, ids: list[int], sampling: SamplingParams, n: int, salt: str | None, arrival: float
+    ) -> list[tuple[StepOutput, AsyncIterator[StepOutput]]]:
+        """`start` for each of ``n`` choices (choice ``i`` seeded ``seed + i``); they share
+        the prompt's KV through the cache. A refusal of any aborts those started."""
+        runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]] = []
+        try:
+            for i in range(n):
+                seed = None if sampling.seed is None else sampling.seed + i
+                runs.append(await self.start(ids, replace(sampling, seed=seed), salt, arrival))
+        except BaseException:
+            for _, outputs in runs:
+                await outputs.aclose()  # type: ignore[attr-defined]
+            raise
+        return runs
+
     @staticmethod
-    def usage(out: StepOutput) -> dict[str, Any]:
+    def usage(lasts: list[StepOutput]) -> dict[str, Any]:
+        """The prompt counted once (the choices share it), every choice's completion."""
+        first = lasts[0]
+        done = sum(out.output_tokens for out in lasts)
         return {
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.output_tokens,
-            "total_tokens": out.prompt_tokens + out.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+            "prompt_tokens": first.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": first.prompt_tokens + done,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
         }
+
+    # --- logprobs in OpenAI's two shapes ----------------------------------------------------
+    def _token(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token])
+
+    def completion_logprobs(self, ids: list[int], lps: list, offset: int) -> dict | None:
+        """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``."""
+        tokens = [self._token(t) for t in ids]
+        offsets, at = [], offset
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for lp, _ in lps],
+            "top_logprobs": [{self._token(t): v for t, v in alts} for _, alts in lps],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, ids: list[int], lps: list) -> dict:
+        """``{"content": [{"token", "logprob", "bytes", "top_logprobs"}], "refusal"}``."""
+
+        def entry(token: int, lp: float) -> dict:
+            text = self._token(token)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        content = [
+            {**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in alts]}
+            for t, (lp, alts) in zip(ids, lps, strict=True)
+        ]
+        return {"content": content, "refusal": None}
 
 
 def _sse(data: Any) -> str:
@@ -206,23 +312,28 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
+# a finished choice: its text, last output, token ids, logprobs (one per token, if asked)
+Choice = tuple[str, StepOutput, list[int], list]
+
+
 async def _collect_or_abort(
-    request: Request, first: StepOutput, outputs: AsyncIterator[StepOutput]
-) -> tuple[str, StepOutput] | None:
-    """All outputs of a non-streamed request; a client that disconnects first cancels
-    it (the request is aborted and its KV freed)."""
-    if first.finished:
-        return first.text, first
+    request: Request, runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]]
+) -> list[Choice] | None:
+    """All outputs of a non-streamed request's choices; a client that disconnects first
+    cancels them (each is aborted and its KV freed)."""
 
-    async def collect() -> tuple[str, StepOutput]:
+    async def collect(first: StepOutput, outputs: AsyncIterator[StepOutput]) -> Choice:
         text, last = [first.text], first
+        ids, lps = list(first.token_ids), list(first.logprobs or ())
         async with aclosing(outputs):
-            async for out in outputs:
-                text.append(out.text)
-                last = out
-        return "".join(text), last
+            while not last.finished:
+                last = await anext(outputs)
+                text.append(last.text)
+                ids += last.token_ids
+                lps += last.logprobs or ()
+        return "".join(text), last, ids, lps
 
-    task = asyncio.ensure_future(collect())
+    task = asyncio.ensure_future(asyncio.gather(*(collect(f, o) for f, o in runs)))
     gone = asyncio.ensure_future(_until_disconnected(request))
     try:
         await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -232,13 +343,49 @@ async def _collect_or_abort(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         return None
-    return task.result()
+    return list(task.result())
 
 
-def build_app(aeng: AsyncEngine, model_name: str, owns_engine: bool = True) -> FastAPI:
+async def _merged(
+    runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]],
+) -> AsyncIterator[tuple[int, StepOutput]]:
+    """The outputs of several choices as they come, tagged with the choice's index;
+    closing this closes (aborts) every choice still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, first: StepOutput, outputs: AsyncIterator[StepOutput]) -> None:
+        try:
+            out = first
+            await queue.put((i, out))
+            async with aclosing(outputs):
+                while not out.finished:
+                    out = await anext(outputs)
+                    await queue.put((i, out))
+        except Exception as e:  # handed to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, f, o)) for i, (f, o) in enumerate(runs)]
+    try:
+        left = len(runs)
+        while left:
+            i, out = await queue.get()
+            if isinstance(out, Exception):
+                raise out
+            left -= out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def build_app(
+    aeng: AsyncEngine, model_name: str, owns_engine: bool = True, access: Access | None = None
+) -> FastAPI:
     """The FastAPI app over a started (or, with ``owns_engine``, a not yet started)
     engine loop. With ``owns_engine`` it starts the loop at startup if needed and stops
-    it (aborting what is in flight) at shutdown."""
+    it (aborting what is in flight) at shutdown. ``access``: keys, hosts and the body
+    limit (`radixkv.server.access`; the default: no API key, admin endpoints refused)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -251,6 +398,7 @@ def build_app(aeng: AsyncEngine, model_name: str, owns_engine: bool = True) -> F
                 await aeng.stop()
 
     app = FastAPI(title="radixkv", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(AccessMiddleware, access=access or Access())
     api = Api(aeng, model_name)
     app.state.api = api
 
@@ -275,28 +423,31 @@ def build_app(aeng: AsyncEngine, model_name: str, owns_engine: bool = True) -> F
         ids: list[int],
         req: Any,
         max_tokens: int | None,
-        chunk: Callable[[str, str | None, bool], dict],
-        final: Callable[[str, StepOutput], dict],
+        chunk: Callable[[int, StepOutput, bool], dict],
+        final: Callable[[list[Choice]], dict],
     ) -> Response:
         sampling = api._sampling(req, ids, max_tokens, kind)
-        first, outputs = await api.start(ids, sampling, req.cache_salt, arrival)
+        runs = await api.start_all(ids, sampling, req.n, req.cache_salt, arrival)
         if not req.stream:
-            done = await _collect_or_abort(request, first, outputs)
-            if done is None:  # the client went away; its request was aborted
+            done = await _collect_or_abort(request, runs)
+            if done is None:  # the client went away; its choices were aborted
                 return Response(status_code=499)
-            return JSONResponse(final(*done))
+            return JSONResponse(final(done))
         usage = req.stream_options is not None and req.stream_options.include_usage
 
         async def events() -> AsyncIterator[str]:
-            async with aclosing(outputs):
-                yield _sse(chunk(first.text, first.finish_reason, True))
-                out = first
-                while not out.finished:
-                    out = await anext(outputs)
-                    if out.text or out.finished:
-                        yield _sse(chunk(out.text, out.finish_reason, False))
-                if usage:
-                    yield _sse({**chunk("", None, False), "choices": [], "usage": api.usage(out)})
+            started: set[int] = set()
+            lasts: dict[int, StepOutput] = {}
+            async with aclosing(_merged(runs)) as merged:
+                async for i, out in merged:
+                    if i not in started or out.text or out.finished or out.logprobs:
+                        yield _sse(chunk(i, out, i not in started))
+                    started.add(i)
+                    lasts[i] = out
+            if usage:
+                last = [lasts[i] for i in sorted(lasts)]
+                yield _sse({**chunk(0, runs[0][0], False), "choices": [],
+                            "usage": api.usage(last)})  # fmt: skip
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -304,41 +455,70 @@ def build_app(aeng: AsyncEngine, model_name: str, owns_engine: bool = True) -> F
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        req = await _parse(request, CompletionRequest)
-        api._check_common(req)
-        ids = api.completion_ids(req)
+        body = await request.body()
+
+        def prepare() -> tuple[CompletionRequest, list[int]]:
+            req = _parse(body, CompletionRequest)
+            api._check_common(req)
+            return req, api.completion_ids(req)
+
+        # parsing, templating and tokenizing run off the event loop: a large prompt
+        # delays only its own answer, never /health or other clients
+        req, ids = await asyncio.to_thread(prepare)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "object": "text_completion", "created": created, "model": model_name}
+        want_lps = req.logprobs is not None
+        sent: dict[int, int] = {}  # characters streamed per choice (logprobs' text_offset)
 
-        def chunk(text: str, reason: str | None, _first: bool) -> dict:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            return {**head, "choices": [choice]}
+        def choice(i: int, text: str, reason: str | None, ids: list[int], lps: list) -> dict:
+            at = sent.get(i, 0)
+            sent[i] = at + len(text)
+            lp = api.completion_logprobs(ids, lps, at) if want_lps else None
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
 
-        def final(text: str, last: StepOutput) -> dict:
-            return {**chunk(text, last.finish_reason, False), "usage": api.usage(last)}
+        def chunk(i: int, out: StepOutput, _first: bool) -> dict:
+            c = choice(i, out.text, out.finish_reason, out.token_ids, out.logprobs or [])
+            return {**head, "choices": [c]}
+
+        def final(done: list[Choice]) -> dict:
+            choices = []
+            for i, (text, last, out_ids, lps) in enumerate(done):
+                choices.append(choice(i, text, last.finish_reason, out_ids, lps))
+            return {**head, "choices": choices, "usage": api.usage([d[1] for d in done])}
 
         return await serve(request, arrival, "completion", ids, req, req.max_tokens, chunk, final)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        req = await _parse(request, ChatCompletionRequest)
-        api._check_common(req)
-        ids = api.chat_ids(req)
+        body = await request.body()
+
+        def prepare() -> tuple[ChatCompletionRequest, list[int]]:
+            req = _parse(body, ChatCompletionRequest)
+            api._check_common(req)
+            return req, api.chat_ids(req)
+
+        req, ids = await asyncio.to_thread(prepare)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "created": created, "model": model_name}
+        want_lps = bool(req.logprobs)
 
-        def chunk(text: str, reason: str | None, first: bool) -> dict:
+        def chunk(i: int, out: StepOutput, first: bool) -> dict:
+            text = out.text
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            lp = api.chat_logprobs(out.token_ids, out.logprobs or []) if want_lps else None
+            choice = {"index": i, "delta": delta, "logprobs": lp,
+                      "finish_reason": out.finish_reason}  # fmt: skip
             return {**head, "object": "chat.completion.chunk", "choices": [choice]}
 
-        def final(text: str, last: StepOutput) -> dict:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": None,
-                      "finish_reason": last.finish_reason}  # fmt: skip
-            return {**head, "object": "chat.completion", "choices": [choice],
-                    "usage": api.usage(last)}  # fmt: skip
+        def final(done: list[Choice]) -> dict:
+            choices = []
+            for i, (text, last, out_ids, lps) in enumerate(done):
+                lp = api.chat_logprobs(out_ids, lps) if want_lps else None
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": last.finish_reason})  # fmt: skip
+            return {**head, "object": "chat.completion", "choices": choices,
+                    "usage": api.usage([d[1] for d in done])}  # fmt: skip
 
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

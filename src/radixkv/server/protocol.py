@@ -1,7 +1,10 @@
 """OpenAI request bodies (the fields radixkv honours) and the error body.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; fields radixkv cannot honour
-(``n > 1``, ``logprobs``, ``echo``, ``best_of``, tools) are refused with a 400 that says so.
+Every field of OpenAI's request types is either honoured or refused with a 400 naming it
+(`REFUSED`: structured output, tools, audio, ...; ``tests/test_server_fields.py`` walks
+them all). ``user`` is accepted as OpenAI's end-user id, which changes no output. Fields
+OpenAI does not define are ignored, as OpenAI-compatible servers do (``ignore_eos``,
+``cache_salt`` and ``repetition_penalty`` are vLLM's and honoured).
 """
 
 from __future__ import annotations
@@ -11,6 +14,35 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_N = 128  # OpenAI's limit on choices
+MAX_TOP_LOGPROBS = 20  # OpenAI's (chat); completions' logprobs take the same range here
+# OpenAI fields radixkv does not implement, with the values that ask for nothing and so
+# are accepted (a client library's explicit default)
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "verbosity": (),
+    "metadata": ({},),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "safety_identifier": (),
+    "prompt_cache_key": (),
+    "prompt_cache_options": (),
+    "prompt_cache_retention": (),
+    "moderation": (),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": (),
+}
 
 
 class ApiError(Exception):
@@ -59,15 +91,48 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
-    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # refused unless a value in REFUSED (checked by the server)
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    moderation: Any = None
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    def refused_field(self) -> str | None:
+        """The first OpenAI field set to something radixkv does not implement."""
+        for name, fine in REFUSED.items():
+            value = getattr(self, name)
+            if value is not None and value not in fine:
+                return name
+        return None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: int | None = None  # top alternatives per token (0: the chosen one's only)
 
 
 class ContentPart(BaseModel):
@@ -78,17 +143,19 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: Any = None
+    function_call: Any = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content or ())
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None

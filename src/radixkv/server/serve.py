@@ -15,6 +15,7 @@ from typing import Any
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
+from radixkv.server.access import Access
 
 log = logging.getLogger("radixkv.serve")
 GRACEFUL_TIMEOUT_S = 5  # at most this long for open connections after the aborts
@@ -32,6 +33,7 @@ class ServeConfig:
     log_level: str = "warning"
     kv_events: str | None = None  # PUB endpoint for KV events
     kv_events_replay: str | None = None  # ROUTER endpoint (default: the next port)
+    access: Access | None = None  # keys, hosts, body limit (default: Access.for_bind(host))
 
 
 def served_name(engine: Engine, model: str) -> str:
@@ -63,7 +65,7 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
     aeng = AsyncEngine(build, serve.max_queue)
     aeng.start()  # builds the engine on its own thread (see AsyncEngine)
     name = serve.served_model_name or served_name(aeng.engine, serve.model)
-    app = build_app(aeng, name)
+    app = build_app(aeng, name, access=serve.access or Access.for_bind(serve.host))
 
     def abort_in_flight() -> None:
         if aeng.alive:  # end the streams now, so open connections close at once
