@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over an `AsyncEngine`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` as
-server-sent events ending with ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
+server-sent events ending with ``data: [DONE]``), ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health``,
 ``GET /metrics`` (Prometheus), ``POST /flush_cache``.
 
 ``usage.prompt_tokens_details.cached_tokens`` is the number of prompt tokens served from
@@ -525,16 +526,25 @@ def build_app(
         )
         return await serve(request, arrival, "chat", ids, req, max_tokens, chunk, final)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
+    def card() -> dict:
+        return {
             "id": model_name,
             "object": "model",
             "created": api.created,
             "owned_by": "radixkv",
             "max_model_len": aeng.engine.scheduler.max_tokens(),
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != model_name:
+            raise ApiError(404, f"The model `{model_id}` does not exist; this server serves "
+                           f"`{model_name}`.", "model", "model_not_found")  # fmt: skip
+        return card()
 
     @app.get("/health")
     async def health() -> Response:
