@@ -417,6 +417,8 @@ def add_bench_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     b.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     b.add_argument("--model", help="model id to send [the server's]")
     b.add_argument("--seed", type=_number(int, 0, "a non-negative integer"), default=0)
+    b.add_argument("--api-key", default=os.environ.get("RADIXKV_API_KEY"),
+                   help="for a server started with --api-key [$RADIXKV_API_KEY]")  # fmt: skip
     b.add_argument("--json", dest="json_out", help="write the report (with outputs) here")
 
 

@@ -22,7 +22,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -151,6 +151,11 @@ class BenchConfig:
         seed: seeds prompts and arrivals.
         model: the model id to send (default: the server's first model).
         endpoint: ``completions`` or ``chat``.
+        api_key: sent as ``Authorization: Bearer`` (a server started with ``--api-key``).
+
+    The built-in workloads' prompt sizes left at their defaults are shrunk to fit the
+    server's ``max_model_len`` (`fit_to_server`); sizes given explicitly that cannot fit
+    are refused before anything is sent.
     """
 
     url: str = "http://127.0.0.1:8000"
@@ -172,6 +177,7 @@ class BenchConfig:
     seed: int = 0
     model: str | None = None
     endpoint: str = "completions"
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         check_loopback(self.url)
@@ -195,6 +201,74 @@ class BenchConfig:
             raise ValueError(
                 f"time_limit must be a positive number of seconds, got {self.time_limit}"
             )
+
+
+SIZE_FIELDS = {  # per workload: the word counts fit_to_server may shrink (the first)
+    "shared-prefix": ("system_words", "question_words"),
+    "multi-turn": ("first_words", "message_words"),
+}
+TEMPLATE_TOKENS = 32  # a chat template's and a prompt's own framing, at most (a margin)
+FIT_MARGIN = 0.8
+
+
+def longest_prompt_words(cfg: BenchConfig) -> tuple[int, int]:
+    """(words, output tokens carried) of the longest prompt the workload sends: a
+    multi-turn conversation's last turn carries its earlier messages and answers."""
+    if cfg.workload == "shared-prefix":
+        return cfg.system_words + cfg.question_words + 4, 0
+    turns = min(cfg.turns, cfg.num_prompts)
+    return cfg.first_words + (turns - 1) * cfg.message_words + 4 * turns, (
+        turns - 1
+    ) * cfg.max_tokens
+
+
+def fit_to_server(cfg: BenchConfig, max_model_len: int, tokens_per_word: float) -> BenchConfig:
+    """``cfg`` with its default prompt sizes shrunk so that the longest prompt plus its
+    output fits ``max_model_len`` (the server's, from ``/v1/models``).
+
+    Raises:
+        ValueError: it cannot fit (sizes given explicitly, or too little room even for
+            the smallest prompt); the message says by how much.
+    """
+    if cfg.workload not in SIZE_FIELDS:
+        return cfg
+    # words differ in length: keep FIT_MARGIN of the room for the sampled average
+    room = (max_model_len - cfg.max_tokens - TEMPLATE_TOKENS) * FIT_MARGIN
+
+    def need(c: BenchConfig) -> float:
+        words, carried = longest_prompt_words(c)
+        return words * tokens_per_word + carried
+
+    if need(cfg) <= room:
+        return cfg
+    big = SIZE_FIELDS[cfg.workload][0]
+    defaults = BenchConfig.__dataclass_fields__
+    if getattr(cfg, big) != defaults[big].default:
+        raise ValueError(
+            f"{big}={getattr(cfg, big)}: the longest prompt is ~{need(cfg):.0f} tokens, and "
+            f"with max_tokens={cfg.max_tokens} it does not fit the server's "
+            f"max_model_len={max_model_len}"
+        )
+    fitted = cfg
+    for words in range(getattr(cfg, big), 0, -1):  # shrink the long part first
+        fitted = replace(cfg, **{big: words})
+        if need(fitted) <= room:
+            return fitted
+    raise ValueError(
+        f"even a 1-word {big} gives a ~{need(fitted):.0f}-token prompt: with "
+        f"max_tokens={cfg.max_tokens} nothing fits the server's max_model_len={max_model_len}"
+    )
+
+
+async def tokens_per_word(http: httpx.AsyncClient, cfg: BenchConfig, model: str) -> float:
+    """Prompt tokens per word of this workload's text on this server (one probe request
+    of 256 words; a byte tokenizer gives ~6, a BPE ~1.3)."""
+    text = _words(random.Random(cfg.seed), 256)
+    r = await http.post(cfg.url.rstrip("/") + "/v1/completions",
+                        json={"model": model, "prompt": text, "max_tokens": 1})  # fmt: skip
+    if r.status_code != 200:
+        raise ValueError(f"the probe request failed: HTTP {r.status_code} {r.text[:200]}")
+    return r.json()["usage"]["prompt_tokens"] / 256
 
 
 def check_loopback(url: str) -> None:
@@ -386,12 +460,20 @@ async def run_bench(
     cfg: BenchConfig, progress: Callable[[int, int], None] | None = None
 ) -> dict[str, Any]:
     """Run the benchmark; returns the report (see `format_report`)."""
-    items = ITEMS[cfg.workload](cfg)
     rng = random.Random(cfg.seed + 1)
     limits = httpx.Limits(max_connections=cfg.max_concurrency or 1000)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.time_limit), limits=limits) as http:
-        models = (await http.get(cfg.url.rstrip("/") + "/v1/models")).json()["data"]
-        model = cfg.model or models[0]["id"]
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(cfg.time_limit), limits=limits, headers=headers
+    ) as http:
+        listed = await http.get(cfg.url.rstrip("/") + "/v1/models")
+        if listed.status_code != 200:
+            raise ValueError(f"GET /v1/models: HTTP {listed.status_code} {listed.text[:200]}")
+        card = listed.json()["data"][0]
+        model = cfg.model or card["id"]
+        if card.get("max_model_len") and cfg.workload in SIZE_FIELDS:
+            cfg = fit_to_server(cfg, card["max_model_len"], await tokens_per_word(http, cfg, model))
+        items = ITEMS[cfg.workload](cfg)
         before = parse_metrics((await http.get(cfg.url.rstrip("/") + "/metrics")).text)
         gate = asyncio.Semaphore(cfg.max_concurrency or len(items))
         histories: dict[int, list[dict]] = {}
@@ -505,20 +587,23 @@ def format_report(rep: dict[str, Any], console: Any) -> None:
         ("output token throughput", f"{rep['output_throughput']:.1f} tok/s"),
         ("total token throughput", f"{rep['total_token_throughput']:.1f} tok/s"),
         ("prompt tokens (cached)", f"{rep['prompt_tokens']:,} ({rep['cached_tokens']:,})"),
-        ("prefix-cache hit rate (server)", f"{rep['server_hit_rate']:.3f}"),
+        ("prefix-cache hit rate (server)", _num(rep["server_hit_rate"], "{:.3f}")),
     ]  # fmt: skip
     for key, name in (("ttft_s", "time to first token"), ("itl_s", "inter-token latency"),
                       ("e2e_s", "end-to-end latency")):  # fmt: skip
         p = rep[key]
-        rows.append(
-            (f"{name} p50 / p90 / p99",
-             f"{p['p50'] * 1e3:.1f} / {p['p90'] * 1e3:.1f} / {p['p99'] * 1e3:.1f} ms")
-        )  # fmt: skip
+        ms = " / ".join(_num(p[q] * 1e3, "{:.1f}") for q in ("p50", "p90", "p99"))
+        rows.append((f"{name} p50 / p90 / p99", f"{ms} ms"))
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
     for err in rep["errors"]:
         console.print(f"error: {err}", markup=False)
+
+
+def _num(x: float, fmt: str) -> str:
+    """A number, or a dash where there is none (no request completed)."""
+    return "-" if not math.isfinite(x) else fmt.format(x)
 
 
 def write_json(rep: dict[str, Any], path: str) -> None:

@@ -1,0 +1,54 @@
+"""`radixkv bench-serve` sizes its prompts to the server and never prints nan."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+
+import pytest
+from rich.console import Console
+
+from radixkv.server.bench_serve import (
+    BenchConfig,
+    fit_to_server,
+    format_report,
+    longest_prompt_words,
+    report,
+    run_bench,
+)
+from radixkv.server.process import ServerProcess
+
+
+def test_default_sizes_shrink_to_fit_and_explicit_ones_are_refused():
+    cfg = BenchConfig(num_prompts=24, max_tokens=8)
+    fitted = fit_to_server(cfg, 4096, tokens_per_word=6.0)  # a byte tokenizer
+    words, carried = longest_prompt_words(fitted)
+    assert words * 6.0 + carried + 8 <= 0.8 * 4096 and fitted.system_words < cfg.system_words
+    assert fit_to_server(cfg, 1 << 20, 6.0) == cfg  # room enough: unchanged
+    turns = fit_to_server(BenchConfig(workload="multi-turn", max_tokens=64), 2048, 6.0)
+    words, carried = longest_prompt_words(turns)
+    assert words * 6.0 + carried + 64 <= 2048
+    with pytest.raises(ValueError, match="system_words=3000"):
+        fit_to_server(BenchConfig(system_words=3000), 4096, 6.0)
+    with pytest.raises(ValueError, match="nothing fits"):
+        fit_to_server(BenchConfig(max_tokens=4000), 4096, 6.0)
+
+
+def test_a_report_with_no_completed_request_prints_dashes():
+    cfg = BenchConfig(num_prompts=2)
+    rep = report(cfg, "m", [], 2, 1.0, {}, {})
+    assert math.isnan(rep["ttft_s"]["p50"])
+    out = io.StringIO()
+    format_report(rep, Console(file=out, width=120))
+    text = out.getvalue()
+    assert "nan" not in text and "- / - / - ms" in text and "0 / 0 / 2" in text
+
+
+def test_the_defaults_run_against_the_random_model():
+    """The finding: 24/24 failed for a 4,499-token prompt against a 4,096 context."""
+    with ServerProcess("--model", "random", "--page-size", "16", timeout=60) as srv:
+        cfg = BenchConfig(url=srv.url, num_prompts=24, max_concurrency=4, max_tokens=8)
+        rep = asyncio.run(run_bench(cfg))
+    assert rep["requests"]["completed"] == 24 and rep["requests"]["failed"] == 0
+    assert rep["config"]["system_words"] < 1000 and rep["cached_tokens"] > 0
