@@ -24,6 +24,7 @@ from radixkv.events import (
     ZmqEventPublisher,
     decode_batch,
     encode_batch,
+    salt_tag,
 )
 from radixkv.router.index import KvIndex
 from radixkv.router.subscriber import EventSubscriber
@@ -48,8 +49,9 @@ def index_pages(index: KvIndex, worker) -> set:
     return out
 
 
-def tree_pages(cache: RadixCache) -> set:
-    return set(content(cache))
+def tree_pages(cache: RadixCache, key: bytes | None = None) -> set:
+    """The tree's pages, namespaces as the wire tags them."""
+    return {(None if ns is None else salt_tag(ns, key), pages) for ns, pages in content(cache)}
 
 
 ops = st.lists(
@@ -67,10 +69,18 @@ ops = st.lists(
 )
 
 
-@given(page=st.sampled_from([1, 2, 4]), policy=st.sampled_from(["lru", "fifo", "lfu"]), seq=ops)
+@given(
+    page=st.sampled_from([1, 2, 4]),
+    policy=st.sampled_from(["lru", "fifo", "lfu"]),
+    seq=ops,
+    tokens=st.booleans(),
+)
 @settings(max_examples=300)
-def test_events_replayed_into_an_index_reproduce_the_trees_pages(page, policy, seq):
-    sink = EventCollector()
+def test_events_replayed_into_an_index_reproduce_the_trees_pages(page, policy, seq, tokens):
+    """With token ids (namespaces as keyed tags) the index rebuilds the tree's pages; with
+    hashes only it still finds every cached prefix, from the request's tokens and salt."""
+    key = b"fleet events key"
+    sink = EventCollector(key, tokens)
     cache = RadixCache(page, policy, event_sink=sink)
     index = KvIndex()
     slot = 0
@@ -90,11 +100,14 @@ def test_events_replayed_into_an_index_reproduce_the_trees_pages(page, policy, s
             index.apply("w", batch)
         cache.check_integrity()
         index.check()
-        assert index_pages(index, "w") == tree_pages(cache)
-        for key, _ in list(content(cache).items())[:3]:  # overlap agrees with the tree
-            ns_, pages = key
-            tokens = [t for p in pages for t in p]
-            assert index.overlap(tokens, ns_)["w"] == len(pages)
+        if tokens:
+            assert index_pages(index, "w") == tree_pages(cache, key)
+        else:
+            assert index.num_blocks("w") == len(content(cache))
+        for (ns_, pages), _ in list(content(cache).items())[:3]:  # overlap agrees
+            ids = [t for p in pages for t in p]
+            tag = None if ns_ is None else salt_tag(ns_, key)
+            assert index.overlap(ids, tag, ns_)["w"] == len(pages)
 
 
 def test_two_workers_and_removal():
@@ -278,3 +291,39 @@ def test_an_engine_publishes_what_its_cache_holds():
         index.apply("e", b)
     assert index_pages(index, "e") == tree_pages(engine.cache)
     assert any(isinstance(e, BlockRemoved) for b in batches for e in b.events)
+
+
+def test_replays_are_rate_limited_so_silent_peers_cannot_pile_up():
+    """Peers that ask for replays and never read: at most REPLAYS_PER_S answers a second
+    (a fake clock that never moves), each of at most the buffer's batches."""
+    import zmq
+
+    from radixkv.events import REPLAYS_PER_S
+
+    port = free_port()
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}",
+                            buffer_steps=3, clock=lambda: 100.0)  # fmt: skip
+    try:
+        for i in range(5):
+            pub.publish(KVEventBatch(float(i), [AllBlocksCleared()]))
+        asker = zmq.Context.instance().socket(zmq.DEALER)
+        asker.setsockopt(zmq.LINGER, 0)
+        asker.setsockopt(zmq.RCVTIMEO, 10_000)
+        asker.connect(pub.replay_endpoint)
+        for _ in range(REPLAYS_PER_S + 4):
+            asker.send_multipart((b"", (0).to_bytes(8, "big")))
+        answers = batches = 0
+        while answers < REPLAYS_PER_S:
+            _, _, seq, _ = asker.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) < 0:
+                answers += 1
+            else:
+                batches += 1
+        assert batches == 3 * REPLAYS_PER_S  # the last 3 batches each time, not all 5
+        deadline = time.monotonic() + 10
+        while pub.replays_dropped < 4:  # the rest were dropped, not queued
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        asker.close()
+    finally:
+        pub.close()

@@ -209,3 +209,72 @@ def test_killing_a_worker_loses_no_request_that_had_not_started():
         router.stop()
         for w in workers:
             w.stop()
+
+
+def replayed_payloads(events: str) -> list[bytes]:
+    """Every batch a worker's replay socket still holds (what any subscriber can read)."""
+    import zmq
+
+    from radixkv.events import replay_endpoint
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(replay_endpoint(events))
+    sock.send_multipart((b"", (0).to_bytes(8, "big")))
+    out = []
+    while True:
+        _, _, seq, payload = sock.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) < 0:
+            break
+        out.append(payload)
+    sock.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["tokens", "hashes"])
+def test_private_events_route_salted_tenants_without_showing_salts_or_prompts(mode):
+    from radixkv.events import decode_batch
+
+    key, salt = "fleet-events-key", "tenant-salt-do-not-leak"
+    ports = [free_port() for _ in range(2)]
+    private = ["--kv-events-key", key, "--kv-events-mode", mode]
+    workers = [
+        ServerProcess(*WORKER, *private, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=60)
+        for p in ports
+    ]
+    specs = [f"{w.url},tcp://127.0.0.1:{p}" for w, p in zip(workers, ports, strict=True)]
+    args = [a for s in specs for a in ("--worker", s)]
+    router = ServerProcess("--model", "random", "--policy", "kv", "--kv-events-key", key,
+                           *args, command="route", timeout=60)  # fmt: skip
+    try:
+        system = "Confidential briefing for the tenant: quarterly numbers follow. " * 2
+        first = complete(router.url, system + "first?", cache_salt=salt)
+        holder = first.headers["x-radixkv-worker"]
+        deadline = time.monotonic() + 30  # bounded: the holder's events reach the router
+        while not any(w["indexed_blocks"] for w in
+                      httpx.get(f"{router.url}/route/state").json()["workers"]):  # fmt: skip
+            assert time.monotonic() < deadline, "no event reached the router"
+            time.sleep(0.05)
+        for q in ("second?", "third?"):
+            r = complete(router.url, system + q, cache_salt=salt)
+            assert r.headers["x-radixkv-worker"] == holder
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 60
+        payloads = [p for w in ports for p in replayed_payloads(f"tcp://127.0.0.1:{w}")]
+        assert payloads and not any(salt.encode() in p for p in payloads)
+        stored = [e for p in payloads for e in decode_batch(p).events if hasattr(e, "token_ids")]
+        assert stored
+        if mode == "hashes":
+            assert all(not e.token_ids and not e.extra_keys for e in stored)
+        else:
+            assert any(e.extra_keys for e in stored)  # tagged, not in clear
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+
+
+def test_events_beyond_loopback_need_an_explicit_flag(capsys):
+    assert main(["serve", "--model", "random", "--kv-events", "tcp://0.0.0.0:5557"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --kv-events tcp://0.0.0.0:5557") and "insecure" in err

@@ -213,6 +213,8 @@ def add_route_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "Dynamo's default is 1) [4]",
     )  # fmt: skip
     r.add_argument("--health-interval", type=_number(float, 0.05, "seconds >= 0.05"), default=1.0)
+    r.add_argument("--kv-events-key", default=os.environ.get("RADIXKV_EVENTS_KEY"),
+                   help="the workers' --kv-events-key [$RADIXKV_EVENTS_KEY]")  # fmt: skip
     r.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
 
@@ -231,7 +233,8 @@ def cmd_route(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.model)
     except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
         raise CliError(f"--model {args.model}: {e}") from None
-    router = Router(specs, args.policy, tokenizer, args.kv_weight)
+    key = args.kv_events_key.encode() if args.kv_events_key else None
+    router = Router(specs, args.policy, tokenizer, args.kv_weight, events_key=key)
     app = build_router_app(router, args.health_interval)
     print(
         f"radixkv route: {args.policy} over {len(specs)} workers on "
@@ -318,6 +321,25 @@ def add_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "tcp://127.0.0.1:5557; replay on the next port",
     )
     serve.add_argument("--kv-events-replay", metavar="ENDPOINT", help="[the next port]")
+    serve.add_argument(
+        "--kv-events-key",
+        default=os.environ.get("RADIXKV_EVENTS_KEY"),
+        help="a key shared with the router: tenants' cache salts travel as keyed digests "
+        "under it [$RADIXKV_EVENTS_KEY; none: unkeyed digests]",
+    )
+    serve.add_argument(
+        "--kv-events-mode",
+        choices=["tokens", "hashes"],
+        default="tokens",
+        help="tokens: block hashes, token ids and salt digests (any router); hashes: block "
+        "hashes only, no prompt text (a router that hashes as radixkv does) [tokens]",
+    )
+    serve.add_argument(
+        "--kv-events-insecure",
+        action="store_true",
+        help="allow --kv-events on a non-loopback address: anyone who reaches it reads "
+        "the events unauthenticated (see the README's 'Exposing it')",
+    )
     serve.add_argument(
         "--api-key",
         default=os.environ.get("RADIXKV_API_KEY"),
@@ -506,14 +528,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.kv_events,
         args.kv_events_replay,
         access,
+        args.kv_events_key,
+        args.kv_events_mode == "tokens",
     )
     if args.kv_events:
-        from radixkv.events import replay_endpoint
+        from radixkv.events import is_loopback_endpoint, replay_endpoint
 
         try:
-            replay_endpoint(args.kv_events)
+            replay = args.kv_events_replay or replay_endpoint(args.kv_events)
         except ValueError as e:
             raise CliError(f"--kv-events: {e}") from None
+        for flag, where in (("--kv-events", args.kv_events), ("--kv-events-replay", replay)):
+            if not is_loopback_endpoint(where) and not args.kv_events_insecure:
+                raise CliError(
+                    f"{flag} {where}: not a loopback address, and KV events are "
+                    "unauthenticated; add --kv-events-insecure to publish there"
+                )
     try:
         server, aeng = build_server(serve, engine_config)
     except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:

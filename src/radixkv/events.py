@@ -15,11 +15,25 @@ Publisher (`ZmqEventPublisher`): a PUB socket sends three frames per batch (topi
 8-byte big-endian sequence number, payload); a ROUTER socket answers a replay request
 (one frame: the first wanted sequence number, 8 bytes big-endian) with
 ``("", topic, seq, payload)`` for each buffered batch from there on, then
-``("", "", -1, "")``, as vLLM's publisher does.
+``("", "", -1, "")``, as vLLM's publisher does. A replay sends at most the last
+``replay_batches`` batches, a peer's unread queue is capped there (ZeroMQ drops beyond),
+and at most ``REPLAYS_PER_S`` replays are served a second, so peers that ask and never
+read cannot grow the publisher's memory without bound.
+
+Privacy (what a subscriber learns): a tenant's cache salt never goes out in clear. A
+namespace travels as `salt_tag`: a keyed BLAKE2b digest under the fleet's events key
+(``--kv-events-key``, shared by workers and router), which a router holding the key
+compares with the tag of a request's salt; without a key it is an unkeyed digest (a
+guessable salt can then be confirmed by hashing guesses). ``tokens=False`` (serve's
+``--kv-events-mode hashes``) publishes block hashes without token ids or namespaces: a
+subscriber learns how many pages were stored and removed, and can test whether a prompt
+it already knows (with its salt) is cached, but reads no prompt. The block hashes are
+128-bit BLAKE2b chains cut to vLLM's 64-bit integers (`radixkv.tree.page_hash`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -33,6 +47,25 @@ log = logging.getLogger("radixkv.events")
 MEDIUM_GPU = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 BlockHash = int | bytes
+
+
+REPLAYS_PER_S = 8  # replay requests served a second, all peers together
+
+
+def salt_tag(namespace: Any, key: bytes | None = None) -> str:
+    """What a namespace (a tenant's cache salt) looks like on the event wire: a keyed
+    BLAKE2b-128 digest (unkeyed without ``key``), never the salt itself."""
+    raw = namespace.encode() if isinstance(namespace, str) else repr(namespace).encode()
+    h = hashlib.blake2b(raw, digest_size=16, key=key or b"", person=b"radixkv-ns-tag")
+    return "ns:" + h.hexdigest()
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True for ``ipc://``/``inproc://`` and ``tcp://`` on a loopback address."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def replay_endpoint(endpoint: str) -> str:
@@ -143,16 +176,32 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 
 class EventCollector:
     """A cache's event sink (`radixkv.tree.CacheEventSink`) that buffers events until
-    `drain` (the engine drains it once per step into one batch)."""
+    `drain` (the engine drains it once per step into one batch).
 
-    def __init__(self) -> None:
+    Args:
+        salt_key: the events key namespaces are tagged with (`salt_tag`).
+        tokens: publish token ids and namespace tags (``False``: block hashes only).
+    """
+
+    def __init__(self, salt_key: bytes | None = None, tokens: bool = True) -> None:
         self.events: list[Event] = []
+        self.salt_key, self.tokens = salt_key, tokens
+        self._tags: dict[Any, str] = {}
 
     def stored(
         self, block_hashes: list[int], parent_hash: int | None, token_ids: list[int],
         block_size: int, extra_key: Any,
     ) -> None:  # fmt: skip
-        extra = None if extra_key is None else [(extra_key,)] * len(block_hashes)
+        extra = None
+        if not self.tokens:
+            token_ids = []  # the hashes chain the tokens and the namespace already
+        elif extra_key is not None:
+            tag = self._tags.get(extra_key)
+            if tag is None:
+                if len(self._tags) > 4096:
+                    self._tags.clear()
+                tag = self._tags[extra_key] = salt_tag(extra_key, self.salt_key)
+            extra = [(tag,)] * len(block_hashes)
         self.events.append(
             BlockStored(block_hashes, parent_hash, token_ids, block_size, extra_keys=extra)
         )
@@ -179,16 +228,19 @@ class ZmqEventPublisher:
     Args:
         endpoint: where PUB binds, e.g. ``tcp://127.0.0.1:5557``.
         replay_endpoint: where ROUTER binds (``None``: no replay).
-        buffer_steps: batches kept for replay.
+        buffer_steps: batches kept for replay; a replay sends at most the last
+            ``buffer_steps`` and a peer's unread queue holds at most that many.
         topic: the first frame of every message.
+        clock: seconds, for the replay rate limit (tests pass a fake one).
     """
 
     def __init__(
         self,
         endpoint: str,
         replay_endpoint: str | None = None,
-        buffer_steps: int = 10_000,
+        buffer_steps: int = 1_000,
         topic: str = "kv-events",
+        clock: Any = time.monotonic,
     ) -> None:
         import zmq
 
@@ -205,8 +257,11 @@ class ZmqEventPublisher:
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
+            self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 1)  # one replay per peer
             self._replay.bind(replay_endpoint)
+        self._clock = clock
+        self._replays: deque[float] = deque()  # when recent replays were served
+        self.replays_dropped = 0
         self._thread = threading.Thread(target=self._run, name="radixkv-events", daemon=True)
         self._thread.start()
 
@@ -242,6 +297,13 @@ class ZmqEventPublisher:
             log.warning("ignoring a malformed replay request of %d frames", len(frames))
             return
         client, _, start = frames
+        now = self._clock()
+        while self._replays and self._replays[0] < now - 1.0:
+            self._replays.popleft()
+        if len(self._replays) >= REPLAYS_PER_S:  # the peer sees no answer and may ask again
+            self.replays_dropped += 1
+            return
+        self._replays.append(now)
         first = int.from_bytes(start, "big")
         for seq, payload in self._buffer:
             if seq >= first:

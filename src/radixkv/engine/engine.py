@@ -244,13 +244,16 @@ class Engine:
         usable = len(r.input_ids) - 1  # the last prompt token is always computed
         self.tier.load(r.token_array(), r.extra_key, usable, alloc)
 
-    def publish_kv_events(self, publish: Callable[[Any], None]) -> None:
+    def publish_kv_events(
+        self, publish: Callable[[Any], None], salt_key: bytes | None = None, tokens: bool = True
+    ) -> None:
         """Report the cache's pages as KV events (`radixkv.events`): after each step the
         step's events go to ``publish`` as one `KVEventBatch`. Call it before the first
-        request (the cache must be empty)."""
+        request (the cache must be empty). ``salt_key`` keys the namespace tags;
+        ``tokens=False`` publishes block hashes only (`radixkv.events.EventCollector`)."""
         from radixkv.events import EventCollector
 
-        collector = EventCollector()
+        collector = EventCollector(salt_key, tokens)
         self.cache.set_event_sink(collector)
         self._events = (collector, publish)
 

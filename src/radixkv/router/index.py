@@ -6,6 +6,12 @@ that hash differently (radixkv, vLLM) share one index: a page's key is an intern
 Each worker's block hashes map to those ids (``parent_block_hash`` links a stored run to
 what the worker stored before).
 
+Workers that publish block hashes only (``radixkv serve --kv-events-mode hashes``: no
+token ids, no namespaces) are indexed by their hashes instead: a page's key is
+``("hash", block hash)``, and the router computes a request's hashes the way radixkv's
+cache does (`radixkv.tree.page_hash`, chained from the salt), so such a fleet must hash
+alike.
+
 ``overlap(token_ids)`` walks the request's whole pages from the root and returns, per
 worker, how many leading pages it holds: O(pages + workers matched).
 
@@ -36,6 +42,7 @@ class KvIndex:
         self._blocks: dict[Hashable, dict[Any, int]] = {}  # worker -> its hash -> page id
         self._refs: dict[Hashable, Counter[int]] = {}  # worker -> page id -> its hashes
         self.unknown_parents = 0  # stored runs whose parent hash the index never saw
+        self.hash_keyed = False  # some worker publishes hashes only
 
     # --- events -------------------------------------------------------------------------
     def apply(self, worker: Hashable, batch: KVEventBatch) -> None:
@@ -57,6 +64,9 @@ class KvIndex:
             raise ValueError(
                 f"worker {worker!r} uses block size {size}, the index {self.block_size}"
             )
+        if not e.token_ids and e.block_hashes:  # hashes only: keyed by the hash itself
+            self._stored_hashes(worker, e)
+            return
         if len(e.token_ids) != size * len(e.block_hashes):
             raise ValueError(
                 f"BlockStored: {len(e.token_ids)} token ids for {len(e.block_hashes)} "
@@ -90,6 +100,19 @@ class KvIndex:
                 self.holders.setdefault(pid, set()).add(worker)
             parent = pid
 
+    def _stored_hashes(self, worker: Hashable, e: BlockStored) -> None:
+        self.hash_keyed = True
+        blocks = self._blocks.setdefault(worker, {})
+        for block_hash in e.block_hashes:
+            key = ("hash", block_hash)
+            pid = self._ids.get(key)
+            if pid is None:
+                pid = self._ids[key] = len(self._ids) + 1
+            if blocks.get(block_hash) != pid:
+                blocks[block_hash] = pid
+                self._refs.setdefault(worker, Counter())[pid] += 1
+                self.holders.setdefault(pid, set()).add(worker)
+
     def _removed(self, worker: Hashable, hashes: Iterable[Any]) -> None:
         blocks = self._blocks.get(worker, {})
         for h in hashes:
@@ -119,9 +142,13 @@ class KvIndex:
                 del self.holders[pid]
 
     # --- queries ------------------------------------------------------------------------
-    def overlap(self, token_ids: Sequence[int], namespace: Any = None) -> dict[Hashable, int]:
+    def overlap(
+        self, token_ids: Sequence[int], namespace: Any = None, salt: Any = None
+    ) -> dict[Hashable, int]:
         """Per worker, how many leading whole pages of ``token_ids`` it holds (workers
-        holding none are left out). ``namespace`` is the request's cache salt."""
+        holding none are left out). ``namespace`` is the request's namespace as the
+        events carry it (`radixkv.events.salt_tag` of its cache salt); ``salt`` the salt
+        itself, which hash-only workers chain into their block hashes."""
         size = self.block_size
         if not size:
             return {}
@@ -129,9 +156,12 @@ class KvIndex:
         out: dict[Hashable, int] = {}
         alive: set[Hashable] | None = None
         parent = 0
+        hashes = self._request_hashes(token_ids, salt) if self.hash_keyed else None
         for i in range(len(token_ids) // size):
             key = (parent, ns if parent == 0 else None, tuple(token_ids[i * size : (i + 1) * size]))
             pid = self._ids.get(key)
+            if pid is None and hashes is not None:
+                pid = self._ids.get(("hash", hashes[i]))
             held = self.holders.get(pid) if pid is not None else None
             if not held:
                 break
@@ -141,6 +171,20 @@ class KvIndex:
             for w in alive:
                 out[w] = i + 1
             parent = pid
+        return out
+
+    def _request_hashes(self, token_ids: Sequence[int], salt: Any) -> list[int]:
+        """The 64-bit block hashes a radixkv worker gives the request's whole pages."""
+        from radixkv.key import RadixKey
+        from radixkv.tree import page_hash
+
+        size = self.block_size or 1
+        raw = RadixKey(list(token_ids)).unit_bytes()
+        step = size * 8
+        out, prev = [], None
+        for i in range(len(token_ids) // size):
+            prev = page_hash(prev, salt, raw[i * step : (i + 1) * step])
+            out.append(int.from_bytes(prev[:8], "big"))
         return out
 
     def num_blocks(self, worker: Hashable) -> int:

@@ -47,7 +47,7 @@ from prometheus_client import (
 )
 
 from radixkv.engine.tokenizer import Tokenizer
-from radixkv.events import KVEventBatch, replay_endpoint
+from radixkv.events import KVEventBatch, replay_endpoint, salt_tag
 from radixkv.key import RadixKey
 from radixkv.router import policies
 from radixkv.router.index import KvIndex
@@ -117,6 +117,7 @@ class Router:
         policy: str,
         tokenizer: Tokenizer,
         kv_weight: float = policies.KV_OVERLAP_WEIGHT,
+        events_key: bytes | None = None,
     ) -> None:
         if policy not in policies.POLICIES:
             raise ValueError(f"policy must be one of {policies.POLICIES}, got {policy!r}")
@@ -124,6 +125,7 @@ class Router:
             raise ValueError("give at least one worker")
         self.workers = [Worker(s) for s in specs]
         self.policy, self.tokenizer, self.kv_weight = policy, tokenizer, kv_weight
+        self.events_key = events_key  # the workers' key for namespace tags (salt_tag)
         self.index = KvIndex()
         self._index_lock = threading.Lock()  # subscriber threads write, handlers read
         self._turn = itertools.count()
@@ -191,7 +193,8 @@ class Router:
         overlap: dict[Hashable, int] = {}
         if self.policy == "kv":
             with self._index_lock:
-                by_url = self.index.overlap(tokens, salt)
+                tag = None if salt is None else salt_tag(salt, self.events_key)
+                by_url = self.index.overlap(tokens, tag, salt)
             size = self.index.block_size or 16
             key, now = RadixKey(tokens, salt), time.monotonic()
             overlap = {

@@ -34,6 +34,8 @@ class ServeConfig:
     kv_events: str | None = None  # PUB endpoint for KV events
     kv_events_replay: str | None = None  # ROUTER endpoint (default: the next port)
     access: Access | None = None  # keys, hosts, body limit (default: Access.for_bind(host))
+    kv_events_key: str | None = None  # keys the namespace tags on the wire
+    kv_events_tokens: bool = True  # False: block hashes only (radixkv.events)
 
 
 def served_name(engine: Engine, model: str) -> str:
@@ -59,7 +61,8 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
     def build() -> Engine:
         engine = Engine(serve.model, engine_config)
         if publisher is not None:
-            engine.publish_kv_events(publisher.publish)
+            key = serve.kv_events_key.encode() if serve.kv_events_key else None
+            engine.publish_kv_events(publisher.publish, key, serve.kv_events_tokens)
         return engine
 
     aeng = AsyncEngine(build, serve.max_queue)
