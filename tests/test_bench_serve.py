@@ -31,6 +31,8 @@ def test_default_sizes_shrink_to_fit_and_explicit_ones_are_refused():
     assert words * 6.0 + carried + 64 <= 2048
     with pytest.raises(ValueError, match="system_words=3000"):
         fit_to_server(BenchConfig(system_words=3000), 4096, 6.0)
+    explicit = BenchConfig(system_words=600, max_tokens=8)  # 628 words ~ 3.8k tokens: fits
+    assert fit_to_server(explicit, 4096, 6.0) == explicit
     with pytest.raises(ValueError, match="nothing fits"):
         fit_to_server(BenchConfig(max_tokens=4000), 4096, 6.0)
 

@@ -409,7 +409,7 @@ def test_bench_serve_stops_at_its_time_limit(server, capsys):
 
     t0 = time.monotonic()
     code = main(["bench-serve", "--url", server.url, "--num-prompts", "40",
-                 "--max-tokens", "400", "--system-words", "10", "--max-concurrency", "2",
+                 "--max-tokens", "200", "--system-words", "10", "--max-concurrency", "2",
                  "--time-limit", "1.5"])  # fmt: skip
     assert time.monotonic() - t0 < 10
     assert code in (0, 1) and "unfinished" in capsys.readouterr().out

@@ -870,9 +870,22 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _show_startup_progress() -> None:
+    """Long start-up steps (a GGUF conversion, hashing weights) say what they do."""
+    import logging
+
+    startup = logging.getLogger("radixkv.startup")
+    if not startup.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("radixkv: %(message)s"))
+        startup.addHandler(handler)
+        startup.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _show_startup_progress()
     command = COMMANDS.get(args.command)
     if command is None:
         parser.print_help()

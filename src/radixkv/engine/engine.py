@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import statistics
 import time
@@ -27,7 +28,7 @@ from radixkv.engine.model import LlamaForCausalLM, ModelConfig
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.request import EngineReq, SamplingParams, StepOutput
 from radixkv.engine.scheduler import Scheduler
-from radixkv.engine.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
+from radixkv.engine.tokenizer import BPETokenizer, ByteTokenizer, HFTokenizer, Tokenizer
 from radixkv.engine.weights import load_hf_folder, random_model, smollm2_folder, smollm2_missing
 from radixkv.key import check_namespace
 from radixkv.lifecycle import CacheManager
@@ -45,6 +46,8 @@ __all__ = [
     "StepOutput",
     "load_model",
 ]
+
+log = logging.getLogger("radixkv.engine")
 
 
 @dataclass
@@ -120,12 +123,20 @@ def load_model(
     folder = Path(model)
     if not (folder / "config.json").exists():
         raise ValueError(f"model {model!r}: not auto/smollm2/random nor a checkpoint folder")
-    tok: Tokenizer = (
-        BPETokenizer(folder / "gguf_tokenizer.json")
-        if (folder / "gguf_tokenizer.json").exists()
-        else ByteTokenizer(max(384, load_hf_folder(folder).config.vocab_size))
-    )
-    return load_hf_folder(folder), tok, str(folder)
+    net = load_hf_folder(folder)
+    return net, folder_tokenizer(folder, net.config.vocab_size), str(folder)
+
+
+def folder_tokenizer(folder: Path, vocab_size: int | None = None) -> Tokenizer:
+    """A checkpoint folder's tokenizer: its ``tokenizer.json`` (Hugging Face), else the
+    GGUF converter's, else a byte tokenizer, with a warning saying so."""
+    if (folder / "tokenizer.json").exists():
+        return HFTokenizer.from_folder(folder)
+    if (folder / "gguf_tokenizer.json").exists():
+        return BPETokenizer(folder / "gguf_tokenizer.json")
+    log.warning("%s has no tokenizer.json: using a byte tokenizer (token ids are UTF-8 "
+                "bytes), which is not this checkpoint's", folder)  # fmt: skip
+    return ByteTokenizer(max(384, vocab_size or 384))
 
 
 def load_tokenizer(model: str | Path) -> Tokenizer:
@@ -143,10 +154,8 @@ def load_tokenizer(model: str | Path) -> Tokenizer:
     if model == "random":
         return ByteTokenizer(ModelConfig().vocab_size)
     folder = Path(model)
-    if (folder / "gguf_tokenizer.json").exists():
-        return BPETokenizer(folder / "gguf_tokenizer.json")
     if (folder / "config.json").exists():
-        return ByteTokenizer()
+        return folder_tokenizer(folder)
     raise ValueError(f"model {model!r}: not auto/smollm2/random nor a checkpoint folder")
 
 

@@ -1,22 +1,22 @@
-"""Tokenizers: the checkpoint's own byte-level BPE (built with the ``tokenizers`` library
-from the vocabulary and merges a GGUF carries, chat template included) and a byte
-tokenizer for random models."""
+"""Tokenizers: a Hugging Face checkpoint's own (``tokenizer.json`` and the chat template
+of ``tokenizer_config.json``, through the ``tokenizers`` library), a byte-level BPE built
+from the vocabulary and merges a GGUF carries, and a byte tokenizer for random models."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 Message = dict[str, str]
 
 
 class Tokenizer(Protocol):
     eos_token_id: int | None
-    # the most bytes of text one token covers: a text of n bytes has >= n / this tokens,
-    # so a server refuses an overlong prompt before tokenizing it
-    max_token_bytes: int
+    # the most characters of text one token covers: a text of n characters has at least
+    # n / this tokens, so a server refuses an overlong prompt before tokenizing it
+    max_token_chars: int
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
@@ -28,7 +28,7 @@ class ByteTokenizer:
 
     bos_token_id = 256
     eos_token_id = 257
-    max_token_bytes = 1
+    max_token_chars = 1
 
     def __init__(self, vocab_size: int = 384) -> None:
         if vocab_size < 258:
@@ -45,48 +45,71 @@ class ByteTokenizer:
         return [self.bos_token_id, *self.encode(text)]
 
 
-class BPETokenizer:
-    """A GPT-2 style byte-level BPE built from a GGUF's ``tokenizer.ggml.*`` metadata
-    (saved as ``gguf_tokenizer.json`` by the weight converter)."""
+class HFTokenizer:
+    """A Hugging Face tokenizer: a `tokenizers.Tokenizer` (what ``tokenizer.json`` holds)
+    and a chat template rendered as ``transformers`` renders it (Jinja in a sandbox,
+    ``add_generation_prompt``, the template's text tokenized without added specials).
 
-    def __init__(self, meta_path: str | Path) -> None:
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
+    Args:
+        tk: the tokenizer.
+        template: the Jinja chat template (``None``: prompts are concatenated).
+        bos, eos: the special tokens' text (``None``: none).
+        identity: bytes naming it exactly (a shared store's model identity takes them).
+        add_special_tokens: whether plain prompts get the tokenizer's own specials (a
+            BOS, for Llama tokenizers), as ``transformers`` and vLLM encode them.
+    """
 
-        raw = Path(meta_path).read_bytes()
-        # what a shared store's model identity takes from the tokenizer (radixkv.storage)
-        self.identity = b"bpe:" + hashlib.blake2b(raw, digest_size=16).digest()
-        meta = json.loads(raw)
-        tokens: list[str] = meta["tokens"]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
-        tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if meta.get("pre") == "smollm":  # SmolLM splits digits one by one
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        else:
-            tk.pre_tokenizer = byte_level
-        tk.decoder = decoders.ByteLevel()
-        control = [
-            t for t, kind in zip(tokens, meta.get("token_type", []), strict=False) if kind == 3
-        ]
-        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        self._tk = tk
-        self.bos_token_id = meta.get("bos_token_id")
-        self.eos_token_id = meta.get("eos_token_id")
-        self._specials = {vocab[t] for t in control}
-        self._template = meta.get("chat_template")
-        self._tokens = tokens
-        # byte-level tokens are one character a byte; special tokens are literal text
-        self.max_token_bytes = max((len(t.encode()) for t in tokens), default=1)
+    def __init__(
+        self,
+        tk: Any,
+        template: str | None,
+        bos: str | None,
+        eos: str | None,
+        identity: bytes,
+        add_special_tokens: bool = True,
+    ) -> None:
+        self._tk, self._template, self._bos, self._eos = tk, template, bos, eos
+        self.identity = identity
+        self._add_special = add_special_tokens
+        self.bos_token_id = tk.token_to_id(bos) if bos else None
+        self.eos_token_id = tk.token_to_id(eos) if eos else None
+        vocab = tk.get_vocab(with_added_tokens=True)
+        # a token covers at most its own string's characters of text (byte-level tokens
+        # are a character a byte; SentencePiece's a character a character, or more)
+        self.max_token_chars = max((len(t) for t in vocab), default=1)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> HFTokenizer:
+        """``tokenizer.json`` and ``tokenizer_config.json`` (chat template, BOS/EOS) of a
+        Hugging Face checkpoint folder.
+
+        Raises:
+            FileNotFoundError: no ``tokenizer.json`` there.
+        """
+        from tokenizers import Tokenizer as TkTokenizer
+
+        folder = Path(folder)
+        raw = (folder / "tokenizer.json").read_bytes()
+        cfg_path = folder / "tokenizer_config.json"
+        cfg_raw = cfg_path.read_bytes() if cfg_path.exists() else b"{}"
+        cfg = json.loads(cfg_raw)
+
+        def text(tok: Any) -> str | None:
+            return tok.get("content") if isinstance(tok, dict) else tok
+
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"),
+                            None)  # fmt: skip
+        ident = hashlib.blake2b(raw + b"\0" + cfg_raw, digest_size=16).digest()
+        return cls(TkTokenizer.from_str(raw.decode()), template, text(cfg.get("bos_token")),
+                   text(cfg.get("eos_token")), b"hf:" + ident)  # fmt: skip
 
     def encode(self, text: str) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=False).ids
+        return self._tk.encode(text, add_special_tokens=self._add_special).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tk.decode([i for i in ids if i not in self._specials])
+        return self._tk.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         """Render the checkpoint's chat template (Jinja, as Hugging Face does) with a
@@ -103,7 +126,61 @@ class BPETokenizer:
         text = env.from_string(self._template).render(
             messages=messages,
             add_generation_prompt=True,
-            bos_token=self._tokens[self.bos_token_id] if self.bos_token_id is not None else "",
-            eos_token=self._tokens[self.eos_token_id] if self.eos_token_id is not None else "",
+            bos_token=self._bos or "",
+            eos_token=self._eos or "",
         )
-        return self.encode(text)
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def save(self, folder: str | Path, model_max_length: int | None = None) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template)
+        so ``transformers.AutoTokenizer.from_pretrained(folder)`` and load tools read it."""
+        folder = Path(folder)
+        self._tk.save(str(folder / "tokenizer.json"))
+        cfg: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self._bos,
+            "eos_token": self._eos,
+            "chat_template": self._template,
+            "clean_up_tokenization_spaces": False,
+        }
+        if model_max_length:
+            cfg["model_max_length"] = model_max_length
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+
+
+class BPETokenizer(HFTokenizer):
+    """A GPT-2 style byte-level BPE built from a GGUF's ``tokenizer.ggml.*`` metadata
+    (saved as ``gguf_tokenizer.json`` by the weight converter)."""
+
+    def __init__(self, meta_path: str | Path) -> None:
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as TkTokenizer
+
+        raw = Path(meta_path).read_bytes()
+        meta = json.loads(raw)
+        tokens: list[str] = meta["tokens"]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
+        tk = TkTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if meta.get("pre") == "smollm":  # SmolLM splits digits one by one
+            tk.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            )
+        else:
+            tk.pre_tokenizer = byte_level
+        tk.decoder = decoders.ByteLevel()
+        control = [
+            t for t, kind in zip(tokens, meta.get("token_type", []), strict=False) if kind == 3
+        ]
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+        bos, eos = meta.get("bos_token_id"), meta.get("eos_token_id")
+        super().__init__(
+            tk,
+            meta.get("chat_template"),
+            tokens[bos] if bos is not None else None,
+            tokens[eos] if eos is not None else None,
+            # what a shared store's model identity takes from the tokenizer
+            b"bpe:" + hashlib.blake2b(raw, digest_size=16).digest(),
+            add_special_tokens=False,  # GGUF BPEs add no specials to a plain prompt
+        )

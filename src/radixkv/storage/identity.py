@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 log = logging.getLogger("radixkv.storage")
+startup = logging.getLogger("radixkv.startup")  # start-up progress (the CLI shows it)
 IDENTITY_VERSION = b"radixkv-identity-v1"
 KV_LAYOUT = "pages[page][k|v][layer][token][kv_head][head_dim]"  # what the tier writes
 CACHE_FILE = "identity-cache.json"
@@ -78,7 +79,7 @@ def cached_weights_digest(
     hit = cache.get(key)
     if isinstance(hit, str) and len(hit) == 64:
         return bytes.fromhex(hit)
-    log.info("hashing every weight for the store's model identity (once per checkpoint)")
+    startup.info("hashing every weight for the store's model identity (once per checkpoint)")
     digest = weights_digest(model)
     cache.pop(key, None)
     cache[key] = digest.hex()

@@ -1,0 +1,106 @@
+"""``--model PATH`` on an ordinary Hugging Face checkpoint folder: its own tokenizer.json
+and chat template, read as ``transformers`` reads them; and the converted SmolLM2 folder
+readable by ``transformers.AutoTokenizer`` (what aiperf and guidellm load)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from test_identity import save_checkpoint
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.model import ModelConfig
+from radixkv.engine.tokenizer import HFTokenizer
+from radixkv.engine.weights import random_model
+from radixkv.server.process import ServerProcess
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three rivers of Europe, 1234 km long?"},
+]
+
+
+def reference_chat_ids(reference, messages) -> list[int]:
+    """``transformers``' own rendering and tokenizing of the chat template."""
+    out = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def hf_folder(path):
+    """A Llama checkpoint folder as Hugging Face writes one: config.json, safetensors, a
+    byte-level BPE tokenizer.json (with a BOS post-processor) and tokenizer_config.json
+    with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    corpus = ["the rivers of europe are long and the danube is one of them"] * 50
+    tk.train_from_iterator(corpus, trainer)
+    tk.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tk.token_to_id("<s>"))]
+    )
+    model = random_model(ModelConfig(vocab_size=tk.get_vocab_size()), seed=2)
+    save_checkpoint(model, path)
+    tk.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+        "eos_token": "</s>", "chat_template": TEMPLATE,
+    }))  # fmt: skip
+    return path
+
+
+def test_a_hugging_face_folder_brings_its_own_tokenizer_and_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = hf_folder(tmp_path / "ckpt")
+    engine = Engine(str(folder))
+    assert isinstance(engine.tokenizer, HFTokenizer)
+    reference = AutoTokenizer.from_pretrained(str(folder))
+    text = "the danube is long, 2850 km"
+    assert engine.encode(text, chat=False) == reference.encode(text)  # BOS included
+    assert engine.encode(MESSAGES) == reference_chat_ids(reference, MESSAGES)
+    assert engine.tokenizer.eos_token_id == reference.eos_token_id
+
+
+def test_serve_a_hugging_face_folder(tmp_path):
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    folder = hf_folder(tmp_path / "ckpt")
+    with ServerProcess("--model", str(folder), "--page-size", "4", timeout=60) as srv:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model="ckpt", messages=MESSAGES, max_tokens=2)
+    want = reference_chat_ids(AutoTokenizer.from_pretrained(str(folder)), MESSAGES)
+    assert r.usage.prompt_tokens == len(want)
+
+
+def test_a_folder_without_a_tokenizer_says_so(tmp_path, caplog):
+    save_checkpoint(random_model(ModelConfig(), seed=0), tmp_path / "bare")
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine"):
+        Engine(str(tmp_path / "bare"))
+    assert "no tokenizer.json" in caplog.text
+
+
+def test_the_converted_smollm2_folder_loads_in_transformers():
+    from radixkv.engine.weights import smollm2_folder, smollm2_missing
+
+    if smollm2_missing() is not None:
+        pytest.skip(smollm2_missing())
+    from transformers import AutoTokenizer
+
+    folder = smollm2_folder()
+    reference = AutoTokenizer.from_pretrained(str(folder))
+    engine_tok = HFTokenizer.from_folder(folder)
+    text = "What is the capital of France? 12345"
+    assert engine_tok.encode(text) == reference.encode(text)
+    assert engine_tok.apply_chat_template(MESSAGES) == reference_chat_ids(reference, MESSAGES)
