@@ -104,3 +104,45 @@ def test_the_converted_smollm2_folder_loads_in_transformers():
     text = "What is the capital of France? 12345"
     assert engine_tok.encode(text) == reference.encode(text)
     assert engine_tok.apply_chat_template(MESSAGES) == reference_chat_ids(reference, MESSAGES)
+
+
+def test_the_gguf_converters_tokenizer_is_saved_for_transformers(tmp_path):
+    """What the SmolLM2 conversion writes (tokenizer.json, tokenizer_config.json), from a
+    GGUF-style vocabulary: transformers' AutoTokenizer encodes and templates it as
+    radixkv's own tokenizer does."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    from radixkv.engine.tokenizer import BPETokenizer
+    from radixkv.engine.weights import write_hf_tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = ["t h", "th e", "Ġ th", "Ġth e"]
+    tokens = [*alphabet, "th", "the", "Ġth", "Ġthe", "<|im_start|>", "<|im_end|>"]
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% endif %}")  # fmt: skip
+    meta = {"tokens": tokens, "merges": merges, "token_type": [1] * (len(tokens) - 2) + [3, 3],
+            "pre": "smollm", "bos_token_id": len(tokens) - 2, "eos_token_id": len(tokens) - 1,
+            "chat_template": template}  # fmt: skip
+    (tmp_path / "gguf_tokenizer.json").write_text(json.dumps(meta))
+    write_hf_tokenizer(tmp_path, 2048)
+    ours = BPETokenizer(tmp_path / "gguf_tokenizer.json")
+    reference = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "the theme of the 42 thetas"
+    assert reference.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert reference_chat_ids(reference, MESSAGES) == ours.apply_chat_template(MESSAGES)
+    assert reference.model_max_length == 2048
+
+
+def test_long_start_up_steps_say_what_they_do(tmp_path, monkeypatch):
+    """The CLI shows start-up progress: hashing a checkpoint's weights for a store's
+    model identity prints a line (it used to be silent)."""
+    import subprocess
+
+    save_checkpoint(random_model(ModelConfig(), seed=4), tmp_path / "ckpt")
+    monkeypatch.setenv("RADIXKV_CACHE", str(tmp_path / "cache"))
+    args = ["--model", str(tmp_path / "ckpt"), "--storage", "memory://"]
+    with ServerProcess(*args, timeout=60, stderr=subprocess.PIPE) as srv:
+        pass
+    assert "radixkv: hashing every weight" in srv.proc.stderr.read()
