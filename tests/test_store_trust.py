@@ -105,7 +105,7 @@ def test_pages_a_restarted_redis_lost_are_written_again():
         own.kill()
 
 
-def test_corrupted_pages_are_rewritten_once_recomputed(db15):
+def test_corrupted_pages_are_counted_misses_and_rewritten_once_recomputed(db15):
     want = run(engine(REDIS_URL))
     for key in db15.keys("*"):
         value = bytearray(db15.get(key))
