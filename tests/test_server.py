@@ -407,12 +407,12 @@ def test_bench_serve_only_loads_loopback(url, capsys):
 def test_bench_serve_stops_at_its_time_limit(server, capsys):
     from radixkv.cli import main
 
-    t0 = time.monotonic()
     code = main(["bench-serve", "--url", server.url, "--num-prompts", "40",
                  "--max-tokens", "200", "--system-words", "10", "--max-concurrency", "2",
                  "--time-limit", "1.5"])  # fmt: skip
-    assert time.monotonic() - t0 < 10
-    assert code in (0, 1) and "unfinished" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    row = re.search(r"(\d+) / (\d+) / (\d+)", out)  # completed / failed / unfinished
+    assert code in (0, 1) and row is not None and int(row.group(3)) > 0, out
 
 
 def test_the_readme_openai_snippet_gets_cached_tokens_on_its_second_call(server, capsys):

@@ -187,10 +187,10 @@ def test_two_engine_processes_share_a_system_prompt_through_redis(shared_redis):
 def test_a_store_down_at_start_costs_a_recompute_not_a_crash():
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     e = engine(dead)
-    t0 = time.monotonic()
+    e.tier.store.clock = lambda: 0.0  # a clock that stands still: still inside retry_s
     assert run(e) == run(engine(None))
-    assert time.monotonic() - t0 < 10
-    assert e.tier.errors >= 1 and e.tier.hit_tokens == 0
+    # one call failed; every later one skipped the store instead of waiting on it
+    assert e.tier.store.stats.errors == 1 and e.tier.hit_tokens == 0
 
 
 def test_redis_killed_mid_run():
@@ -200,10 +200,9 @@ def test_redis_killed_mid_run():
         want = run(first)
         own.kill()
         second = engine(own.url)
-        t0 = time.monotonic()
+        second.tier.store.clock = lambda: 0.0  # stands still: inside the retry window
         assert run(second) == want  # recomputed, identical
-        assert time.monotonic() - t0 < 10  # timeouts, then the store is skipped
-        assert second.tier.errors >= 1
+        assert second.tier.store.stats.errors == 1  # one timeout, then the store skipped
         second.mgr.check_memory()
     finally:
         if own.proc.poll() is None:

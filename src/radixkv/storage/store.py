@@ -155,20 +155,21 @@ class _SoftStore:
 
     def __init__(self, name: str, retry_s: float) -> None:
         self.name, self.retry_s = name, retry_s
+        self.clock = time.monotonic  # seconds (tests freeze it)
         self.stats = StoreStats()
         self._down_until = 0.0
         self._warned = False
 
     def _fail(self, what: str, e: BaseException) -> None:
         self.stats.errors += 1
-        self._down_until = time.monotonic() + self.retry_s
+        self._down_until = self.clock() + self.retry_s
         if not self._warned:
             log.warning("%s: %s failed (%s: %s); recomputing instead, retrying in %.0f s",
                         self.name, what, type(e).__name__, e, self.retry_s)  # fmt: skip
             self._warned = True
 
     def _call(self, what: str, fn: Any, default: Any) -> Any:
-        if time.monotonic() < self._down_until:
+        if self.clock() < self._down_until:
             return default
         try:
             out = fn()
