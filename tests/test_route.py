@@ -278,3 +278,60 @@ def test_events_beyond_loopback_need_an_explicit_flag(capsys):
     assert main(["serve", "--model", "random", "--kv-events", "tcp://0.0.0.0:5557"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --kv-events tcp://0.0.0.0:5557") and "insecure" in err
+
+
+@pytest.mark.parametrize("policy", ["least_load", "kv"])
+def test_a_burst_spreads_one_per_worker_before_any_answers(policy):
+    """Load counts from the moment a request is chosen, not from the worker's first byte:
+    6 simultaneous prompts sharing nothing, over 3 workers, land 2/2/2."""
+    import asyncio
+    from collections import Counter as Tally
+
+    ports = [free_port() for _ in range(3)]
+    workers = [ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=60)
+               for p in ports]  # fmt: skip
+    specs = [f"{w.url},tcp://127.0.0.1:{p}" for w, p in zip(workers, ports, strict=True)]
+    router = Router(specs, policy)
+    try:
+
+        async def burst() -> list[str]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                rs = await asyncio.gather(*(
+                    c.post(f"{router.url}/v1/completions", json={
+                        "prompt": f"{i} " + chr(65 + i) * 40, "max_tokens": 24,
+                        "temperature": 0, "ignore_eos": True})
+                    for i in range(6)))  # fmt: skip
+            assert all(r.status_code == 200 for r in rs)
+            return [r.headers["x-radixkv-worker"] for r in rs]
+
+        assert sorted(Tally(asyncio.run(burst())).values()) == [2, 2, 2]
+        state = httpx.get(f"{router.url}/route/state").json()
+        assert all(w["in_flight"] == 0 for w in state["workers"])  # all released
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+
+
+def test_a_stream_a_worker_breaks_off_ends_with_an_error_event():
+    port = free_port()
+    worker = ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{port}", timeout=60)
+    router = Router([f"{worker.url},tcp://127.0.0.1:{port}"])
+    try:
+        body = {"prompt": "tell a long story", "max_tokens": 400, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        lines = []
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    worker.proc.kill()  # gone mid-answer
+        assert r.status_code == 200 and lines[-1] != "data: [DONE]"
+        assert '"code": "worker_failed"' in lines[-1] and lines[-1].startswith("data: {")
+        metrics = httpx.get(f"{router.url}/metrics").text
+        assert "radixkv_router:streams_cut_total" in metrics
+        assert 'streams_cut_total{worker="' + worker.url + '"} 1.0' in metrics
+    finally:
+        router.stop()
+        worker.stop()

@@ -144,6 +144,9 @@ class Router:
                                  ["worker"], registry=self.registry)  # fmt: skip
         self.m_alive = Gauge("radixkv_router:worker_alive", "1 while the worker is healthy",
                              ["worker"], registry=self.registry)  # fmt: skip
+        self.m_cut = Counter("radixkv_router:streams_cut", "Answers a worker broke off "
+                             "after the first byte (the client got an error event)",
+                             ["worker"], registry=self.registry)  # fmt: skip
         for w in self.workers:
             self.m_alive.labels(w.url).set(1)
 
@@ -228,6 +231,13 @@ class Router:
             w.routed.evict(over)
         w.routed.insert(key)
 
+    def charge(self, w: Worker, blocks: int, sign: int = 1) -> None:
+        """Count (``sign`` 1) or release (-1) a request's load on ``w``: from the moment
+        it is chosen until it ends or fails, so a request still in prefill is seen."""
+        w.in_flight += sign
+        w.active_blocks += sign * blocks
+        self.m_in_flight.labels(w.url).set(w.in_flight)
+
     def mark_dead(self, w: Worker, why: str) -> None:
         if w.alive:
             log.warning("worker %s is out: %s", w.url, why)
@@ -290,11 +300,15 @@ def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         max_tokens = max_tokens if isinstance(max_tokens, int) else 16
-        first, overlap = router.choose(tokens, salt, max_tokens)
-        order = [first] + [w for w in router.workers if w is not first and w.alive]
         size = router.index.block_size or 16
         blocks = (len(tokens) + max_tokens) // size
+        first, overlap = router.choose(tokens, salt, max_tokens)
+        router.charge(first, blocks)  # counted now: the next choice sees this request
+        order = [first] + [w for w in router.workers if w is not first and w.alive]
+        streamed = body.get("stream") is True
         for attempt, w in enumerate(order):
+            if w is not first:
+                router.charge(w, blocks)  # the load moves with the retry
             try:
                 upstream = await client.send(
                     client.build_request(
@@ -306,38 +320,49 @@ def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
                     stream=True,
                 )
             except httpx.TransportError as e:
+                router.charge(w, blocks, -1)
                 router.mark_dead(w, f"{type(e).__name__}: {e}")
                 router.m_retries.labels(w.url).inc()
                 continue
+            except BaseException:
+                router.charge(w, blocks, -1)
+                raise
             if upstream.status_code >= 500 and attempt + 1 < len(order):
                 await upstream.aclose()  # busy or broken before answering: next worker
+                router.charge(w, blocks, -1)
                 router.m_retries.labels(w.url).inc()
                 continue
             router.m_requests.labels(w.url, router.policy).inc()
             router.m_overlap.labels(w.url).inc(overlap if w is first else 0)
             router.m_blocks.inc(len(tokens) // size)
-            w.in_flight += 1
-            w.active_blocks += blocks
-            router.m_in_flight.labels(w.url).set(w.in_flight)
+            sse = streamed and upstream.status_code == 200
 
             async def relay(
-                w: Worker = w, upstream: httpx.Response = upstream
+                w: Worker = w, upstream: httpx.Response = upstream, sse: bool = sse
             ) -> AsyncIterator[bytes]:
+                tail = b""  # the stream's last bytes: did it end with [DONE]?
                 try:
                     async for chunk in upstream.aiter_raw():
+                        tail = (tail + chunk)[-64:]
                         yield chunk
+                    if sse and b"data: [DONE]" not in tail:
+                        raise httpx.RemoteProtocolError("the stream ended without [DONE]")
                 except httpx.HTTPError as e:  # the worker died mid-answer: nothing to retry
                     router.mark_dead(w, f"mid-stream: {e}")
+                    router.m_cut.labels(w.url).inc()
+                    if sse:  # an OpenAI-style error event, so the client sees a failure
+                        err = {"error": {"message": f"the worker {w.url} broke off the "
+                                         f"answer: {e}", "type": "server_error",
+                                         "param": None, "code": "worker_failed"}}  # fmt: skip
+                        yield f"data: {json.dumps(err)}\n\n".encode()
                 finally:
                     await upstream.aclose()
-                    w.in_flight -= 1
-                    w.active_blocks -= blocks
-                    router.m_in_flight.labels(w.url).set(w.in_flight)
+                    router.charge(w, blocks, -1)
 
             headers = {k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_HEADERS}
             headers["x-radixkv-worker"] = w.url
             return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers)
-        return error(503, "no worker could take the request", "no_worker")
+        return error(503, "no worker could take the request", "no_worker")  # all released
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

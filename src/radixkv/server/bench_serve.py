@@ -403,15 +403,21 @@ async def send(
     last = None
     res = Result(ok=False)
     parts = []
+    done = False  # a stream is whole only when it ends with [DONE]
     try:
         async with http.stream("POST", cfg.url.rstrip("/") + path, json=body) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
             async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
+                if data.get("error"):  # an error event (a router's: the worker broke off)
+                    res.error = f"error event: {data['error'].get('message', data['error'])}"
+                    return res
                 now = time.perf_counter()
                 if data.get("usage"):
                     u = data["usage"]
@@ -431,6 +437,9 @@ async def send(
                     else:
                         res.itl.append(now - last)
                     last = now
+        if not done:
+            res.error = "the stream ended without [DONE]"
+            return res
         res.e2e = time.perf_counter() - start
         res.text, res.ok = "".join(parts), True
     except httpx.HTTPError as e:
