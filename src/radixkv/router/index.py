@@ -15,8 +15,11 @@ alike.
 ``overlap(token_ids)`` walks the request's whole pages from the root and returns, per
 worker, how many leading pages it holds: O(pages + workers matched).
 
-Invariant (checked by ``check``): ``holders[id]`` contains worker ``w`` iff some block
-hash of ``w`` maps to ``id``.
+Invariants (checked by ``check``): ``holders[id]`` contains worker ``w`` iff some block
+hash of ``w`` maps to ``id``; an id is interned exactly while some worker holds it, so
+the index's memory follows what the fleet holds, not everything it was ever told (ids
+are never reused: a child interned under a forgotten parent id is unreachable and goes
+when its own holders do).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class KvIndex:
     def __init__(self, block_size: int | None = None) -> None:
         self.block_size = block_size
         self._ids: dict[tuple[int, Any, tuple[int, ...]], int] = {}
+        self._keys: dict[int, Any] = {}  # id -> its key in _ids
+        self._next_id = 1
         self.holders: dict[int, set[Hashable]] = {}
         self._blocks: dict[Hashable, dict[Any, int]] = {}  # worker -> its hash -> page id
         self._refs: dict[Hashable, Counter[int]] = {}  # worker -> page id -> its hashes
@@ -88,9 +93,7 @@ class KvIndex:
                 ns if parent == 0 else None,
                 tuple(e.token_ids[i * size : (i + 1) * size]),
             )
-            pid = self._ids.get(key)
-            if pid is None:
-                pid = self._ids[key] = len(self._ids) + 1
+            pid = self._intern(key)
             old = blocks.get(block_hash)
             if old != pid:
                 if old is not None:
@@ -104,14 +107,24 @@ class KvIndex:
         self.hash_keyed = True
         blocks = self._blocks.setdefault(worker, {})
         for block_hash in e.block_hashes:
-            key = ("hash", block_hash)
-            pid = self._ids.get(key)
-            if pid is None:
-                pid = self._ids[key] = len(self._ids) + 1
+            pid = self._intern(("hash", block_hash))
             if blocks.get(block_hash) != pid:
                 blocks[block_hash] = pid
                 self._refs.setdefault(worker, Counter())[pid] += 1
                 self.holders.setdefault(pid, set()).add(worker)
+
+    def _intern(self, key: Any) -> int:
+        pid = self._ids.get(key)
+        if pid is None:
+            pid = self._ids[key] = self._next_id
+            self._keys[pid] = key
+            self._next_id += 1
+        return pid
+
+    def _forget(self, pid: int) -> None:
+        """Nobody holds ``pid`` any more: drop it and its key."""
+        del self.holders[pid]
+        del self._ids[self._keys.pop(pid)]
 
     def _removed(self, worker: Hashable, hashes: Iterable[Any]) -> None:
         blocks = self._blocks.get(worker, {})
@@ -130,7 +143,7 @@ class KvIndex:
         held = self.holders[pid]
         held.discard(worker)
         if not held:
-            del self.holders[pid]
+            self._forget(pid)
 
     def remove_worker(self, worker: Hashable) -> None:
         """Forget everything ``worker`` holds (it left, or cleared its cache)."""
@@ -139,7 +152,7 @@ class KvIndex:
             held = self.holders[pid]
             held.discard(worker)
             if not held:
-                del self.holders[pid]
+                self._forget(pid)
 
     # --- queries ------------------------------------------------------------------------
     def overlap(
@@ -197,3 +210,5 @@ class KvIndex:
             for pid in blocks.values():
                 want.setdefault(pid, set()).add(worker)
         assert want == self.holders, "KvIndex: holders disagree with the workers' blocks"
+        assert set(self._keys) == set(self.holders), "KvIndex: an id interned but not held"
+        assert all(self._ids[k] == pid for pid, k in self._keys.items()), "KvIndex: keys"
