@@ -130,6 +130,7 @@ def test_models_retrieve(server):
         ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
         ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"65": 101}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "extra": 1, "repetition_penalty": 0}, "repetition_penalty"),
     ],

@@ -35,6 +35,7 @@ from radixkv.engine.request import SamplingParams, StepOutput
 from radixkv.server.access import Access, AccessMiddleware
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
+    MAX_LOGIT_BIAS,
     MAX_N,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
@@ -107,6 +108,9 @@ class Api:
         if req.seed is not None and not -(2**63) <= req.seed < 2**64:
             raise ApiError(400, f"seed must be in [-2**63, 2**64), got {req.seed}", "seed")
         vocab = self.engine.config.vocab_size
+        if len(req.logit_bias or ()) > MAX_LOGIT_BIAS:  # each entry costs every step
+            raise ApiError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens",
+                           "logit_bias")  # fmt: skip
         for token, bias in (req.logit_bias or {}).items():
             if not (token.isdigit() and int(token) < vocab) or not -100 <= bias <= 100:
                 raise ApiError(400, f"logit_bias maps token ids in [0, {vocab}) to biases in "

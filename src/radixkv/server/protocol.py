@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit on choices
+MAX_LOGIT_BIAS = 300  # tokens a logit_bias may name: each one costs every decode step
 MAX_TOP_LOGPROBS = 20  # OpenAI's (chat); completions' logprobs take the same range here
 # OpenAI fields radixkv does not implement, with the values that ask for nothing and so
 # are accepted (a client library's explicit default)
