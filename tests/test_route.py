@@ -335,3 +335,23 @@ def test_a_stream_a_worker_breaks_off_ends_with_an_error_event():
     finally:
         router.stop()
         worker.stop()
+
+
+def test_the_simulator_decomposes_reuse_and_queues_prefills():
+    trace = conversations(13, 6)
+    res = {r: simulate_replicas(trace, 4, 200, r) for r in ROUTERS}
+    for r in res.values():  # what any replica held bounds what the chosen one served
+        assert r.fleet_hit_rate >= r.token_hit_rate - 1e-9
+    rr = res["round_robin"]
+    assert rr.fleet_hit_rate > 2 * rr.token_hit_rate  # reuse lost to routing, visible
+    assert res["kv"].fleet_hit_rate - res["kv"].token_hit_rate < 0.05
+    # one shared 1,024-token prefix, requests 1 ms apart: piling onto the replica that
+    # holds it (oracle) queues the prefills there; kv weighs the queue
+    shared = Trace("shared", 16)
+    for i in range(200):
+        units = list(range(64)) + [1000 + 4 * i + k for k in range(4)]
+        shared.requests.append(SimRequest(units, len(units), 16 * len(units), float(i), 4))
+    piled = simulate_replicas(shared, 4, None, "oracle")
+    spread = simulate_replicas(shared, 4, None, "kv")
+    assert piled.ttft_p90_s > 2 * spread.ttft_p90_s
+    assert spread.ttft_p50_s > 0 and spread.token_hit_rate > 0.5

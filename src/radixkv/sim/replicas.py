@@ -5,7 +5,15 @@ Load model (simple on purpose, the same for every router): a request occupies it
 replica from its arrival for ``computed prompt tokens / prefill_rate + output tokens x
 decode_s`` seconds (replicas run requests concurrently); "in flight" counts the requests
 still occupying a replica. Busy time is the sum of those durations; load imbalance is the
-busiest replica's busy time over the mean.
+busiest replica's busy time over the mean. Prefills queue: a replica computes one
+prompt's uncached tokens at a time, so a request's time to first token is its wait for
+the replica's earlier prefills plus its own (decode runs beside them, as in continuous
+batching); TTFT p50/p90 show what piling onto one replica costs.
+
+Reuse, decomposed per request: *fleet-available* is the longest prefix any replica
+holds when the request arrives; *routing-captured* what the chosen replica holds (here
+also what it serves: the simulated caches are exact, so nothing is lost after routing).
+Their gap is reuse the router left on the table.
 
 Routers:
     round_robin   replicas in turn
@@ -30,6 +38,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -60,6 +69,9 @@ class ReplicaResult:
     prefill_tokens: int  # prompt tokens computed (not served from a cache)
     load_imbalance: float  # max busy time / mean busy time
     max_in_flight: int
+    fleet_hit_rate: float = 0.0  # longest prefix any replica held / prompt tokens
+    ttft_p50_s: float = 0.0  # time to first token: queued prefills + its own
+    ttft_p90_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +84,7 @@ class _Replica:
         self.busy = 0.0
         self.finishing: list[tuple[float, int]] = []  # (finish time, blocks) heap
         self.active_blocks = 0
+        self.prefill_free = 0.0  # when the replica's queued prefills are done
         self.routed = RadixCache(page_size=1)  # approx: prompts routed here
 
     def retire(self, now: float) -> None:
@@ -104,13 +117,15 @@ def simulate_replicas(
     if router == "kv":
         choose = functools.partial(_kv, w=kv_weight)
     turn = itertools.count()
-    hit_tokens = prompt_tokens = prefill = 0
+    hit_tokens = prompt_tokens = prefill = fleet_tokens = 0
     peak = 0
+    ttfts: list[float] = []
     for req in trace.requests:
         now = req.timestamp / 1000.0  # trace timestamps are milliseconds
         for r in reps:
             r.retire(now)
         prompt = RadixKey(array("q", req.units[: req.num_prompt_units]))
+        fleet_tokens += trace.hit_tokens(req, max(r.cache.match_len(prompt) for r in reps))
         i = choose(reps, req, prompt, next(turn))
         rep = reps[i]
         hit, _ = serve_request(rep.cache, req, capacity_units, cache_outputs)
@@ -118,6 +133,8 @@ def simulate_replicas(
             serve_request(rep.routed, req, capacity_units, False)
         hit_tok = trace.hit_tokens(req, hit)
         computed = req.prompt_tokens - hit_tok
+        rep.prefill_free = max(rep.prefill_free, now) + computed / prefill_rate
+        ttfts.append(rep.prefill_free - now)
         duration = computed / prefill_rate + req.output_tokens * decode_s
         rep.busy += duration
         blocks = len(req.units)
@@ -141,7 +158,18 @@ def simulate_replicas(
         prefill_tokens=prefill,
         load_imbalance=max(busy) / mean if mean else 1.0,
         max_in_flight=peak,
+        fleet_hit_rate=fleet_tokens / prompt_tokens if prompt_tokens else 0.0,
+        ttft_p50_s=_quantile(ttfts, 0.5),
+        ttft_p90_s=_quantile(ttfts, 0.9),
     )
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """The nearest-rank quantile (0.0 for no values)."""
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
 def pooled_bound(trace: Trace, replicas: int, capacity_units: int | None) -> float:
@@ -210,16 +238,18 @@ def print_replicas_table(results: list[ReplicaResult], console: Any, labels: dic
 
     first = results[0]
     table = Table(title=f"{first.trace}: {first.requests:,} requests over replicas")
-    for col in ("replicas", "capacity each", "router", "token hit rate", "prefill tokens",
-                "load imbalance", "max in flight"):  # fmt: skip
+    for col in ("replicas", "capacity each", "router", "fleet-available", "token hit rate",
+                "prefill tokens", "TTFT p50 / p90", "load imbalance", "max in flight"):  # fmt: skip
         table.add_column(col, justify="left" if col == "router" else "right")
     for r in results:
         table.add_row(
             str(r.replicas),
             labels.get(r.capacity_units, str(r.capacity_units)),
             r.router,
+            f"{r.fleet_hit_rate:.4f}",
             f"{r.token_hit_rate:.4f}",
             f"{r.prefill_tokens:,}",
+            f"{r.ttft_p50_s * 1e3:,.0f} / {r.ttft_p90_s * 1e3:,.0f} ms",
             f"{r.load_imbalance:.2f}",
             str(r.max_in_flight),
         )
