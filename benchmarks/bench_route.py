@@ -40,6 +40,23 @@ def worker_totals(urls: list[str]) -> dict[str, float]:
     return out
 
 
+REUSE = (
+    "prompt_tokens",
+    "fleet_available_tokens",
+    "routing_captured_tokens",
+    "engine_delivered_tokens",
+)  # the router's decomposed reuse counters
+
+
+def router_totals(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        m = re.match(r"radixkv_router:(\w+)_total ([0-9.e+-]+)$", line)
+        if m and m.group(1) in REUSE:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
 def start_router(specs: list[str], policy: str, weight: float) -> ServerProcess:
     args = [a for s in specs for a in ("--worker", s)]
     return ServerProcess("--model", "random", "--policy", policy, "--kv-weight", str(weight),
@@ -79,8 +96,10 @@ def main() -> None:
                     num_prompts=args.conversations * args.turns,
                     max_concurrency=args.concurrency, time_limit=900,
                 )  # fmt: skip
+                reused = router_totals(rurl)
                 rep = asyncio.run(run_bench(cfg))
                 after = worker_totals(urls)
+                reused = {k: v - reused.get(k, 0) for k, v in router_totals(rurl).items()}
             finally:
                 router.stop()
             d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
@@ -93,13 +112,21 @@ def main() -> None:
                 "ttft_p50_s": rep["ttft_s"]["p50"],
                 "ttft_p90_s": rep["ttft_s"]["p90"],
                 "duration_s": rep["duration_s"],
+                # reuse decomposed (the router's tokens): available, captured, delivered
+                **{
+                    k.removesuffix("_tokens") + "_rate": reused.get(k, 0)
+                    / max(reused.get("prompt_tokens", 0), 1)
+                    for k in REUSE[1:]
+                },
             }
             rows.append(row)
             print(
                 f"{policy:<12} hit rate {row['hit_rate']:.3f}  prefill tokens "
                 f"{row['prefill_tokens']:>9,.0f}  TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms  "
-                f"p90 {row['ttft_p90_s'] * 1e3:7.1f} ms  ({row['completed']} requests, "
-                f"{row['duration_s']:.1f} s)",
+                f"p90 {row['ttft_p90_s'] * 1e3:7.1f} ms  reuse available / captured / "
+                f"delivered {row['fleet_available_rate']:.3f} / "
+                f"{row['routing_captured_rate']:.3f} / {row['engine_delivered_rate']:.3f}  "
+                f"({row['completed']} requests, {row['duration_s']:.1f} s)",
                 flush=True,
             )
     finally:

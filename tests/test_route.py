@@ -355,3 +355,39 @@ def test_the_simulator_decomposes_reuse_and_queues_prefills():
     spread = simulate_replicas(shared, 4, None, "kv")
     assert piled.ttft_p90_s > 2 * spread.ttft_p90_s
     assert spread.ttft_p50_s > 0 and spread.token_hit_rate > 0.5
+
+
+def test_the_router_decomposes_the_reuse(fleet):
+    """Per request: what the fleet held (the index's longest prefix on any worker), what
+    routing captured (the chosen worker's, by the index), what the engine served (its
+    usage's cached_tokens), as /metrics counters."""
+    router, _ = fleet
+
+    def totals() -> dict[str, float]:
+        out = {}
+        for line in httpx.get(f"{router.url}/metrics").text.splitlines():
+            for name in ("prompt_tokens", "fleet_available_tokens",
+                         "routing_captured_tokens", "engine_delivered_tokens"):  # fmt: skip
+                if line.startswith(f"radixkv_router:{name}_total "):
+                    out[name] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    system = "A decomposed reuse check: the shared prefix of every question here. " * 3
+    first = complete(router.url, system + "one?")
+    holder = first.headers["x-radixkv-worker"]
+    deadline = time.monotonic() + 30  # bounded: the holder's events reach the router
+    while not next(w for w in httpx.get(f"{router.url}/route/state").json()["workers"]
+                   if w["url"] == holder)["indexed_blocks"]:  # fmt: skip
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    before = totals()
+    r = complete(router.url, system + "two?", stream=True,
+                 stream_options={"include_usage": True})  # fmt: skip
+    assert r.status_code == 200
+    plain = complete(router.url, system + "three?")
+    d = {k: v - before[k] for k, v in totals().items()}
+    served = plain.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert d["prompt_tokens"] > 0 and served > 0
+    assert d["fleet_available_tokens"] >= d["routing_captured_tokens"] > 0
+    assert d["engine_delivered_tokens"] >= served  # the stream's usage counted too
+    assert d["fleet_available_tokens"] <= d["prompt_tokens"]

@@ -27,6 +27,7 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -108,6 +109,20 @@ class Worker:
         return self.spec.url
 
 
+USAGE_TAIL = 4096  # bytes kept from the end of an answer: its usage is there
+
+
+def _cached_tokens(tail: bytes) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` from the end of an answer (a JSON
+    body, or an SSE stream whose last event before ``[DONE]`` carries the usage; a stream
+    without ``include_usage`` has none: 0)."""
+    found = _CACHED.findall(tail)
+    return int(found[-1]) if found else 0
+
+
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
 class Router:
     """The routing state: workers, the event-fed index, the policy."""
 
@@ -144,6 +159,18 @@ class Router:
                                  ["worker"], registry=self.registry)  # fmt: skip
         self.m_alive = Gauge("radixkv_router:worker_alive", "1 while the worker is healthy",
                              ["worker"], registry=self.registry)  # fmt: skip
+        # reuse, decomposed: what the fleet held, what routing captured, what was served
+        self.m_prompt = Counter("radixkv_router:prompt_tokens", "Prompt tokens routed "
+                                "(the router's tokenizer)", registry=self.registry)  # fmt: skip
+        self.m_fleet = Counter("radixkv_router:fleet_available_tokens", "Prompt tokens the "
+                               "worker holding the longest prefix had, by the index",
+                               registry=self.registry)  # fmt: skip
+        self.m_captured = Counter("radixkv_router:routing_captured_tokens", "Prompt tokens "
+                                  "the chosen worker had, by the index",
+                                  registry=self.registry)  # fmt: skip
+        self.m_delivered = Counter("radixkv_router:engine_delivered_tokens", "Prompt tokens "
+                                   "the chosen worker served from its cache (its usage's "
+                                   "cached_tokens)", registry=self.registry)  # fmt: skip
         self.m_cut = Counter("radixkv_router:streams_cut", "Answers a worker broke off "
                              "after the first byte (the client got an error event)",
                              ["worker"], registry=self.registry)  # fmt: skip
@@ -189,20 +216,19 @@ class Router:
         except (KeyError, TypeError, ValueError, AttributeError):
             return []
 
-    def choose(self, tokens: list[int], salt: Any, max_tokens: int) -> tuple[Worker, int]:
-        """(worker, the index's cached blocks there) for a request."""
+    def choose(self, tokens: list[int], salt: Any, max_tokens: int) -> tuple[Worker, int, int]:
+        """(worker, the index's cached blocks there, the most any alive worker holds)."""
         alive = [w for w in self.workers if w.alive] or self.workers
         in_flight = {w: w.in_flight for w in alive}
-        overlap: dict[Hashable, int] = {}
+        with self._index_lock:
+            tag = None if salt is None else salt_tag(salt, self.events_key)
+            by_url = self.index.overlap(tokens, tag, salt)
+        held = {w: by_url.get(w.url, 0) for w in alive}
+        overlap: dict[Hashable, int] = dict(held)
         if self.policy == "kv":
-            with self._index_lock:
-                tag = None if salt is None else salt_tag(salt, self.events_key)
-                by_url = self.index.overlap(tokens, tag, salt)
             size = self.index.block_size or 16
             key, now = RadixKey(tokens, salt), time.monotonic()
-            overlap = {
-                w: max(by_url.get(w.url, 0), w.pending_overlap(key, now) // size) for w in alive
-            }
+            overlap = {w: max(held[w], w.pending_overlap(key, now) // size) for w in alive}
         if self.policy == "round_robin":
             w = policies.round_robin(alive, next(self._turn))
         elif self.policy == "least_load":
@@ -223,7 +249,7 @@ class Router:
                 self.kv_weight, cached,
             )  # fmt: skip
             w.pending.append((now + PENDING_S, key))
-        return w, overlap.get(w, 0)
+        return w, held.get(w, 0), max(held.values(), default=0)
 
     def _remember(self, w: Worker, key: RadixKey) -> None:
         over = w.routed.total_size() + len(key) - APPROX_TREE_TOKENS
@@ -302,7 +328,7 @@ def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
         max_tokens = max_tokens if isinstance(max_tokens, int) else 16
         size = router.index.block_size or 16
         blocks = (len(tokens) + max_tokens) // size
-        first, overlap = router.choose(tokens, salt, max_tokens)
+        first, overlap, fleet = router.choose(tokens, salt, max_tokens)
         router.charge(first, blocks)  # counted now: the next choice sees this request
         order = [first] + [w for w in router.workers if w is not first and w.alive]
         streamed = body.get("stream") is True
@@ -335,16 +361,20 @@ def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
             router.m_requests.labels(w.url, router.policy).inc()
             router.m_overlap.labels(w.url).inc(overlap if w is first else 0)
             router.m_blocks.inc(len(tokens) // size)
+            router.m_prompt.inc(len(tokens))
+            router.m_fleet.inc(min(len(tokens), fleet * size))
+            router.m_captured.inc(min(len(tokens), (overlap if w is first else 0) * size))
             sse = streamed and upstream.status_code == 200
 
             async def relay(
                 w: Worker = w, upstream: httpx.Response = upstream, sse: bool = sse
             ) -> AsyncIterator[bytes]:
-                tail = b""  # the stream's last bytes: did it end with [DONE]?
+                tail = b""  # the answer's last bytes: [DONE], and the usage before it
                 try:
                     async for chunk in upstream.aiter_raw():
-                        tail = (tail + chunk)[-64:]
+                        tail = (tail + chunk)[-USAGE_TAIL:]
                         yield chunk
+                    router.m_delivered.inc(_cached_tokens(tail))
                     if sse and b"data: [DONE]" not in tail:
                         raise httpx.RemoteProtocolError("the stream ended without [DONE]")
                 except httpx.HTTPError as e:  # the worker died mid-answer: nothing to retry
