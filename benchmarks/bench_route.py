@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from radixkv.server.bench_serve import BenchConfig, run_bench
-from radixkv.server.process import ServerProcess, free_port
+from radixkv.server.process import ServerProcess, free_port_pair
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKER = ["--model", "random", "--page-size", "16", "--kv-tokens", "65536", "--max-running", "16",
@@ -76,7 +76,7 @@ def main() -> None:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--json", default=str(RESULTS / "route.json"))
     args = p.parse_args()
-    ports = [free_port() for _ in range(args.replicas)]
+    ports = [free_port_pair() for _ in range(args.replicas)]
     workers = [ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{q}") for q in ports]
     specs = [f"{w.url},tcp://127.0.0.1:{q}" for w, q in zip(workers, ports, strict=True)]
     urls = [w.url for w in workers]

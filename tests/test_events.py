@@ -28,7 +28,7 @@ from radixkv.events import (
 )
 from radixkv.router.index import KvIndex
 from radixkv.router.subscriber import EventSubscriber
-from radixkv.server.process import free_port
+from radixkv.server.process import free_port_pair
 
 DATA = Path(__file__).parent / "data"
 
@@ -229,7 +229,7 @@ def wait_for(pred, timeout=10.0):
 
 
 def test_publisher_and_subscriber_with_replay_for_a_late_joiner():
-    port = free_port()
+    port = free_port_pair()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 100)
     index = KvIndex()
     sub = None
@@ -255,7 +255,7 @@ def test_publisher_and_subscriber_with_replay_for_a_late_joiner():
 
 
 def test_batches_beyond_the_replay_buffer_are_counted_lost():
-    port = free_port()
+    port = free_port_pair()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 2)
     index = KvIndex()
     sub = None
@@ -301,7 +301,7 @@ def test_replays_are_rate_limited_so_silent_peers_cannot_pile_up():
 
     from radixkv.events import REPLAYS_PER_S
 
-    port = free_port()
+    port = free_port_pair()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}",
                             buffer_steps=3, clock=lambda: 100.0)  # fmt: skip
     peers = []

@@ -11,7 +11,7 @@ import pytest
 from radixkv.cli import main
 from radixkv.router import policies
 from radixkv.router.proxy import WorkerSpec
-from radixkv.server.process import ServerProcess, free_port
+from radixkv.server.process import ServerProcess, free_port_pair
 from radixkv.sim.replicas import ROUTERS, pooled_bound, simulate_replicas
 from radixkv.sim.traces import SimRequest, Trace
 
@@ -133,7 +133,7 @@ def Router(workers: list[str], policy: str = "kv") -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def fleet():
-    ports = [free_port() for _ in range(2)]
+    ports = [free_port_pair() for _ in range(2)]
     workers = [
         ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=60) for p in ports
     ]
@@ -186,7 +186,7 @@ def test_streaming_passes_through(fleet):
 
 
 def test_killing_a_worker_loses_no_request_that_had_not_started():
-    ports = [free_port() for _ in range(2)]
+    ports = [free_port_pair() for _ in range(2)]
     workers = [
         ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=60) for p in ports
     ]
@@ -237,7 +237,7 @@ def test_private_events_route_salted_tenants_without_showing_salts_or_prompts(mo
     from radixkv.events import decode_batch
 
     key, salt = "fleet-events-key", "tenant-salt-do-not-leak"
-    ports = [free_port() for _ in range(2)]
+    ports = [free_port_pair() for _ in range(2)]
     private = ["--kv-events-key", key, "--kv-events-mode", mode]
     workers = [
         ServerProcess(*WORKER, *private, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=60)
@@ -287,7 +287,7 @@ def test_a_burst_spreads_one_per_worker_before_any_answers(policy):
     import asyncio
     from collections import Counter as Tally
 
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port_pair() for _ in range(3)]
     workers = [ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=60)
                for p in ports]  # fmt: skip
     specs = [f"{w.url},tcp://127.0.0.1:{p}" for w, p in zip(workers, ports, strict=True)]
@@ -314,7 +314,7 @@ def test_a_burst_spreads_one_per_worker_before_any_answers(policy):
 
 
 def test_a_stream_a_worker_breaks_off_ends_with_an_error_event():
-    port = free_port()
+    port = free_port_pair()
     worker = ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{port}", timeout=60)
     router = Router([f"{worker.url},tcp://127.0.0.1:{port}"])
     try:

@@ -12,12 +12,38 @@ from typing import IO, Any
 
 import httpx
 
+_handed_out: set[int] = set()  # ports this process gave out: never given twice
+
+
+def _bindable(port: int) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+
 
 def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that was free on 127.0.0.1 a moment ago, and not handed out before by
+    this process (so two servers started together never get the same one)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def free_port_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` free (a KV events PUB port and its replay
+    port, vLLM's convention), neither handed out before by this process."""
+    while True:
+        port = free_port()
+        if port < 65535 and port + 1 not in _handed_out and _bindable(port + 1):
+            _handed_out.add(port + 1)
+            return port
 
 
 class ServerProcess:
