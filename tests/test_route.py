@@ -391,3 +391,22 @@ def test_the_router_decomposes_the_reuse(fleet):
     assert d["fleet_available_tokens"] >= d["routing_captured_tokens"] > 0
     assert d["engine_delivered_tokens"] >= served  # the stream's usage counted too
     assert d["fleet_available_tokens"] <= d["prompt_tokens"]
+
+
+def test_route_refuses_workers_it_would_misroute(fleet, tmp_path, capsys):
+    """A router whose tokenizer is not the workers' would see every overlap as 0; workers
+    with different page sizes cannot share one index. Both are refused at start."""
+    from test_checkpoints import hf_folder
+
+    _, workers = fleet
+    folder = hf_folder(tmp_path / "other-tokenizer")
+    args = ["route", "--policy", "kv", "--port", str(free_port_pair())]
+    assert main([*args, "--model", str(folder), "--worker", workers[0].url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: worker {workers[0].url}") and "tokenizes with" in err
+    with ServerProcess(*WORKER[:2], "--page-size", "16", timeout=60) as odd:
+        assert main([*args, "--model", "random", "--worker", workers[0].url,
+                     "--worker", odd.url]) == 2  # fmt: skip
+    assert "page sizes differ" in capsys.readouterr().err
+    card = httpx.get(f"{workers[0].url}/v1/models").json()["data"][0]
+    assert card["radixkv"]["page_size"] == 4 and len(card["radixkv"]["tokenizer"]) == 16

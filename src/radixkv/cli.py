@@ -222,7 +222,7 @@ def add_route_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def cmd_route(args: argparse.Namespace) -> int:
     _require_serve_extra()
     from radixkv.engine.engine import load_tokenizer
-    from radixkv.router.proxy import Router, WorkerSpec, build_router_app
+    from radixkv.router.proxy import Router, WorkerSpec, build_router_app, check_workers
     from radixkv.server.serve import uvicorn_server
 
     try:
@@ -233,6 +233,9 @@ def cmd_route(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.model)
     except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
         raise CliError(f"--model {args.model}: {e}") from None
+    problems = check_workers(specs, tokenizer)
+    if problems:
+        raise CliError("; ".join(problems))
     key = args.kv_events_key.encode() if args.kv_events_key else None
     router = Router(specs, args.policy, tokenizer, args.kv_weight, events_key=key)
     app = build_router_app(router, args.health_interval)

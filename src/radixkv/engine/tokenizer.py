@@ -23,6 +23,22 @@ class Tokenizer(Protocol):
     def apply_chat_template(self, messages: list[Message]) -> list[int]: ...
 
 
+def tokenizer_identity(tokenizer: Any) -> bytes:
+    """Bytes naming a tokenizer exactly: its own ``identity`` when it has one (a digest
+    of its vocabulary, merges and template), else its class name."""
+    ident = getattr(tokenizer, "identity", None)
+    if isinstance(ident, bytes):
+        return ident
+    return type(tokenizer).__qualname__.encode()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """`tokenizer_identity` as 16 hex digits: what a server shows in ``/v1/models`` and
+    a router compares, so a router never routes with another tokenizer than its
+    workers'."""
+    return hashlib.blake2b(tokenizer_identity(tokenizer), digest_size=8).hexdigest()
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255; 256 is BOS, 257 EOS. For random models."""
 

@@ -109,6 +109,37 @@ class Worker:
         return self.spec.url
 
 
+def check_workers(specs: list[WorkerSpec], tokenizer: Tokenizer, timeout: float = 5.0) -> list[str]:
+    """What makes a worker unfit to route to, read from its ``/v1/models``: a tokenizer
+    other than the router's (every overlap would be computed on other token ids, and be
+    0), or a page size other than the other workers'. Workers that do not answer, or do
+    not say (a vLLM), are passed over with a warning; the index still checks their
+    events' block size."""
+    from radixkv.engine.tokenizer import tokenizer_fingerprint
+
+    mine = tokenizer_fingerprint(tokenizer)
+    problems, pages = [], {}
+    for spec in specs:
+        try:
+            card = httpx.get(f"{spec.url}/v1/models", timeout=timeout).json()["data"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+            log.warning("worker %s: cannot read /v1/models (%s); not checked", spec.url, e)
+            continue
+        info = card.get("radixkv") if isinstance(card, dict) else None
+        if not isinstance(info, dict):
+            log.warning("worker %s does not describe its tokenizer; not checked", spec.url)
+            continue
+        if info.get("tokenizer") != mine:
+            problems.append(
+                f"worker {spec.url} ({card.get('id')}) tokenizes with {info.get('tokenizer')}, "
+                f"the router with {mine}: give route --model the workers' model"
+            )
+        pages[spec.url] = info.get("page_size")
+    if len(set(pages.values())) > 1:
+        problems.append(f"the workers' page sizes differ: {pages}")
+    return problems
+
+
 USAGE_TAIL = 4096  # bytes kept from the end of an answer: its usage is there
 
 

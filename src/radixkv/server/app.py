@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixkv.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from radixkv.engine.request import SamplingParams, StepOutput
+from radixkv.engine.tokenizer import tokenizer_fingerprint
 from radixkv.server.access import Access, AccessMiddleware
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
@@ -531,12 +532,18 @@ def build_app(
         return await serve(request, arrival, "chat", ids, req, max_tokens, chunk, final)
 
     def card() -> dict:
+        engine = aeng.engine
         return {
             "id": model_name,
             "object": "model",
             "created": api.created,
             "owned_by": "radixkv",
-            "max_model_len": aeng.engine.scheduler.max_tokens(),
+            "max_model_len": engine.scheduler.max_tokens(),
+            # what a router checks before it routes here (radixkv route)
+            "radixkv": {
+                "page_size": engine.cache.page_size,
+                "tokenizer": tokenizer_fingerprint(engine.tokenizer),
+            },
         }
 
     @app.get("/v1/models")

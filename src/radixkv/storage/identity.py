@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from radixkv.engine.tokenizer import tokenizer_identity
+
 log = logging.getLogger("radixkv.storage")
 startup = logging.getLogger("radixkv.startup")  # start-up progress (the CLI shows it)
 IDENTITY_VERSION = b"radixkv-identity-v1"
@@ -93,15 +95,6 @@ def cached_weights_digest(
     except OSError as e:
         log.warning("cannot cache the model identity in %s: %s", path, e)
     return digest
-
-
-def tokenizer_identity(tokenizer: Any) -> bytes:
-    """What the tokenizer contributes: its own ``identity`` bytes when it has them (a
-    digest of its vocabulary, merges and template), else its class name."""
-    ident = getattr(tokenizer, "identity", None)
-    if isinstance(ident, bytes):
-        return ident
-    return type(tokenizer).__qualname__.encode()
 
 
 def model_identity(
