@@ -308,6 +308,10 @@ def test_replays_are_rate_limited_so_silent_peers_cannot_pile_up():
     try:
         for i in range(5):
             pub.publish(KVEventBatch(float(i), [AllBlocksCleared()]))
+        deadline = time.monotonic() + 20  # bounded waits: for the thread, then the answers
+        while pub.published < 5:  # all sent (and buffered) before anyone asks
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         poller = zmq.Poller()
         for _ in range(REPLAYS_PER_S + 4):
             peer = zmq.Context.instance().socket(zmq.DEALER)
@@ -317,7 +321,6 @@ def test_replays_are_rate_limited_so_silent_peers_cannot_pile_up():
             poller.register(peer, zmq.POLLIN)
             peers.append(peer)
         answered, batches = set(), 0
-        deadline = time.monotonic() + 20  # bounded wait for the answers that do come
         while len(answered) < REPLAYS_PER_S:
             assert time.monotonic() < deadline, f"only {len(answered)} replays answered"
             for peer, _ in poller.poll(100):

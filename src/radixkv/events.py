@@ -265,6 +265,11 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="radixkv-events", daemon=True)
         self._thread.start()
 
+    @property
+    def published(self) -> int:
+        """Batches sent so far (the next one's sequence number)."""
+        return self._seq
+
     def publish(self, batch: KVEventBatch) -> None:
         """Queue ``batch`` (thread-safe; never blocks)."""
         self._queue.put(encode_batch(batch))
