@@ -298,7 +298,7 @@ def test_a_burst_spreads_one_per_worker_before_any_answers(policy):
             async with httpx.AsyncClient(timeout=60) as c:
                 rs = await asyncio.gather(*(
                     c.post(f"{router.url}/v1/completions", json={
-                        "prompt": f"{i} " + chr(65 + i) * 40, "max_tokens": 24,
+                        "prompt": f"{i} " + chr(65 + i) * 40, "max_tokens": 160,
                         "temperature": 0, "ignore_eos": True})
                     for i in range(6)))  # fmt: skip
             assert all(r.status_code == 200 for r in rs)
