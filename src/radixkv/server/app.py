@@ -458,19 +458,25 @@ def build_app(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def prepare(
+        request: Request, model: type[BaseModel], to_ids: Callable[[Any], list[int]]
+    ) -> tuple[Any, list[int]]:
+        """The validated request and its prompt's token ids. Parsing, templating and
+        tokenizing run off the event loop: a large prompt delays only its own answer,
+        never /health or other clients."""
+        body = await request.body()
+
+        def run() -> tuple[Any, list[int]]:
+            req = _parse(body, model)
+            api._check_common(req)
+            return req, to_ids(req)
+
+        return await asyncio.to_thread(run)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        body = await request.body()
-
-        def prepare() -> tuple[CompletionRequest, list[int]]:
-            req = _parse(body, CompletionRequest)
-            api._check_common(req)
-            return req, api.completion_ids(req)
-
-        # parsing, templating and tokenizing run off the event loop: a large prompt
-        # delays only its own answer, never /health or other clients
-        req, ids = await asyncio.to_thread(prepare)
+        req, ids = await prepare(request, CompletionRequest, api.completion_ids)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "object": "text_completion", "created": created, "model": model_name}
         want_lps = req.logprobs is not None
@@ -497,14 +503,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        body = await request.body()
-
-        def prepare() -> tuple[ChatCompletionRequest, list[int]]:
-            req = _parse(body, ChatCompletionRequest)
-            api._check_common(req)
-            return req, api.chat_ids(req)
-
-        req, ids = await asyncio.to_thread(prepare)
+        req, ids = await prepare(request, ChatCompletionRequest, api.chat_ids)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "created": created, "model": model_name}
         want_lps = bool(req.logprobs)
