@@ -235,6 +235,19 @@ def page_hash(parent: bytes | None, extra_key: Any, page: bytes) -> bytes:
     return h.digest()
 
 
+def chain_hashes(tokens: Any, extra_key: Any, page_size: int, n_pages: int) -> list[bytes]:
+    """The block hashes (`page_hash`) a cache gives the first ``n_pages`` whole pages of
+    ``tokens`` (token ids, not an EAGLE bigram view) in namespace ``extra_key``: what a
+    tier keys the store by and a router compares with hash-only KV events."""
+    raw = RadixKey(tokens).unit_bytes()
+    step = page_size * TOKEN_BYTES
+    out, prev = [], None
+    for i in range(n_pages):
+        prev = page_hash(prev, extra_key, raw[i * step : (i + 1) * step])
+        out.append(prev)
+    return out
+
+
 def _hash_ints(hashes: bytes) -> list[int]:
     """The event wire's 64-bit block hashes: the first 8 bytes of each page's hash."""
     return [int.from_bytes(hashes[i : i + 8], "big") for i in range(0, len(hashes), HASH_BYTES)]

@@ -188,17 +188,11 @@ class KvIndex:
 
     def _request_hashes(self, token_ids: Sequence[int], salt: Any) -> list[int]:
         """The 64-bit block hashes a radixkv worker gives the request's whole pages."""
-        from radixkv.key import RadixKey
-        from radixkv.tree import page_hash
+        from radixkv.tree import chain_hashes
 
         size = self.block_size or 1
-        raw = RadixKey(list(token_ids)).unit_bytes()
-        step = size * 8
-        out, prev = [], None
-        for i in range(len(token_ids) // size):
-            prev = page_hash(prev, salt, raw[i * step : (i + 1) * step])
-            out.append(int.from_bytes(prev[:8], "big"))
-        return out
+        hashes = chain_hashes(list(token_ids), salt, size, len(token_ids) // size)
+        return [int.from_bytes(h[:8], "big") for h in hashes]
 
     def num_blocks(self, worker: Hashable) -> int:
         return len(self._blocks.get(worker, {}))

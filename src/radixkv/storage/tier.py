@@ -51,7 +51,7 @@ import torch
 from radixkv.key import RadixKey
 from radixkv.memory import KVPool
 from radixkv.storage.store import PageCodec, PageError, PageStore, StoreStats
-from radixkv.tree import HASH_BYTES, RadixCache, page_hash
+from radixkv.tree import HASH_BYTES, RadixCache, chain_hashes
 
 log = logging.getLogger("radixkv.storage")
 KNOWN_KEYS = 1 << 16  # keys remembered as stored, to skip asking the store again
@@ -142,13 +142,7 @@ class KVTiers:
 
     # --- keys ---------------------------------------------------------------------------
     def page_hashes(self, tokens: Any, ns: Any, n_pages: int) -> list[bytes]:
-        raw = RadixKey(tokens).unit_bytes()
-        step = self.page * 8  # int64 units
-        out, prev = [], None
-        for i in range(n_pages):
-            prev = page_hash(prev, ns, raw[i * step : (i + 1) * step])
-            out.append(prev)
-        return out
+        return chain_hashes(tokens, ns, self.page, n_pages)
 
     def _key(self, h: bytes) -> bytes:
         return self.prefix + h
