@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from radixkv import __version__
+from radixkv.router.policies import KV_OVERLAP_WEIGHT
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -162,9 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--kv-weight",
         type=_number(float, 0.0, "a non-negative number"),
-        default=4.0,
+        default=KV_OVERLAP_WEIGHT,
         help="the kv router's weight on prefill blocks (Dynamo's overlap_score_weight; "
-        "Dynamo's default is 1) [4]",
+        f"Dynamo's default is 1) [{KV_OVERLAP_WEIGHT:g}]",
     )
     sim.add_argument("--workers", type=positive_int, help="processes for the sweep [all cores]")
     demo = sub.add_parser(
@@ -208,13 +209,23 @@ def add_route_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=_number(int, 0, "a port number"), default=8100)
     r.add_argument(
-        "--kv-weight", type=_number(float, 0.0, "a non-negative number"), default=4.0,
+        "--kv-weight", type=_number(float, 0.0, "a non-negative number"),
+        default=KV_OVERLAP_WEIGHT,
         help="weight on prefill blocks in the kv cost (Dynamo's overlap_score_weight; "
-        "Dynamo's default is 1) [4]",
+        f"Dynamo's default is 1) [{KV_OVERLAP_WEIGHT:g}]",
     )  # fmt: skip
     r.add_argument("--health-interval", type=_number(float, 0.05, "seconds >= 0.05"), default=1.0)
     r.add_argument("--kv-events-key", default=os.environ.get("RADIXKV_EVENTS_KEY"),
                    help="the workers' --kv-events-key [$RADIXKV_EVENTS_KEY]")  # fmt: skip
+    r.add_argument("--api-key", default=os.environ.get("RADIXKV_API_KEY"),
+                   help="every request but /health must send Authorization: Bearer KEY "
+                   "[$RADIXKV_API_KEY; none: open]")  # fmt: skip
+    r.add_argument("--admin-key", default=os.environ.get("RADIXKV_ADMIN_KEY"),
+                   help="the key POST/DELETE /workers need; without one they answer 403 "
+                   "[$RADIXKV_ADMIN_KEY]")  # fmt: skip
+    r.add_argument("--worker-api-key", default=os.environ.get("RADIXKV_WORKER_API_KEY"),
+                   help="the workers' --api-key: the router sends it to them (never the "
+                   "client's key) [$RADIXKV_WORKER_API_KEY]")  # fmt: skip
     r.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
 
@@ -233,12 +244,25 @@ def cmd_route(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.model)
     except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
         raise CliError(f"--model {args.model}: {e}") from None
-    problems = check_workers(specs, tokenizer)
+    from radixkv.router.proxy import ADMIN_PATHS
+    from radixkv.server.access import Access
+
+    try:
+        access = Access.for_bind(
+            args.host, api_key=args.api_key, admin_key=args.admin_key, admin_paths=ADMIN_PATHS
+        )
+        if args.worker_api_key is not None and not args.worker_api_key.strip():
+            raise ValueError("worker_api_key must be a non-empty string")
+    except ValueError as e:
+        raise _flag_error(e) from None
+    key = args.kv_events_key.encode() if args.kv_events_key else None
+    router = Router(
+        specs, args.policy, tokenizer, args.kv_weight, key, worker_key=args.worker_api_key
+    )
+    problems = check_workers(specs, tokenizer, headers=router.worker_headers)
     if problems:
         raise CliError("; ".join(problems))
-    key = args.kv_events_key.encode() if args.kv_events_key else None
-    router = Router(specs, args.policy, tokenizer, args.kv_weight, events_key=key)
-    app = build_router_app(router, args.health_interval)
+    app = build_router_app(router, args.health_interval, access)
     print(
         f"radixkv route: {args.policy} over {len(specs)} workers on "
         f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
@@ -439,6 +463,9 @@ def add_bench_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="multi-turn first message length [200]")  # fmt: skip
     b.add_argument("--message-words", type=positive_int, default=24,
                    help="multi-turn later messages [24]")  # fmt: skip
+    b.add_argument("--shared-system-words", type=_number(int, 0, "a non-negative integer"),
+                   default=0, help="multi-turn: one system message of this many words opens "
+                   "every conversation [0: none]")  # fmt: skip
     b.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     b.add_argument("--model", help="model id to send [the server's]")
     b.add_argument("--seed", type=_number(int, 0, "a non-negative integer"), default=0)

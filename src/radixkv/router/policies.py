@@ -15,10 +15,12 @@ APPROX_BALANCE_ABS = 64
 APPROX_BALANCE_REL = 1.5
 # Weight on prefill blocks in the kv cost. Dynamo's default overlap_score_weight is 1.0;
 # it lets one request in flight outweigh a whole cached conversation, so chats scatter
-# (measured: 3 replicas, multi-turn, hit rate 0.46 at 1.0 vs 0.69 at 4.0; Mooncake
-# conversation trace, 16 simulated replicas: 0.27 vs 0.34 at the same load balance).
+# (measured: 3 replicas, multi-turn, hit rate 0.46 at 1.0 vs 0.69 at 4.0). With the
+# worker's queued prefills in the weighted term, a high weight still balances: the queue
+# it weighs is the wait a request would see there (Mooncake conversation trace, 16
+# simulated replicas: hit 0.328 / 0.343 / 0.350 at weight 4 / 8 / 16, imbalance 1.03-1.05).
 DYNAMO_DEFAULT_WEIGHT = 1.0
-KV_OVERLAP_WEIGHT = 4.0
+KV_OVERLAP_WEIGHT = 16.0
 
 
 def round_robin(workers: Sequence[Hashable], turn: int) -> Hashable:
@@ -58,15 +60,22 @@ def kv(
     active_blocks: Mapping[Hashable, int],
     weight: float = KV_OVERLAP_WEIGHT,
     cached_blocks: Mapping[Hashable, int] | None = None,
+    queued_blocks: Mapping[Hashable, float] | None = None,
 ) -> Hashable:
-    """Dynamo's KV router: cost = weight x blocks to prefill after the worker's cached
-    overlap + blocks of the requests in flight there; the lowest cost wins. Ties (a cold
-    prompt on idle workers, above all) go to the worker caching the fewest blocks, so
-    new prefixes spread instead of piling onto the first worker."""
+    """Dynamo's KV router: cost = weight x (blocks the worker still has to prefill for
+    requests already sent to it + this request's blocks after the worker's cached
+    overlap) + blocks of the requests in flight there; the lowest cost wins.
+
+    The queued prefills make the weighted term the wait a request would see: a worker
+    holding a shared prefix (a system prompt) keeps its traffic until its queue costs
+    more than the prefix saves, and then an empty or restarted worker takes the next
+    request. Ties (a cold prompt on idle workers, above all) go to the worker caching
+    the fewest blocks, so new prefixes spread instead of piling onto the first worker."""
     cached = cached_blocks or {}
+    queued = queued_blocks or {}
 
     def cost(w: Hashable) -> tuple[float, int]:
-        prefill = request_blocks - overlap_blocks.get(w, 0)
+        prefill = queued.get(w, 0) + request_blocks - overlap_blocks.get(w, 0)
         return (weight * prefill + active_blocks.get(w, 0), cached.get(w, 0))
 
     return min(workers, key=cost)

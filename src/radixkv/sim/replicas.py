@@ -24,9 +24,10 @@ Routers:
                   of the request, the best match; else the replica with the smallest
                   tree. Each replica's tree holds what was routed to it, bounded by the
                   replica's capacity (LRU).
-    kv            Dynamo's KV router: cost = prefill blocks after the replica's cached
-                  overlap (known exactly, as events would report it) + blocks of the
-                  requests in flight there; the lowest cost wins.
+    kv            Dynamo's KV router: cost = weight x (blocks queued for prefill there
+                  + this request's blocks after the replica's cached overlap, known
+                  exactly, as events would report it) + blocks of the requests in
+                  flight there; the lowest cost wins.
     oracle        the replica with the longest cached prefix, load ignored (ties: the
                   emptiest cache). Not a bound when capacity is short: a prefix every
                   request shares (a system prompt) pulls all traffic to one replica,
@@ -72,6 +73,8 @@ class ReplicaResult:
     fleet_hit_rate: float = 0.0  # longest prefix any replica held / prompt tokens
     ttft_p50_s: float = 0.0  # time to first token: queued prefills + its own
     ttft_p90_s: float = 0.0
+    # the TTFT p90 no router could beat at this hit rate: a request's own prefill alone
+    own_prefill_p90_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,11 +118,12 @@ def simulate_replicas(
     reps = [_Replica(capacity_units) for _ in range(replicas)]
     choose = _ROUTERS[router]
     if router == "kv":
-        choose = functools.partial(_kv, w=kv_weight)
+        choose = functools.partial(_kv, w=kv_weight, rate=prefill_rate, unit=trace.block_size)
     turn = itertools.count()
     hit_tokens = prompt_tokens = prefill = fleet_tokens = 0
     peak = 0
     ttfts: list[float] = []
+    owns: list[float] = []
     for req in trace.requests:
         now = req.timestamp / 1000.0  # trace timestamps are milliseconds
         for r in reps:
@@ -135,6 +139,7 @@ def simulate_replicas(
         computed = req.prompt_tokens - hit_tok
         rep.prefill_free = max(rep.prefill_free, now) + computed / prefill_rate
         ttfts.append(rep.prefill_free - now)
+        owns.append(computed / prefill_rate)
         duration = computed / prefill_rate + req.output_tokens * decode_s
         rep.busy += duration
         blocks = len(req.units)
@@ -161,6 +166,7 @@ def simulate_replicas(
         fleet_hit_rate=fleet_tokens / prompt_tokens if prompt_tokens else 0.0,
         ttft_p50_s=_quantile(ttfts, 0.5),
         ttft_p90_s=_quantile(ttfts, 0.9),
+        own_prefill_p90_s=_quantile(owns, 0.9),
     )
 
 
@@ -204,8 +210,17 @@ def _approx(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) 
 
 
 def _kv(
-    reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int, w: float = KV_OVERLAP_WEIGHT
+    reps: list[_Replica],
+    req: SimRequest,
+    prompt: RadixKey,
+    turn: int,
+    w: float = KV_OVERLAP_WEIGHT,
+    rate: float = PREFILL_RATE,
+    unit: int = 1,
 ) -> int:
+    now = req.timestamp / 1000.0
+    # a router counts the prefills it sent that have not answered yet: here, the queue
+    queued = {i: max(0.0, r.prefill_free - now) * rate / unit for i, r in enumerate(reps)}
     return policies.kv(
         range(len(reps)),
         {i: r.cache.match_len(prompt) for i, r in enumerate(reps)},
@@ -213,6 +228,7 @@ def _kv(
         {i: r.active_blocks for i, r in enumerate(reps)},
         w,
         {i: r.cache.total_size() for i, r in enumerate(reps)},
+        queued,
     )
 
 
@@ -239,7 +255,8 @@ def print_replicas_table(results: list[ReplicaResult], console: Any, labels: dic
     first = results[0]
     table = Table(title=f"{first.trace}: {first.requests:,} requests over replicas")
     for col in ("replicas", "capacity each", "router", "fleet-available", "token hit rate",
-                "prefill tokens", "TTFT p50 / p90", "load imbalance", "max in flight"):  # fmt: skip
+                "prefill tokens", "TTFT p50 / p90", "own prefill p90", "load imbalance",
+                "max in flight"):  # fmt: skip
         table.add_column(col, justify="left" if col == "router" else "right")
     for r in results:
         table.add_row(
@@ -250,6 +267,7 @@ def print_replicas_table(results: list[ReplicaResult], console: Any, labels: dic
             f"{r.token_hit_rate:.4f}",
             f"{r.prefill_tokens:,}",
             f"{r.ttft_p50_s * 1e3:,.0f} / {r.ttft_p90_s * 1e3:,.0f} ms",
+            f"{r.own_prefill_p90_s * 1e3:,.0f} ms",
             f"{r.load_imbalance:.2f}",
             str(r.max_in_flight),
         )
