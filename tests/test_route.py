@@ -3,6 +3,7 @@ over two real tiny-model servers publishing KV events."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -40,8 +41,12 @@ def test_kv_cost_weighs_overlap_against_load():
     w1 = policies.DYNAMO_DEFAULT_WEIGHT
     assert policies.kv([A, B], {A: 15}, 20, {A: 12, B: 0}, weight=w1) == A  # 17 < 20
     assert policies.kv([A, B], {A: 15}, 20, {A: 30, B: 0}, weight=w1) == B  # 35 > 20
-    assert policies.kv([A, B], {A: 15}, 20, {A: 30, B: 0}) == A  # weight 4: 20 + 30 < 80
-    assert policies.kv([A, B], {A: 15}, 20, {A: 70, B: 0}) == B  # 20 + 70 > 80
+    assert policies.kv([A, B], {A: 15}, 20, {A: 30, B: 0}, weight=4) == A  # 20 + 30 < 80
+    assert policies.kv([A, B], {A: 15}, 20, {A: 70, B: 0}, weight=4) == B  # 20 + 70 > 80
+    # the worker's queued prefills weigh like its own: a holder whose queue costs more
+    # than the prefix saves loses the request to an empty worker (B: 16 x 20 = 320)
+    assert policies.kv([A, B], {A: 15}, 20, {}, queued_blocks={A: 14}) == A  # 304 < 320
+    assert policies.kv([A, B], {A: 15}, 20, {}, queued_blocks={A: 16}) == B  # 336 > 320
     # equal cost: the worker caching fewer blocks takes a cold prompt
     assert policies.kv([A, B, C], {}, 10, {}, cached_blocks={A: 9, B: 3, C: 5}) == B
 
@@ -145,9 +150,9 @@ def fleet():
         w.stop()
 
 
-def complete(url: str, prompt: str, **kw) -> httpx.Response:
+def complete(url: str, prompt: str, headers: dict | None = None, **kw) -> httpx.Response:
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, **kw}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60, headers=headers)
 
 
 def test_a_shared_prefix_lands_where_it_is_cached(fleet):
@@ -410,3 +415,135 @@ def test_route_refuses_workers_it_would_misroute(fleet, tmp_path, capsys):
     assert "page sizes differ" in capsys.readouterr().err
     card = httpx.get(f"{workers[0].url}/v1/models").json()["data"][0]
     assert card["radixkv"]["page_size"] == 4 and len(card["radixkv"]["tokenizer"]) == 16
+
+
+def test_a_restarted_worker_gets_traffic_again_under_load():
+    """A worker restarted empty, beside one holding the chat template and a shared system
+    line, is chosen again once the holder is loaded (finding: 0 of 12 after a restart)."""
+    import asyncio
+
+    ports = [free_port_pair() for _ in range(2)]
+    workers = [ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=60)
+               for p in ports]  # fmt: skip
+    specs = [f"{w.url},tcp://127.0.0.1:{p}" for w, p in zip(workers, ports, strict=True)]
+    router = Router(specs)
+    system = "You are a helpful assistant for the routing tests."
+
+    async def chats(first: int, n: int) -> list[str]:
+        async def one(c: httpx.AsyncClient, i: int) -> str:
+            r = await c.post(f"{router.url}/v1/chat/completions", json={
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": f"question {i}: " + "why " * 12}],
+                "max_tokens": 48, "temperature": 0, "ignore_eos": True})  # fmt: skip
+            assert r.status_code == 200
+            return r.headers["x-radixkv-worker"]
+
+        async with httpx.AsyncClient(timeout=60) as c:
+            sem = asyncio.Semaphore(4)  # four at a time: the fleet is under load
+
+            async def bounded(i: int) -> str:
+                async with sem:
+                    return await one(c, i)
+
+            return list(await asyncio.gather(*(bounded(i) for i in range(first, first + n))))
+
+    try:
+        asyncio.run(chats(0, 8))
+        victim = workers[1]
+        victim.proc.kill()
+        victim.proc.wait()
+        asyncio.run(chats(100, 4))  # the router sees it gone; the other holds everything
+        workers[1] = ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{ports[1]}",
+                                   timeout=60, port=victim.port)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not all(w["alive"] for w in httpx.get(f"{router.url}/route/state").json()["workers"]):
+            assert time.monotonic() < deadline, "the router never saw the restarted worker"
+            time.sleep(0.1)
+        after = asyncio.run(chats(200, 16))
+        assert after.count(victim.url) >= 2, after
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+
+
+def test_workers_with_another_model_behind_one_tokenizer_are_refused(tmp_path, capsys):
+    """Same tokenizer, other weights: the same prompt would not mean the same KV."""
+    from test_checkpoints import hf_folder
+    from test_identity import save_checkpoint
+
+    from radixkv.engine.model import ModelConfig
+    from radixkv.engine.weights import random_model
+
+    one, two = hf_folder(tmp_path / "one"), hf_folder(tmp_path / "two")
+    vocab = json.loads((two / "config.json").read_text())["vocab_size"]
+    save_checkpoint(random_model(ModelConfig(vocab_size=vocab), seed=3), tmp_path / "w")
+    (tmp_path / "w" / "model.safetensors").replace(two / "model.safetensors")
+    with ServerProcess("--model", str(one), timeout=60) as a, \
+         ServerProcess("--model", str(two), timeout=60) as b:  # fmt: skip
+        cards = [httpx.get(f"{w.url}/v1/models").json()["data"][0]["radixkv"] for w in (a, b)]
+        assert cards[0]["tokenizer"] == cards[1]["tokenizer"]
+        assert cards[0]["model"] != cards[1]["model"] and len(cards[0]["model"]) == 32
+        args = ["route", "--port", str(free_port_pair()), "--model", str(one)]
+        assert main([*args, "--worker", a.url, "--worker", b.url]) == 2
+        assert "serve different models" in capsys.readouterr().err
+
+
+def test_workers_join_and_leave_at_run_time_with_the_admin_key():
+    ports = [free_port_pair() for _ in range(2)]
+    workers = [ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=60)
+               for p in ports]  # fmt: skip
+    first = f"{workers[0].url},tcp://127.0.0.1:{ports[0]}"
+    router = ServerProcess("--model", "random", "--worker", first, "--admin-key", "adm",
+                           "--api-key", "usr", command="route", timeout=60)  # fmt: skip
+    admin = {"authorization": "Bearer adm"}
+    user = {"authorization": "Bearer usr"}
+    new = {"url": workers[1].url, "events": f"tcp://127.0.0.1:{ports[1]}"}
+    try:
+        # the API key guards the proxy; the admin key, and only it, changes the fleet
+        assert complete(router.url, "no key").status_code == 401
+        assert httpx.post(f"{router.url}/workers", json=new, headers=user).status_code == 401
+        assert httpx.get(f"{router.url}/workers", headers=user).status_code == 401
+        r = httpx.post(f"{router.url}/workers", json=new, headers=admin)
+        assert r.status_code == 201 and r.json()["id"] == workers[1].url.split("://")[1]
+        again = httpx.post(f"{router.url}/workers", json=new, headers=admin)
+        assert again.status_code == 409 and again.json()["error"]["code"] == "worker_exists"
+        bad = httpx.post(f"{router.url}/workers", json={"url": "127.0.0.1:1"}, headers=admin)
+        assert bad.status_code == 400 and "worker" in bad.json()["error"]["message"]
+        with ServerProcess(*WORKER[:2], "--page-size", "16", timeout=60) as odd:
+            r = httpx.post(f"{router.url}/workers", json={"url": odd.url}, headers=admin)
+            assert r.status_code == 400 and "page sizes differ" in r.json()["error"]["message"]
+        listed = httpx.get(f"{router.url}/workers", headers=admin).json()["workers"]
+        assert [w["url"] for w in listed] == [workers[0].url, workers[1].url]
+        # the new worker takes traffic (round robin would; kv spreads cold prompts)
+        seen = {complete(router.url, f"{i} " + chr(65 + i) * 40, headers=user).headers[
+            "x-radixkv-worker"] for i in range(4)}  # fmt: skip
+        assert seen == {workers[0].url, workers[1].url}
+        gone = httpx.delete(f"{router.url}/workers/{listed[0]['id']}", headers=admin)
+        assert gone.status_code == 200
+        seen = {complete(router.url, f"after {i}", headers=user).headers["x-radixkv-worker"]
+                for i in range(3)}  # fmt: skip
+        assert seen == {workers[1].url}
+        state = httpx.get(f"{router.url}/route/state", headers=user).json()
+        assert [w["url"] for w in state["workers"]] == [workers[1].url]
+        last = httpx.delete(f"{router.url}/workers/{listed[1]['id']}", headers=admin)
+        assert last.status_code == 409
+        assert httpx.delete(f"{router.url}/workers/nowhere:1", headers=admin).status_code == 404
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+
+
+def test_a_router_without_an_admin_key_cannot_be_reconfigured_and_reaches_keyed_workers():
+    with ServerProcess(*WORKER, "--api-key", "wk", timeout=60) as worker:
+        router = ServerProcess("--model", "random", "--worker", worker.url,
+                               "--worker-api-key", "wk", command="route", timeout=60)  # fmt: skip
+        try:
+            r = httpx.post(f"{router.url}/workers", json={"url": "http://127.0.0.1:1"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+            r = complete(router.url, "through the router to a keyed worker")
+            assert r.status_code == 200 and r.headers["x-radixkv-worker"] == worker.url
+            assert complete(worker.url, "directly, without the key").status_code == 401
+        finally:
+            router.stop()

@@ -224,16 +224,13 @@ class Engine:
         self._aborted: list[EngineReq] = []  # aborted since the last step (reported once)
         self._events: Any = None  # (collector, publish) once KV events are on
         self.tier: Any = None  # host pool and shared store (radixkv.storage), if any
+        self._source_files = getattr(net, "source_files", None)
+        self._identity: bytes | None = None
         if cfg.storage is not None or cfg.host_tokens:
-            from radixkv.engine.weights import cache_dir
-            from radixkv.storage.identity import model_identity
             from radixkv.storage.store import open_store
             from radixkv.storage.tier import KVTiers
 
-            identity = model_identity(
-                self.model, cfg.dtype, cfg.page_size, self.tokenizer,
-                getattr(net, "source_files", None), cache_dir(),
-            )  # fmt: skip
+            identity = self.model_identity()
             secret = cfg.storage_secret or os.environ.get("RADIXKV_STORAGE_SECRET") or None
             store = open_store(cfg.storage) if cfg.storage is not None else None
             self.tier = KVTiers(
@@ -241,6 +238,20 @@ class Engine:
                 cfg.write_policy, secret.encode() if secret else None,
             )  # fmt: skip
             self.scheduler.prefetch = self._prefetch
+
+    def model_identity(self) -> bytes:
+        """16 bytes naming what this engine's KV means (weights, config, dtype, page
+        size, tokenizer: `radixkv.storage.identity`), computed once."""
+        if self._identity is None:
+            from radixkv.engine.weights import cache_dir
+            from radixkv.storage.identity import model_identity
+
+            cfg = self.engine_config
+            self._identity = model_identity(
+                self.model, cfg.dtype, cfg.page_size, self.tokenizer, self._source_files,
+                cache_dir(),
+            )  # fmt: skip
+        return self._identity
 
     def _prefetch(self, r: EngineReq) -> None:
         def alloc(n: int) -> Any:

@@ -9,8 +9,10 @@ request body unchanged, streaming the answer back byte for byte; the response ca
 
     round_robin, least_load (requests in flight through this router),
     approx  SGLang router's cache-aware policy over a tree of the prompts it routed,
-    kv      (default) Dynamo's cost over the event-fed index: prefill blocks after the
-            worker's cached overlap + blocks of the requests in flight there. A prompt
+    kv      (default) Dynamo's cost over the event-fed index: weight x (blocks still to
+            prefill for requests sent to the worker that have not answered yet + this
+            prompt's blocks after the worker's cached overlap) + blocks of the requests
+            in flight there. A prompt
             routed in the last PENDING_S seconds counts as cached on its worker until
             the worker's events arrive (they follow the request by a step or more, and
             a chat's next turn often comes first).
@@ -52,6 +54,7 @@ from radixkv.events import KVEventBatch, replay_endpoint, salt_tag
 from radixkv.key import RadixKey
 from radixkv.router import policies
 from radixkv.router.index import KvIndex
+from radixkv.server.access import Access, AccessMiddleware
 from radixkv.tree import RadixCache
 
 log = logging.getLogger("radixkv.router")
@@ -60,6 +63,7 @@ APPROX_TREE_TOKENS = 1 << 22  # per worker; the oldest routed prompts are evicte
 # events (which follow the request by a step or more) make the index say so
 PENDING_S = 10.0
 FORWARDED_HEADERS = ("content-type", "retry-after")
+ADMIN_PATHS = ("/workers",)  # changing the fleet: the router's --admin-key only
 
 
 @dataclass
@@ -91,6 +95,7 @@ class Worker:
     alive: bool = True
     in_flight: int = 0
     active_blocks: int = 0
+    queued_blocks: int = 0  # prefill blocks of requests sent here, not answered yet
     routed: RadixCache = field(default_factory=lambda: RadixCache(page_size=1))
     pending: deque = field(default_factory=deque)  # (expiry, RadixKey) of recent routes
 
@@ -108,21 +113,45 @@ class Worker:
     def url(self) -> str:
         return self.spec.url
 
+    @property
+    def id(self) -> str:
+        """``HOST:PORT``: how ``/workers/{id}`` names it."""
+        return self.spec.url.split("://", 1)[1]
 
-def check_workers(specs: list[WorkerSpec], tokenizer: Tokenizer, timeout: float = 5.0) -> list[str]:
+
+@dataclass
+class Choice:
+    """A routing decision: the worker, the blocks the index says it holds, the most any
+    alive worker holds (fleet-available), and the blocks it must prefill (its overlap
+    counts what was routed there lately)."""
+
+    worker: Worker
+    held: int
+    fleet: int
+    prefill: int
+
+
+def check_workers(
+    specs: list[WorkerSpec],
+    tokenizer: Tokenizer,
+    timeout: float = 5.0,
+    headers: dict[str, str] | None = None,
+) -> list[str]:
     """What makes a worker unfit to route to, read from its ``/v1/models``: a tokenizer
     other than the router's (every overlap would be computed on other token ids, and be
-    0), or a page size other than the other workers'. Workers that do not answer, or do
-    not say (a vLLM), are passed over with a warning; the index still checks their
-    events' block size."""
+    0), a page size other than the other workers', or another model (weights, config,
+    dtype: the same prompt would not mean the same KV, so routing by cached prefix would
+    mix models). Workers that do not answer, or do not say (a vLLM), are passed over
+    with a warning; the index still checks their events' block size."""
     from radixkv.engine.tokenizer import tokenizer_fingerprint
 
     mine = tokenizer_fingerprint(tokenizer)
-    problems, pages = [], {}
+    problems, pages, models = [], {}, {}
     for spec in specs:
         try:
-            card = httpx.get(f"{spec.url}/v1/models", timeout=timeout).json()["data"][0]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+            r = httpx.get(f"{spec.url}/v1/models", timeout=timeout, headers=headers)
+            card = r.json()["data"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
             log.warning("worker %s: cannot read /v1/models (%s); not checked", spec.url, e)
             continue
         info = card.get("radixkv") if isinstance(card, dict) else None
@@ -135,8 +164,12 @@ def check_workers(specs: list[WorkerSpec], tokenizer: Tokenizer, timeout: float 
                 f"the router with {mine}: give route --model the workers' model"
             )
         pages[spec.url] = info.get("page_size")
+        if info.get("model") is not None:
+            models[spec.url] = f"{card.get('id')} {str(info['model'])[:16]}"
     if len(set(pages.values())) > 1:
         problems.append(f"the workers' page sizes differ: {pages}")
+    if len(set(models.values())) > 1:
+        problems.append(f"the workers serve different models (id and identity): {models}")
     return problems
 
 
@@ -164,6 +197,7 @@ class Router:
         tokenizer: Tokenizer,
         kv_weight: float = policies.KV_OVERLAP_WEIGHT,
         events_key: bytes | None = None,
+        worker_key: str | None = None,
     ) -> None:
         if policy not in policies.POLICIES:
             raise ValueError(f"policy must be one of {policies.POLICIES}, got {policy!r}")
@@ -172,10 +206,13 @@ class Router:
         self.workers = [Worker(s) for s in specs]
         self.policy, self.tokenizer, self.kv_weight = policy, tokenizer, kv_weight
         self.events_key = events_key  # the workers' key for namespace tags (salt_tag)
+        # what the router sends the workers (their --api-key), never the client's key
+        self.worker_headers = {"authorization": f"Bearer {worker_key}"} if worker_key else {}
         self.index = KvIndex()
         self._index_lock = threading.Lock()  # subscriber threads write, handlers read
         self._turn = itertools.count()
-        self.subscribers: list[Any] = []
+        self.subscribers: dict[str, Any] = {}  # worker URL -> its EventSubscriber
+        self._events_on = False
         self.registry = CollectorRegistry()
         self.m_requests = Counter("radixkv_router:requests", "Requests routed",
                                   ["worker", "policy"], registry=self.registry)  # fmt: skip
@@ -210,21 +247,61 @@ class Router:
 
     # --- events -------------------------------------------------------------------------
     def start_events(self) -> None:
+        self._events_on = True
+        for w in self.workers:
+            self._subscribe(w)
+
+    def _subscribe(self, w: Worker) -> None:
         from radixkv.router.subscriber import EventSubscriber
 
-        for w in self.workers:
-            if w.spec.events:
-                self.subscribers.append(
-                    EventSubscriber(w.url, w.spec.events, w.spec.replay, self._apply)
-                )
+        if self._events_on and w.spec.events:
+            self.subscribers[w.url] = EventSubscriber(
+                w.url, w.spec.events, w.spec.replay, self._apply
+            )
 
     def _apply(self, worker: Hashable, batch: KVEventBatch) -> None:
         with self._index_lock:
             self.index.apply(worker, batch)
 
     def stop_events(self) -> None:
-        for s in self.subscribers:
+        self._events_on = False
+        for s in self.subscribers.values():
             s.close()
+
+    # --- membership ---------------------------------------------------------------------
+    def find(self, worker_id: str) -> Worker | None:
+        """The worker whose id (``HOST:PORT``) or URL is ``worker_id``."""
+        for w in self.workers:
+            if worker_id in (w.id, w.url):
+                return w
+        return None
+
+    def add_worker(self, spec: WorkerSpec) -> Worker:
+        """Route to ``spec`` from now on (following its events, if it has any).
+
+        Raises:
+            ValueError: the router already has a worker at that address.
+        """
+        if self.find(spec.url) is not None or self.find(Worker(spec).id) is not None:
+            raise ValueError(f"the router already has the worker {spec.url}")
+        w = Worker(spec)
+        self.workers.append(w)
+        self.m_alive.labels(w.url).set(1)
+        self._subscribe(w)
+        log.warning("worker %s added", w.url)
+        return w
+
+    def remove_worker(self, w: Worker) -> None:
+        """Stop routing to ``w`` and forget what the index knew of it. Requests already
+        there finish; their answers still reach the clients."""
+        self.workers.remove(w)
+        sub = self.subscribers.pop(w.url, None)
+        if sub is not None:
+            sub.close()  # no batch of w's lands in the index after this
+        with self._index_lock:
+            self.index.remove_worker(w.url)
+        self.m_alive.labels(w.url).set(0)
+        log.warning("worker %s removed", w.url)
 
     # --- choosing -----------------------------------------------------------------------
     def tokens(self, path: str, body: dict) -> list[int]:
@@ -247,8 +324,8 @@ class Router:
         except (KeyError, TypeError, ValueError, AttributeError):
             return []
 
-    def choose(self, tokens: list[int], salt: Any, max_tokens: int) -> tuple[Worker, int, int]:
-        """(worker, the index's cached blocks there, the most any alive worker holds)."""
+    def choose(self, tokens: list[int], salt: Any) -> Choice:
+        """The worker for a prompt, with what the index says about it."""
         alive = [w for w in self.workers if w.alive] or self.workers
         in_flight = {w: w.in_flight for w in alive}
         with self._index_lock:
@@ -277,10 +354,11 @@ class Router:
                 cached = {x: self.index.num_blocks(x.url) for x in alive}
             w = policies.kv(
                 alive, overlap, len(tokens) // size, {x: x.active_blocks for x in alive},
-                self.kv_weight, cached,
+                self.kv_weight, cached, {x: x.queued_blocks for x in alive},
             )  # fmt: skip
             w.pending.append((now + PENDING_S, key))
-        return w, held.get(w, 0), max(held.values(), default=0)
+        fleet, size = max(held.values(), default=0), self.index.block_size or 16
+        return Choice(w, held.get(w, 0), fleet, len(tokens) // size - overlap.get(w, 0))
 
     def _remember(self, w: Worker, key: RadixKey) -> None:
         over = w.routed.total_size() + len(key) - APPROX_TREE_TOKENS
@@ -294,6 +372,11 @@ class Router:
         w.in_flight += sign
         w.active_blocks += sign * blocks
         self.m_in_flight.labels(w.url).set(w.in_flight)
+
+    def queue(self, w: Worker, blocks: int, sign: int = 1) -> None:
+        """Count (1) or release (-1) the prefill blocks of a request sent to ``w`` until
+        its answer starts (``radixkv serve`` answers after the first token)."""
+        w.queued_blocks += sign * blocks
 
     def mark_dead(self, w: Worker, why: str) -> None:
         if w.alive:
@@ -310,17 +393,25 @@ class Router:
         self.m_alive.labels(w.url).set(1)
 
 
-def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
-    """The proxy app. Its lifespan starts the event subscribers and the health loop."""
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+def build_router_app(
+    router: Router, health_interval: float = 1.0, access: Access | None = None
+) -> FastAPI:
+    """The proxy app. Its lifespan starts the event subscribers and the health loop.
+    ``access``: who may reach it (`radixkv.server.access`; admin paths are ``/workers``:
+    without an admin key, the fleet cannot be changed at run time)."""
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(None, connect=5.0), headers=router.worker_headers
+    )
 
     async def health_loop() -> None:
         while True:
-            for w in router.workers:
+            for w in list(router.workers):
                 try:
                     ok = (await client.get(f"{w.url}/health", timeout=2.0)).status_code == 200
                 except httpx.HTTPError:
                     ok = False
+                if w not in router.workers:
+                    continue  # removed meanwhile
                 if ok:
                     router.mark_alive(w)
                 else:
@@ -339,6 +430,7 @@ def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
             await client.aclose()
 
     app = FastAPI(title="radixkv route", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(AccessMiddleware, access=access or Access(admin_paths=ADMIN_PATHS))
     app.state.router = router
 
     def error(status: int, message: str, code: str | None = None) -> JSONResponse:
@@ -359,13 +451,15 @@ def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
         max_tokens = max_tokens if isinstance(max_tokens, int) else 16
         size = router.index.block_size or 16
         blocks = (len(tokens) + max_tokens) // size
-        first, overlap, fleet = router.choose(tokens, salt, max_tokens)
-        router.charge(first, blocks)  # counted now: the next choice sees this request
+        choice = router.choose(tokens, salt)
+        first = choice.worker
         order = [first] + [w for w in router.workers if w is not first and w.alive]
         streamed = body.get("stream") is True
         for attempt, w in enumerate(order):
-            if w is not first:
-                router.charge(w, blocks)  # the load moves with the retry
+            # counted now, so the next choice sees this request; the load moves with a retry
+            prefill = choice.prefill if w is first else len(tokens) // size
+            router.charge(w, blocks)
+            router.queue(w, prefill)
             try:
                 upstream = await client.send(
                     client.build_request(
@@ -377,24 +471,28 @@ def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
                     stream=True,
                 )
             except httpx.TransportError as e:
+                router.queue(w, prefill, -1)
                 router.charge(w, blocks, -1)
                 router.mark_dead(w, f"{type(e).__name__}: {e}")
                 router.m_retries.labels(w.url).inc()
                 continue
             except BaseException:
+                router.queue(w, prefill, -1)
                 router.charge(w, blocks, -1)
                 raise
+            router.queue(w, prefill, -1)  # the answer started: its prefill is done
             if upstream.status_code >= 500 and attempt + 1 < len(order):
                 await upstream.aclose()  # busy or broken before answering: next worker
                 router.charge(w, blocks, -1)
                 router.m_retries.labels(w.url).inc()
                 continue
             router.m_requests.labels(w.url, router.policy).inc()
-            router.m_overlap.labels(w.url).inc(overlap if w is first else 0)
+            overlap = choice.held if w is first else 0
+            router.m_overlap.labels(w.url).inc(overlap)
             router.m_blocks.inc(len(tokens) // size)
             router.m_prompt.inc(len(tokens))
-            router.m_fleet.inc(min(len(tokens), fleet * size))
-            router.m_captured.inc(min(len(tokens), (overlap if w is first else 0) * size))
+            router.m_fleet.inc(min(len(tokens), choice.fleet * size))
+            router.m_captured.inc(min(len(tokens), overlap * size))
             sse = streamed and upstream.status_code == 200
 
             async def relay(
@@ -454,6 +552,53 @@ def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
 
+    # --- the fleet at run time (admin: needs the router's --admin-key) -------------------
+    def describe(w: Worker) -> dict:
+        return {"id": w.id, "url": w.url, "events": w.spec.events, "alive": w.alive}
+
+    @app.get("/workers")
+    async def list_workers() -> dict:
+        return {"workers": [describe(w) for w in router.workers]}
+
+    @app.post("/workers")
+    async def add_worker(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return error(400, f"the body is not valid JSON: {e}")
+        url = body.get("url") if isinstance(body, dict) else None
+        events = body.get("events") if isinstance(body, dict) else None
+        if not isinstance(url, str) or not (events is None or isinstance(events, str)):
+            return error(400, 'send {"url": "http://HOST:PORT", "events": "tcp://HOST:PORT"} '
+                         "(events optional)", "invalid_worker")  # fmt: skip
+        try:
+            spec = WorkerSpec.parse(url if events is None else f"{url},{events}")
+        except ValueError as e:
+            return error(400, str(e), "invalid_worker")
+        if router.find(spec.url) is not None:
+            return error(409, f"the router already has the worker {spec.url}", "worker_exists")
+        others = [w.spec for w in router.workers]
+        problems = await asyncio.to_thread(
+            check_workers, [*others, spec], router.tokenizer, 5.0, router.worker_headers
+        )
+        if problems:
+            return error(400, "; ".join(problems), "worker_mismatch")
+        try:
+            w = router.add_worker(spec)
+        except ValueError as e:  # added meanwhile by another request
+            return error(409, str(e), "worker_exists")
+        return JSONResponse(describe(w), status_code=201)
+
+    @app.delete("/workers/{worker_id:path}")
+    async def remove_worker(worker_id: str) -> Response:
+        w = router.find(worker_id)
+        if w is None:
+            return error(404, f"no worker {worker_id!r}: GET /workers lists them", "no_worker")
+        if len(router.workers) == 1:
+            return error(409, "that is the last worker: add another first", "last_worker")
+        await asyncio.to_thread(router.remove_worker, w)
+        return JSONResponse(describe(w))
+
     @app.get("/route/state")
     async def state() -> dict:
         return {
@@ -464,6 +609,7 @@ def build_router_app(router: Router, health_interval: float = 1.0) -> FastAPI:
                     "url": w.url,
                     "alive": w.alive,
                     "in_flight": w.in_flight,
+                    "queued_blocks": w.queued_blocks,
                     "indexed_blocks": router.index.num_blocks(w.url),
                 }
                 for w in router.workers

@@ -8,8 +8,9 @@ Checked before the app reads a byte of the body, in this order:
   ``--allowed-hosts`` replaces the list.
 * **Keys** (vLLM's scheme): with an API key, every path but ``/health`` needs
   ``Authorization: Bearer KEY`` (compared in constant time); otherwise 401. Admin
-  endpoints (``/flush_cache``) need the admin key, always: without ``--admin-key`` they
-  answer 403, so an open API never lets a stranger flush the cache.
+  endpoints (``/flush_cache`` on a server, ``/workers`` and below on a router) need the
+  admin key, always: without ``--admin-key`` they answer 403, so an open API never lets
+  a stranger flush the cache or change the fleet.
 * **Content type**: a POST to ``/v1/...`` must be ``application/json`` (415 otherwise).
   A browser sends a cross-origin ``text/plain`` POST without asking first; it cannot send
   JSON that way.
@@ -29,7 +30,7 @@ from typing import Any
 from radixkv.server.protocol import ApiError
 
 OPEN_PATHS = frozenset({"/health"})
-ADMIN_PATHS = frozenset({"/flush_cache"})
+ADMIN_PATHS = ("/flush_cache",)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
@@ -43,12 +44,17 @@ class Access:
         admin_key: the key admin endpoints need (``None``: they are refused).
         max_request_bytes: the largest request body accepted.
         allowed_hosts: host names a request's ``Host`` may name (``None``: any).
+        admin_paths: paths that need the admin key, each with everything below it.
     """
 
     api_key: str | None = None
     admin_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     allowed_hosts: tuple[str, ...] | None = None
+    admin_paths: tuple[str, ...] = ADMIN_PATHS
+
+    def is_admin(self, path: str) -> bool:
+        return any(path == p or path.startswith(p + "/") for p in self.admin_paths)
 
     def __post_init__(self) -> None:
         for name in ("api_key", "admin_key"):
@@ -109,7 +115,7 @@ class AccessMiddleware:
             if host not in access.allowed_hosts:
                 raise ApiError(400, f"the Host header {host!r} is not allowed here", "Host",
                                "invalid_host")  # fmt: skip
-        if path in ADMIN_PATHS:
+        if access.is_admin(path):
             if access.admin_key is None:
                 raise ApiError(403, f"{path} is an admin endpoint: start the server with "
                                "--admin-key to use it", code="admin_disabled",

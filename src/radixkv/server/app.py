@@ -403,6 +403,7 @@ def build_app(
             if owns_engine:
                 await aeng.stop()
 
+    aeng.engine.model_identity()  # now, not on the event loop when /v1/models first asks
     app = FastAPI(title="radixkv", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(AccessMiddleware, access=access or Access())
     api = Api(aeng, model_name)
@@ -542,6 +543,9 @@ def build_app(
             "radixkv": {
                 "page_size": engine.cache.page_size,
                 "tokenizer": tokenizer_fingerprint(engine.tokenizer),
+                # weights, config, dtype, page size and tokenizer as 32 hex digits:
+                # workers with equal ones compute the same KV for the same tokens
+                "model": engine.model_identity().hex(),
             },
         }
 

@@ -54,6 +54,7 @@ class ServerProcess:
         command: ``serve`` or ``route``.
         timeout: seconds to wait for the server (a first SmolLM2 run converts its GGUF).
         stderr: where the server's standard error goes (``subprocess.PIPE`` to read it).
+        port: the port to serve on (a restart on its predecessor's port) [a free one].
 
     Raises:
         RuntimeError: the server exited or did not answer in time.
@@ -65,8 +66,9 @@ class ServerProcess:
         command: str = "serve",
         timeout: float = 120,
         stderr: int | IO[Any] | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "radixkv.cli", command, "--port", str(self.port), *args],
