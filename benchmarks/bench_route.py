@@ -1,12 +1,19 @@
-"""`radixkv route` on real processes: three `radixkv serve` replicas (tiny random model)
-publishing KV events, the router in front, a multi-turn workload from bench-serve, once
-per policy.
+"""`radixkv route` against SGLang's router on real processes: three `radixkv serve`
+replicas (tiny random model) publishing KV events, a router in front, bench-serve's
+multi-turn chats, once per router and workload, repeated ``--runs`` times.
 
-    python benchmarks/bench_route.py [--conversations 12 --turns 4 --json out.json]
+    python benchmarks/bench_route.py [--runs 2 --workloads chats,system,pressure]
 
-Between policies every replica's cache is flushed (the router hears it as events) and a
-new router starts, so each policy starts cold. Reported: the replicas' prefix-cache hit
-rate and prompt tokens computed (from their /metrics), and time to first token.
+Workloads: ``chats`` (multi-turn, nothing shared between conversations), ``system`` (the
+same with one shared system prompt), ``pressure`` (each replica's KV pool about a quarter
+of the working set, so caches churn and a router that does not hear evictions goes
+stale). Routers: every radixkv policy, and SGLang's router (``sglang-router``,
+``cache_aware``) when ``../shared/peers/setup.sh router`` has built it (``--peer``).
+
+Between routers every replica's cache is flushed (the router hears it as events) and a
+new router starts, so each starts cold. Reported: the replicas' prefix-cache hit rate and
+prompt tokens computed (their /metrics), TTFT, imbalance (the busiest replica's requests
+over the mean), and for radixkv the reuse decomposed (available / captured / delivered).
 """
 
 from __future__ import annotations
@@ -14,7 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -23,20 +34,22 @@ from radixkv.server.bench_serve import BenchConfig, run_bench
 from radixkv.server.process import ServerProcess, free_port_pair
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORKER = ["--model", "random", "--page-size", "16", "--kv-tokens", "65536", "--max-running", "16",
+WORKER = ["--model", "random", "--page-size", "16", "--max-running", "16",
           "--max-context-len", "8192", "--chunk-size", "2048",
           "--admin-key", "bench-admin"]  # fmt: skip
+KV_TOKENS = 65536  # per replica; the pressure workload's is a quarter of its working set
+PEER = Path.home() / ".cache" / "radixkv-peers" / "router" / "bin" / "python"
+WORKLOADS = ("chats", "system", "pressure")
 ADMIN = {"Authorization": "Bearer bench-admin"}  # /flush_cache is an admin endpoint
 POLICIES = ("round_robin", "least_load", "approx", "kv")
 
 
-def worker_totals(urls: list[str]) -> dict[str, float]:
+def worker_totals(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for url in urls:
-        for line in httpx.get(f"{url}/metrics").text.splitlines():
-            m = re.match(r"radixkv:(\w+_total)\{[^}]*\} ([0-9.e+-]+)$", line)
-            if m:
-                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        m = re.match(r"radixkv:(\w+_total)\{[^}]*\} ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
 
@@ -49,18 +62,129 @@ REUSE = (
 
 
 def router_totals(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    out: dict[str, float] = {}
+    text = httpx.get(f"{url}/metrics").text
+    for line in text.splitlines():
         m = re.match(r"radixkv_router:(\w+)_total ([0-9.e+-]+)$", line)
         if m and m.group(1) in REUSE:
             out[m.group(1)] = float(m.group(2))
     return out
 
 
-def start_router(specs: list[str], policy: str, weight: float) -> ServerProcess:
+def start_router(specs: list[str], policy: str, weight: float | None) -> ServerProcess:
     args = [a for s in specs for a in ("--worker", s)]
-    return ServerProcess("--model", "random", "--policy", policy, "--kv-weight", str(weight),
-                         *args, command="route")  # fmt: skip
+    if weight is not None:
+        args += ["--kv-weight", str(weight)]
+    return ServerProcess("--model", "random", "--policy", policy, *args, command="route")
+
+
+class PeerRouter:
+    """SGLang's router (``sglang_router.launch_router``, ``cache_aware``) on a free port."""
+
+    def __init__(self, python: Path, urls: list[str], timeout: float = 60) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [str(python), "-m", "sglang_router.launch_router", "--worker-urls", *urls,
+             "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port),
+             "--log-level", "warn"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("sglang-router did not answer in time")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def working_set_tokens(args: argparse.Namespace) -> int:
+    """Tokens of every conversation's last turn (each holds its whole history), roughly:
+    words are ~1.5 tokens under the random model's byte-level tokenizer, plus answers."""
+    words = args.first_words + (args.turns - 1) * args.message_words + args.system_words
+    return args.conversations * int(words * 6 + args.turns * args.max_tokens)
+
+
+def run_one(args: argparse.Namespace, workload: str, router: str, workers: list, specs: list[str],
+            model: str) -> dict:  # fmt: skip
+    urls = [w.url for w in workers]
+    for url in urls:
+        httpx.post(f"{url}/flush_cache", headers=ADMIN).raise_for_status()
+    peer = router == "sglang:cache_aware"
+    proc = PeerRouter(args.peer, urls) if peer else start_router(specs, router, args.kv_weight)
+    try:
+        before = {u: worker_totals(u) for u in urls}
+        cfg = BenchConfig(
+            url=proc.url, workload="multi-turn", conversations=args.conversations,
+            turns=args.turns, first_words=args.first_words, message_words=args.message_words,
+            max_tokens=args.max_tokens, num_prompts=args.conversations * args.turns,
+            max_concurrency=args.concurrency, time_limit=900, model=model,
+            shared_system_words=args.system_words if workload == "system" else 0,
+        )  # fmt: skip
+        reused = {} if peer else router_totals(proc.url)
+        rep = asyncio.run(run_bench(cfg))
+        after = {u: worker_totals(u) for u in urls}
+        if not peer:
+            reused = {k: v - reused.get(k, 0) for k, v in router_totals(proc.url).items()}
+    finally:
+        proc.stop()
+    d = {k: sum(after[u].get(k, 0) - before[u].get(k, 0) for u in urls) for k in after[urls[0]]}
+    served = [after[u].get("request_success_total", 0) - before[u].get("request_success_total", 0)
+              for u in urls]  # fmt: skip
+    mean = sum(served) / len(served)
+    return {
+        "workload": workload,
+        "router": router,
+        "completed": rep["requests"]["completed"],
+        "failed": rep["requests"]["failed"],
+        "hit_rate": d["prefix_cache_hits_total"] / max(d["prefix_cache_queries_total"], 1),
+        "prefill_tokens": d["prefill_computed_tokens_total"],
+        "ttft_p50_s": rep["ttft_s"]["p50"],
+        "ttft_p90_s": rep["ttft_s"]["p90"],
+        "imbalance": max(served) / mean if mean else 1.0,
+        "per_worker": served,
+        "duration_s": rep["duration_s"],
+        # reuse decomposed (the router's tokens): available, captured, delivered
+        **{
+            k.removesuffix("_tokens") + "_rate": (
+                reused[k] / max(reused.get("prompt_tokens", 0), 1) if k in reused else None
+            )
+            for k in REUSE[1:]
+        },
+    }
+
+
+def show(row: dict) -> None:
+    rates = ("fleet_available_rate", "routing_captured_rate", "engine_delivered_rate")
+    decomposed = (
+        "available / captured / delivered " + " / ".join(f"{row[k]:.3f}" for k in rates)
+        if row["fleet_available_rate"] is not None
+        else ""
+    )
+    print(
+        f"{row['workload']:<9}{row['router']:<20} hit {row['hit_rate']:.3f}  prefill "
+        f"{row['prefill_tokens']:>8,.0f}  TTFT p50 {row['ttft_p50_s'] * 1e3:6.0f} ms  p90 "
+        f"{row['ttft_p90_s'] * 1e3:6.0f} ms  imbalance {row['imbalance']:.2f} "
+        f"{[int(x) for x in row['per_worker']]}  {decomposed}  "
+        f"({row['completed']} ok, {row['failed']} failed, {row['duration_s']:.1f} s)",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -70,74 +194,63 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--first-words", type=int, default=150)
     p.add_argument("--message-words", type=int, default=20)
+    p.add_argument("--system-words", type=int, default=120,
+                   help="the shared system prompt of the 'system' workload [120]")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--kv-weight", type=float, default=4.0, help="the kv router's weight [4]")
+    p.add_argument("--kv-weight", type=float, help="the kv router's weight [its default]")
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument(
+        "--peer",
+        type=Path,
+        default=Path(os.environ.get("SGLANG_ROUTER_PYTHON", PEER)),
+        help="the sglang-router environment's python [~/.cache/radixkv-peers/router]",
+    )
     p.add_argument("--json", default=str(RESULTS / "route.json"))
     args = p.parse_args()
-    ports = [free_port_pair() for _ in range(args.replicas)]
-    workers = [ServerProcess(*WORKER, "--kv-events", f"tcp://127.0.0.1:{q}") for q in ports]
-    specs = [f"{w.url},tcp://127.0.0.1:{q}" for w, q in zip(workers, ports, strict=True)]
-    urls = [w.url for w in workers]
+    routers = args.policies.split(",")
+    if args.peer.exists():
+        routers.append("sglang:cache_aware")
+    else:
+        print(f"no SGLang router at {args.peer}: ../shared/peers/setup.sh router builds it")
     rows = []
-    try:
-        for policy in args.policies.split(","):
-            for url in urls:
-                httpx.post(f"{url}/flush_cache", headers=ADMIN).raise_for_status()
-            router = start_router(specs, policy, args.kv_weight)
-            rurl = router.url
-            try:
-                before = worker_totals(urls)
-                cfg = BenchConfig(
-                    url=rurl, workload="multi-turn", conversations=args.conversations,
-                    turns=args.turns, first_words=args.first_words,
-                    message_words=args.message_words, max_tokens=args.max_tokens,
-                    num_prompts=args.conversations * args.turns,
-                    max_concurrency=args.concurrency, time_limit=900,
-                )  # fmt: skip
-                reused = router_totals(rurl)
-                rep = asyncio.run(run_bench(cfg))
-                after = worker_totals(urls)
-                reused = {k: v - reused.get(k, 0) for k, v in router_totals(rurl).items()}
-            finally:
-                router.stop()
-            d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            row = {
-                "policy": policy,
-                "completed": rep["requests"]["completed"],
-                "hit_rate": d["prefix_cache_hits_total"] / d["prefix_cache_queries_total"],
-                "prefill_tokens": d["prefill_computed_tokens_total"],
-                "prompt_tokens": d["prompt_tokens_total"],
-                "ttft_p50_s": rep["ttft_s"]["p50"],
-                "ttft_p90_s": rep["ttft_s"]["p90"],
-                "duration_s": rep["duration_s"],
-                # reuse decomposed (the router's tokens): available, captured, delivered
-                **{
-                    k.removesuffix("_tokens") + "_rate": reused.get(k, 0)
-                    / max(reused.get("prompt_tokens", 0), 1)
-                    for k in REUSE[1:]
-                },
-            }
-            rows.append(row)
-            print(
-                f"{policy:<12} hit rate {row['hit_rate']:.3f}  prefill tokens "
-                f"{row['prefill_tokens']:>9,.0f}  TTFT p50 {row['ttft_p50_s'] * 1e3:7.1f} ms  "
-                f"p90 {row['ttft_p90_s'] * 1e3:7.1f} ms  reuse available / captured / "
-                f"delivered {row['fleet_available_rate']:.3f} / "
-                f"{row['routing_captured_rate']:.3f} / {row['engine_delivered_rate']:.3f}  "
-                f"({row['completed']} requests, {row['duration_s']:.1f} s)",
-                flush=True,
-            )
-    finally:
-        for w in workers:
-            w.stop()
-    by = {r["policy"]: r for r in rows}
-    if "kv" in by and "round_robin" in by:
-        ratio = by["kv"]["hit_rate"] / by["round_robin"]["hit_rate"]
-        print(f"kv hit rate / round_robin: {ratio:.2f}x")
+    for workload in args.workloads.split(","):
+        kv_tokens = KV_TOKENS if workload != "pressure" else working_set_tokens(args) // 4
+        kv_tokens = max(2048, kv_tokens // 16 * 16)
+        ports = [free_port_pair() for _ in range(args.replicas)]
+        flags = [*WORKER, "--kv-tokens", str(kv_tokens)]
+        workers = [ServerProcess(*flags, "--kv-events", f"tcp://127.0.0.1:{q}") for q in ports]
+        specs = [f"{w.url},tcp://127.0.0.1:{q}" for w, q in zip(workers, ports, strict=True)]
+        print(f"{workload}: {args.replicas} replicas of {kv_tokens:,} KV tokens", flush=True)
+        try:
+            for run in range(args.runs):
+                for router in routers:
+                    row = run_one(args, workload, router, workers, specs, "random")
+                    row["run"], row["kv_tokens"] = run, kv_tokens
+                    rows.append(row)
+                    show(row)
+        finally:
+            for w in workers:
+                w.stop()
+    summarize(rows)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+def summarize(rows: list[dict]) -> None:
+    """Per workload and run: kv's hit rate over SGLang's, and kv's imbalance."""
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        for run in sorted({r["run"] for r in rows}):
+            by = {r["router"]: r for r in rows if r["workload"] == workload and r["run"] == run}
+            if "kv" in by and "sglang:cache_aware" in by:
+                peer = by["sglang:cache_aware"]
+                print(f"{workload} run {run}: kv hit rate / cache_aware "
+                      f"{by['kv']['hit_rate'] / max(peer['hit_rate'], 1e-9):.3f}x, TTFT p90 "
+                      f"{by['kv']['ttft_p90_s'] / max(peer['ttft_p90_s'], 1e-9):.2f}x, "
+                      f"imbalance kv {by['kv']['imbalance']:.2f} vs "
+                      f"{peer['imbalance']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -54,3 +54,17 @@ def test_the_defaults_run_against_the_random_model():
         rep = asyncio.run(run_bench(cfg))
     assert rep["requests"]["completed"] == 24 and rep["requests"]["failed"] == 0
     assert rep["config"]["system_words"] < 1000 and rep["cached_tokens"] > 0
+
+
+def test_multi_turn_chats_can_open_with_one_shared_system_prompt():
+    from radixkv.server.bench_serve import shared_system
+
+    cfg = BenchConfig(workload="multi-turn", shared_system_words=50)
+    (msg,) = shared_system(cfg)
+    assert msg["role"] == "system" and len(msg["content"].split()) == 55
+    assert shared_system(BenchConfig(workload="multi-turn")) == []
+    # its words count toward the longest prompt, so sizes still fit the server
+    plain = longest_prompt_words(BenchConfig(workload="multi-turn"))[0]
+    assert longest_prompt_words(cfg)[0] == plain + 50
+    with pytest.raises(ValueError, match="shared_system_words"):
+        BenchConfig(shared_system_words=-1)

@@ -148,6 +148,8 @@ class BenchConfig:
         max_tokens: output tokens per request.
         groups, prompts_per_group, system_words, question_words: shared-prefix shape.
         conversations, turns, first_words, message_words: multi-turn shape.
+        shared_system_words: multi-turn: every conversation opens with one system
+            message of this many words, the same for all (0: none).
         seed: seeds prompts and arrivals.
         model: the model id to send (default: the server's first model).
         endpoint: ``completions`` or ``chat``.
@@ -174,6 +176,7 @@ class BenchConfig:
     turns: int = 4
     first_words: int = 200
     message_words: int = 24
+    shared_system_words: int = 0
     seed: int = 0
     model: str | None = None
     endpoint: str = "completions"
@@ -193,6 +196,9 @@ class BenchConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        n = self.shared_system_words
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"shared_system_words must be an int >= 0, got {n!r}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -218,7 +224,8 @@ def longest_prompt_words(cfg: BenchConfig) -> tuple[int, int]:
     if cfg.workload == "shared-prefix":
         return cfg.system_words + cfg.question_words + 4, 0
     turns = min(cfg.turns, cfg.num_prompts)
-    return cfg.first_words + (turns - 1) * cfg.message_words + 4 * turns, (
+    words = cfg.shared_system_words + cfg.first_words + (turns - 1) * cfg.message_words
+    return words + 4 * turns, (
         turns - 1
     ) * cfg.max_tokens
 
@@ -328,6 +335,14 @@ def multi_turn_items(cfg: BenchConfig) -> list[Item]:
             items.append(Item(f"User {c}, turn {t}: {_words(rng, n)}", cfg.max_tokens, c, t))
     items.sort(key=lambda it: (it.turn, it.conversation))
     return items[: cfg.num_prompts]
+
+
+def shared_system(cfg: BenchConfig) -> list[dict]:
+    """The system message every multi-turn conversation opens with (none: [])."""
+    if not cfg.shared_system_words:
+        return []
+    words = _words(random.Random(cfg.seed + 1), cfg.shared_system_words)
+    return [{"role": "system", "content": f"You are a helpful assistant. {words}"}]
 
 
 def file_items(cfg: BenchConfig) -> list[Item]:
@@ -489,6 +504,7 @@ async def run_bench(
         before = parse_metrics((await http.get(cfg.url.rstrip("/") + "/metrics")).text)
         gate = asyncio.Semaphore(cfg.max_concurrency or len(items))
         histories: dict[int, list[dict]] = {}
+        system = shared_system(cfg)
         turn_done: dict[tuple[int, int], asyncio.Event] = {}
         results: list[Result | None] = [None] * len(items)
         done = 0
@@ -499,7 +515,7 @@ async def run_bench(
             if item.conversation >= 0:  # wait for the conversation's previous turn
                 if item.turn:
                     await turn_done[(item.conversation, item.turn - 1)].wait()
-                history = histories.setdefault(item.conversation, [])
+                history = histories.setdefault(item.conversation, system)
                 prompt = [*history, {"role": "user", "content": item.prompt}]
             async with gate:
                 res = await send(http, cfg, model, prompt, item.max_tokens)
