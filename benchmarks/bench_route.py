@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -71,11 +72,37 @@ def router_totals(url: str) -> dict[str, float]:
     return out
 
 
-def start_router(specs: list[str], policy: str, weight: float | None) -> ServerProcess:
+def start_router(
+    specs: list[str], policy: str, weight: float | None, log: Path | None = None
+) -> ServerProcess:
     args = [a for s in specs for a in ("--worker", s)]
     if weight is not None:
         args += ["--kv-weight", str(weight)]
-    return ServerProcess("--model", "random", "--policy", policy, *args, command="route")
+    err = None if log is None else log.open("a")  # its warnings: workers out and back
+    return ServerProcess("--model", "random", "--policy", policy, *args, command="route",
+                         stderr=err)  # fmt: skip
+
+
+class StateLog:
+    """Polls a radixkv router's /route/state into a JSONL file while a run lasts (with
+    ``--logs``): in flight, queued and indexed blocks per worker, to see why it chose."""
+
+    def __init__(self, url: str, path: Path, every: float = 0.25) -> None:
+        import threading
+
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(url, path, every), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, path: Path, every: float) -> None:
+        with path.open("a") as f:
+            while not self._stop.wait(every):
+                with contextlib.suppress(httpx.HTTPError):
+                    f.write(httpx.get(f"{url}/route/state", timeout=2).text + "\n")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class PeerRouter:
@@ -117,7 +144,7 @@ class PeerRouter:
 def working_set_tokens(args: argparse.Namespace) -> int:
     """Tokens of every conversation's last turn (each holds its whole history), roughly:
     words are ~1.5 tokens under the random model's byte-level tokenizer, plus answers."""
-    words = args.first_words + (args.turns - 1) * args.message_words + args.system_words
+    words = args.first_words + (args.turns - 1) * args.message_words
     return args.conversations * int(words * 6 + args.turns * args.max_tokens)
 
 
@@ -127,7 +154,11 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
     for url in urls:
         httpx.post(f"{url}/flush_cache", headers=ADMIN).raise_for_status()
     peer = router == "sglang:cache_aware"
-    proc = PeerRouter(args.peer, urls) if peer else start_router(specs, router, args.kv_weight)
+    log = None
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        log = args.logs / f"{workload}-{router}.log"
+    proc = PeerRouter(args.peer, urls) if peer else start_router(specs, router, args.kv_weight, log)
     try:
         before = {u: worker_totals(u) for u in urls}
         cfg = BenchConfig(
@@ -138,7 +169,12 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
             shared_system_words=args.system_words if workload == "system" else 0,
         )  # fmt: skip
         reused = {} if peer else router_totals(proc.url)
-        rep = asyncio.run(run_bench(cfg))
+        watch = None if peer or log is None else StateLog(proc.url, log.with_suffix(".jsonl"))
+        try:
+            rep = asyncio.run(run_bench(cfg))
+        finally:
+            if watch is not None:
+                watch.stop()
         after = {u: worker_totals(u) for u in urls}
         if not peer:
             reused = {k: v - reused.get(k, 0) for k, v in router_totals(proc.url).items()}
@@ -209,6 +245,7 @@ def main() -> None:
         help="the sglang-router environment's python [~/.cache/radixkv-peers/router]",
     )
     p.add_argument("--json", default=str(RESULTS / "route.json"))
+    p.add_argument("--logs", type=Path, help="a folder for the radixkv routers' stderr")
     args = p.parse_args()
     routers = args.policies.split(",")
     if args.peer.exists():

@@ -547,3 +547,58 @@ def test_a_router_without_an_admin_key_cannot_be_reconfigured_and_reaches_keyed_
             assert complete(worker.url, "directly, without the key").status_code == 401
         finally:
             router.stop()
+
+
+def test_a_slow_health_check_neither_takes_a_worker_out_nor_forgets_its_cache():
+    """The eviction-pressure run that lost two workers to one slow health check each and
+    piled 36 of 48 requests on the third."""
+    from radixkv.engine.engine import load_tokenizer
+    from radixkv.events import BlockStored, KVEventBatch
+    from radixkv.router.proxy import HEALTH_FAILURES
+    from radixkv.router.proxy import Router as RouterState
+
+    specs = [WorkerSpec.parse(u) for u in ("http://127.0.0.1:1", "http://127.0.0.1:2")]
+    router = RouterState(specs, "kv", load_tokenizer("random"))
+    a, b = router.workers
+    tokens = list(range(1, 33))
+    router._apply(a.url, KVEventBatch(0, [BlockStored(list(range(8)), None, tokens, 4)]))
+    assert router.choose(tokens, None).worker is a
+    for _ in range(HEALTH_FAILURES - 1):
+        router.health_checked(a, False)
+    assert a.alive and router.choose(tokens, None).worker is a
+    router.health_checked(a, True)  # the count starts over
+    for _ in range(HEALTH_FAILURES - 1):
+        router.health_checked(a, False)
+    assert a.alive
+    router.health_checked(a, False)
+    assert not a.alive and router.index.num_blocks(a.url) == 8  # out, not forgotten
+    assert router.choose(list(range(100, 132)), None).worker is b
+    router.health_checked(a, True)  # back, with what it held
+    choice = router.choose(tokens, None)
+    assert a.alive and choice.worker is a and choice.held == 8
+
+
+def test_a_routed_prompt_counts_as_cached_only_until_the_worker_could_have_reported_it(
+    monkeypatch,
+):
+    """Claims outliving their requests kept sending a chat's turns to a worker that had
+    evicted it (eviction pressure: 36 of 48 requests on one thrashing worker)."""
+    from radixkv.engine.engine import load_tokenizer
+    from radixkv.router import proxy
+
+    specs = [WorkerSpec.parse(u) for u in ("http://127.0.0.1:1", "http://127.0.0.1:2")]
+    router = proxy.Router(specs, "kv", load_tokenizer("random"))
+    router.index.block_size = 4
+    tokens = list(range(1, 65))
+    first = router.choose(tokens, None)
+    again = router.choose(tokens, None)  # no events yet: the claim stands
+    assert again.worker is first.worker and again.prefill == 0
+    router.settled(again, served=False)  # that one never reached its worker
+    router.settled(first, served=True)  # done: the claim stands for the grace period
+    assert router.choose(tokens, None).worker is first.worker
+    monkeypatch.setattr(proxy, "EVENTS_GRACE_S", 0.0)
+    for w in router.workers:
+        for claim in w.pending:
+            router.settled(proxy.Choice(w, 0, 0, 0, claim), served=True)
+    # the index (empty: the worker reported nothing, e.g. it evicted at once) decides
+    assert router.choose(tokens, None).prefill == len(tokens) // 4

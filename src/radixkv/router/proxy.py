@@ -12,14 +12,15 @@ request body unchanged, streaming the answer back byte for byte; the response ca
     kv      (default) Dynamo's cost over the event-fed index: weight x (blocks still to
             prefill for requests sent to the worker that have not answered yet + this
             prompt's blocks after the worker's cached overlap) + blocks of the requests
-            in flight there. A prompt
-            routed in the last PENDING_S seconds counts as cached on its worker until
+            in flight there. A prompt routed to a worker counts as cached there while
+            the request runs and for EVENTS_GRACE_S after (at most PENDING_S), until
             the worker's events arrive (they follow the request by a step or more, and
             a chat's next turn often comes first).
 
 A health check (``GET /health``) runs every ``health_interval`` seconds; a worker that
-fails it, or whose connection fails, is taken out (its index entries dropped) until it
-answers again. A request whose worker fails before the answer starts is retried on the
+fails three in a row, or whose connection fails, is taken out until it answers again
+(its index entries stay: a restarted worker's event stream starts over and clears
+them). A request whose worker fails before the answer starts is retried on the
 next worker; once streaming has started it cannot be.
 """
 
@@ -62,7 +63,9 @@ APPROX_TREE_TOKENS = 1 << 22  # per worker; the oldest routed prompts are evicte
 # kv: a routed prompt counts as cached on its worker for this long, until the worker's
 # events (which follow the request by a step or more) make the index say so
 PENDING_S = 10.0
+EVENTS_GRACE_S = 1.0  # after a request ends, how long its claim still stands
 FORWARDED_HEADERS = ("content-type", "retry-after")
+HEALTH_FAILURES = 3  # health checks failed in a row that take a worker out (SGLang's: 3)
 ADMIN_PATHS = ("/workers",)  # changing the fleet: the router's --admin-key only
 
 
@@ -96,16 +99,18 @@ class Worker:
     in_flight: int = 0
     active_blocks: int = 0
     queued_blocks: int = 0  # prefill blocks of requests sent here, not answered yet
+    failed_checks: int = 0  # health checks failed in a row
     routed: RadixCache = field(default_factory=lambda: RadixCache(page_size=1))
-    pending: deque = field(default_factory=deque)  # (expiry, RadixKey) of recent routes
+    pending: deque = field(default_factory=deque)  # [expiry, RadixKey] of recent routes
 
     def pending_overlap(self, key: RadixKey, now: float) -> int:
-        """Tokens of ``key`` shared with a prompt routed here in the last PENDING_S."""
+        """Tokens of ``key`` shared with a prompt routed here whose pages the worker's
+        events may not have reported yet (see `Router.settled`)."""
         while self.pending and self.pending[0][0] < now:
             self.pending.popleft()
         best = 0
-        for _, k in self.pending:
-            if k.extra_key == key.extra_key:
+        for expiry, k in self.pending:
+            if expiry >= now and k.extra_key == key.extra_key:
                 best = max(best, k.match(key))
         return best
 
@@ -129,6 +134,7 @@ class Choice:
     held: int
     fleet: int
     prefill: int
+    pending: list | None = None  # kv: [expiry, key], the claim routing made for it
 
 
 def check_workers(
@@ -356,9 +362,22 @@ class Router:
                 alive, overlap, len(tokens) // size, {x: x.active_blocks for x in alive},
                 self.kv_weight, cached, {x: x.queued_blocks for x in alive},
             )  # fmt: skip
-            w.pending.append((now + PENDING_S, key))
+            pending = [now + PENDING_S, key]
+            w.pending.append(pending)
         fleet, size = max(held.values(), default=0), self.index.block_size or 16
-        return Choice(w, held.get(w, 0), fleet, len(tokens) // size - overlap.get(w, 0))
+        prefill = len(tokens) // size - overlap.get(w, 0)
+        return Choice(w, held.get(w, 0), fleet, prefill, pending)
+
+    @staticmethod
+    def settled(choice: Choice, served: bool) -> None:
+        """The chosen worker is done with the request: its events about the prompt follow
+        within a step, so after ``EVENTS_GRACE_S`` the index alone speaks for it (a worker
+        under memory pressure may already have evicted it; claiming it for the whole
+        ``PENDING_S`` piled a run's requests on one thrashing worker). ``served``
+        False: it never took the request; forget the claim now."""
+        if choice.pending is not None:
+            end = time.monotonic() + (EVENTS_GRACE_S if served else 0.0)
+            choice.pending[0] = min(choice.pending[0], end)
 
     def _remember(self, w: Worker, key: RadixKey) -> None:
         over = w.routed.total_size() + len(key) - APPROX_TREE_TOKENS
@@ -379,18 +398,31 @@ class Router:
         w.queued_blocks += sign * blocks
 
     def mark_dead(self, w: Worker, why: str) -> None:
+        """Stop routing to ``w``. Its index entries stay: a worker that was only slow
+        comes back with its cache, and one that restarted starts its event stream over,
+        which clears them (`EventSubscriber`)."""
         if w.alive:
             log.warning("worker %s is out: %s", w.url, why)
         w.alive = False
         self.m_alive.labels(w.url).set(0)
-        with self._index_lock:
-            self.index.remove_worker(w.url)
 
     def mark_alive(self, w: Worker) -> None:
+        w.failed_checks = 0
         if not w.alive:
             log.warning("worker %s is back", w.url)
         w.alive = True
         self.m_alive.labels(w.url).set(1)
+
+    def health_checked(self, w: Worker, ok: bool) -> None:
+        """A health check's answer: ``HEALTH_FAILURES`` failures in a row take ``w`` out
+        (a busy worker may miss one); one success brings it back. A request whose
+        connection to ``w`` fails takes it out at once (`mark_dead`)."""
+        if ok:
+            self.mark_alive(w)
+            return
+        w.failed_checks += 1
+        if w.failed_checks >= HEALTH_FAILURES:
+            self.mark_dead(w, f"{w.failed_checks} health checks failed in a row")
 
 
 def build_router_app(
@@ -410,12 +442,8 @@ def build_router_app(
                     ok = (await client.get(f"{w.url}/health", timeout=2.0)).status_code == 200
                 except httpx.HTTPError:
                     ok = False
-                if w not in router.workers:
-                    continue  # removed meanwhile
-                if ok:
-                    router.mark_alive(w)
-                else:
-                    router.mark_dead(w, "health check failed")
+                if w in router.workers:  # (not removed meanwhile)
+                    router.health_checked(w, ok)
             await asyncio.sleep(health_interval)
 
     @asynccontextmanager
@@ -473,17 +501,22 @@ def build_router_app(
             except httpx.TransportError as e:
                 router.queue(w, prefill, -1)
                 router.charge(w, blocks, -1)
+                if w is first:
+                    router.settled(choice, served=False)
                 router.mark_dead(w, f"{type(e).__name__}: {e}")
                 router.m_retries.labels(w.url).inc()
                 continue
             except BaseException:
                 router.queue(w, prefill, -1)
                 router.charge(w, blocks, -1)
+                router.settled(choice, served=False)
                 raise
             router.queue(w, prefill, -1)  # the answer started: its prefill is done
             if upstream.status_code >= 500 and attempt + 1 < len(order):
                 await upstream.aclose()  # busy or broken before answering: next worker
                 router.charge(w, blocks, -1)
+                if w is first:
+                    router.settled(choice, served=False)
                 router.m_retries.labels(w.url).inc()
                 continue
             router.m_requests.labels(w.url, router.policy).inc()
@@ -517,6 +550,7 @@ def build_router_app(
                 finally:
                     await upstream.aclose()
                     router.charge(w, blocks, -1)
+                    router.settled(choice, served=True)
 
             headers = {k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_HEADERS}
             headers["x-radixkv-worker"] = w.url

@@ -46,6 +46,7 @@ class EventSubscriber:
         self.replayed = 0
         self.lost = 0
         self.bad = 0
+        self.restarts = 0  # times the worker's stream started over
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -74,11 +75,13 @@ class EventSubscriber:
                 continue
             _, seq_bytes, payload = frames
             seq = int.from_bytes(seq_bytes, "big")
-            if seq == 0 and self.last_seq > 0:  # the worker restarted: start over
+            if seq <= self.last_seq:
+                # the live stream never repeats or goes back (replays stop short of the
+                # batch that asked for them): the worker restarted, even if its first
+                # batches were missed. Start over; the replay fills in from 0.
                 self._apply(self.worker, KVEventBatch(time.time(), [AllBlocksCleared()]))
                 self.last_seq = -1
-            if seq <= self.last_seq:
-                continue  # already applied (a replay overtook it)
+                self.restarts += 1
             if seq > self.last_seq + 1:  # a gap, or joining late: replay from there
                 self._catch_up(seq)
             self._deliver(seq, payload)

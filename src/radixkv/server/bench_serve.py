@@ -225,9 +225,7 @@ def longest_prompt_words(cfg: BenchConfig) -> tuple[int, int]:
         return cfg.system_words + cfg.question_words + 4, 0
     turns = min(cfg.turns, cfg.num_prompts)
     words = cfg.shared_system_words + cfg.first_words + (turns - 1) * cfg.message_words
-    return words + 4 * turns, (
-        turns - 1
-    ) * cfg.max_tokens
+    return words + 4 * turns, (turns - 1) * cfg.max_tokens
 
 
 def fit_to_server(cfg: BenchConfig, max_model_len: int, tokens_per_word: float) -> BenchConfig:
