@@ -333,6 +333,7 @@ class Router:
     def choose(self, tokens: list[int], salt: Any) -> Choice:
         """The worker for a prompt, with what the index says about it."""
         alive = [w for w in self.workers if w.alive] or self.workers
+        pending = None  # kv: the claim this route makes until the worker's events speak
         in_flight = {w: w.in_flight for w in alive}
         with self._index_lock:
             tag = None if salt is None else salt_tag(salt, self.events_key)
