@@ -180,7 +180,6 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
             reused = {k: v - reused.get(k, 0) for k, v in router_totals(proc.url).items()}
     finally:
         proc.stop()
-    d = {k: sum(after[u].get(k, 0) - before[u].get(k, 0) for u in urls) for k in after[urls[0]]}
     served = [after[u].get("request_success_total", 0) - before[u].get("request_success_total", 0)
               for u in urls]  # fmt: skip
     mean = sum(served) / len(served)
@@ -189,8 +188,10 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
         "router": router,
         "completed": rep["requests"]["completed"],
         "failed": rep["requests"]["failed"],
-        "hit_rate": d["prefix_cache_hits_total"] / max(d["prefix_cache_queries_total"], 1),
-        "prefill_tokens": d["prefill_computed_tokens_total"],
+        # the workload's own requests, by their usage (bench-serve's size probe, sent
+        # only where /v1/models gives a context length, is left out for every router)
+        "hit_rate": rep["cached_tokens"] / max(rep["prompt_tokens"], 1),
+        "prefill_tokens": rep["prompt_tokens"] - rep["cached_tokens"],
         "ttft_p50_s": rep["ttft_s"]["p50"],
         "ttft_p90_s": rep["ttft_s"]["p90"],
         "imbalance": max(served) / mean if mean else 1.0,
@@ -247,6 +248,10 @@ def main() -> None:
     p.add_argument("--json", default=str(RESULTS / "route.json"))
     p.add_argument("--logs", type=Path, help="a folder for the radixkv routers' stderr")
     args = p.parse_args()
+    # one torch thread per replica: with two each, three replicas on two cores starve
+    # one another at random, and whichever runs first answers first (a router that
+    # watches queues then rightly favours it: the imbalance measured is the machine's)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     routers = args.policies.split(",")
     if args.peer.exists():
         routers.append("sglang:cache_aware")

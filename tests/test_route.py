@@ -43,10 +43,10 @@ def test_kv_cost_weighs_overlap_against_load():
     assert policies.kv([A, B], {A: 15}, 20, {A: 30, B: 0}, weight=w1) == B  # 35 > 20
     assert policies.kv([A, B], {A: 15}, 20, {A: 30, B: 0}, weight=4) == A  # 20 + 30 < 80
     assert policies.kv([A, B], {A: 15}, 20, {A: 70, B: 0}, weight=4) == B  # 20 + 70 > 80
-    # the worker's queued prefills weigh like its own: a holder whose queue costs more
-    # than the prefix saves loses the request to an empty worker (B: 16 x 20 = 320)
-    assert policies.kv([A, B], {A: 15}, 20, {}, queued_blocks={A: 14}) == A  # 304 < 320
-    assert policies.kv([A, B], {A: 15}, 20, {}, queued_blocks={A: 16}) == B  # 336 > 320
+    # the worker's queued prefills count at a quarter of its own: a holder whose queue
+    # costs more than the prefix saves loses the request to an empty worker (B: 16 x 20)
+    assert policies.kv([A, B], {A: 15}, 20, {}, queued_blocks={A: 56}) == A  # 304 < 320
+    assert policies.kv([A, B], {A: 15}, 20, {}, queued_blocks={A: 64}) == B  # 336 > 320
     # equal cost: the worker caching fewer blocks takes a cold prompt
     assert policies.kv([A, B, C], {}, 10, {}, cached_blocks={A: 9, B: 3, C: 5}) == B
 
@@ -602,3 +602,29 @@ def test_a_routed_prompt_counts_as_cached_only_until_the_worker_could_have_repor
             router.settled(proxy.Choice(w, 0, 0, 0, claim), served=True)
     # the index (empty: the worker reported nothing, e.g. it evicted at once) decides
     assert router.choose(tokens, None).prefill == len(tokens) // 4
+
+
+def test_a_prefix_many_prompts_share_does_not_pin_the_traffic_to_its_first_holder():
+    """A 10-block system prompt cached on A only, a 12-block request, A busy: without
+    the fan-out A wins on its 10 cached blocks; priced as held everywhere, B does."""
+    assert policies.kv([A, B], {A: 10}, 12, {A: 40, B: 0}) == A  # 16 x 2 + 40 < 16 x 12
+    assert policies.kv([A, B], {A: 10}, 12, {A: 40, B: 0}, shared_blocks=10) == B
+    # a conversation's own history (beyond the shared part) still keeps it on its holder
+    assert policies.kv([A, B], {A: 11}, 12, {A: 40, B: 0}, shared_blocks=8) == A
+
+
+def test_the_index_tells_a_shared_prefix_from_one_conversation():
+    from radixkv.events import BlockStored, KVEventBatch
+    from radixkv.router.index import SHARED_FANOUT, KvIndex
+
+    index = KvIndex(2)
+    system = [7, 7, 8, 8]  # two pages every conversation starts with
+    for c in range(SHARED_FANOUT):
+        tokens = system + [c, c, c, 50]
+        index.apply("a", KVEventBatch(0, [BlockStored([100 * c + i for i in range(4)], None,
+                                                      tokens, 2)]))  # fmt: skip
+        held, shared = index.lookup(tokens)
+        assert held == {"a": 4} and shared == (2 if c + 1 >= SHARED_FANOUT else 0)
+    index.apply("a", KVEventBatch(0, [BlockStored([999], 3, [0, 50], 2)]))  # a 2nd turn
+    assert index.lookup(system + [0, 0, 0, 50, 0, 50])[1] == 2  # the history is not shared
+    index.check()

@@ -30,6 +30,8 @@ from typing import Any
 
 from radixkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+SHARED_FANOUT = 4  # continuations that make a page the end of a shared prefix
+
 
 class KvIndex:
     """A global prefix index over workers' KV events.
@@ -46,6 +48,7 @@ class KvIndex:
         self.holders: dict[int, set[Hashable]] = {}
         self._blocks: dict[Hashable, dict[Any, int]] = {}  # worker -> its hash -> page id
         self._refs: dict[Hashable, Counter[int]] = {}  # worker -> page id -> its hashes
+        self._fanout: Counter[int] = Counter()  # id -> interned pages continuing it
         self.unknown_parents = 0  # stored runs whose parent hash the index never saw
         self.hash_keyed = False  # some worker publishes hashes only
 
@@ -119,12 +122,19 @@ class KvIndex:
             pid = self._ids[key] = self._next_id
             self._keys[pid] = key
             self._next_id += 1
+            if key[0] != "hash":
+                self._fanout[key[0]] += 1
         return pid
 
     def _forget(self, pid: int) -> None:
         """Nobody holds ``pid`` any more: drop it and its key."""
         del self.holders[pid]
-        del self._ids[self._keys.pop(pid)]
+        key = self._keys.pop(pid)
+        del self._ids[key]
+        if key[0] != "hash":
+            self._fanout[key[0]] -= 1
+            if not self._fanout[key[0]]:
+                del self._fanout[key[0]]
 
     def _removed(self, worker: Hashable, hashes: Iterable[Any]) -> None:
         blocks = self._blocks.get(worker, {})
@@ -162,9 +172,19 @@ class KvIndex:
         holding none are left out). ``namespace`` is the request's namespace as the
         events carry it (`radixkv.events.salt_tag` of its cache salt); ``salt`` the salt
         itself, which hash-only workers chain into their block hashes."""
+        return self.lookup(token_ids, namespace, salt)[0]
+
+    def lookup(
+        self, token_ids: Sequence[int], namespace: Any = None, salt: Any = None
+    ) -> tuple[dict[Hashable, int], int]:
+        """`overlap`, and how many leading pages of the request end in a page that at
+        least ``SHARED_FANOUT`` cached pages continue: a prefix many prompts share (a
+        system prompt), as opposed to one conversation's history (by token ids only:
+        hash-keyed pages do not say what continues them)."""
         size = self.block_size
         if not size:
-            return {}
+            return {}, 0
+        shared = 0
         ns = None if namespace is None else (namespace,)
         out: dict[Hashable, int] = {}
         alive: set[Hashable] | None = None
@@ -183,8 +203,10 @@ class KvIndex:
                 break
             for w in alive:
                 out[w] = i + 1
+            if self._fanout.get(pid, 0) >= SHARED_FANOUT:
+                shared = i + 1
             parent = pid
-        return out
+        return out, shared
 
     def _request_hashes(self, token_ids: Sequence[int], salt: Any) -> list[int]:
         """The 64-bit block hashes a radixkv worker gives the request's whole pages."""
@@ -206,3 +228,5 @@ class KvIndex:
         assert want == self.holders, "KvIndex: holders disagree with the workers' blocks"
         assert set(self._keys) == set(self.holders), "KvIndex: an id interned but not held"
         assert all(self._ids[k] == pid for pid, k in self._keys.items()), "KvIndex: keys"
+        fanout = Counter(k[0] for k in self._keys.values() if k[0] != "hash")
+        assert fanout == self._fanout, "KvIndex: fan-out counts disagree with the keys"

@@ -16,11 +16,16 @@ APPROX_BALANCE_REL = 1.5
 # Weight on prefill blocks in the kv cost. Dynamo's default overlap_score_weight is 1.0;
 # it lets one request in flight outweigh a whole cached conversation, so chats scatter
 # (measured: 3 replicas, multi-turn, hit rate 0.46 at 1.0 vs 0.69 at 4.0). With the
-# worker's queued prefills in the weighted term, a high weight still balances: the queue
-# it weighs is the wait a request would see there (Mooncake conversation trace, 16
-# simulated replicas: hit 0.328 / 0.343 / 0.350 at weight 4 / 8 / 16, imbalance 1.03-1.05).
+# worker's queued prefills in the weighted term a high weight still balances (Mooncake
+# conversation trace, 16 simulated replicas: hit 0.338 / 0.355 / 0.361 / 0.367 at weight
+# 4 / 8 / 16 / 32, imbalance 1.04-1.08).
 DYNAMO_DEFAULT_WEIGHT = 1.0
 KV_OVERLAP_WEIGHT = 16.0
+# What a block queued for prefill on a worker costs against one of this request's own.
+# At 1 a chat's turn leaves the worker holding its history whenever another chat's first
+# turn is queued there (3 replicas, multi-turn: hit 0.903-0.997x SGLang's router over 3
+# runs); at 1/4 it stays (0.997x in 3 of 3) and balance holds (imbalance <= 1.29).
+KV_QUEUE_SHARE = 0.25
 
 
 def round_robin(workers: Sequence[Hashable], turn: int) -> Hashable:
@@ -61,21 +66,31 @@ def kv(
     weight: float = KV_OVERLAP_WEIGHT,
     cached_blocks: Mapping[Hashable, int] | None = None,
     queued_blocks: Mapping[Hashable, float] | None = None,
+    shared_blocks: int = 0,
+    queue_share: float = KV_QUEUE_SHARE,
 ) -> Hashable:
-    """Dynamo's KV router: cost = weight x (blocks the worker still has to prefill for
-    requests already sent to it + this request's blocks after the worker's cached
-    overlap) + blocks of the requests in flight there; the lowest cost wins.
+    """Dynamo's KV router: cost = weight x (``queue_share`` x blocks the worker still has
+    to prefill for requests already sent to it + this request's blocks after the
+    worker's cached overlap) + blocks of the requests in flight there; the lowest cost
+    wins.
 
-    The queued prefills make the weighted term the wait a request would see: a worker
-    holding a shared prefix (a system prompt) keeps its traffic until its queue costs
-    more than the prefix saves, and then an empty or restarted worker takes the next
-    request. Ties (a cold prompt on idle workers, above all) go to the worker caching
-    the fewest blocks, so new prefixes spread instead of piling onto the first worker."""
+    The queued prefills bring the wait a request would see into the weighted term: a
+    worker holding a prefix keeps the requests that continue it until its queue costs
+    more than the prefix saves; then an emptier worker (a restarted one) takes the next.
+
+    ``shared_blocks``: the request's leading blocks that many cached prompts continue (a
+    system prompt, by the index's fan-out). They are priced as held by every worker: one
+    that lacks them computes them once and then serves every later prompt sharing them,
+    so a shared prefix alone never pins the traffic to its first holder, while a
+    conversation's own history still does. Ties (a cold prompt on idle workers, above
+    all) go to the worker caching the fewest blocks, so new prefixes spread instead of
+    piling onto the first worker."""
     cached = cached_blocks or {}
     queued = queued_blocks or {}
 
     def cost(w: Hashable) -> tuple[float, int]:
-        prefill = queued.get(w, 0) + request_blocks - overlap_blocks.get(w, 0)
+        held = max(overlap_blocks.get(w, 0), shared_blocks)
+        prefill = queue_share * queued.get(w, 0) + request_blocks - held
         return (weight * prefill + active_blocks.get(w, 0), cached.get(w, 0))
 
     return min(workers, key=cost)

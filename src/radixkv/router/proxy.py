@@ -337,7 +337,7 @@ class Router:
         in_flight = {w: w.in_flight for w in alive}
         with self._index_lock:
             tag = None if salt is None else salt_tag(salt, self.events_key)
-            by_url = self.index.overlap(tokens, tag, salt)
+            by_url, shared = self.index.lookup(tokens, tag, salt)
         held = {w: by_url.get(w.url, 0) for w in alive}
         overlap: dict[Hashable, int] = dict(held)
         if self.policy == "kv":
@@ -361,7 +361,7 @@ class Router:
                 cached = {x: self.index.num_blocks(x.url) for x in alive}
             w = policies.kv(
                 alive, overlap, len(tokens) // size, {x: x.active_blocks for x in alive},
-                self.kv_weight, cached, {x: x.queued_blocks for x in alive},
+                self.kv_weight, cached, {x: x.queued_blocks for x in alive}, shared,
             )  # fmt: skip
             pending = [now + PENDING_S, key]
             w.pending.append(pending)
