@@ -62,6 +62,14 @@ REUSE = (
 )  # the router's decomposed reuse counters
 
 
+def rss_mb(pid: int) -> float:
+    """A process's resident memory (Linux /proc), MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def router_totals(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     text = httpx.get(f"{url}/metrics").text
@@ -169,6 +177,7 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
             shared_system_words=args.system_words if workload == "system" else 0,
         )  # fmt: skip
         reused = {} if peer else router_totals(proc.url)
+        rss_before = rss_mb(proc.proc.pid)
         watch = None if peer or log is None else StateLog(proc.url, log.with_suffix(".jsonl"))
         try:
             rep = asyncio.run(run_bench(cfg))
@@ -176,6 +185,7 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
             if watch is not None:
                 watch.stop()
         after = {u: worker_totals(u) for u in urls}
+        rss_after = rss_mb(proc.proc.pid)
         if not peer:
             reused = {k: v - reused.get(k, 0) for k, v in router_totals(proc.url).items()}
     finally:
@@ -197,6 +207,7 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
         "imbalance": max(served) / mean if mean else 1.0,
         "per_worker": served,
         "duration_s": rep["duration_s"],
+        "router_rss_mb": [rss_before, rss_after],  # before and after the run
         # reuse decomposed (the router's tokens): available, captured, delivered
         **{
             k.removesuffix("_tokens") + "_rate": (
@@ -219,7 +230,8 @@ def show(row: dict) -> None:
         f"{row['prefill_tokens']:>8,.0f}  TTFT p50 {row['ttft_p50_s'] * 1e3:6.0f} ms  p90 "
         f"{row['ttft_p90_s'] * 1e3:6.0f} ms  imbalance {row['imbalance']:.2f} "
         f"{[int(x) for x in row['per_worker']]}  {decomposed}  "
-        f"({row['completed']} ok, {row['failed']} failed, {row['duration_s']:.1f} s)",
+        f"({row['completed']} ok, {row['failed']} failed, {row['duration_s']:.1f} s, router "
+        f"RSS {row['router_rss_mb'][0]:.0f} -> {row['router_rss_mb'][1]:.0f} MB)",
         flush=True,
     )
 
@@ -247,6 +259,9 @@ def main() -> None:
     )
     p.add_argument("--json", default=str(RESULTS / "route.json"))
     p.add_argument("--logs", type=Path, help="a folder for the radixkv routers' stderr")
+    p.add_argument("--soak", type=int, default=0,
+                   help="also send this many distinct prompts through kv and report the "
+                   "router's memory as they go [0: no soak]")  # fmt: skip
     args = p.parse_args()
     # one torch thread per replica: with two each, three replicas on two cores starve
     # one another at random, and whichever runs first answers first (a router that
@@ -277,8 +292,43 @@ def main() -> None:
             for w in workers:
                 w.stop()
     summarize(rows)
+    if args.soak:
+        rows.append(soak(args))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+def soak(args: argparse.Namespace) -> dict:
+    """``--soak N``: N distinct prompts through the kv router over two small replicas
+    (4,096 KV tokens each): the router's memory must follow what the fleet holds, not
+    grow with what it was told (the finding: +9 KB a request, no plateau)."""
+    ports = [free_port_pair() for _ in range(2)]
+    flags = [*WORKER, "--kv-tokens", "4096"]
+    workers = [ServerProcess(*flags, "--kv-events", f"tcp://127.0.0.1:{q}") for q in ports]
+    specs = [f"{w.url},tcp://127.0.0.1:{q}" for w, q in zip(workers, ports, strict=True)]
+    router = start_router(specs, "kv", args.kv_weight)
+    try:
+        marks = []
+        for part in range(4):
+            cfg = BenchConfig(
+                url=router.url, workload="shared-prefix", groups=args.soak // 4,
+                prompts_per_group=1, system_words=60, question_words=8, max_tokens=4,
+                num_prompts=args.soak // 4, max_concurrency=8, time_limit=900, seed=part,
+            )  # fmt: skip
+            rep = asyncio.run(run_bench(cfg))
+            state = httpx.get(f"{router.url}/route/state").json()
+            marks.append({
+                "requests": (part + 1) * (args.soak // 4),
+                "failed": rep["requests"]["failed"],
+                "router_rss_mb": rss_mb(router.proc.pid),
+                "indexed_blocks": sum(w["indexed_blocks"] for w in state["workers"]),
+            })  # fmt: skip
+            print(f"soak: {marks[-1]}", flush=True)
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+    return {"soak": marks}
 
 
 def summarize(rows: list[dict]) -> None:
