@@ -419,7 +419,8 @@ def test_route_refuses_workers_it_would_misroute(fleet, tmp_path, capsys):
 
 def test_a_restarted_worker_gets_traffic_again_under_load():
     """A worker restarted empty, beside one holding the chat template and a shared system
-    line, is chosen again once the holder is loaded (finding: 0 of 12 after a restart)."""
+    prompt, takes traffic again (finding: 0 of 12 after a restart, the shared prefix
+    outweighing any load the holder had)."""
     import asyncio
 
     ports = [free_port_pair() for _ in range(2)]
@@ -427,19 +428,19 @@ def test_a_restarted_worker_gets_traffic_again_under_load():
                for p in ports]  # fmt: skip
     specs = [f"{w.url},tcp://127.0.0.1:{p}" for w, p in zip(workers, ports, strict=True)]
     router = Router(specs)
-    system = "You are a helpful assistant for the routing tests."
+    system = "You are a helpful assistant for the routing tests. " + "Be brief. " * 20
 
     async def chats(first: int, n: int) -> list[str]:
         async def one(c: httpx.AsyncClient, i: int) -> str:
             r = await c.post(f"{router.url}/v1/chat/completions", json={
                 "messages": [{"role": "system", "content": system},
-                             {"role": "user", "content": f"question {i}: " + "why " * 12}],
-                "max_tokens": 48, "temperature": 0, "ignore_eos": True})  # fmt: skip
+                             {"role": "user", "content": f"question {i}: " + "why " * 6}],
+                "max_tokens": 8, "temperature": 0, "ignore_eos": True})  # fmt: skip
             assert r.status_code == 200
             return r.headers["x-radixkv-worker"]
 
         async with httpx.AsyncClient(timeout=60) as c:
-            sem = asyncio.Semaphore(4)  # four at a time: the fleet is under load
+            sem = asyncio.Semaphore(2)  # two at a time
 
             async def bounded(i: int) -> str:
                 async with sem:
