@@ -21,16 +21,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--page-sizes", default="1,16")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--events", action="store_true", help="caches report KV events")
+    parser.add_argument(
+        "--events",
+        action="store_true",
+        help="caches report KV events to a "
+        "sink that only counts them (the (a)/(b) events rows use the engine's)",
+    )
     args = parser.parse_args()
     radixkv_adapter.EVENTS = args.events
     rows = run(["a", "b", "c", "d"], [int(p) for p in args.page_sizes.split(",")], args.repeats)
     print(f"{'workload':<10}{'page':>6}{'µs GC on':>12}{'µs GC off':>12}{'hit rate':>10}")
     for r in rows:
         hit = f"{r['hit_rate']:.3f}" if "hit_rate" in r else ""
+        name = f"({r['workload']}) {r.get('variant', '')}"
         print(
-            f"({r['workload']}){'':<7}{r['page_size']:>6}{r['us_gc_on']:>12.1f}"
-            f"{r['us_gc_off']:>12.1f}{hit:>10}"
+            f"{name:<10}{r['page_size']:>6}{r['us_gc_on']:>12.1f}{r['us_gc_off']:>12.1f}{hit:>10}"
         )
 
 

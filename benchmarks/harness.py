@@ -49,9 +49,11 @@ def run_suite(
     per_page: dict[str, Callable[[int], tuple[float, dict]]],
     request_path: Callable[[int, bool], tuple[float, dict]] | None = None,
     memory: Callable[[], dict] | None = None,
+    with_events: dict[str, Callable[[int], tuple[float, dict]]] | None = None,
 ) -> list[Result]:
     """Run the requested workloads: (f) first, in a fresh heap (memory freed by other
-    workloads would hide growth); (a)-(d) per page size; (e) at page 16, ample then tight."""
+    workloads would hide growth); (a)-(d) per page size; (e) at page 16, ample then tight.
+    ``with_events``: the same workloads with KV events on (rows with variant "events")."""
     rows: list[Result] = []
     if "f" in workloads and memory is not None:
         rows.append({"workload": "f", "page_size": 1, **memory()})
@@ -62,6 +64,11 @@ def run_suite(
                 rows.append(
                     {"workload": w, "page_size": page, "us_gc_on": on, "us_gc_off": off, **extra}
                 )
+            if w in (with_events or {}):
+                fn = with_events[w]  # type: ignore[index]
+                on, off, extra = measure(lambda fn=fn, p=page: fn(p), repeats)
+                rows.append({"workload": w, "variant": "events", "page_size": page,
+                             "us_gc_on": on, "us_gc_off": off, **extra})  # fmt: skip
     if "e" in workloads and request_path is not None:
         for tight in (False, True):
             on, off, extra = measure(lambda t=tight: request_path(16, t), repeats)

@@ -20,6 +20,7 @@ import workloads
 from harness import adapter_main, rss_bytes, run_suite
 
 from radixkv import RadixCache, RadixKey
+from radixkv.events import EventCollector
 from radixkv.lifecycle import CacheManager, Req
 from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.units import div_ceil
@@ -48,8 +49,9 @@ class _Sink:
 OPT_INS = {"merge_chains": True, "precise": True}
 
 
-def _cache(page_size: int = 1, **kw) -> RadixCache:
-    return RadixCache(page_size=page_size, event_sink=_Sink() if EVENTS else None, **OPT_INS, **kw)
+def _cache(page_size: int = 1, sink=None, **kw) -> RadixCache:  # type: ignore[no-untyped-def]
+    sink = sink if sink is not None else (_Sink() if EVENTS else None)
+    return RadixCache(page_size=page_size, event_sink=sink, **OPT_INS, **kw)
 
 
 def _keys(seqs: list[list[int]]) -> list[RadixKey]:
@@ -64,15 +66,19 @@ def _values(seqs: list[list[int]]) -> list[torch.Tensor]:
     return out
 
 
-def match_insert(seqs: list[list[int]], page: int) -> tuple[float, dict]:
-    """(a)/(b): per request, match then insert (keys and values built beforehand)."""
+def match_insert(seqs: list[list[int]], page: int, events: bool = False) -> tuple[float, dict]:
+    """(a)/(b): per request, match then insert (keys and values built beforehand). With
+    ``events``: the engine's sink (`EventCollector`), drained into a batch per request."""
     keys, values = _keys(seqs), _values(seqs)
-    cache = _cache(page)
+    sink = EventCollector() if events else None
+    cache = _cache(page, sink)
     hit = 0
     t0 = time.perf_counter()
     for key, value in zip(keys, values, strict=True):
         hit += cache.match_prefix(key).prefix_len
         cache.insert(key, value)
+        if sink is not None:
+            sink.drain()
     dt = time.perf_counter() - t0
     return dt / len(seqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
 
@@ -140,7 +146,7 @@ def request_path(page: int, tight: bool, alive: int = 16) -> tuple[float, dict]:
     return dt / len(reqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
 
 
-def scheduler_step(page: int) -> tuple[float, dict]:
+def scheduler_step(page: int, events: bool = False) -> tuple[float, dict]:
     """(g): µs per scheduler step of 64 requests (``workloads.scheduler_steps``): admit
     the arrivals; one allocation for every chunk and decode of the step; after the
     forward, cache the chunks in one call and the finished requests in another."""
@@ -148,7 +154,8 @@ def scheduler_step(page: int) -> tuple[float, dict]:
     alloc = TokenToKVPoolAllocator(1 << 21, page)
     rows = workloads.STEP_PHASES * workloads.STEP_ADMITS + 1
     longest = max(map(len, prompts)) + len(outputs[0]) + page
-    mgr = CacheManager(_cache(page, allocator=alloc), alloc, ReqToTokenPool(rows, longest))
+    sink = EventCollector() if events else None
+    mgr = CacheManager(_cache(page, sink, allocator=alloc), alloc, ReqToTokenPool(rows, longest))
     reqs = [Req(i, s) for i, s in enumerate(prompts)]
     for r in reqs:
         r.token_array()
@@ -170,6 +177,8 @@ def scheduler_step(page: int) -> tuple[float, dict]:
             r.output_ids.append(outputs[r.rid][len(r.output_ids)])
         mgr.cache_unfinished_batch(new + second)
         mgr.cache_finished_batch(finish)
+        if sink is not None:
+            sink.drain()  # the step's events, one batch (what the engine publishes)
         if steady:
             total += time.perf_counter() - t0
             timed += 1
@@ -203,7 +212,12 @@ def run(wl: list[str], pages: list[int], repeats: int) -> list[dict]:
         "d": chain_match,
         "g": scheduler_step,
     }
-    return run_suite(wl, pages, repeats, per_page, request_path, memory_per_token)
+    with_events = {  # KV events on, as a routed fleet runs
+        "a": lambda p: match_insert(a, p, events=True),
+        "b": lambda p: match_insert(b, p, events=True),
+        "g": lambda p: scheduler_step(p, events=True),
+    }
+    return run_suite(wl, pages, repeats, per_page, request_path, memory_per_token, with_events)
 
 
 if __name__ == "__main__":

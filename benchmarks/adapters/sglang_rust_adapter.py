@@ -39,6 +39,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang_adapter import (
+    _keys,
+    _values,
     chain_match,
     evict_calls,
     init_params,
@@ -47,12 +49,13 @@ from sglang_adapter import (
 )
 
 
-def new_cache(page: int, allocator=None) -> UnifiedRadixCache:  # type: ignore[no-untyped-def]
+def new_cache(page: int, allocator=None, events: bool = False) -> UnifiedRadixCache:  # type: ignore[no-untyped-def]
     cache = UnifiedRadixCache(
         init_params(
-            page, allocator, tree_components=(ComponentType.FULL,), tree_core_backend="rust"
+            page, allocator, tree_components=(ComponentType.FULL,), tree_core_backend="rust",
+            enable_kv_cache_events=events,
         )
-    )
+    )  # fmt: skip
     assert type(cache.tree_core).__name__ == "RustUnifiedTreeCore", "not the Rust core"
     return cache
 
@@ -96,7 +99,27 @@ def _checkpoint(cache, pool, alloc, r: _Req, page: int, finished: bool) -> None:
     r.node, r.receipt, r.protected = node, cache.inc_lock_ref(node), len(idx)
 
 
-def scheduler_step(page: int) -> tuple[float, dict]:
+def events_cache(page: int, allocator=None) -> UnifiedRadixCache:  # type: ignore[no-untyped-def]
+    return new_cache(page, allocator, events=True)
+
+
+def match_insert_events(seqs, page):  # type: ignore[no-untyped-def]
+    """(a)/(b) with ``enable_kv_cache_events=True``: per request match, insert, then
+    ``take_events()`` (what SGLang's scheduler hands its publisher each step)."""
+    keys, values = _keys(seqs), _values(seqs)
+    cache = events_cache(page)
+    hit = events = 0
+    t0 = time.perf_counter()
+    for key, value in zip(keys, values, strict=True):
+        hit += cache.match_prefix(MatchPrefixParams(key=key)).device_prefix_len
+        cache.insert(InsertParams(key=key, value=value))
+        events += len(cache.take_events())
+    dt = time.perf_counter() - t0
+    assert events, "no KV events: the cache did not publish"
+    return dt / len(seqs) * 1e6, {"hit_rate": hit / sum(len(s) for s in seqs)}
+
+
+def scheduler_step(page: int, events: bool = False) -> tuple[float, dict]:
     """(g): the same steps as radixkv's adapter, through the calls SGLang's scheduler
     makes around this cache: per arrival ``match_prefix`` + ``path_device_indices`` +
     ``inc_lock_ref``; rows from ``ReqToTokenPool.alloc_rows``; one
@@ -106,7 +129,7 @@ def scheduler_step(page: int) -> tuple[float, dict]:
     finish, the finishes' frees in one free group."""
     prompts, outputs = workloads.scheduler_steps()
     alloc = PagedTokenToKVPoolAllocator(1 << 21, page, torch.int64, "cpu", None, False)
-    cache = new_cache(page, alloc)
+    cache = new_cache(page, alloc, events)
     rows = workloads.STEP_PHASES * workloads.STEP_ADMITS
     pool = ReqToTokenPool(rows, max(map(len, prompts)) + len(outputs[0]) + page, "cpu", False)
     reqs = [_Req(i, s) for i, s in enumerate(prompts)]
@@ -165,6 +188,8 @@ def scheduler_step(page: int) -> tuple[float, dict]:
         for r in finish:
             _checkpoint(cache, pool, alloc, r, page, finished=True)
         alloc.free_group_end()
+        if events:
+            cache.take_events()  # the step's events, as the scheduler publishes them
         if steady:
             total += time.perf_counter() - t0
             timed += 1
@@ -181,8 +206,15 @@ def run(wl: list[str], pages: list[int], repeats: int) -> list[dict]:
         "d": lambda p: chain_match(p, make=new_cache, indices=True),
         "g": scheduler_step,
     }
+    with_events = {
+        "a": lambda p: match_insert_events(a, p),
+        "b": lambda p: match_insert_events(b, p),
+        "g": lambda p: scheduler_step(p, events=True),
+    }
     wl = [w for w in wl if w != "e"]
-    return run_suite(wl, pages, repeats, per_page, None, lambda: memory_per_token(new_cache))
+    return run_suite(
+        wl, pages, repeats, per_page, None, lambda: memory_per_token(new_cache), with_events
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,11 @@ compares with the tag of a request's salt; without a key it is an unkeyed digest
 guessable salt can then be confirmed by hashing guesses). ``tokens=False`` (serve's
 ``--kv-events-mode hashes``) publishes block hashes without token ids or namespaces: a
 subscriber learns how many pages were stored and removed, and can test whether a prompt
-it already knows (with its salt) is cached, but reads no prompt. The block hashes are
-128-bit BLAKE2b chains cut to vLLM's 64-bit integers (`radixkv.tree.page_hash`).
+it already knows (with its salt) is cached, but reads no prompt. Block hashes are 64-bit
+chains over the pages and the namespace: with token ids, the fast vectorized chain of
+`radixkv.blockhash` (the tokens are on the wire anyway; a collision could only misroute);
+hashes only, BLAKE2b-128 chains cut to vLLM's 64-bit integers (`radixkv.tree.page_hash`),
+which do not give the tokens away.
 """
 
 from __future__ import annotations
@@ -186,6 +189,9 @@ class EventCollector:
     def __init__(self, salt_key: bytes | None = None, tokens: bool = True) -> None:
         self.events: list[Event] = []
         self.salt_key, self.tokens = salt_key, tokens
+        # hash-only events show a subscriber nothing but the hashes: those must be
+        # BLAKE2b (radixkv.tree.page_hash), not the fast chain that token events carry
+        self.strong_hashes = not tokens
         self._tags: dict[Any, str] = {}
 
     def stored(

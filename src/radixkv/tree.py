@@ -96,6 +96,13 @@ from typing import IO, Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from radixkv.blockhash import (
+    EVENT_HASH_BYTES,
+    chain_states,
+    last_state,
+    published,
+    root_state,
+)
 from radixkv.key import (
     TOKEN_BYTES,
     RadixKey,
@@ -134,6 +141,7 @@ class TreeNode:
     """
 
     __slots__ = (
+        "_ehash",
         "_hashes",
         "_key",
         "_value",
@@ -162,7 +170,8 @@ class TreeNode:
         self.id = node_id
         self.extra_key: Any = None
         self._ver = 0
-        self._hashes = _EMPTY  # HASH_BYTES a page: its chained block hash (events, tiers)
+        self._hashes = _EMPTY  # HASH_BYTES a page: its BLAKE2b chain (tiers, private events)
+        self._ehash = _EMPTY  # EVENT_HASH_BYTES a page: its event chain state (events)
 
     def __len__(self) -> int:
         """Number of logical units (tokens or bigram pairs) in this node."""
@@ -387,7 +396,8 @@ class RadixCache:
         self._width = 2 * TOKEN_BYTES if self.is_eagle else TOKEN_BYTES
         self._sink: CacheEventSink | None = None
         self._evict_hook: Any = None
-        self._hashing = False  # block hashes are kept (for a sink or an evict hook)
+        self._hashing = False  # BLAKE2b block hashes are kept (an evict hook, private events)
+        self._fast = False  # event chain states are kept (a sink of the default kind)
         self.reset()
         self.set_event_sink(event_sink)
 
@@ -405,7 +415,7 @@ class RadixCache:
             if sink is not None and not callable(getattr(sink, name, None)):
                 raise TypeError(f"event_sink must have a {name}() method")
         self._sink = sink
-        self._hashing = sink is not None or self._evict_hook is not None
+        self._set_hashing()
 
     def set_evict_hook(self, hook: Any) -> None:
         """Call ``hook(page_hashes, slots)`` with the pages `evict` is about to free
@@ -418,7 +428,16 @@ class RadixCache:
         if hook is not None and self._num_nodes:
             raise ValueError("set_evict_hook: the cache must be empty (reset it first)")
         self._evict_hook = hook
-        self._hashing = self._sink is not None or hook is not None
+        self._set_hashing()
+
+    def _set_hashing(self) -> None:
+        """Which chains the nodes keep: the fast event hashes (`radixkv.blockhash`) for a
+        sink, BLAKE2b-128 (`page_hash`) for an evict hook (store keys) and for a sink
+        whose ``strong_hashes`` is true (hash-only events, where the hash is all a
+        subscriber sees and must not give the tokens away)."""
+        strong = bool(getattr(self._sink, "strong_hashes", False))
+        self._fast = self._sink is not None and not strong
+        self._hashing = self._evict_hook is not None or (self._sink is not None and strong)
 
     def reset(self) -> None:
         """Drop every node (without calling the allocator) and restart the clock; an
@@ -530,6 +549,9 @@ class RadixCache:
         if child._hashes:
             cut = m // self.page_size * HASH_BYTES
             upper._hashes, child._hashes = child._hashes[:cut], child._hashes[cut:]
+        if child._ehash:
+            cut = m // self.page_size * EVENT_HASH_BYTES
+            upper._ehash, child._ehash = child._ehash[:cut], child._ehash[cut:]
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
@@ -728,7 +750,7 @@ class RadixCache:
             return InsertResult(off, path[-1])
         parent = path[-1] if path else self.root
         leaf = self._new_node(leaf_key, leaf_value, parent, ns)
-        if self._hashing:
+        if self._hashing or self._fast:
             self._report_stored(leaf, parent)
         if path:  # the path's last node gains a child, so it needs no re-index
             self._touch(path, priority, reindex=False)
@@ -757,6 +779,7 @@ class RadixCache:
         leaf._key = parent._key + leaf._key
         leaf._value = leaf._key if shared else parent._value + leaf._value
         leaf._hashes = parent._hashes + leaf._hashes
+        leaf._ehash = parent._ehash + leaf._ehash
         leaf.parent = grand
         leaf.created, leaf.hit_count = parent.created, parent.hit_count
         leaf.priority = max(leaf.priority, parent.priority)
@@ -767,24 +790,37 @@ class RadixCache:
     def _report_stored(self, leaf: TreeNode, parent: TreeNode) -> None:
         """Hash the new leaf's pages (chained from its parent's last page) and tell the
         sink, if any."""
-        step = self.page_size * self._width
-        prev = parent._hashes[-HASH_BYTES:] if parent is not self.root else None
-        hashes = bytearray()
-        key = leaf._key
-        for off in range(0, len(key), step):
-            prev = page_hash(prev, leaf.extra_key, key[off : off + step])
-            hashes += prev
-        leaf._hashes = bytes(hashes)
+        key, top = leaf._key, parent is self.root
+        if self._hashing:
+            step = self.page_size * self._width
+            prev = None if top else parent._hashes[-HASH_BYTES:]
+            hashes = bytearray()
+            for off in range(0, len(key), step):
+                prev = page_hash(prev, leaf.extra_key, key[off : off + step])
+                hashes += prev
+            leaf._hashes = bytes(hashes)
         if self._sink is None:
             return
         units = np.frombuffer(key, dtype=np.int64)
         tokens = units[::2] if self.is_eagle else units
-        parent_hash = (
-            _hash_ints(parent._hashes[-HASH_BYTES:])[0] if parent is not self.root else None
-        )
+        if self._fast:  # the event hashes, a whole run of pages at once
+            start = root_state(leaf.extra_key) if top else last_state(parent._ehash)
+            states = chain_states(units, self.page_size * (self._width // TOKEN_BYTES), start)
+            leaf._ehash = states.astype("<u8", copy=False).tobytes()
+            block_hashes = published(states)
+            parent_hash = None if top else published(parent._ehash[-EVENT_HASH_BYTES:])[0]
+        else:
+            block_hashes = _hash_ints(leaf._hashes)
+            parent_hash = None if top else _hash_ints(parent._hashes[-HASH_BYTES:])[0]
         self._sink.stored(
-            _hash_ints(leaf._hashes), parent_hash, tokens.tolist(), self.page_size, leaf.extra_key
+            block_hashes, parent_hash, tokens.tolist(), self.page_size, leaf.extra_key
         )
+
+    def _event_hashes(self, node: TreeNode, first_page: int = 0) -> list[int]:
+        """The event hashes of ``node``'s pages from ``first_page`` on."""
+        if self._fast:
+            return published(node._ehash[first_page * EVENT_HASH_BYTES :])
+        return _hash_ints(node._hashes[first_page * HASH_BYTES :])
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``min(num_tokens, evictable_size())`` tokens in the policy's order.
@@ -813,7 +849,8 @@ class RadixCache:
         trim: tuple[TreeNode, int] | None = None
         freed: list[bytes] = []
         gone_hashes = bytearray()  # the freed pages' block hashes, in the same order
-        hashing, precise = self._hashing, self.precise
+        gone_events = bytearray()  # their event chain states (a sink of the fast kind)
+        hashing, precise, fast = self._hashing, self.precise, self._fast
         evicted = 0
         while need > 0:
             from_run = bool(run) and (not heap or run[0] < heap[0])  # the smaller head
@@ -836,6 +873,8 @@ class RadixCache:
                     freed.append(value[(length - take) * TOKEN_BYTES :])
                     if hashing:
                         gone_hashes += node._hashes[(length - take) // page * HASH_BYTES :]
+                    if fast:
+                        gone_events += node._ehash[(length - take) // page * EVENT_HASH_BYTES :]
                     trim = (node, take)
                     evicted += take
                     break
@@ -843,6 +882,8 @@ class RadixCache:
             freed.append(value)
             if hashing:
                 gone_hashes += node._hashes
+            if fast:
+                gone_events += node._ehash
             evicted += length
             need -= length
             parent = node.parent
@@ -884,10 +925,13 @@ class RadixCache:
             node._value = node._key if shared else node._value[: keep * TOKEN_BYTES]
             if node._hashes:
                 node._hashes = node._hashes[: keep // page * HASH_BYTES]
+            if node._ehash:
+                node._ehash = node._ehash[: keep // page * EVENT_HASH_BYTES]
             self._push(node)
         self._evictable -= evicted
-        if self._sink is not None and gone_hashes:
-            self._sink.removed(_hash_ints(bytes(gone_hashes)))
+        if self._sink is not None and (gone_events or gone_hashes):
+            gone = published(gone_events) if fast else _hash_ints(bytes(gone_hashes))
+            self._sink.removed(gone)
         return evicted
 
     def detach_leaf(self, node: TreeNode, units: int | None = None) -> torch.Tensor:
@@ -923,8 +967,8 @@ class RadixCache:
         self._evictable -= len(node._value) >> 3
         if parent is not self.root and not parent.children and parent.lock_ref == 0:
             self._push(parent)
-        if self._sink is not None and node._hashes:
-            self._sink.removed(_hash_ints(node._hashes))
+        if self._sink is not None:
+            self._sink.removed(self._event_hashes(node))
         return _bytes_to_tensor([node._value])
 
     def _path_to_root(self, node: TreeNode, op: str) -> list[TreeNode]:
@@ -1078,6 +1122,12 @@ class RadixCache:
                     if len(child._hashes) != units // page * HASH_BYTES:
                         got = len(child._hashes) // HASH_BYTES
                         fail(f"{where}: {got} hashes, {units // page} pages")
+                if self._fast:
+                    start = root_state(child.extra_key) if node is root else last_state(node._ehash)
+                    units_arr = np.frombuffer(child._key, dtype=np.int64)
+                    want = chain_states(units_arr, page * (width // TOKEN_BYTES), start)
+                    if child._ehash != want.astype("<u8", copy=False).tobytes():
+                        fail(f"{where}: event hashes are not their chain's")
                 child_locks += child.lock_ref
                 if child.lock_ref:
                     protected += units

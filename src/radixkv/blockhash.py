@@ -1,0 +1,112 @@
+"""KV event block hashes: 64 bits a page, chained, a whole run of pages in a few numpy
+calls.
+
+A page's event hash names its whole prefix and namespace, as vLLM's block hashes do, and
+is the same in every process and on every machine. It is built for speed, not strength:
+
+* a page's *digest* is a multilinear hash of its units, ``d = sum(u_j * K_j) mod 2^64``
+  with fixed odd keys ``K_j`` (from SHAKE-256 of a constant);
+* the hash after page ``i`` is ``c_i = c_{i-1} * M + d_i mod 2^64`` (``M`` odd),
+  starting from the namespace's root state (BLAKE2b of its ``repr``); being linear it
+  vectorizes: ``c_i = M^i * (c_0 + sum_{k<=i} d_k * M^-k)``, one ``cumsum`` a run.
+
+Prefixes that differ in one token never collide (``delta * K * M^x`` is never 0 mod 2^64
+for ``0 < |delta| < 2^63``: ``K`` and ``M`` are odd); other prefixes collide with
+probability about 2^-64, unless someone builds the collision on purpose, which the
+public keys allow, or recovers tokens from a hash, which linearity allows. So this hash
+goes only where token ids travel beside it (`radixkv.events.EventCollector` with token
+ids): a collision can only misroute a request (the engine still computes the right KV),
+and it hides nothing the event does not show. Hash-only events, and the shared store's
+page keys, use BLAKE2b-128 (`radixkv.tree.page_hash`).
+
+Cost: a 256-page run hashes in ~10 µs, where a BLAKE2b call a page took ~150 µs
+(``python benchmarks/bench_tree.py --events``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+
+from radixkv.key import RadixKey
+
+EVENT_HASH_BYTES = 8  # a page's chain state as stored in a node (little-endian uint64)
+_U64 = np.uint64
+_M = 0x9E3779B97F4A7C15  # the chain multiplier (odd, so invertible mod 2^64)
+_M_INV = pow(_M, -1, 1 << 64)
+_keys = np.empty(0, dtype=_U64)  # K_j, grown on demand (a prefix of one SHAKE stream)
+_pow = np.ones(1, dtype=_U64)  # M^i, i = 0 .. len - 1
+_ipow = np.ones(1, dtype=_U64)  # M^-i
+_roots: dict[Any, int] = {}
+
+
+def _grow(width: int, pages: int) -> None:
+    global _keys, _pow, _ipow
+    if len(_keys) < width:
+        raw = hashlib.shake_256(b"radixkv event block hash keys").digest(8 * width)
+        _keys = np.frombuffer(raw, dtype="<u8").astype(_U64) | _U64(1)
+    if len(_pow) <= pages:
+        n = max(pages + 1, 2 * len(_pow))
+        with np.errstate(over="ignore"):
+            _pow = np.concatenate(([_U64(1)], np.cumprod(np.full(n - 1, _M, dtype=_U64))))
+            _ipow = np.concatenate(([_U64(1)], np.cumprod(np.full(n - 1, _M_INV, dtype=_U64))))
+
+
+def root_state(extra_key: Any) -> int:
+    """The chain state before a namespace's first page."""
+    state = _roots.get(extra_key)
+    if state is None:
+        digest = hashlib.blake2b(b"root:" + repr(extra_key).encode(), digest_size=8).digest()
+        state = int.from_bytes(digest, "little")
+        if len(_roots) < 4096:
+            _roots[extra_key] = state
+    return state
+
+
+def chain_states(units: np.ndarray, page_units: int, prev: int) -> np.ndarray:
+    """The event hashes (chain states) after each whole page of ``units`` (int64 key
+    units, a multiple of ``page_units`` long), continuing from state ``prev``."""
+    pages = len(units) // page_units
+    _grow(page_units, pages)
+    with np.errstate(over="ignore"):
+        if page_units == 1:
+            digests = units.view(_U64) * _keys[0]
+        else:
+            digests = units.view(_U64).reshape(pages, page_units) @ _keys[:page_units]
+        acc = np.cumsum(digests * _ipow[1 : pages + 1], dtype=_U64)
+        acc += _U64(prev)
+        return acc * _pow[1 : pages + 1]
+
+
+def published(states: np.ndarray | bytes) -> list[int]:
+    """The event wire's block hashes (vLLM's 64-bit integers) of stored chain states."""
+    if isinstance(states, bytes | bytearray):
+        return np.frombuffer(states, dtype="<u8").tolist()
+    return states.tolist()
+
+
+def last_state(states: bytes) -> int:
+    """The final chain state of a node's stored states."""
+    return int.from_bytes(states[-EVENT_HASH_BYTES:], "little")
+
+
+def event_hashes(tokens: Any, extra_key: Any, page_size: int, n_pages: int) -> list[int]:
+    """The event hashes a cache gives the first ``n_pages`` whole pages of ``tokens``
+    (token ids, not an EAGLE bigram view) in namespace ``extra_key``: what a router
+    compares with hash-only KV events."""
+    units = np.frombuffer(RadixKey(tokens).unit_bytes(), dtype=np.int64)[: n_pages * page_size]
+    if n_pages == 0:
+        return []
+    return published(chain_states(units, page_size, root_state(extra_key)))
+
+
+__all__ = [
+    "EVENT_HASH_BYTES",
+    "chain_states",
+    "event_hashes",
+    "last_state",
+    "published",
+    "root_state",
+]

@@ -1,0 +1,80 @@
+"""Event block hashes (`radixkv.blockhash`): the vectorized chain equals its scalar
+definition, a cache emits exactly what a router computes, hash-only events keep
+BLAKE2b, and the hashes are the same in another process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixkv import RadixCache, RadixKey, blockhash
+from radixkv.blockhash import _M, event_hashes, root_state
+from radixkv.events import BlockStored, EventCollector
+from radixkv.tree import chain_hashes
+
+MASK = (1 << 64) - 1
+
+
+def scalar(tokens: list[int], ns, page: int, n: int) -> list[int]:
+    """The definition, one page at a time: c_i = c_{i-1} * M + sum(u_j * K_j) mod 2^64."""
+    event_hashes(tokens, ns, page, n)  # grows the key table to this page size
+    keys = [int(k) for k in blockhash._keys[:page]]  # the module's table, grown
+    state, out = root_state(ns), []
+    for i in range(n):
+        digest = sum(
+            (t & MASK) * k for t, k in zip(tokens[i * page : (i + 1) * page], keys, strict=True)
+        )
+        state = (state * _M + digest) & MASK
+        out.append(state)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    page=st.sampled_from([1, 2, 4, 16]),
+    pages=st.integers(0, 40),
+    ns=st.sampled_from([None, "tenant-a", ("lora", 3)]),
+    data=st.data(),
+)
+def test_the_vectorized_chain_is_its_definition(page, pages, ns, data):
+    tokens = data.draw(st.lists(st.integers(0, (1 << 31) - 1), min_size=page * pages,
+                                max_size=page * pages))  # fmt: skip
+    assert event_hashes(tokens, ns, page, pages) == scalar(tokens, ns, page, pages)
+
+
+def test_a_cache_emits_what_a_router_computes_and_one_token_changes_every_later_hash():
+    sink = EventCollector()
+    cache = RadixCache(4, event_sink=sink)
+    prompt = list(range(100, 140))
+    cache.insert(RadixKey(prompt))
+    cache.insert(RadixKey(prompt[:20] + [7] + prompt[21:]))  # one token differs in page 5
+    first, second = [e for e in sink.drain().events if isinstance(e, BlockStored)]
+    assert first.block_hashes == event_hashes(prompt, None, 4, 10)
+    assert second.parent_block_hash == first.block_hashes[4]  # shares 5 pages, then forks
+    assert not set(second.block_hashes) & set(first.block_hashes)
+    salted = event_hashes(prompt, "salt", 4, 10)
+    assert not set(salted) & set(first.block_hashes)  # namespaces never collide
+    cache.check_integrity()
+
+
+def test_hash_only_events_keep_blake2b():
+    """Hash-only events show nothing but the hashes: they must not give tokens away
+    (the fast chain is linear), so such a sink gets BLAKE2b chains."""
+    sink = EventCollector(tokens=False)
+    cache = RadixCache(4, event_sink=sink)
+    prompt = list(range(40))
+    cache.insert(RadixKey(prompt))
+    (event,) = sink.drain().events
+    want = [int.from_bytes(h[:8], "big") for h in chain_hashes(prompt, None, 4, 10)]
+    assert event.block_hashes == want and event.token_ids == []
+
+
+def test_the_hashes_are_the_same_in_another_process():
+    code = ("from radixkv.blockhash import event_hashes; "
+            "print(event_hashes(list(range(64)), 'ns', 16, 4))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert out.strip() == str(event_hashes(list(range(64)), "ns", 16, 4))
