@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from radixkv.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from radixkv.engine.request import SamplingParams, StepOutput
@@ -464,8 +465,13 @@ def build_app(
     ) -> tuple[Any, list[int]]:
         """The validated request and its prompt's token ids. Parsing, templating and
         tokenizing run off the event loop: a large prompt delays only its own answer,
-        never /health or other clients."""
-        body = await request.body()
+        never /health or other clients. A client that leaves before its body arrived
+        gets a 400 it will not read, not a traceback in the server's log."""
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            raise ApiError(400, "the client went away before its body arrived",
+                           code="client_disconnected") from None  # fmt: skip
 
         def run() -> tuple[Any, list[int]]:
             req = _parse(body, model)
