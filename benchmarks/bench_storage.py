@@ -51,6 +51,8 @@ st = e.tier.stats if e.tier is not None else None
 print(json.dumps({"ttft_p50": statistics.median(ttft), "outputs": outs,
                   "hit_tokens": e.tier.hit_tokens if e.tier else 0,
                   "bytes_read": st.bytes_read if st else 0, "read_s": st.read_s if st else 0,
+                  "bytes_written": st.bytes_written if st else 0,
+                  "write_s": st.write_s if st else 0,
                   "pages_written": st.pages_written if st else 0}))
 """
 
@@ -113,6 +115,7 @@ def main() -> None:
     reader = child(args.model, args.redis, prompts)
     cold = child(args.model, "", prompts)
     rate = reader["bytes_read"] / reader["read_s"] / 1e6 if reader["read_s"] else 0.0
+    wrate = writer["bytes_written"] / writer["write_s"] / 1e6 if writer["write_s"] else 0.0
     result = {
         "model": args.model,
         "ttft_p50_cold_s": cold["ttft_p50"],
@@ -121,13 +124,15 @@ def main() -> None:
         "store_hit_tokens": reader["hit_tokens"],
         "pages_written": writer["pages_written"],
         "read_mb_s": rate,
+        "write_mb_s": wrate,
         "read_s": reader["read_s"],
         "identical_outputs": reader["outputs"] == cold["outputs"] == writer["outputs"],
     }
     print(
         f"TTFT p50: cold {cold['ttft_p50'] * 1e3:.0f} ms, second process "
         f"{reader['ttft_p50'] * 1e3:.0f} ms ({result['ttft_ratio']:.1f}x); read "
-        f"{reader['bytes_read'] / 1e6:.1f} MB from Redis at {rate:.0f} MB/s; identical "
+        f"{reader['bytes_read'] / 1e6:.1f} MB from Redis at {rate:.0f} MB/s (written at "
+        f"{wrate:.0f} MB/s); identical "
         f"outputs: {result['identical_outputs']}"
     )
     redis.Redis.from_url(args.redis).flushdb()
