@@ -69,15 +69,16 @@ def chain_states(units: np.ndarray, page_units: int, prev: int) -> np.ndarray:
     """The event hashes (chain states) after each whole page of ``units`` (int64 key
     units, a multiple of ``page_units`` long), continuing from state ``prev``."""
     pages = len(units) // page_units
-    _grow(page_units, pages)
-    with np.errstate(over="ignore"):
-        if page_units == 1:
-            digests = units.view(_U64) * _keys[0]
-        else:
-            digests = units.view(_U64).reshape(pages, page_units) @ _keys[:page_units]
-        acc = np.cumsum(digests * _ipow[1 : pages + 1], dtype=_U64)
-        acc += _U64(prev)
-        return acc * _pow[1 : pages + 1]
+    if pages >= len(_pow) or page_units > len(_keys):
+        _grow(page_units, pages)
+    # uint64 array arithmetic wraps mod 2^64 without a warning (only scalars warn)
+    if page_units == 1:
+        digests = units.view(_U64) * _keys[:1]
+    else:
+        digests = units.view(_U64).reshape(pages, page_units) @ _keys[:page_units]
+    acc = np.cumsum(digests * _ipow[1 : pages + 1], dtype=_U64)
+    acc += _U64(prev)
+    return acc * _pow[1 : pages + 1]
 
 
 def published(states: np.ndarray | bytes) -> list[int]:
