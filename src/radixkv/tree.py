@@ -218,8 +218,9 @@ class TreeNode:
 class CacheEventSink(Protocol):
     """Receives the pages (blocks) entering and leaving a cache (see `radixkv.events`).
 
-    ``block_hashes`` chain page by page (`page_hash`): each names its whole prefix and
-    namespace. ``token_ids`` are the pages' tokens, in order (under EAGLE, the first
+    ``block_hashes`` chain page by page: each names its whole prefix and namespace (the
+    fast chain of `radixkv.blockhash`; BLAKE2b `page_hash` for a sink whose
+    ``strong_hashes`` is true). ``token_ids`` are the pages' tokens, in order (under EAGLE, the first
     token of each bigram unit)."""
 
     def stored(
