@@ -220,8 +220,8 @@ class CacheEventSink(Protocol):
 
     ``block_hashes`` chain page by page: each names its whole prefix and namespace (the
     fast chain of `radixkv.blockhash`; BLAKE2b `page_hash` for a sink whose
-    ``strong_hashes`` is true). ``token_ids`` are the pages' tokens, in order (under EAGLE, the first
-    token of each bigram unit)."""
+    ``strong_hashes`` is true). ``token_ids`` are the pages' tokens, in order (under
+    EAGLE, the first token of each bigram unit)."""
 
     def stored(
         self, block_hashes: list[int], parent_hash: int | None, token_ids: list[int],
