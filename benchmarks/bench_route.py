@@ -24,15 +24,13 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 
 from radixkv.server.bench_serve import BenchConfig, run_bench
-from radixkv.server.process import ServerProcess, free_port_pair
+from radixkv.server.process import ServerProcess, free_port, free_port_pair, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKER = ["--model", "random", "--page-size", "16", "--max-running", "16",
@@ -117,9 +115,7 @@ class PeerRouter:
     """SGLang's router (``sglang_router.launch_router``, ``cache_aware``) on a free port."""
 
     def __init__(self, python: Path, urls: list[str], timeout: float = 60) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
             [str(python), "-m", "sglang_router.launch_router", "--worker-urls", *urls,
@@ -127,18 +123,7 @@ class PeerRouter:
              "--log-level", "warn"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError("sglang-router did not answer in time")
+        wait_healthy(self.proc, self.url, timeout)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -217,17 +217,23 @@ def add_route_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     r.add_argument("--health-interval", type=_number(float, 0.05, "seconds >= 0.05"), default=1.0)
     r.add_argument("--kv-events-key", default=os.environ.get("RADIXKV_EVENTS_KEY"),
                    help="the workers' --kv-events-key [$RADIXKV_EVENTS_KEY]")  # fmt: skip
-    r.add_argument("--api-key", default=os.environ.get("RADIXKV_API_KEY"),
-                   help="every request but /health must send Authorization: Bearer KEY "
-                   "[$RADIXKV_API_KEY; none: open]")  # fmt: skip
-    r.add_argument("--admin-key", default=os.environ.get("RADIXKV_ADMIN_KEY"),
-                   help="the key POST/DELETE /workers need; without one they answer 403 "
-                   "[$RADIXKV_ADMIN_KEY]")  # fmt: skip
+    _add_key_flags(r, "/workers: list, add, remove")
     r.add_argument("--worker-api-key", default=os.environ.get("RADIXKV_WORKER_API_KEY"),
                    help="the workers' --api-key: the router sends it to them (never the "
                    "client's key) [$RADIXKV_WORKER_API_KEY]")  # fmt: skip
     r.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])  # fmt: skip
+
+
+def _add_key_flags(parser: argparse.ArgumentParser, admin: str) -> None:
+    """``--api-key`` and ``--admin-key``, as `radixkv.server.access` applies them on a
+    server and on a router (``admin``: what the admin key opens)."""
+    parser.add_argument("--api-key", default=os.environ.get("RADIXKV_API_KEY"),
+                        help="every request but /health must send Authorization: Bearer "
+                        "KEY [$RADIXKV_API_KEY; none: open]")  # fmt: skip
+    parser.add_argument("--admin-key", default=os.environ.get("RADIXKV_ADMIN_KEY"),
+                        help=f"the key admin endpoints ({admin}) need; without one they "
+                        "answer 403 [$RADIXKV_ADMIN_KEY]")  # fmt: skip
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -367,18 +373,7 @@ def add_serve_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="allow --kv-events on a non-loopback address: anyone who reaches it reads "
         "the events unauthenticated (see the README's 'Exposing it')",
     )
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get("RADIXKV_API_KEY"),
-        help="every request but /health must send Authorization: Bearer KEY "
-        "[$RADIXKV_API_KEY; none: open]",
-    )
-    serve.add_argument(
-        "--admin-key",
-        default=os.environ.get("RADIXKV_ADMIN_KEY"),
-        help="the key admin endpoints (/flush_cache) need; without one they answer 403 "
-        "[$RADIXKV_ADMIN_KEY]",
-    )
+    _add_key_flags(serve, "/flush_cache")
     serve.add_argument(
         "--max-request-bytes",
         type=positive_int,

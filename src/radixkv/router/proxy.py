@@ -9,13 +9,14 @@ request body unchanged, streaming the answer back byte for byte; the response ca
 
     round_robin, least_load (requests in flight through this router),
     approx  SGLang router's cache-aware policy over a tree of the prompts it routed,
-    kv      (default) Dynamo's cost over the event-fed index: weight x (blocks still to
-            prefill for requests sent to the worker that have not answered yet + this
-            prompt's blocks after the worker's cached overlap) + blocks of the requests
-            in flight there. A prompt routed to a worker counts as cached there while
-            the request runs and for EVENTS_GRACE_S after (at most PENDING_S), until
-            the worker's events arrive (they follow the request by a step or more, and
-            a chat's next turn often comes first).
+    kv      (default) Dynamo's cost over the event-fed index (`policies.kv`): weight x
+            (1/4 x blocks still to prefill for requests sent to the worker that have
+            not answered yet + this prompt's blocks after the worker's cached overlap,
+            a prefix many cached prompts share counting as held everywhere) + blocks
+            of the requests in flight there. A prompt routed to a worker counts as
+            cached there while the request runs and for EVENTS_GRACE_S after (at most
+            PENDING_S), until the worker's events arrive (they follow the request by a
+            step or more, and a chat's next turn often comes first).
 
 A health check (``GET /health``) runs every ``health_interval`` seconds; a worker that
 fails three in a row, or whose connection fails, is taken out until it answers again

@@ -46,6 +46,26 @@ def free_port_pair() -> int:
             return port
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    """Wait until ``url``/health answers 200 (any server: radixkv's, a peer's).
+
+    Raises:
+        RuntimeError: ``proc`` exited, or did not answer in ``timeout`` s (it is killed).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"the server exited with {proc.returncode}: {err}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the server did not answer within {timeout} s")
+
+
 class ServerProcess:
     """Start ``radixkv COMMAND ARGS`` on a free port and wait until ``/health`` answers.
 
@@ -76,18 +96,7 @@ class ServerProcess:
             stderr=subprocess.DEVNULL if stderr is None else stderr,
             text=True,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read() if self.proc.stderr else ""
-                raise RuntimeError(f"the server exited with {self.proc.returncode}: {err}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        self.proc.kill()
-        raise RuntimeError(f"the server did not answer within {timeout} s")
+        wait_healthy(self.proc, self.url, timeout)
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
         """Send ``sig`` and wait; returns the exit status (kills it after ``timeout``)."""

@@ -24,10 +24,12 @@ Routers:
                   of the request, the best match; else the replica with the smallest
                   tree. Each replica's tree holds what was routed to it, bounded by the
                   replica's capacity (LRU).
-    kv            Dynamo's KV router: cost = weight x (blocks queued for prefill there
-                  + this request's blocks after the replica's cached overlap, known
-                  exactly, as events would report it) + blocks of the requests in
-                  flight there; the lowest cost wins.
+    kv            Dynamo's KV router (`radixkv.router.policies.kv`): cost = weight x
+                  (1/4 x blocks queued for prefill there + this request's blocks after
+                  the replica's cached overlap, known exactly, as events would report
+                  it) + blocks of the requests in flight there; the lowest cost wins.
+                  (The router's shared-prefix term needs its index's fan-out; the
+                  simulator has no global index and leaves it out.)
     oracle        the replica with the longest cached prefix, load ignored (ties: the
                   emptiest cache). Not a bound when capacity is short: a prefix every
                   request shares (a system prompt) pulls all traffic to one replica,
