@@ -2,11 +2,11 @@
 swapped, overwritten with another model's pages, the store down and back.
 
 After every request, the KV the engine holds for the prompt (loaded from the store or
-computed) must equal, bit for bit, what a cold engine without a store computes, and the
-greedy tokens must be the same. After a request that had to look for every page of its
-prompt in the store (its device cache flushed first) with the store up, every one of
-those pages must be in the store and valid again: a lost or bad page is back after it is
-recomputed once.
+computed) must equal what a cold engine without a store computes (up to float32
+rounding: `same_kv`), and the greedy tokens must be the same. After a request that had
+to look for every page of its prompt in the store (its device cache flushed first) with
+the store up, every one of those pages must be in the store and valid again: a lost or
+bad page is back after it is recomputed once.
 """
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ from radixkv.storage.store import PageError
 
 PAGE = 4
 PREFIXES = [[(7 * i + 3 * k) % 250 for k in range(18 + 6 * i)] for i in range(3)]
+
+
+def same_kv(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to float32 rounding. A prefill that starts after a loaded prefix
+    multiplies matrices of another shape than one over the whole prompt, and on some
+    CPUs (MKL with AVX-512) that rounds a last bit differently (seen: 9e-8 after two
+    layers). A wrong, swapped or foreign page differs by far more, and so does a byte
+    XOR 0x5A (at least 38 units in the last place of the value it hits)."""
+    return torch.allclose(got, want, rtol=2e-6, atol=2e-7)
 
 
 def make(url: str | None, seed: int = 0) -> Engine:
@@ -77,8 +86,8 @@ class TwoEngines(RuleBasedStateMachine):
         b = self.cold.cache.match_prefix(RadixKey(ids[:n]), split=False).indices
         assert len(a) == len(b) == n
         for layer in range(e.kv.num_layers):
-            assert torch.equal(e.kv.k[layer][a], self.cold.kv.k[layer][b]), "wrong K loaded"
-            assert torch.equal(e.kv.v[layer][a], self.cold.kv.v[layer][b]), "wrong V loaded"
+            assert same_kv(e.kv.k[layer][a], self.cold.kv.k[layer][b]), "wrong K loaded"
+            assert same_kv(e.kv.v[layer][a], self.cold.kv.v[layer][b]), "wrong V loaded"
         e.mgr.check_memory()
         e.cache.check_integrity()
         if flush and not self.down:  # looked for, so recomputed and rewritten if missing
