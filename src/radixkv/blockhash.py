@@ -66,20 +66,58 @@ def root_state(extra_key: Any) -> int:
     return state
 
 
+def _digests(units: np.ndarray, page_units: int, out: np.ndarray) -> None:
+    """Each whole page's digest ``sum(u_j * K_j)`` into ``out`` (one per page)."""
+    if page_units == 1:
+        np.multiply(units.view(_U64), _keys[0], out=out)
+    else:
+        np.matmul(units.view(_U64).reshape(len(out), page_units), _keys[:page_units], out=out)
+
+
 def chain_states(units: np.ndarray, page_units: int, prev: int) -> np.ndarray:
     """The event hashes (chain states) after each whole page of ``units`` (int64 key
     units, a multiple of ``page_units`` long), continuing from state ``prev``."""
     pages = len(units) // page_units
     if pages >= len(_pow) or page_units > len(_keys):
         _grow(page_units, pages)
-    # uint64 array arithmetic wraps mod 2^64 without a warning (only scalars warn)
-    if page_units == 1:
-        digests = units.view(_U64) * _keys[:1]
-    else:
-        digests = units.view(_U64).reshape(pages, page_units) @ _keys[:page_units]
-    acc = np.cumsum(digests * _ipow[1 : pages + 1], dtype=_U64)
-    acc += _U64(prev)
-    return acc * _pow[1 : pages + 1]
+    # uint64 array arithmetic wraps mod 2^64 without a warning (only scalars warn);
+    # ``prev`` rides in front as page 0 (M^-0 = 1), so one running sum carries it
+    acc = np.empty(pages + 1, dtype=_U64)
+    acc[0] = prev
+    _digests(units, page_units, acc[1:])
+    acc *= _ipow[: pages + 1]
+    np.add.accumulate(acc, out=acc)
+    states = acc[1:]
+    states *= _pow[1 : pages + 1]
+    return states
+
+
+def chain_runs(
+    units: np.ndarray, page_units: int, starts: list[int], pages: list[int]
+) -> np.ndarray:
+    """`chain_states` of several runs in one pass: ``units`` holds the runs' whole pages
+    back to back (run ``r`` has ``pages[r]`` pages and continues from state
+    ``starts[r]``); returns their states back to back. With ``C`` the running sum of
+    ``d_h * M^-(h+1)`` over all pages, a page ``g`` of a run that begins at page ``s``
+    has state ``M^(g+1) * (C[g] - C[s-1] + start * M^-s)``: one running sum for every
+    run. Batching is the point: a numpy call costs about a microsecond whatever its size."""
+    if len(starts) == 1:
+        return chain_states(units, page_units, starts[0])
+    total = len(units) // page_units
+    if total >= len(_pow) or page_units > len(_keys):
+        _grow(page_units, total)
+    acc = np.empty(total + 1, dtype=_U64)
+    acc[0] = 0
+    _digests(units, page_units, acc[1:])
+    acc *= _ipow[: total + 1]
+    np.add.accumulate(acc, out=acc)
+    first = np.zeros(len(pages), dtype=np.int64)
+    np.cumsum(pages[:-1], out=first[1:])
+    offsets = np.array(starts, dtype=_U64) * _ipow[first] - acc[first]
+    states = acc[1:]
+    states += np.repeat(offsets, pages)
+    states *= _pow[1 : total + 1]
+    return states
 
 
 def published(states: np.ndarray | bytes) -> list[int]:
@@ -107,6 +145,7 @@ def event_hashes(tokens: Any, extra_key: Any, page_size: int, n_pages: int) -> l
 
 __all__ = [
     "EVENT_HASH_BYTES",
+    "chain_runs",
     "chain_states",
     "event_hashes",
     "last_state",
