@@ -78,3 +78,73 @@ def test_the_hashes_are_the_same_in_another_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
     assert out.strip() == str(event_hashes(list(range(64)), "ns", 16, 4))
+
+
+class _EagerCollector(EventCollector):
+    """The same sink without ``attach``: its cache reports each insert at once."""
+
+    attach = None  # type: ignore[assignment]
+
+
+_steps = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("insert"),
+            st.lists(st.integers(0, 2), min_size=1, max_size=20),
+            st.sampled_from([None, "salt"]),
+        ),
+        st.tuples(st.just("match"), st.lists(st.integers(0, 2), max_size=20), st.none()),
+        st.tuples(st.just("evict"), st.integers(0, 16), st.none()),
+        st.tuples(st.just("detach"), st.integers(0, 50), st.none()),
+        st.tuples(st.just("lock"), st.integers(0, 50), st.none()),
+        st.tuples(st.just("drain"), st.none(), st.none()),
+        st.tuples(st.just("reset"), st.none(), st.none()),
+    ),
+    max_size=50,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    page=st.sampled_from([1, 2, 4]),
+    eagle=st.booleans(),
+    opt_ins=st.sampled_from([{}, {"precise": True}, {"merge_chains": True}]),
+    steps=_steps,
+)
+def test_hashing_a_steps_inserts_at_the_drain_reports_what_hashing_each_at_once_does(
+    page, eagle, opt_ins, steps
+):
+    """A collector's cache hashes the pages it stored only when the collector is
+    drained, or when it needs the hashes sooner (a split, a child, an eviction): the
+    stream of events must be the one a sink told of every insert at once gives."""
+    lazy, eager = EventCollector(), _EagerCollector()
+    caches = [RadixCache(page, is_eagle=eagle, event_sink=s, **opt_ins) for s in (lazy, eager)]
+    got: list = []
+    locked: list = [[], []]
+    for op, arg, ns in steps:
+        for c, held in zip(caches, locked, strict=True):
+            if op == "insert":
+                c.insert(RadixKey(arg, ns, is_bigram=eagle))
+            elif op == "match":
+                c.match_prefix(RadixKey(arg, is_bigram=eagle))
+            elif op == "evict":
+                c.evict(arg)
+            elif op in ("detach", "lock"):
+                nodes = [n for n in c.iter_nodes() if n is not c.root]
+                leaves = [n for n in nodes if not n.children and not n.lock_ref]
+                if op == "detach" and leaves:
+                    c.detach_leaf(leaves[arg % len(leaves)])
+                elif op == "lock" and nodes:
+                    held.append(nodes[arg % len(nodes)])
+                    c.inc_lock_ref(held[-1])
+                    if len(held) > 2:
+                        c.dec_lock_ref(held.pop(0))
+            elif op == "reset":
+                c.reset()
+                held.clear()
+            c.check_integrity()
+        if op == "drain" and (batch := lazy.drain()) is not None:
+            got += batch.events
+    tail = lazy.drain()
+    got += tail.events if tail is not None else []
+    assert got == eager.events

@@ -11,9 +11,10 @@ Wire: a batch is msgpack ``[ts, events, data_parallel_rank]``; an event is a map
 from before mid-2026, a tagged array ``["BlockStored", block_hashes, ...]``;
 `decode_batch` reads both and ignores fields it does not know.
 
-Publisher (`ZmqEventPublisher`): a PUB socket sends three frames per batch (topic,
-8-byte big-endian sequence number, payload); a ROUTER socket answers a replay request
-(one frame: the first wanted sequence number, 8 bytes big-endian) with
+Publisher (`ZmqEventPublisher`): its own thread encodes each batch and a PUB socket
+sends it as three frames (topic, 8-byte big-endian sequence number, payload); a ROUTER
+socket answers a replay request (one frame: the first wanted sequence number, 8 bytes
+big-endian) with
 ``("", topic, seq, payload)`` for each buffered batch from there on, then
 ``("", "", -1, "")``, as vLLM's publisher does. A replay sends at most the last
 ``replay_batches`` batches, a peer's unread queue is capped there (ZeroMQ drops beyond),
@@ -42,6 +43,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -193,6 +195,13 @@ class EventCollector:
         # BLAKE2b (radixkv.tree.page_hash), not the fast chain that token events carry
         self.strong_hashes = not tokens
         self._tags: dict[Any, str] = {}
+        self._flushes: list[Callable[[], None]] = []
+
+    def attach(self, flush: Callable[[], None]) -> None:
+        """Call ``flush`` before handing events out: a cache reports the pages it stored
+        since the last drain then, hashed in one batch (`radixkv.tree.RadixCache.flush_events`)."""
+        if flush not in self._flushes:
+            self._flushes.append(flush)
 
     def stored(
         self, block_hashes: list[int], parent_hash: int | None, token_ids: list[int],
@@ -220,6 +229,8 @@ class EventCollector:
 
     def drain(self, rank: int | None = None) -> KVEventBatch | None:
         """The buffered events as one batch (``None`` when there are none)."""
+        for flush in self._flushes:
+            flush()
         if not self.events:
             return None
         events, self.events = self.events, []
@@ -252,7 +263,7 @@ class ZmqEventPublisher:
 
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self._topic = topic.encode()
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[KVEventBatch | None] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         self._ctx = zmq.Context.instance()
@@ -277,8 +288,11 @@ class ZmqEventPublisher:
         return self._seq
 
     def publish(self, batch: KVEventBatch) -> None:
-        """Queue ``batch`` (thread-safe; never blocks)."""
-        self._queue.put(encode_batch(batch))
+        """Queue ``batch`` (thread-safe; never blocks). The publisher's thread encodes
+        it, so the caller (the engine's step) pays for neither msgpack nor the send;
+        ``batch`` must not change afterwards (`EventCollector.drain` hands out a new one
+        each time)."""
+        self._queue.put(batch)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -289,11 +303,16 @@ class ZmqEventPublisher:
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
             try:
-                payload = self._queue.get(timeout=0.01)
+                batch = self._queue.get(timeout=0.01)
             except queue.Empty:
                 continue
-            if payload is None:
+            if batch is None:
                 break
+            try:
+                payload = encode_batch(batch)
+            except Exception:  # a bad batch is dropped; the stream goes on
+                log.exception("dropping a KV event batch that does not encode")
+                continue
             seq, self._seq = self._seq, self._seq + 1
             self._buffer.append((seq, payload))
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))

@@ -98,6 +98,7 @@ import torch
 
 from radixkv.blockhash import (
     EVENT_HASH_BYTES,
+    chain_runs,
     chain_states,
     last_state,
     published,
@@ -399,6 +400,7 @@ class RadixCache:
         self._evict_hook: Any = None
         self._hashing = False  # BLAKE2b block hashes are kept (an evict hook, private events)
         self._fast = False  # event chain states are kept (a sink of the default kind)
+        self._lazy = False  # the sink asks for stored events (it has attach(flush))
         self.reset()
         self.set_event_sink(event_sink)
 
@@ -415,8 +417,13 @@ class RadixCache:
         for name in ("stored", "removed", "cleared"):
             if sink is not None and not callable(getattr(sink, name, None)):
                 raise TypeError(f"event_sink must have a {name}() method")
+        self.flush_events()  # the old sink hears of every page it was told would come
         self._sink = sink
         self._set_hashing()
+        attach = getattr(sink, "attach", None)
+        self._lazy = self._fast and callable(attach)
+        if self._lazy:
+            attach(self.flush_events)
 
     def set_evict_hook(self, hook: Any) -> None:
         """Call ``hook(page_hashes, slots)`` with the pages `evict` is about to free
@@ -444,6 +451,7 @@ class RadixCache:
         """Drop every node (without calling the allocator) and restart the clock; an
         event sink hears ``cleared``."""
         if getattr(self, "_sink", None) is not None and self._num_nodes:
+            self.flush_events()  # the stream reads as if each insert had reported at once
             self._sink.cleared()
         self.root = TreeNode(0)
         self.root.lock_ref = 1  # the root is never evictable
@@ -456,6 +464,9 @@ class RadixCache:
         # those pushed in order queue up in _run, the others go to the heap
         self._heap: list[tuple[Any, ...]] = []
         self._run: deque[tuple[Any, ...]] = deque()
+        # nodes whose last pages have no event hashes yet and whose stored event has not
+        # gone out (`flush_events`)
+        self._unhashed: list[TreeNode] = []
 
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes (what ``evict`` can free)."""
@@ -542,6 +553,8 @@ class RadixCache:
         width = self._width
         parent = child.parent
         assert parent is not None
+        if self._unhashed and self._pending(child):
+            self.flush_events()
         shared = child._key is child._value
         upper = self._new_node(child._key[: m * width], _EMPTY, parent, child.extra_key)
         upper._value = upper._key if shared else child._value[: m * TOKEN_BYTES]
@@ -790,7 +803,8 @@ class RadixCache:
 
     def _report_stored(self, leaf: TreeNode, parent: TreeNode) -> None:
         """Hash the new leaf's pages (chained from its parent's last page) and tell the
-        sink, if any."""
+        sink, if any. Event hashes of the fast kind wait for `flush_events` when the sink
+        asks for them (a whole step's inserts then hash in one batch)."""
         key, top = leaf._key, parent is self.root
         if self._hashing:
             step = self.page_size * self._width
@@ -802,20 +816,67 @@ class RadixCache:
             leaf._hashes = bytes(hashes)
         if self._sink is None:
             return
+        if self._fast:
+            if self._unhashed and not top and self._pending(parent):
+                self.flush_events()  # the leaf's chain starts at its parent's last hash
+            self._unhashed.append(leaf)
+            if not self._lazy:
+                self.flush_events()
+            return
+        block_hashes = _hash_ints(leaf._hashes)
+        parent_hash = None if top else _hash_ints(parent._hashes[-HASH_BYTES:])[0]
         units = np.frombuffer(key, dtype=np.int64)
         tokens = units[::2] if self.is_eagle else units
-        if self._fast:  # the event hashes, a whole run of pages at once
-            start = root_state(leaf.extra_key) if top else last_state(parent._ehash)
-            states = chain_states(units, self.page_size * (self._width // TOKEN_BYTES), start)
-            leaf._ehash = states.astype("<u8", copy=False).tobytes()
-            block_hashes = published(states)
-            parent_hash = None if top else published(parent._ehash[-EVENT_HASH_BYTES:])[0]
-        else:
-            block_hashes = _hash_ints(leaf._hashes)
-            parent_hash = None if top else _hash_ints(parent._hashes[-HASH_BYTES:])[0]
         self._sink.stored(
             block_hashes, parent_hash, tokens.tolist(), self.page_size, leaf.extra_key
         )
+
+    def _pending(self, node: TreeNode) -> bool:
+        """``node``'s last pages wait for `flush_events` (fewer event hashes than pages)."""
+        pages = len(node._value) // TOKEN_BYTES // self.page_size
+        return len(node._ehash) // EVENT_HASH_BYTES < pages
+
+    def flush_events(self) -> None:
+        """Hash the pages inserted since the last flush and report them to the sink, in
+        the order they were inserted. All of them hash in one batch (`chain_runs`), so a
+        step of many inserts pays a few numpy calls, not a few per insert. A sink with
+        ``attach`` calls this before it hands its events out (`EventCollector.drain`);
+        the cache calls it first whenever it needs those hashes or reports a removal, so
+        the sink hears of every page in order. O(pages) and O(1) numpy calls."""
+        pending = self._unhashed
+        if not pending:
+            return
+        self._unhashed = []
+        page, root, sink = self.page_size, self.root, self._sink
+        assert sink is not None
+        step = page * self._width  # key bytes a page
+        parts, starts, counts, parents = [], [], [], []
+        for node in pending:
+            done = len(node._ehash) // EVENT_HASH_BYTES  # pages that came with a merge
+            parent = node.parent
+            assert parent is not None, "a pending node left the tree without a flush"
+            if done:
+                prev: int | None = last_state(node._ehash)
+                parts.append(node._key[done * step :])
+            else:
+                prev = None if parent is root else last_state(parent._ehash)
+                parts.append(node._key)
+            starts.append(root_state(node.extra_key) if prev is None else prev)
+            parents.append(prev)
+            counts.append(len(node._key) // step - done)
+        units = np.frombuffer(parts[0] if len(parts) == 1 else b"".join(parts), dtype=np.int64)
+        states = chain_runs(units, page * (self._width // TOKEN_BYTES), starts, counts)
+        raw = states.astype("<u8", copy=False).tobytes()
+        hashes = states.tolist()
+        tokens = (units[::2] if self.is_eagle else units).tolist()
+        at = 0
+        for node, n, prev in zip(pending, counts, parents, strict=True):
+            node._ehash += raw[at * EVENT_HASH_BYTES : (at + n) * EVENT_HASH_BYTES]
+            sink.stored(
+                hashes[at : at + n], prev, tokens[at * page : (at + n) * page], page,
+                node.extra_key,
+            )  # fmt: skip
+            at += n
 
     def _event_hashes(self, node: TreeNode, first_page: int = 0) -> list[int]:
         """The event hashes of ``node``'s pages from ``first_page`` on."""
@@ -840,6 +901,8 @@ class RadixCache:
         need = as_count(num_tokens, "num_tokens")
         if self.disable or need == 0:
             return 0
+        if self._unhashed:
+            self.flush_events()  # stored before removed, and every victim hashed
         page, root = self.page_size, self.root
         heap, run, pop, push = self._heap, self._run, heapq.heappop, heapq.heappush
         policy_key = self._policy_key
@@ -958,6 +1021,8 @@ class RadixCache:
                 )
             if units < len(node):
                 self._split(node, len(node) - units)  # node keeps its identity: the tail
+        if self._unhashed:
+            self.flush_events()  # stored before removed
         parent = node.parent
         assert parent is not None
         del parent.children[self._dict_key(parent, node)]
@@ -1082,6 +1147,9 @@ class RadixCache:
         root, page, width = self.root, self.page_size, self._width
         if root.parent is not None or root._key or root._value or root.lock_ref != 1:
             fail("root must have no parent, an empty key and lock_ref 1")
+        unhashed = {id(n) for n in self._unhashed}  # their stored events wait for a flush
+        if len(unhashed) != len(self._unhashed) or (unhashed and not self._fast):
+            fail("a node waits twice for its event hashes, or without a sink of the fast kind")
         evictable = protected = count = 0
         evictable_leaves: dict[int, TreeNode] = {}
         seen: set[int] = {id(root)}
@@ -1127,8 +1195,11 @@ class RadixCache:
                     start = root_state(child.extra_key) if node is root else last_state(node._ehash)
                     units_arr = np.frombuffer(child._key, dtype=np.int64)
                     want = chain_states(units_arr, page * (width // TOKEN_BYTES), start)
-                    if child._ehash != want.astype("<u8", copy=False).tobytes():
+                    want_bytes = want.astype("<u8", copy=False).tobytes()
+                    if not want_bytes.startswith(child._ehash):
                         fail(f"{where}: event hashes are not their chain's")
+                    if len(child._ehash) < len(want_bytes) and id(child) not in unhashed:
+                        fail(f"{where}: pages without event hashes, and no flush pending")
                 child_locks += child.lock_ref
                 if child.lock_ref:
                     protected += units
@@ -1142,6 +1213,8 @@ class RadixCache:
                 fail(f"node {node.id}: lock_ref {node.lock_ref} < children's sum {child_locks}")
         if count != self._num_nodes:
             fail(f"node count {count} != recorded {self._num_nodes}")
+        if not unhashed <= seen:
+            fail("a node waiting for its event hashes is no longer in the tree")
         if (evictable, protected) != (self._evictable, self._protected):
             fail(
                 f"sizes recomputed (evictable={evictable}, protected={protected}) != recorded "
