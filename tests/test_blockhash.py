@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from radixkv import RadixCache, RadixKey, blockhash
 from radixkv.blockhash import _M, event_hashes, root_state
-from radixkv.events import BlockStored, EventCollector
+from radixkv.events import BlockStored, EventCollector, KVEventBatch, encode_batch
 from radixkv.tree import chain_hashes
 
 MASK = (1 << 64) - 1
@@ -116,11 +116,14 @@ def test_hashing_a_steps_inserts_at_the_drain_reports_what_hashing_each_at_once_
 ):
     """A collector's cache hashes the pages it stored only when the collector is
     drained, or when it needs the hashes sooner (a split, a child, an eviction): the
-    stream of events must be the one a sink told of every insert at once gives."""
-    lazy, eager = EventCollector(), _EagerCollector()
-    caches = [RadixCache(page, is_eagle=eagle, event_sink=s, **opt_ins) for s in (lazy, eager)]
-    got: list = []
-    locked: list = [[], []]
+    stream of events must be the one a sink told of every insert at once gives. A
+    collector that keeps token ids as arrays (what serve's publisher takes) must put the
+    same bytes on the wire."""
+    lazy, eager, arrays = EventCollector(), _EagerCollector(), EventCollector(token_arrays=True)
+    sinks = (lazy, eager, arrays)
+    caches = [RadixCache(page, is_eagle=eagle, event_sink=s, **opt_ins) for s in sinks]
+    parts: list[tuple[list, list]] = []  # each drain: the lists' events, the arrays'
+    locked: list = [[], [], []]
     for op, arg, ns in steps:
         for c, held in zip(caches, locked, strict=True):
             if op == "insert":
@@ -143,8 +146,13 @@ def test_hashing_a_steps_inserts_at_the_drain_reports_what_hashing_each_at_once_
                 c.reset()
                 held.clear()
             c.check_integrity()
-        if op == "drain" and (batch := lazy.drain()) is not None:
-            got += batch.events
-    tail = lazy.drain()
-    got += tail.events if tail is not None else []
-    assert got == eager.events
+        if op == "drain":
+            parts.append((_events(lazy.drain()), _events(arrays.drain())))
+    parts.append((_events(lazy.drain()), _events(arrays.drain())))
+    assert [e for listed, _ in parts for e in listed] == eager.events
+    for listed, arrayed in parts:  # token ids kept as arrays: the same bytes on the wire
+        assert encode_batch(KVEventBatch(0.0, arrayed)) == encode_batch(KVEventBatch(0.0, listed))
+
+
+def _events(batch) -> list:
+    return batch.events if batch is not None else []

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 log = logging.getLogger("radixkv.events")
 MEDIUM_GPU = "GPU"
@@ -131,11 +132,18 @@ class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-_encoder = msgspec.msgpack.Encoder()
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):  # token ids kept as arrays (EventCollector)
+        return obj.tolist()
+    raise NotImplementedError(f"cannot encode {type(obj).__name__} in a KV event")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
-    """The batch in vLLM's current encoding (events as maps with ``"type"``)."""
+    """The batch in vLLM's current encoding (events as maps with ``"type"``); token ids
+    held as int64 arrays go out as the same lists."""
     return _encoder.encode(batch)
 
 
@@ -186,11 +194,18 @@ class EventCollector:
     Args:
         salt_key: the events key namespaces are tagged with (`salt_tag`).
         tokens: publish token ids and namespace tags (``False``: block hashes only).
+        token_arrays: keep each event's token ids as the cache's int64 array (a
+            read-only view, no copy) instead of a list; `encode_batch` writes them as
+            lists. For batches that only go to the wire: the publisher's thread then
+            makes the lists, not the engine's step.
     """
 
-    def __init__(self, salt_key: bytes | None = None, tokens: bool = True) -> None:
+    def __init__(
+        self, salt_key: bytes | None = None, tokens: bool = True, token_arrays: bool = False
+    ) -> None:
         self.events: list[Event] = []
         self.salt_key, self.tokens = salt_key, tokens
+        self.token_arrays = token_arrays
         # hash-only events show a subscriber nothing but the hashes: those must be
         # BLAKE2b (radixkv.tree.page_hash), not the fast chain that token events carry
         self.strong_hashes = not tokens

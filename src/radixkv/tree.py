@@ -222,7 +222,9 @@ class CacheEventSink(Protocol):
     ``block_hashes`` chain page by page: each names its whole prefix and namespace (the
     fast chain of `radixkv.blockhash`; BLAKE2b `page_hash` for a sink whose
     ``strong_hashes`` is true). ``token_ids`` are the pages' tokens, in order (under
-    EAGLE, the first token of each bigram unit)."""
+    EAGLE, the first token of each bigram unit): a list, or a read-only int64 array for
+    a sink whose ``token_arrays`` is true. A sink with ``attach(flush)`` hears of stored
+    pages when it calls ``flush`` (`RadixCache.flush_events`), in one batch."""
 
     def stored(
         self, block_hashes: list[int], parent_hash: int | None, token_ids: list[int],
@@ -401,6 +403,7 @@ class RadixCache:
         self._hashing = False  # BLAKE2b block hashes are kept (an evict hook, private events)
         self._fast = False  # event chain states are kept (a sink of the default kind)
         self._lazy = False  # the sink asks for stored events (it has attach(flush))
+        self._token_arrays = False  # the sink takes token ids as int64 arrays
         self.reset()
         self.set_event_sink(event_sink)
 
@@ -422,6 +425,7 @@ class RadixCache:
         self._set_hashing()
         attach = getattr(sink, "attach", None)
         self._lazy = self._fast and callable(attach)
+        self._token_arrays = bool(getattr(sink, "token_arrays", False))
         if self._lazy:
             attach(self.flush_events)
 
@@ -868,7 +872,9 @@ class RadixCache:
         states = chain_runs(units, page * (self._width // TOKEN_BYTES), starts, counts)
         raw = states.astype("<u8", copy=False).tobytes()
         hashes = states.tolist()
-        tokens = (units[::2] if self.is_eagle else units).tolist()
+        tokens: Any = units[::2] if self.is_eagle else units
+        if not self._token_arrays:
+            tokens = tokens.tolist()
         at = 0
         for node, n, prev in zip(pending, counts, parents, strict=True):
             node._ehash += raw[at * EVENT_HASH_BYTES : (at + n) * EVENT_HASH_BYTES]
