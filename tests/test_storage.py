@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import redis
 
@@ -78,6 +79,50 @@ def test_store_backends(kind, tmp_path, shared_redis):
     assert store.exists_prefix(keys) == 3
     assert store.exists_prefix(keys[1:]) == 2
     assert store.get(keys[:4]) == [b"a", b"bb", b"ccc", None]
+
+
+@pytest.mark.parametrize("kind", ["memory", "file", "redis"])
+def test_get_into_reads_values_into_the_callers_buffers(kind, tmp_path, shared_redis):
+    """Values of an accepted length land in the given buffers (Redis: from the socket,
+    some larger than its read chunks); a missing key is None, a refused length False,
+    and the replies after either still land where they belong."""
+    store = {"memory": MemoryStore, "file": lambda: FileStore(tmp_path),
+             "redis": lambda: RedisStore(shared_redis)}[kind]()  # fmt: skip
+    rng = np.random.default_rng(0)
+    big = [rng.integers(0, 256, 300_001, dtype=np.uint8).tobytes() for _ in range(3)]
+    keys = [bytes([i]) * 24 for i in range(6)]
+    store.set([keys[0], keys[1], keys[3], keys[4], keys[5]],
+              [big[0], b"short", big[1], b"", big[2]])  # fmt: skip
+    dest = np.zeros((6, 300_001 - 7), dtype=np.uint8)
+    heads = [bytearray(7) for _ in keys]
+    asked: list[tuple[int, int]] = []
+
+    def parts(i: int, n: int):
+        asked.append((i, n))
+        if n != 300_001:
+            return None
+        return [memoryview(heads[i]), memoryview(dest[i])]
+
+    got = store.get_into(keys, parts)
+    assert got == [True, False, None, True, False, True]
+    assert asked == [(0, 300_001), (1, 5), (3, 300_001), (4, 0), (5, 300_001)]
+    for i, b in ((0, big[0]), (3, big[1]), (5, big[2])):
+        assert bytes(heads[i]) + dest[i].tobytes() == b
+    assert not dest[1].any() and not dest[2].any() and not dest[4].any()
+
+
+def test_a_redis_error_reply_mid_read_is_a_soft_failure_and_the_next_read_works(shared_redis):
+    store = RedisStore(shared_redis, retry_s=0.0)
+    client = redis.Redis.from_url(shared_redis)
+    keys = [b"page-a" * 4, b"a-list" * 4, b"page-b" * 4]
+    store.set([keys[0], keys[2]], [b"x" * 1000, b"y" * 1000])
+    client.rpush(keys[1], b"not a string")  # GET answers WRONGTYPE
+    bufs = [bytearray(1000) for _ in keys]
+    got = store.get_into(keys, lambda i, n: [memoryview(bufs[i])] if n == 1000 else None)
+    assert got == [None, None, None] and store.stats.errors == 1
+    client.delete(keys[1])
+    got = store.get_into(keys, lambda i, n: [memoryview(bufs[i])] if n == 1000 else None)
+    assert got == [True, None, True] and bytes(bufs[2]) == b"y" * 1000
 
 
 def test_open_store_urls(tmp_path):

@@ -4,6 +4,7 @@ every step each page's KV is checked where the bookkeeping says it lives."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from helpers import content
 from hypothesis import HealthCheck, settings
@@ -109,7 +110,7 @@ class TiersMachine(RuleBasedStateMachine):
             for key, value in self.store.data.items():
                 payload = self.tiers.codec.decode(key[16:], value)
                 assert payload is not None
-                pages = self.tiers._decode_pages([payload])
+                pages = self.tiers._as_pages(np.frombuffer(payload, np.uint8).copy().reshape(1, -1))
                 assert pages[0, 0, 0].reshape(-1).tolist() == self.expected[key]
         owned = len(self.cache.all_values()) + self.alloc.available_size()
         assert owned + self.alloc.reserved_tail_size() == self.alloc.size

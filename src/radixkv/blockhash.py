@@ -27,6 +27,7 @@ times the whole insert with events).
 from __future__ import annotations
 
 import hashlib
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -111,11 +112,11 @@ def chain_runs(
     _digests(units, page_units, acc[1:])
     acc *= _ipow[: total + 1]
     np.add.accumulate(acc, out=acc)
-    first = np.zeros(len(pages), dtype=np.int64)
-    np.cumsum(pages[:-1], out=first[1:])
+    counts = np.array(pages, dtype=np.int64)
+    first = np.fromiter(accumulate(pages[:-1], initial=0), np.int64, len(pages))
     offsets = np.array(starts, dtype=_U64) * _ipow[first] - acc[first]
     states = acc[1:]
-    states += np.repeat(offsets, pages)
+    states += np.repeat(offsets, counts)
     states *= _pow[1 : total + 1]
     return states
 

@@ -10,6 +10,7 @@ import struct
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -98,25 +99,69 @@ class PageCodec:
 
         Raises:
             PageError: the value fails a check (see `PageError`)."""
-        if len(value) < _HEADER.size:
+        view = memoryview(value)
+        if len(view) < _HEADER.size:
             raise PageError("corrupt")
-        magic, version, fp, kh, flags, length, crc = _HEADER.unpack_from(value)
+        length = _HEADER.unpack_from(view)[5]
+        end = _HEADER.size + length
+        mac = view[end:]
+        self.check(key_hash, view[: _HEADER.size], view[_HEADER.size : end], mac)
+        return view[_HEADER.size : end]
+
+    def value_parts(self, length: int, payload_len: int) -> tuple[int, int] | None:
+        """How a stored value of ``length`` bytes splits when its payload should be
+        ``payload_len``: (header, MAC) sizes, or ``None`` when it cannot be such a page.
+        A value with and one without a MAC both split (`check` says which may be used)."""
+        if length == _HEADER.size + payload_len:
+            return _HEADER.size, 0
+        if length == _HEADER.size + payload_len + MAC_BYTES:
+            return _HEADER.size, MAC_BYTES
+        return None
+
+    def check(
+        self, key_hash: bytes, header: memoryview, payload: memoryview, mac: memoryview
+    ) -> None:
+        """Check a value given in its parts (a store may read them straight into
+        separate buffers: `PageStore.get_into`).
+
+        Raises:
+            PageError: the value fails a check (see `PageError`)."""
+        if len(header) != _HEADER.size:
+            raise PageError("corrupt")
+        magic, version, fp, kh, flags, length, crc = _HEADER.unpack_from(header)
         if (magic, version, fp, kh) != (MAGIC, FORMAT_VERSION, self.fingerprint, key_hash):
             raise PageError("corrupt")
-        view = memoryview(value)
-        end = _HEADER.size + length
-        if len(view) != end + (MAC_BYTES if flags & _FLAG_MAC else 0):
+        if len(payload) != length or len(mac) != (MAC_BYTES if flags & _FLAG_MAC else 0):
             raise PageError("corrupt")
-        payload = view[_HEADER.size : end]
         if zlib.crc32(payload) != crc:
             raise PageError("corrupt")
-        if self.secret is not None:
-            mac = view[end:]
-            if not flags & _FLAG_MAC or not hmac.compare_digest(
-                mac, self._mac(view[: _HEADER.size], payload)
-            ):
-                raise PageError("unauthenticated")
-        return payload
+        if self.secret is not None and (
+            not flags & _FLAG_MAC or not hmac.compare_digest(mac, self._mac(header, payload))
+        ):
+            raise PageError("unauthenticated")
+
+
+# Where `PageStore.get_into` puts a value of a given length: the buffers to fill, in
+# order (their sizes sum to the length), or None to skip a value of that length.
+Parts = Callable[[int, int], "list[memoryview] | None"]
+
+
+def _copy_into(value: bytes, parts: list[memoryview]) -> None:
+    at = 0
+    for part in parts:
+        part[:] = value[at : at + len(part)]
+        at += len(part)
+
+
+def _get_into(store: Any, keys: list[bytes], parts: Parts) -> list[bool | None]:
+    """`PageStore.get_into` by way of ``get`` (one copy from each value)."""
+    out: list[bool | None] = []
+    for i, value in enumerate(store.get(keys)):
+        where = None if value is None else parts(i, len(value))
+        if where is not None:
+            _copy_into(value, where)  # type: ignore[arg-type]
+        out.append(None if value is None else where is not None)
+    return out
 
 
 class PageStore(Protocol):
@@ -125,6 +170,12 @@ class PageStore(Protocol):
     def exists_prefix(self, keys: list[bytes]) -> int: ...
     def get(self, keys: list[bytes]) -> list[bytes | None]: ...
     def set(self, keys: list[bytes], values: list[bytes]) -> int: ...
+
+    def get_into(self, keys: list[bytes], parts: Parts) -> list[bool | None]:
+        """Read each key's value into the buffers ``parts(i, len(value))`` gives: per
+        key ``True`` (read), ``None`` (missing) or ``False`` (``parts`` refused its
+        length). Redis reads straight from the socket into them (no reply objects)."""
+        ...
 
 
 class MemoryStore:
@@ -147,6 +198,9 @@ class MemoryStore:
         for k, v in zip(keys, values, strict=True):
             self.data[k] = v
         return len(keys)
+
+    def get_into(self, keys: list[bytes], parts: Parts) -> list[bool | None]:
+        return _get_into(self, keys, parts)
 
 
 class _SoftStore:
@@ -230,6 +284,9 @@ class FileStore(_SoftStore):
 
         return self._call("get", run, [None] * len(keys))
 
+    def get_into(self, keys: list[bytes], parts: Parts) -> list[bool | None]:
+        return _get_into(self, keys, parts)
+
     def set(self, keys: list[bytes], values: list[bytes]) -> int:
         def run() -> int:
             self._open()
@@ -276,7 +333,7 @@ class RedisStore(_SoftStore):
         super().__init__(f"redis store {url}", retry_s)
         self.url, self.ttl_s = url, ttl_s
         parsed = urlparse(url)
-        cluster = "cluster=1" in parsed.query.split("&")
+        cluster = self._cluster = "cluster=1" in parsed.query.split("&")
         kw = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
         if cluster:  # Redis Cluster: the same single-key pipelines, split by node
             self.client = RedisCluster.from_url(parsed._replace(query="").geturl(), **kw)
@@ -316,6 +373,35 @@ class RedisStore(_SoftStore):
 
         return self._call("get", run, [None] * len(keys))
 
+    def get_into(self, keys: list[bytes], parts: Parts) -> list[bool | None]:
+        """Pipelined GETs whose values go from the socket straight into ``parts``:
+        no reply object and no copy per page (redis-py's replies plus a copy read SmolLM2
+        pages at 280-930 MB/s here, the socket into the buffers at 1.3-1.9 GB/s). A
+        Redis Cluster, or a connection without a plain socket, goes through ``get``."""
+        if not keys:
+            return []
+        if self._cluster:
+            return _get_into(self, keys, parts)
+
+        def run() -> list[bool | None]:
+            pool = self.client.connection_pool
+            try:
+                conn = pool.get_connection()
+            except TypeError:  # redis-py before 5.3 wants a command name
+                conn = pool.get_connection("GET")
+            try:
+                conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
+                reader = _RespReader(conn._sock)
+                out = [reader.bulk_into(lambda n, i=i: parts(i, n)) for i in range(len(keys))]
+            except BaseException:
+                conn.disconnect()  # replies may be left unread: never reuse it
+                raise
+            finally:
+                pool.release(conn)
+            return out
+
+        return self._call("get", run, [None] * len(keys))
+
     def set(self, keys: list[bytes], values: list[bytes]) -> int:
         if not keys:
             return 0
@@ -331,6 +417,76 @@ class RedisStore(_SoftStore):
             return len(keys)
 
         return self._call("set", run, 0)
+
+
+class _RespReader:
+    """Replies (RESP2 or RESP3) off a socket: a bulk string goes straight into the
+    caller's buffers with ``recv_into``; only line headers pass through a small buffer."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, sock: Any) -> None:
+        if sock is None:
+            raise ConnectionError("not connected")
+        self.sock = sock
+        self.buf = bytearray()
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(self.CHUNK)
+        if not chunk:
+            raise ConnectionError("Redis closed the connection mid-reply")
+        self.buf += chunk
+
+    def _line(self) -> bytes:
+        while (end := self.buf.find(b"\r\n")) < 0:
+            self._fill()
+        line = bytes(self.buf[:end])
+        del self.buf[: end + 2]
+        return line
+
+    def _read_into(self, view: memoryview) -> None:
+        take = min(len(self.buf), len(view))
+        view[:take] = self.buf[:take]
+        del self.buf[:take]
+        while take < len(view):
+            n = self.sock.recv_into(view[take:])
+            if not n:
+                raise ConnectionError("Redis closed the connection mid-reply")
+            take += n
+
+    def _skip(self, n: int) -> None:
+        while n:
+            if not self.buf:
+                self._fill()
+            take = min(n, len(self.buf))
+            del self.buf[:take]
+            n -= take
+
+    def bulk_into(self, parts: Callable[[int], list[memoryview] | None]) -> bool | None:
+        """One GET reply: ``None`` for nil, else whether ``parts(length)`` took it.
+
+        Raises:
+            redis.ResponseError: an error reply; ConnectionError: a reply of another kind.
+        """
+        line = self._line()
+        kind = line[:1]
+        if kind == b"_" or line == b"$-1":
+            return None
+        if kind == b"-":
+            import redis
+
+            raise redis.ResponseError(line[1:].decode(errors="replace"))
+        if kind != b"$":
+            raise ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
+        n = int(line[1:])
+        where = parts(n)
+        if where is None or sum(len(p) for p in where) != n:
+            self._skip(n + 2)
+            return False
+        for view in where:
+            self._read_into(view)
+        self._skip(2)  # the bulk string's CRLF
+        return True
 
 
 def open_store(url: str, **kw: Any) -> PageStore:

@@ -109,6 +109,7 @@ class KVTiers:
         self.stats = TierStats()
         k0 = kv.k[0]
         self._page_shape = (2, kv.num_layers, self.page, k0.shape[1], k0.shape[2])
+        self._page_bytes = int(np.prod(self._page_shape)) * k0.element_size()
         self._staging: np.ndarray | None = None  # store pages on their way to the device
         self.host_pages = host_pages
         self.host = torch.empty(
@@ -165,25 +166,59 @@ class KVTiers:
             self.kv.k[i][by_page] = pages[:, 0, i]
             self.kv.v[i][by_page] = pages[:, 1, i]
 
-    def _decode_pages(self, payloads: list[memoryview]) -> torch.Tensor | None:
-        """The payloads as ``[pages, 2, layers, page, H, D]``, copied into a staging
-        buffer the tier keeps: a fresh buffer a load would fault in every memory page of
-        it first (measured: 128 ms of a 687 ms, 371 MB load; reused, the copy is
-        memcpy's speed)."""
-        k0 = self.kv.k[0]
-        dtype = torch.empty(0, dtype=k0.dtype).numpy().dtype
-        per_page = int(np.prod(self._page_shape))
-        if any(len(x) != per_page * dtype.itemsize for x in payloads):
-            return None
-        n = len(payloads) * per_page
-        if n * dtype.itemsize > STAGING_MAX_BYTES:
-            flat = np.empty(n, dtype=dtype)  # a huge load: not kept afterwards
-        else:
-            if self._staging is None or self._staging.dtype != dtype or len(self._staging) < n:
-                self._staging = np.empty(n, dtype=dtype)
-            flat = self._staging[:n]
-        np.concatenate([np.frombuffer(x, dtype=dtype) for x in payloads], out=flat)
-        return torch.from_numpy(flat).view(len(payloads), *self._page_shape)
+    def _staging_pages(self, n: int) -> np.ndarray:
+        """A ``[n, page bytes]`` buffer for store pages on their way to the device, kept
+        between loads (up to `STAGING_MAX_BYTES`): a fresh buffer a load would fault in
+        every memory page of it first (measured: 128 ms of a 687 ms, 371 MB load)."""
+        size = self._page_bytes
+        if n * size > STAGING_MAX_BYTES:
+            return np.empty((n, size), dtype=np.uint8)  # a huge load: not kept afterwards
+        if self._staging is None or len(self._staging) < n * size:
+            self._staging = np.empty(n * size, dtype=np.uint8)
+        return self._staging[: n * size].reshape(n, size)
+
+    def _as_pages(self, raw: np.ndarray) -> torch.Tensor:
+        """``[n, page bytes]`` as ``[n, 2, layers, page, H, D]`` in the pool's dtype."""
+        flat = torch.from_numpy(raw.reshape(-1)).view(self.kv.k[0].dtype)
+        return flat.view(len(raw), *self._page_shape)
+
+    def _read_store(self, hashes: list[bytes], keys: list[bytes]) -> np.ndarray:
+        """The store's pages for ``keys`` as ``[n, page bytes]``, read straight into the
+        staging buffer (`PageStore.get_into`) and checked in place: the pages up to the
+        first missing or bad one. Each bad page is counted and marked, to be written
+        again when it is computed."""
+        assert self.store is not None
+        staging = self._staging_pages(len(keys))
+        headers: list[bytearray] = [bytearray() for _ in keys]
+        macs: list[bytearray] = [bytearray() for _ in keys]
+        size = self._page_bytes
+
+        def parts(i: int, length: int) -> list[memoryview] | None:
+            split = self.codec.value_parts(length, size)
+            if split is None:
+                return None
+            headers[i], macs[i] = bytearray(split[0]), bytearray(split[1])
+            return [memoryview(headers[i]), memoryview(staging[i]), memoryview(macs[i])]
+
+        got = self.store.get_into(keys, parts)
+        usable = 0
+        for i, (h, k, read) in enumerate(zip(hashes, keys, got, strict=True)):
+            ok = False
+            if read:
+                try:
+                    self.codec.check(
+                        h, memoryview(headers[i]), memoryview(staging[i]), memoryview(macs[i])
+                    )
+                    ok = True
+                except PageError as e:
+                    setattr(self.stats, e.kind, getattr(self.stats, e.kind) + 1)
+            elif read is False:  # not a page of this layout (another model or format)
+                self.stats.corrupt += 1
+            if not ok and read is not None:
+                self._mark_rewrite(k)
+            if ok and usable == i:
+                usable += 1
+        return staging[:usable]
 
     # --- demotion (the device evicts) ---------------------------------------------------
     def _demote(self, hashes: bytes, slots: torch.Tensor) -> None:
@@ -252,27 +287,13 @@ class KVTiers:
             host.append(self._host_index[keys[j]])
             j += 1
         t0 = time.perf_counter()
-        stored: list[memoryview] = []
+        stored = np.empty((0, self._page_bytes), dtype=np.uint8)
         if self.store is not None and j < n_pages:
             found = self.store.exists_prefix(keys[j:])
-            values = self.store.get(keys[j : j + found]) if found else []
-            usable = True  # the pages up to the first bad one are used; every bad one
-            for h, k, v in zip(hashes[j : j + found], keys[j : j + found], values, strict=True):
-                try:  # is marked, to be written again when it is computed
-                    payload = self.codec.decode(h, v) if v is not None else None
-                except PageError as e:
-                    setattr(self.stats, e.kind, getattr(self.stats, e.kind) + 1)
-                    self._mark_rewrite(k)
-                    payload = None
-                usable = usable and payload is not None
-                if usable:
-                    stored.append(payload)
+            if found:
+                stored = self._read_store(hashes[j : j + found], keys[j : j + found])
             for k in keys[j + len(stored) :]:  # not (usably) in the store: forget them
                 self._known.pop(k, None)
-        store_pages = self._decode_pages(stored) if stored else None
-        if stored and store_pages is None:  # a page of the wrong size: the layout changed
-            self.stats.corrupt += 1
-            stored = []
         total = len(host) + len(stored)
         if not total:
             return 0
@@ -287,10 +308,10 @@ class KVTiers:
             self._scatter(slots[: len(host) * p], host_data)
             self.stats.host_load_s += time.perf_counter() - t1
             self.stats.host_load_bytes += host_data.numel() * host_data.element_size()
-        if stored:
-            self._scatter(slots[len(host) * p :], store_pages)
+        if len(stored):
+            self._scatter(slots[len(host) * p :], self._as_pages(stored))
             self.stats.pages_read += len(stored)
-            self.stats.bytes_read += sum(len(x) for x in stored)
+            self.stats.bytes_read += stored.nbytes
             self.stats.read_s += time.perf_counter() - t0
             for k in keys[j : j + len(stored)]:
                 self._remember(k)
