@@ -117,9 +117,9 @@ def test_hashing_a_steps_inserts_at_the_drain_reports_what_hashing_each_at_once_
     """A collector's cache hashes the pages it stored only when the collector is
     drained, or when it needs the hashes sooner (a split, a child, an eviction): the
     stream of events must be the one a sink told of every insert at once gives. A
-    collector that keeps token ids as arrays (what serve's publisher takes) must put the
-    same bytes on the wire."""
-    lazy, eager, arrays = EventCollector(), _EagerCollector(), EventCollector(token_arrays=True)
+    collector that keeps token ids and hashes as arrays (what serve's publisher takes)
+    must put the same bytes on the wire."""
+    lazy, eager, arrays = EventCollector(), _EagerCollector(), EventCollector(arrays=True)
     sinks = (lazy, eager, arrays)
     caches = [RadixCache(page, is_eagle=eagle, event_sink=s, **opt_ins) for s in sinks]
     parts: list[tuple[list, list]] = []  # each drain: the lists' events, the arrays'
@@ -150,7 +150,7 @@ def test_hashing_a_steps_inserts_at_the_drain_reports_what_hashing_each_at_once_
             parts.append((_events(lazy.drain()), _events(arrays.drain())))
     parts.append((_events(lazy.drain()), _events(arrays.drain())))
     assert [e for listed, _ in parts for e in listed] == eager.events
-    for listed, arrayed in parts:  # token ids kept as arrays: the same bytes on the wire
+    for listed, arrayed in parts:  # arrays: the same bytes on the wire
         assert encode_batch(KVEventBatch(0.0, arrayed)) == encode_batch(KVEventBatch(0.0, listed))
 
 

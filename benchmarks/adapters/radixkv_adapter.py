@@ -71,7 +71,7 @@ def match_insert(seqs: list[list[int]], page: int, events: bool = False) -> tupl
     ``events``: the engine's sink as serve sets it up (`EventCollector` keeping token ids
     as arrays, which the publisher's thread encodes), drained into a batch per request."""
     keys, values = _keys(seqs), _values(seqs)
-    sink = EventCollector(token_arrays=True) if events else None
+    sink = EventCollector(arrays=True) if events else None
     cache = _cache(page, sink)
     hit = 0
     t0 = time.perf_counter()
@@ -155,7 +155,7 @@ def scheduler_step(page: int, events: bool = False) -> tuple[float, dict]:
     alloc = TokenToKVPoolAllocator(1 << 21, page)
     rows = workloads.STEP_PHASES * workloads.STEP_ADMITS + 1
     longest = max(map(len, prompts)) + len(outputs[0]) + page
-    sink = EventCollector(token_arrays=True) if events else None
+    sink = EventCollector(arrays=True) if events else None
     mgr = CacheManager(_cache(page, sink, allocator=alloc), alloc, ReqToTokenPool(rows, longest))
     reqs = [Req(i, s) for i, s in enumerate(prompts)]
     for r in reqs:

@@ -42,6 +42,7 @@ _keys = np.empty(0, dtype=_U64)  # K_j, grown on demand (a prefix of one SHAKE s
 _pow = np.ones(1, dtype=_U64)  # M^i, i = 0 .. len - 1
 _ipow = np.ones(1, dtype=_U64)  # M^-i
 _roots: dict[Any, int] = {}
+_weights: dict[int, np.ndarray] = {}  # page_units -> _unit_weights
 
 
 def _grow(width: int, pages: int) -> None:
@@ -49,11 +50,24 @@ def _grow(width: int, pages: int) -> None:
     if len(_keys) < width:
         raw = hashlib.shake_256(b"radixkv event block hash keys").digest(8 * width)
         _keys = np.frombuffer(raw, dtype="<u8").astype(_U64) | _U64(1)
+        _weights.clear()
     if len(_pow) <= pages:
         n = max(pages + 1, 2 * len(_pow))
         with np.errstate(over="ignore"):
             _pow = np.concatenate(([_U64(1)], np.cumprod(np.full(n - 1, _M, dtype=_U64))))
             _ipow = np.concatenate(([_U64(1)], np.cumprod(np.full(n - 1, _M_INV, dtype=_U64))))
+
+
+def _unit_weights(page_units: int, units: int) -> np.ndarray:
+    """``W[k * page_units + j] = K_j * M^-(k+1)``, at least ``units`` long: a unit's
+    weight in the running sum (its key, scaled to its page)."""
+    w = _weights.get(page_units)
+    if w is None or len(w) < units:
+        pages = max(units // page_units, 2 * (len(w) // page_units if w is not None else 8))
+        _grow(page_units, pages)
+        w = np.outer(_ipow[1 : pages + 1], _keys[:page_units]).ravel()
+        _weights[page_units] = w
+    return w
 
 
 def root_state(extra_key: Any) -> int:
@@ -67,30 +81,25 @@ def root_state(extra_key: Any) -> int:
     return state
 
 
-def _digests(units: np.ndarray, page_units: int, out: np.ndarray) -> None:
-    """Each whole page's digest ``sum(u_j * K_j)`` into ``out`` (one per page)."""
-    if page_units == 1:
-        np.multiply(units.view(_U64), _keys[0], out=out)
-    else:
-        np.matmul(units.view(_U64).reshape(len(out), page_units), _keys[:page_units], out=out)
+def _running_sum(units: np.ndarray, page_units: int, first: int) -> np.ndarray:
+    """``first`` followed by the running sum of ``u * W`` over ``units`` (one entry a
+    unit, so entry ``(k+1) * page_units`` closes page ``k``)."""
+    n = len(units)
+    acc = np.empty(n + 1, dtype=_U64)
+    acc[0] = first
+    np.multiply(units.view(_U64), _unit_weights(page_units, n)[:n], out=acc[1:])
+    np.add.accumulate(acc, out=acc)
+    return acc
 
 
 def chain_states(units: np.ndarray, page_units: int, prev: int) -> np.ndarray:
     """The event hashes (chain states) after each whole page of ``units`` (int64 key
     units, a multiple of ``page_units`` long), continuing from state ``prev``."""
     pages = len(units) // page_units
-    if pages >= len(_pow) or page_units > len(_keys):
-        _grow(page_units, pages)
     # uint64 array arithmetic wraps mod 2^64 without a warning (only scalars warn);
-    # ``prev`` rides in front as page 0 (M^-0 = 1), so one running sum carries it
-    acc = np.empty(pages + 1, dtype=_U64)
-    acc[0] = prev
-    _digests(units, page_units, acc[1:])
-    acc *= _ipow[: pages + 1]
-    np.add.accumulate(acc, out=acc)
-    states = acc[1:]
-    states *= _pow[1 : pages + 1]
-    return states
+    # ``prev`` rides in front of the running sum (its weight is M^-0 = 1)
+    ends = _running_sum(units, page_units, prev)[page_units::page_units]
+    return ends * _pow[1 : pages + 1]
 
 
 def chain_runs(
@@ -105,18 +114,11 @@ def chain_runs(
     if len(starts) == 1:
         return chain_states(units, page_units, starts[0])
     total = len(units) // page_units
-    if total >= len(_pow) or page_units > len(_keys):
-        _grow(page_units, total)
-    acc = np.empty(total + 1, dtype=_U64)
-    acc[0] = 0
-    _digests(units, page_units, acc[1:])
-    acc *= _ipow[: total + 1]
-    np.add.accumulate(acc, out=acc)
+    closed = _running_sum(units, page_units, 0)[::page_units]  # C[-1] = 0, then C[g]
     counts = np.array(pages, dtype=np.int64)
     first = np.fromiter(accumulate(pages[:-1], initial=0), np.int64, len(pages))
-    offsets = np.array(starts, dtype=_U64) * _ipow[first] - acc[first]
-    states = acc[1:]
-    states += np.repeat(offsets, counts)
+    offsets = np.array(starts, dtype=_U64) * _ipow[first] - closed[first]
+    states = closed[1:] + np.repeat(offsets, counts)
     states *= _pow[1 : total + 1]
     return states
 

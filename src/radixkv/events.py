@@ -133,7 +133,7 @@ class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):  # token ids kept as arrays (EventCollector)
+    if isinstance(obj, np.ndarray):  # kept as arrays (EventCollector(arrays=True))
         return obj.tolist()
     raise NotImplementedError(f"cannot encode {type(obj).__name__} in a KV event")
 
@@ -143,7 +143,7 @@ _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 def encode_batch(batch: KVEventBatch) -> bytes:
     """The batch in vLLM's current encoding (events as maps with ``"type"``); token ids
-    held as int64 arrays go out as the same lists."""
+    and block hashes held as arrays go out as the same lists."""
     return _encoder.encode(batch)
 
 
@@ -194,18 +194,19 @@ class EventCollector:
     Args:
         salt_key: the events key namespaces are tagged with (`salt_tag`).
         tokens: publish token ids and namespace tags (``False``: block hashes only).
-        token_arrays: keep each event's token ids as the cache's int64 array (a
-            read-only view, no copy) instead of a list; `encode_batch` writes them as
-            lists. For batches that only go to the wire: the publisher's thread then
-            makes the lists, not the engine's step.
+        arrays: keep each stored event's token ids (the cache's int64 array, a
+            read-only view, no copy) and block hashes (a uint64 array) as arrays, not
+            lists; `encode_batch` writes them as the same lists. For batches that only
+            go to the wire: the publisher's thread then makes the lists, not the
+            engine's step.
     """
 
     def __init__(
-        self, salt_key: bytes | None = None, tokens: bool = True, token_arrays: bool = False
+        self, salt_key: bytes | None = None, tokens: bool = True, arrays: bool = False
     ) -> None:
         self.events: list[Event] = []
         self.salt_key, self.tokens = salt_key, tokens
-        self.token_arrays = token_arrays
+        self.arrays = arrays
         # hash-only events show a subscriber nothing but the hashes: those must be
         # BLAKE2b (radixkv.tree.page_hash), not the fast chain that token events carry
         self.strong_hashes = not tokens

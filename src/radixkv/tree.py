@@ -223,7 +223,8 @@ class CacheEventSink(Protocol):
     fast chain of `radixkv.blockhash`; BLAKE2b `page_hash` for a sink whose
     ``strong_hashes`` is true). ``token_ids`` are the pages' tokens, in order (under
     EAGLE, the first token of each bigram unit): a list, or a read-only int64 array for
-    a sink whose ``token_arrays`` is true. A sink with ``attach(flush)`` hears of stored
+    a sink whose ``arrays`` is true (its ``block_hashes`` are then a uint64 array too).
+    A sink with ``attach(flush)`` hears of stored
     pages when it calls ``flush`` (`RadixCache.flush_events`), in one batch."""
 
     def stored(
@@ -403,7 +404,7 @@ class RadixCache:
         self._hashing = False  # BLAKE2b block hashes are kept (an evict hook, private events)
         self._fast = False  # event chain states are kept (a sink of the default kind)
         self._lazy = False  # the sink asks for stored events (it has attach(flush))
-        self._token_arrays = False  # the sink takes token ids as int64 arrays
+        self._arrays = False  # the sink takes token ids and block hashes as arrays
         self.reset()
         self.set_event_sink(event_sink)
 
@@ -425,7 +426,7 @@ class RadixCache:
         self._set_hashing()
         attach = getattr(sink, "attach", None)
         self._lazy = self._fast and callable(attach)
-        self._token_arrays = bool(getattr(sink, "token_arrays", False))
+        self._arrays = bool(getattr(sink, "arrays", False))
         if self._lazy:
             attach(self.flush_events)
 
@@ -851,38 +852,51 @@ class RadixCache:
         if not pending:
             return
         self._unhashed = []
-        page, root, sink = self.page_size, self.root, self._sink
-        assert sink is not None
-        step = page * self._width  # key bytes a page
-        parts, starts, counts, parents = [], [], [], []
-        for node in pending:
-            done = len(node._ehash) // EVENT_HASH_BYTES  # pages that came with a merge
-            parent = node.parent
-            assert parent is not None, "a pending node left the tree without a flush"
-            if done:
-                prev: int | None = last_state(node._ehash)
-                parts.append(node._key[done * step :])
-            else:
-                prev = None if parent is root else last_state(parent._ehash)
-                parts.append(node._key)
-            starts.append(root_state(node.extra_key) if prev is None else prev)
-            parents.append(prev)
-            counts.append(len(node._key) // step - done)
-        units = np.frombuffer(parts[0] if len(parts) == 1 else b"".join(parts), dtype=np.int64)
-        states = chain_runs(units, page * (self._width // TOKEN_BYTES), starts, counts)
-        raw = states.astype("<u8", copy=False).tobytes()
-        hashes = states.tolist()
-        tokens: Any = units[::2] if self.is_eagle else units
-        if not self._token_arrays:
-            tokens = tokens.tolist()
+        page_units = self.page_size * (self._width // TOKEN_BYTES)
+        if len(pending) == 1:  # a step of one insert: no batch to gather
+            node = pending[0]
+            key, prev = self._unhashed_run(node)
+            units = np.frombuffer(key, dtype=np.int64)
+            start = root_state(node.extra_key) if prev is None else prev
+            self._tell_stored(node, chain_states(units, page_units, start), units, prev)
+            return
+        runs = [self._unhashed_run(node) for node in pending]
+        starts = [
+            root_state(n.extra_key) if prev is None else prev
+            for n, (_, prev) in zip(pending, runs, strict=True)
+        ]
+        counts = [len(key) // TOKEN_BYTES // page_units for key, _ in runs]
+        units = np.frombuffer(b"".join(key for key, _ in runs), dtype=np.int64)
+        states = chain_runs(units, page_units, starts, counts)
         at = 0
-        for node, n, prev in zip(pending, counts, parents, strict=True):
-            node._ehash += raw[at * EVENT_HASH_BYTES : (at + n) * EVENT_HASH_BYTES]
-            sink.stored(
-                hashes[at : at + n], prev, tokens[at * page : (at + n) * page], page,
-                node.extra_key,
-            )  # fmt: skip
-            at += n
+        for node, (_, prev), n in zip(pending, runs, counts, strict=True):
+            end = at + n
+            self._tell_stored(node, states[at:end], units[at * page_units : end * page_units], prev)
+            at = end
+
+    def _unhashed_run(self, node: TreeNode) -> tuple[bytes, int | None]:
+        """The key bytes of ``node``'s pages that have no event hashes yet, and the hash
+        before them (``None``: the first page of a namespace)."""
+        done = len(node._ehash) // EVENT_HASH_BYTES  # pages that came with a merge
+        if done:
+            return node._key[done * self.page_size * self._width :], last_state(node._ehash)
+        parent = node.parent
+        assert parent is not None, "a pending node left the tree without a flush"
+        return node._key, None if parent is self.root else last_state(parent._ehash)
+
+    def _tell_stored(
+        self, node: TreeNode, states: np.ndarray, units: np.ndarray, prev: int | None
+    ) -> None:
+        """Keep ``node``'s new event hashes and report its new pages to the sink."""
+        assert self._sink is not None
+        node._ehash += states.astype("<u8", copy=False).tobytes()
+        tokens = units[::2] if self.is_eagle else units
+        if self._arrays:
+            self._sink.stored(states, prev, tokens, self.page_size, node.extra_key)
+        else:
+            self._sink.stored(
+                states.tolist(), prev, tokens.tolist(), self.page_size, node.extra_key
+            )
 
     def _event_hashes(self, node: TreeNode, first_page: int = 0) -> list[int]:
         """The event hashes of ``node``'s pages from ``first_page`` on."""

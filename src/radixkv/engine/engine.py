@@ -269,17 +269,17 @@ class Engine:
         publish: Callable[[Any], None],
         salt_key: bytes | None = None,
         tokens: bool = True,
-        token_arrays: bool = False,
+        arrays: bool = False,
     ) -> None:
         """Report the cache's pages as KV events (`radixkv.events`): after each step the
         step's events go to ``publish`` as one `KVEventBatch`. Call it before the first
         request (the cache must be empty). ``salt_key`` keys the namespace tags;
-        ``tokens=False`` publishes block hashes only; ``token_arrays`` hands token ids
-        over as arrays, for a ``publish`` that only encodes them
+        ``tokens=False`` publishes block hashes only; ``arrays`` hands token ids
+        and block hashes over as arrays, for a ``publish`` that only encodes them
         (`radixkv.events.EventCollector`)."""
         from radixkv.events import EventCollector
 
-        collector = EventCollector(salt_key, tokens, token_arrays)
+        collector = EventCollector(salt_key, tokens, arrays)
         self.cache.set_event_sink(collector)
         self._events = (collector, publish)
 

@@ -62,10 +62,8 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
         engine = Engine(serve.model, engine_config)
         if publisher is not None:
             key = serve.kv_events_key.encode() if serve.kv_events_key else None
-            # the publisher's thread encodes, so the step hands token ids over as arrays
-            engine.publish_kv_events(
-                publisher.publish, key, serve.kv_events_tokens, token_arrays=True
-            )
+            # the publisher's thread encodes, so the step hands over arrays, not lists
+            engine.publish_kv_events(publisher.publish, key, serve.kv_events_tokens, arrays=True)
         return engine
 
     aeng = AsyncEngine(build, serve.max_queue)
