@@ -16,7 +16,7 @@ import redis
 from radixkv.engine.engine import Engine
 from radixkv.server.process import free_port
 from radixkv.storage import FileStore, MemoryStore, PageCodec, RedisStore, open_store
-from radixkv.storage.store import PageError
+from radixkv.storage.store import IOV_BATCH, PageError
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
 PROMPTS = ["You are a careful assistant who answers briefly. " * 4 + q
@@ -109,6 +109,46 @@ def test_get_into_reads_values_into_the_callers_buffers(kind, tmp_path, shared_r
     for i, b in ((0, big[0]), (3, big[1]), (5, big[2])):
         assert bytes(heads[i]) + dest[i].tobytes() == b
     assert not dest[1].any() and not dest[2].any() and not dest[4].any()
+
+
+def test_redis_writes_many_values_with_a_ttl_and_reads_them_back(shared_redis):
+    """SETs go out as one scatter-gather send: more buffers than one sendmsg takes, an
+    empty value, values larger than the socket's buffer, and the expiry on every key."""
+    store = RedisStore(shared_redis, ttl_s=3600)
+    n = IOV_BATCH // 3 + 7  # three buffers a SET: more than one sendmsg's worth
+    keys = [b"key-%05d" % i for i in range(n)]
+    values = [bytes([i % 251]) * (i % 5000) for i in range(n)]
+    assert store.set(keys, values) == n
+    assert store.get(keys) == values
+    client = redis.Redis.from_url(shared_redis)
+    assert all(0 < client.ttl(k) <= 3600 for k in keys[:: n // 7])
+    big = [np.random.default_rng(i).bytes(3_000_001) for i in range(6)]  # partial sends
+    assert store.set(keys[:6], big) == 6 and store.get(keys[:6]) == big
+
+
+def test_a_tls_redis_reads_and_writes_through_the_same_code(tmp_path):
+    """rediss://: the SETs are sent buffer by buffer (a TLS socket has no sendmsg) and
+    the GETs read into the caller's buffers through TLS."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no certificate for a TLS redis-server")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1"],
+                   check=True, capture_output=True)  # fmt: skip
+    port = free_port()
+    own = OwnRedis("--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+                   "--tls-key-file", str(key), "--tls-auth-clients", "no", port=port)  # fmt: skip
+    try:
+        store = RedisStore(f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=none", timeout=5.0)
+        values = [np.random.default_rng(i).bytes(1_500_001) for i in range(4)]
+        keys = [b"tls-page-%d" % i for i in range(4)]
+        assert store.set(keys, values) == 4 and store.stats.errors == 0
+        dest = [bytearray(1_500_001) for _ in keys]
+        got = store.get_into(keys + [b"missing"], lambda i, n: [memoryview(dest[i])])
+        assert got == [True, True, True, True, None]
+        assert [bytes(d) for d in dest] == values
+    finally:
+        own.kill()
 
 
 def test_a_redis_error_reply_mid_read_is_a_soft_failure_and_the_next_read_works(shared_redis):

@@ -6,11 +6,13 @@ import hashlib
 import hmac
 import logging
 import os
+import ssl
 import struct
 import tempfile
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,6 +27,7 @@ MAC_BYTES = 32  # keyed BLAKE2b-256 over the header and payload, with a storage 
 _FLAG_MAC = 1
 # magic, version, fingerprint (16 bytes), key hash (16 bytes), flags, payload length, CRC-32
 _HEADER = struct.Struct(">4sH16s16sBQI")
+IOV_BATCH = 512  # buffers a sendmsg call takes (the system's limit is 1024)
 
 
 @dataclass
@@ -384,21 +387,10 @@ class RedisStore(_SoftStore):
             return _get_into(self, keys, parts)
 
         def run() -> list[bool | None]:
-            pool = self.client.connection_pool
-            try:
-                conn = pool.get_connection()
-            except TypeError:  # redis-py before 5.3 wants a command name
-                conn = pool.get_connection("GET")
-            try:
-                conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
+            with self._connection() as conn:
+                _send(conn._sock, [b"".join(_command(b"GET", k) for k in keys)])
                 reader = _RespReader(conn._sock)
-                out = [reader.bulk_into(lambda n, i=i: parts(i, n)) for i in range(len(keys))]
-            except BaseException:
-                conn.disconnect()  # replies may be left unread: never reuse it
-                raise
-            finally:
-                pool.release(conn)
-            return out
+                return [reader.bulk_into(lambda n, i=i: parts(i, n)) for i in range(len(keys))]
 
         return self._call("get", run, [None] * len(keys))
 
@@ -406,17 +398,92 @@ class RedisStore(_SoftStore):
         if not keys:
             return 0
 
-        def run() -> int:
-            pipe = self.client.pipeline(transaction=False)
-            for k, v in zip(keys, values, strict=True):
-                pipe.set(k, v, ex=self.ttl_s)
-            results = pipe.execute(raise_on_error=False)
-            bad = [r for r in results if isinstance(r, Exception)]
-            if bad:  # e.g. OOM with maxmemory and noeviction: a full store
-                raise bad[0]
-            return len(keys)
+        if self._cluster:
+
+            def run() -> int:
+                pipe = self.client.pipeline(transaction=False)
+                for k, v in zip(keys, values, strict=True):
+                    pipe.set(k, v, ex=self.ttl_s)
+                results = pipe.execute(raise_on_error=False)
+                bad = [r for r in results if isinstance(r, Exception)]
+                if bad:  # e.g. OOM with maxmemory and noeviction: a full store
+                    raise bad[0]
+                return len(keys)
+
+        else:
+
+            def run() -> int:
+                with self._connection() as conn:
+                    _send(conn._sock, _set_commands(keys, values, self.ttl_s))
+                    reader = _RespReader(conn._sock)
+                    replies = [reader.line() for _ in keys]  # all of them: the stream stays whole
+                bad = [r for r in replies if not r.startswith(b"+")]
+                if bad:  # e.g. OOM with maxmemory and noeviction: a full store
+                    import redis
+
+                    raise redis.ResponseError(bad[0][1:].decode(errors="replace"))
+                return len(keys)
 
         return self._call("set", run, 0)
+
+    @contextmanager
+    def _connection(self) -> Iterator[Any]:
+        """A pooled connection for raw RESP; dropped, never reused, if the block raises
+        (replies may be left unread)."""
+        pool = self.client.connection_pool
+        try:
+            conn = pool.get_connection()
+        except TypeError:  # redis-py before 5.3 wants a command name
+            conn = pool.get_connection("GET")
+        try:
+            yield conn
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+
+def _command(*args: bytes) -> bytes:
+    """A RESP command (an array of bulk strings)."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def _set_commands(keys: list[bytes], values: list[bytes], ttl_s: int | None) -> list[Any]:
+    """SET commands as buffers to send, each value as its own buffer (never copied)."""
+    tail = b"\r\n" if ttl_s is None else b"\r\n" + _command(b"EX", str(ttl_s).encode())[4:]
+    head = b"*3\r\n" if ttl_s is None else b"*5\r\n"
+    out: list[Any] = []
+    for k, v in zip(keys, values, strict=True):
+        out.append(b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (head, len(k), k, len(v)))
+        out.append(v)
+        out.append(tail)
+    return out
+
+
+def _send(sock: Any, buffers: list[Any]) -> None:
+    """Send ``buffers`` in order: scatter-gather (``sendmsg``, no copy), or one by one
+    on a TLS socket, which has no ``sendmsg``."""
+    if sock is None:
+        raise ConnectionError("not connected")
+    if isinstance(sock, ssl.SSLSocket):
+        for b in buffers:
+            sock.sendall(b)
+        return
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    at = 0  # the first buffer not wholly sent
+    while at < len(views):
+        sent = sock.sendmsg(views[at : at + IOV_BATCH])
+        while sent:
+            if sent >= len(views[at]):
+                sent -= len(views[at])
+                at += 1
+            else:
+                views[at] = views[at][sent:]
+                sent = 0
 
 
 class _RespReader:
@@ -437,7 +504,7 @@ class _RespReader:
             raise ConnectionError("Redis closed the connection mid-reply")
         self.buf += chunk
 
-    def _line(self) -> bytes:
+    def line(self) -> bytes:
         while (end := self.buf.find(b"\r\n")) < 0:
             self._fill()
         line = bytes(self.buf[:end])
@@ -468,7 +535,7 @@ class _RespReader:
         Raises:
             redis.ResponseError: an error reply; ConnectionError: a reply of another kind.
         """
-        line = self._line()
+        line = self.line()
         kind = line[:1]
         if kind == b"_" or line == b"$-1":
             return None
