@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -163,6 +164,45 @@ def test_a_redis_error_reply_mid_read_is_a_soft_failure_and_the_next_read_works(
     client.delete(keys[1])
     got = store.get_into(keys, lambda i, n: [memoryview(bufs[i])] if n == 1000 else None)
     assert got == [True, None, True] and bytes(bufs[2]) == b"y" * 1000
+
+
+def test_the_reply_reader_parses_what_redis_sends_and_refuses_what_it_would_not():
+    """`_RespReader` on a socket pair: many small replies in one read and one larger than
+    a read, nil in RESP2 and RESP3, an error reply, a line with no end, a peer that
+    hangs up mid-reply."""
+    from radixkv.storage.store import _RespReader
+
+    ours, theirs = socket.socketpair()
+    big = bytes(range(256)) * 1000
+    small = [b"v%03d" % i for i in range(500)]
+    wire = b"".join(b"$4\r\n%s\r\n" % v for v in small)
+    wire += b"$%d\r\n%s\r\n$-1\r\n_\r\n$3\r\nabc\r\n-WRONGTYPE no\r\n" % (len(big), big)
+    threading.Thread(target=theirs.sendall, args=(wire,), daemon=True).start()
+    reader = _RespReader(ours)
+    got = []
+    for _ in small:
+        buf = bytearray(4)
+        assert reader.bulk_into(lambda n, b=buf: [memoryview(b)] if n == 4 else None)
+        got.append(bytes(buf))
+    assert got == small
+    head, rest = bytearray(10), bytearray(len(big) - 10)
+    assert reader.bulk_into(lambda n: [memoryview(head), memoryview(rest)]) is True
+    assert bytes(head + rest) == big
+    assert reader.bulk_into(lambda n: None) is None  # $-1
+    assert reader.bulk_into(lambda n: None) is None  # RESP3 null
+    assert reader.bulk_into(lambda n: None) is False  # a length nobody wants: skipped
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        reader.bulk_into(lambda n: None)
+    garbage = threading.Thread(target=theirs.sendall, args=(b"x" * 150_000,), daemon=True)
+    garbage.start()  # no line end: not Redis
+    with pytest.raises(ConnectionError, match="longer than"):
+        _RespReader(ours).bulk_into(lambda n: None)
+    ours2, theirs2 = socket.socketpair()
+    theirs2.sendall(b"$100\r\nonly-part")
+    theirs2.close()
+    with pytest.raises(ConnectionError, match="closed"):
+        _RespReader(ours2).bulk_into(lambda n: [memoryview(bytearray(n))])
+    ours.close(), theirs.close(), ours2.close()
 
 
 def test_open_store_urls(tmp_path):

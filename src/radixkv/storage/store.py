@@ -490,31 +490,37 @@ class _RespReader:
     """Replies (RESP2 or RESP3) off a socket: a bulk string goes straight into the
     caller's buffers with ``recv_into``; only line headers pass through a small buffer."""
 
-    CHUNK = 1 << 16
+    CHUNK = 1 << 16  # a read for headers; also the longest reply line taken
 
     def __init__(self, sock: Any) -> None:
         if sock is None:
             raise ConnectionError("not connected")
         self.sock = sock
         self.buf = bytearray()
+        self.pos = 0  # buf[pos:] is unread: consuming moves pos, never the bytes
 
     def _fill(self) -> None:
+        if self.pos:
+            del self.buf[: self.pos]
+            self.pos = 0
+        if len(self.buf) > self.CHUNK:
+            raise ConnectionError("a reply line longer than 64 KiB: not Redis")
         chunk = self.sock.recv(self.CHUNK)
         if not chunk:
             raise ConnectionError("Redis closed the connection mid-reply")
         self.buf += chunk
 
     def line(self) -> bytes:
-        while (end := self.buf.find(b"\r\n")) < 0:
+        while (end := self.buf.find(b"\r\n", self.pos)) < 0:
             self._fill()
-        line = bytes(self.buf[:end])
-        del self.buf[: end + 2]
+        line = bytes(self.buf[self.pos : end])
+        self.pos = end + 2
         return line
 
     def _read_into(self, view: memoryview) -> None:
-        take = min(len(self.buf), len(view))
-        view[:take] = self.buf[:take]
-        del self.buf[:take]
+        take = min(len(self.buf) - self.pos, len(view))
+        view[:take] = memoryview(self.buf)[self.pos : self.pos + take]
+        self.pos += take
         while take < len(view):
             n = self.sock.recv_into(view[take:])
             if not n:
@@ -523,10 +529,10 @@ class _RespReader:
 
     def _skip(self, n: int) -> None:
         while n:
-            if not self.buf:
+            if self.pos == len(self.buf):
                 self._fill()
-            take = min(n, len(self.buf))
-            del self.buf[:take]
+            take = min(n, len(self.buf) - self.pos)
+            self.pos += take
             n -= take
 
     def bulk_into(self, parts: Callable[[int], list[memoryview] | None]) -> bool | None:
