@@ -254,6 +254,30 @@ def test_publisher_and_subscriber_with_replay_for_a_late_joiner():
         pub.close()
 
 
+def test_a_batch_that_does_not_encode_is_dropped_and_the_stream_goes_on(caplog):
+    """The publisher's thread encodes: a bad batch costs a logged error, not the thread,
+    and takes no sequence number (subscribers see no gap)."""
+    port = free_port_pair()
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 100)
+    index = KvIndex()
+    sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
+    try:
+        time.sleep(0.3)  # the SUB connection settles
+        sink = EventCollector(arrays=True)
+        cache = RadixCache(2, event_sink=sink)
+        bad = BlockStored([1], None, [1, 2], 2, extra_keys=[(object(),)])  # not msgpack
+        pub.publish(KVEventBatch(0.0, [bad]))
+        cache.insert(RadixKey([5, 5, 6, 6]))
+        pub.publish(sink.drain())
+        assert wait_for(lambda: sub.last_seq == 0)
+        assert pub.published == 1 and sub.lost == 0
+        assert index_pages(index, "w") == tree_pages(cache)
+        assert "does not encode" in caplog.text
+    finally:
+        sub.close()
+        pub.close()
+
+
 def test_batches_beyond_the_replay_buffer_are_counted_lost():
     port = free_port_pair()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 2)

@@ -14,8 +14,7 @@ from before mid-2026, a tagged array ``["BlockStored", block_hashes, ...]``;
 Publisher (`ZmqEventPublisher`): its own thread encodes each batch and a PUB socket
 sends it as three frames (topic, 8-byte big-endian sequence number, payload); a ROUTER
 socket answers a replay request (one frame: the first wanted sequence number, 8 bytes
-big-endian) with
-``("", topic, seq, payload)`` for each buffered batch from there on, then
+big-endian) with ``("", topic, seq, payload)`` for each buffered batch from there on, then
 ``("", "", -1, "")``, as vLLM's publisher does. A replay sends at most the last
 ``replay_batches`` batches, a peer's unread queue is capped there (ZeroMQ drops beyond),
 and at most ``REPLAYS_PER_S`` replays are served a second, so peers that ask and never

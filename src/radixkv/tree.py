@@ -27,7 +27,10 @@ Invariants (all checked from scratch by ``check_integrity``):
     * ``lock_ref(node) >= sum(lock_ref(child))`` (locks walk to the root);
     * ``evictable_size`` is the token count of unlocked nodes, ``protected_size`` that of
       locked ones, and their sum is ``total_size``;
-    * every evictable leaf has exactly one live heap entry, holding its current sort key.
+    * every evictable leaf has exactly one live heap entry, holding its current sort key;
+    * with an event sink of the fast kind, each node keeps its pages' event hashes, but
+      for the last pages of the nodes waiting in ``_unhashed`` for `flush_events` (they
+      are in the tree, each once).
 
 Errors: every public operation validates its arguments before it changes anything, and
 ``evict`` hands the slots to ``allocator.free`` before it unlinks a node, so an exception
@@ -224,8 +227,8 @@ class CacheEventSink(Protocol):
     ``strong_hashes`` is true). ``token_ids`` are the pages' tokens, in order (under
     EAGLE, the first token of each bigram unit): a list, or a read-only int64 array for
     a sink whose ``arrays`` is true (its ``block_hashes`` are then a uint64 array too).
-    A sink with ``attach(flush)`` hears of stored
-    pages when it calls ``flush`` (`RadixCache.flush_events`), in one batch."""
+    A sink with ``attach(flush)`` hears of stored pages when it calls ``flush``
+    (`RadixCache.flush_events`), all of them in one batch."""
 
     def stored(
         self, block_hashes: list[int], parent_hash: int | None, token_ids: list[int],
