@@ -41,7 +41,7 @@ class OwnRedis:
         self.port = port or free_port()
         self.proc = subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", "--port", str(self.port),
-             "--save", "", "--appendonly", "no", *args],
+             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -425,7 +425,8 @@ def test_a_redis_cluster_works_through_the_same_code(tmp_path):
             folder = tmp_path / str(port)
             folder.mkdir()
             procs.append(subprocess.Popen(
-                ["redis-server", "--port", str(port), "--cluster-enabled", "yes",
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                 "--cluster-enabled", "yes",
                  "--cluster-config-file", "nodes.conf", "--save", "", "--appendonly", "no"],
                 cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             ))  # fmt: skip
