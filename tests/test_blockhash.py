@@ -156,3 +156,16 @@ def test_hashing_a_steps_inserts_at_the_drain_reports_what_hashing_each_at_once_
 
 def _events(batch) -> list:
     return batch.events if batch is not None else []
+
+
+def test_a_collectors_events_show_an_insert_at_once_though_hashing_waits():
+    """Hashing waits for a flush, but what a collector shows does not: reading its
+    events right after an insert (no drain) gives the insert's pages, as before."""
+    sink = EventCollector()
+    cache = RadixCache(4, event_sink=sink)
+    cache.insert(RadixKey(list(range(8))))
+    assert cache._unhashed  # the hashes wait ...
+    (stored,) = sink.events  # ... until someone looks
+    assert stored.block_hashes == event_hashes(list(range(8)), None, 4, 2)
+    assert not cache._unhashed and sink.drain().events == [stored]
+    assert sink.drain() is None

@@ -203,7 +203,7 @@ class EventCollector:
     def __init__(
         self, salt_key: bytes | None = None, tokens: bool = True, arrays: bool = False
     ) -> None:
-        self.events: list[Event] = []
+        self._events: list[Event] = []
         self.salt_key, self.tokens = salt_key, tokens
         self.arrays = arrays
         # hash-only events show a subscriber nothing but the hashes: those must be
@@ -211,6 +211,14 @@ class EventCollector:
         self.strong_hashes = not tokens
         self._tags: dict[Any, str] = {}
         self._flushes: list[Callable[[], None]] = []
+
+    @property
+    def events(self) -> list[Event]:
+        """The events buffered so far, the attached caches' pending pages reported
+        first (so reading them right after an insert shows its pages)."""
+        for flush in self._flushes:
+            flush()
+        return self._events
 
     def attach(self, flush: Callable[[], None]) -> None:
         """Call ``flush`` before handing events out: a cache reports the pages it stored
@@ -232,23 +240,22 @@ class EventCollector:
                     self._tags.clear()
                 tag = self._tags[extra_key] = salt_tag(extra_key, self.salt_key)
             extra = [(tag,)] * len(block_hashes)
-        self.events.append(
+        self._events.append(
             BlockStored(block_hashes, parent_hash, token_ids, block_size, extra_keys=extra)
         )
 
     def removed(self, block_hashes: list[int]) -> None:
-        self.events.append(BlockRemoved(block_hashes))
+        self._events.append(BlockRemoved(block_hashes))
 
     def cleared(self) -> None:
-        self.events.append(AllBlocksCleared())
+        self._events.append(AllBlocksCleared())
 
     def drain(self, rank: int | None = None) -> KVEventBatch | None:
         """The buffered events as one batch (``None`` when there are none)."""
-        for flush in self._flushes:
-            flush()
-        if not self.events:
+        events = self.events
+        if not events:
             return None
-        events, self.events = self.events, []
+        self._events = []
         return KVEventBatch(time.time(), events, rank)
 
 
