@@ -164,8 +164,9 @@ def test_a_collectors_events_show_an_insert_at_once_though_hashing_waits():
     sink = EventCollector()
     cache = RadixCache(4, event_sink=sink)
     cache.insert(RadixKey(list(range(8))))
-    assert cache._unhashed  # the hashes wait ...
+    events = cache.component("event_hashes")
+    assert events.pending  # the hashes wait ...
     (stored,) = sink.events  # ... until someone looks
     assert stored.block_hashes == event_hashes(list(range(8)), None, 4, 2)
-    assert not cache._unhashed and sink.drain().events == [stored]
+    assert not events.pending and sink.drain().events == [stored]
     assert sink.drain() is None

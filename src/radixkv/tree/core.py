@@ -1,0 +1,654 @@
+"""`RadixCache`: a radix tree over token ids whose nodes hold KV slot indices.
+
+Owns: the tree's structure (walk, split, insert, merge, evict, detach), the full-attention
+KV slots of every node, the lock counts and evictable/protected sizes, the eviction
+index and the logical clock. Must not touch: what components keep per node (block
+hashes, event streams, sliding-window KV, recurrent state: `radixkv.tree.component`),
+except through their hooks; the allocator, except ``free`` on what it evicts.
+
+Representation (why it is fast):
+    * A node's key is its run of logical units packed as native int64 ``bytes`` (8 bytes a
+      token, 16 a bigram pair); its value is the matching slot indices, 8 bytes each.
+      A walk compares a whole node with one ``bytes.startswith(node_key, offset)``
+      (a ``memcmp``, no copy), so matching a key is linear in its length however deep
+      the tree is. With the default value (the token ids) key and value share one object.
+    * Children are keyed by the bytes of their first page (``page_size`` units); under the
+      root the key is ``(extra_key, first_page)`` when the key has a namespace, so
+      namespaces never share nodes.
+    * Evictable leaves sit in an index ordered by the policy's sort key (see
+      `radixkv.policy`): a queue of entries pushed in order (under LRU nearly all: a
+      touched or new leaf has the newest key) and a binary heap for the rest; the smaller
+      head of the two is the next victim. Entries are invalidated lazily: an entry is live
+      when its version equals the node's ``_ver`` and the node is still an evictable leaf.
+      Each change that makes a node an evictable leaf, or changes the sort key of one,
+      pushes a fresh entry; the index is compacted once it holds more than twice as many
+      entries as there are nodes. ``evict`` therefore costs O((k + 1) log n) for k nodes
+      removed, and O(k + 1) when the queue serves them. An entry is flat,
+      ``(*sort key, version, node)``, so comparisons stop at the first int (a policy's
+      keys all have one length).
+
+Invariants (all checked from scratch by ``check_integrity``, `radixkv.tree.inspection`):
+    * every non-root node has a non-empty key, a multiple of ``page_size`` units long, and
+      as many value indices as key units; its parent's dict key is its first page;
+    * ``lock_ref(node) >= sum(lock_ref(child))`` (locks walk to the root);
+    * ``evictable_size`` is the token count of unlocked nodes, ``protected_size`` that of
+      locked ones, and their sum is ``total_size``;
+    * every evictable leaf has exactly one live heap entry, holding its current sort key;
+    * every node carries one entry per component, and each component's own invariants
+      hold (the block hash chains, the pending event nodes).
+
+Errors: every public operation validates its arguments before it changes anything, and
+``evict`` hands the slots to ``allocator.free`` before it unlinks a node, so an exception
+(bad input, or an allocator that raises) leaves the tree as it was.
+
+Threads: a `RadixCache` is not thread-safe. One thread owns a cache (and its allocator);
+other threads hand it work through a queue, as `radixkv.engine`'s async engine does.
+Concurrent calls corrupt it (slots owned twice or by nobody).
+
+Nothing here recurses: deep chains (thousands of nodes) are fine.
+
+The node contract (SGLang's, kept by the default cache): a node you got from the cache
+(``match_prefix(...).last_node``, ``insert_node(...).last_node``) stays valid for
+``inc_lock_ref`` / ``dec_lock_ref`` / ``path_values`` until an ``evict`` (or ``reset``)
+removes it. Other matches and inserts never invalidate it: a split keeps the node object
+as the lower part, so it still ends where it ended and covers the same tokens from the
+root. A node that is locked is never removed. ``evict(n)`` removes whole leaves in the
+policy's order until at least ``n`` tokens are freed, as SGLang's ``RadixCache`` does.
+``tests/test_sglang_diff.py`` replays operation sequences recorded from SGLang's own
+``RadixCache`` (pages 1/2/4/16, EAGLE on and off, namespaces) on the default cache and
+compares every prefix length, matched slot, size, lock delta and evicted slot.
+
+Eviction modes (``eviction_mode``; the default keeps the contract above, the other two
+change what a caller can observe, so they are opt-in):
+
+* ``"leaf"`` (the default): whole leaves, and a walk ending inside a node refreshes the
+  whole node, as SGLang's ``RadixCache`` does.
+* ``"precise"``: ``evict(n)`` trims the last victim's tail (whole pages) instead of
+  dropping the whole leaf, so it frees ``n`` tokens rounded up to a page; and a match or
+  insert that ends inside a node refreshes the recency of the part it matched only.
+* ``"merge"`` (LRU only; precise too): multi-turn chats and chunked prefills grow a
+  chain one node per turn or chunk, and a walk pays a dict lookup and a ``memcmp`` per
+  node. When an insert extends a leaf that nothing pins (no lock, no child), the new
+  units join that leaf instead of hanging under it as a new child: the merged node is a
+  fresh node that replaces the leaf (the old leaf object is detached, as an evicted one
+  is, so an unlocked reference to it fails loudly instead of silently covering more
+  tokens). This breaks the contract above for unlocked nodes: a node you hold without a
+  lock can be merged away by any insert, so lock what you keep (radixkv's own lifecycle
+  and engine do, and opt in).
+
+``precise=True`` and ``merge_chains=True`` are the older spellings of the last two.
+The eviction index, `evict` and why merging keeps LRU's order: `radixkv.tree.eviction`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import IO, Any
+
+import numpy as np
+import torch
+
+from radixkv.key import TOKEN_BYTES, RadixKey, as_bool, as_count, common_prefix_units
+from radixkv.policy import get_policy
+from radixkv.tree import inspection
+from radixkv.tree.component import TreeComponent
+from radixkv.tree.eviction import Eviction, resolve_eviction_mode
+from radixkv.tree.hashes import CacheEventSink
+from radixkv.tree.hosting import ComponentHost
+from radixkv.tree.node import (
+    NO_CHILDREN,
+    InsertResult,
+    MatchResult,
+    TreeNode,
+    as_int64_bytes,
+    bytes_to_tensor,
+    check_slots,
+)
+
+_EMPTY = b""
+MAX_PAGE_SIZE = 1 << 16  # tokens; larger pages are a units mistake (bytes for tokens?)
+
+
+class RadixCache(ComponentHost, Eviction):
+    """A prefix cache: the longest cached prefix of a key and the KV slots it occupies.
+
+    Args:
+        page_size: units per page; keys are truncated to whole pages and nodes split only
+            at page boundaries.
+        eviction_policy: one of ``lru lfu fifo mru filo priority slru``, or a custom
+            sort-key function of a node (see `radixkv.policy.get_policy`).
+        allocator: anything with ``free(indices: torch.Tensor)``; ``evict`` hands it the
+            removed slot indices (one call per ``evict``). ``None`` drops them.
+        is_eagle: key every sequence by its bigram view (EAGLE speculative decoding).
+        disable: a cache that never matches and never stores.
+        event_sink: reports pages stored and removed (see `CacheEventSink`).
+        merge_chains, precise: the older spellings of ``eviction_mode`` ``"merge"`` and
+            ``"precise"`` (``precise=None``: on exactly when ``merge_chains``).
+        eviction_mode: ``"leaf"`` (SGLang's; the default), ``"precise"`` or ``"merge"``
+            (see the module docstring).
+        components: tree components (`radixkv.tree.component`) beside the full KV.
+
+    Complexities (n nodes, L key units, d path length): ``match_prefix`` and ``insert``
+    O(L + d); ``evict`` O((k + 1) log n) for k nodes removed; locks O(d).
+    """
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        eviction_policy: str = "lru",
+        allocator: Any = None,
+        is_eagle: bool = False,
+        disable: bool = False,
+        event_sink: CacheEventSink | None = None,
+        merge_chains: bool = False,
+        precise: bool | None = None,
+        eviction_mode: str | None = None,
+        components: tuple[TreeComponent, ...] = (),
+    ) -> None:
+        page_size = as_count(page_size, "page_size")
+        if not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {page_size}")
+        if allocator is not None and not callable(getattr(allocator, "free", None)):
+            raise TypeError("allocator must have a free(indices) method")
+        self.is_eagle = as_bool(is_eagle, "is_eagle")
+        self.disable = as_bool(disable, "disable")
+        self._policy_key = get_policy(eviction_policy)
+        self.eviction_mode = resolve_eviction_mode(
+            eviction_policy, eviction_mode, precise, merge_chains
+        )
+        self.precise = self.eviction_mode != "leaf"
+        self.merge_chains = self.eviction_mode == "merge"
+        self.page_size = page_size
+        self.eviction_policy = eviction_policy
+        self.allocator = allocator
+        self._width = 2 * TOKEN_BYTES if self.is_eagle else TOKEN_BYTES
+        self._sink: CacheEventSink | None = None
+        self._evict_hook: Any = None
+        self._components: list[TreeComponent] = []  # in node.ext order
+        self._empty_ext: list[Any] = []  # a new node's ext: each component's empty entry
+        self._own: list[TreeComponent] = []  # the ones the caller gave
+        self._lockers: list[TreeComponent] = []
+        self._limiters: list[TreeComponent] = []
+        self._num_nodes = 0
+        self.reset()
+        for c in components:
+            self.add_component(c)
+        self.set_event_sink(event_sink)
+
+    # --- state -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop every node (without calling the allocator) and restart the clock; an
+        event sink hears ``cleared``."""
+        for c in self._components:
+            c.reset()
+        self.root = TreeNode(0)
+        self.root.lock_ref = 1  # the root is never evictable
+        if self._components:
+            self.root.ext = self._empty_ext.copy()
+        self._next_id = 1
+        self._clock = 0
+        self._num_nodes = 0
+        self._evictable = 0
+        self._protected = 0
+        # entries (*sort key, version, node): flat, so a comparison is one int compare;
+        # those pushed in order queue up in _run, the others go to the heap
+        self._heap: list[tuple[Any, ...]] = []
+        self._run: deque[tuple[Any, ...]] = deque()
+
+    def evictable_size(self) -> int:
+        """Tokens in unlocked nodes (what ``evict`` can free)."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Tokens in locked nodes."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """Tokens cached: ``evictable_size() + protected_size()``."""
+        return self._evictable + self._protected
+
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root excluded."""
+        return self._num_nodes
+
+    # --- key and value preparation -----------------------------------------------------
+    def _prepare(self, key: Any) -> tuple[bytes, int, Any, RadixKey]:
+        """Validate ``key``; return (unit bytes, page-aligned unit count, namespace, the
+        key in the cache's view). Never mutates the caller's key."""
+        if not isinstance(key, RadixKey):
+            if isinstance(key, (str, bytes)) or not hasattr(key, "__len__"):
+                raise TypeError(
+                    f"key must be a RadixKey or a sequence of ints, got {type(key).__name__}"
+                )
+            key = RadixKey(key)
+        if key.is_bigram and not self.is_eagle:
+            raise ValueError("key is a bigram view but this cache has is_eagle=False")
+        view = key if key.is_bigram or not self.is_eagle else key.maybe_to_bigram_view(True)[0]
+        n = len(view)
+        if self.page_size > 1:
+            n -= n % self.page_size
+        return view.unit_bytes(n), n, view.extra_key, view
+
+    def _dict_key(self, parent: TreeNode, node: TreeNode) -> Any:
+        first = node._key[: self.page_size * self._width]
+        if parent is self.root and node.extra_key is not None:
+            return (node.extra_key, first)
+        return first
+
+    def _new_node(self, key: bytes, value: bytes, parent: TreeNode, extra_key: Any) -> TreeNode:
+        node = TreeNode(self._next_id, key, value)
+        self._next_id += 1
+        self._num_nodes += 1
+        node.parent = parent
+        node.extra_key = extra_key
+        if self._components:
+            node.ext = self._empty_ext.copy()
+        return node
+
+    # --- the walk ----------------------------------------------------------------------
+    def _descend(
+        self, units: bytes, n: int, ns: Any
+    ) -> tuple[list[TreeNode], int, TreeNode | None, int]:
+        """Walk from the root along ``units`` without changing anything.
+
+        Returns:
+            (path of fully matched nodes, units they cover, the child where the match
+            ends inside it or None, page-aligned units matched inside that child).
+        """
+        path: list[TreeNode] = []
+        if n == 0:
+            return path, 0, None, 0
+        width, page = self._width, self.page_size
+        first = units[: page * width]
+        child = self.root.children.get(first if ns is None else (ns, first))
+        off = 0
+        while child is not None:
+            ob = off * width
+            if units.startswith(child._key, ob):
+                path.append(child)
+                off += len(child._value) >> 3
+                if off == n:
+                    break
+                child = child.children.get(units[off * width : (off + page) * width])
+            else:
+                limit = min(n - off, len(child._value) >> 3)
+                m = common_prefix_units(units, ob, child._key, width, limit)
+                return path, off, child, m - m % page
+        return path, off, None, 0
+
+    def _limit(
+        self, path: list[TreeNode], off: int, partial: TreeNode | None, m: int
+    ) -> tuple[list[TreeNode], int, TreeNode | None, int]:
+        """Cut a walk's match to what every component can serve (``match_limit``)."""
+        keep = off + m
+        for c in self._limiters:
+            keep = min(keep, c.match_limit(path, partial, m))  # type: ignore[misc]
+        keep -= keep % self.page_size
+        if keep >= off + m:
+            return path, off, partial, m
+        while path and off - len(path[-1]) >= keep:  # whole nodes past the cut go
+            off -= len(path.pop())
+        if off > keep:  # the cut falls inside the last kept node: it is now partial
+            node = path.pop()
+            off -= len(node)
+            return path, off, node, keep - off
+        return path, off, (partial if keep > off else None), keep - off
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` after ``m`` units; return the new upper node (child keeps its
+        identity as the lower part, so existing references and locks stay valid)."""
+        width = self._width
+        parent = child.parent
+        assert parent is not None
+        upper = self._new_node(child._key[: m * width], _EMPTY, parent, child.extra_key)
+        for c in self._components:  # before the cut: the node is still whole
+            c.split(child, upper, m)
+        shared = child._key is child._value
+        upper._value = upper._key if shared else child._value[: m * TOKEN_BYTES]
+        child._key = child._key[m * width :]
+        child._value = child._key if shared else child._value[m * TOKEN_BYTES :]
+        upper.lock_ref = child.lock_ref
+        upper.last_access = child.last_access
+        upper.hit_count = child.hit_count
+        upper.created = child.created
+        upper.priority = child.priority
+        parent.children[self._dict_key(parent, upper)] = upper
+        upper.children = {child._key[: self.page_size * width]: child}
+        child.parent = upper
+        return upper
+
+    def _touch(
+        self, path: list[TreeNode], priority: int | None = None, reindex: bool = True
+    ) -> None:
+        """Refresh recency and hit counts along ``path`` (one clock tick per node); if the
+        last node is an evictable leaf its sort key changed, so re-index it."""
+        clock = self._clock
+        for node in path:
+            clock += 1
+            node.last_access = clock
+            node.hit_count += 1
+            if priority is not None and priority > node.priority:
+                node.priority = priority
+        self._clock = clock
+        last = path[-1]
+        if reindex and not last.children and last.lock_ref == 0:
+            self._push(last)
+
+    def _touch_lower(self, lower: TreeNode) -> None:
+        """SGLang refreshes the recency of a node a walk ends inside, before splitting it:
+        its unmatched lower part too (``precise`` refreshes only what was matched)."""
+        lower.last_access = self._clock
+        if not lower.children and lower.lock_ref == 0:
+            self._push(lower)
+
+    # --- public operations -------------------------------------------------------------
+    def match_prefix(self, key: RadixKey, split: bool = True) -> MatchResult:
+        """Find the longest cached prefix of ``key``.
+
+        Args:
+            key: a `RadixKey` (or a sequence of ints); truncated to whole pages.
+            split: when True (the default) a match ending inside a node splits it so
+                ``last_node`` is exact, and recency/hit counts are refreshed along the
+                path. When False the lookup is read-only: nothing is split or touched,
+                and ``last_node`` is the deepest node lying wholly inside the match.
+
+        Returns:
+            `MatchResult` (indices, last_node, prefix_len).
+        """
+        parts, last, n = self.match_parts(key, split)
+        return MatchResult(bytes_to_tensor(parts), last, n)
+
+    def match_parts(self, key: RadixKey, split: bool = True) -> tuple[list[bytes], TreeNode, int]:
+        """`match_prefix` without building the tensor: the matched slot indices as packed
+        int64 ``bytes`` chunks (one per node on the path, in order; read-only), the last
+        node and the prefix length. For callers that copy the slots somewhere anyway (a
+        request's row) and so would pay for the tensor twice."""
+        split = as_bool(split, "split")
+        units, n, ns, _ = self._prepare(key)
+        if self.disable:
+            return [], self.root, 0
+        path, off, partial, m = self._descend(units, n, ns)
+        if self._limiters:
+            path, off, partial, m = self._limit(path, off, partial, m)
+        parts = [node._value for node in path]
+        if not split:
+            if partial is not None:
+                parts.append(partial._value[: m * TOKEN_BYTES])
+            return parts, path[-1] if path else self.root, off + m
+        if partial is not None and m:
+            upper = self._split(partial, m)
+            path.append(upper)
+            parts.append(upper._value)
+            off += m
+        if path:
+            self._touch(path)
+            if partial is not None and m and not self.precise:
+                self._touch_lower(partial)
+            return parts, path[-1], off
+        return parts, self.root, 0
+
+    def match_len(self, key: RadixKey) -> int:
+        """Read-only hit length of ``key`` in units: no split, no recency change, no tensor.
+        For schedulers and routers that only rank requests by cache hit."""
+        units, n, ns, _ = self._prepare(key)
+        if self.disable:
+            return 0
+        path, off, partial, m = self._descend(units, n, ns)
+        if self._limiters:
+            _, off, _, m = self._limit(path, off, partial, m)
+        return off + m
+
+    def cacheable_len(self, key: RadixKey) -> int:
+        """Units of ``key`` that ``insert`` would store: its length in this cache's view
+        (bigram pairs under EAGLE) floored to whole pages; 0 for a disabled cache."""
+        if not isinstance(key, RadixKey):
+            key = RadixKey(key)
+        if self.disable:
+            return 0
+        n = len(key) if key.is_bigram or not self.is_eagle else max(0, key.raw_len() - 1)
+        return n - n % self.page_size
+
+    def insert(self, key: RadixKey, value: Any = None, priority: int = 0) -> int:
+        """Cache ``key`` with slot indices ``value``; see `insert_node` (this returns its
+        ``prefix_len``)."""
+        return self.insert_node(key, value, priority).prefix_len
+
+    def insert_node(
+        self, key: RadixKey, value: Any = None, priority: int = 0, *, slots_checked: bool = False
+    ) -> InsertResult:
+        """Cache ``key`` with slot indices ``value``, and say where it ends.
+
+        Args:
+            key: a `RadixKey` (or a sequence of ints); truncated to whole pages.
+            value: slot indices, one per unit of ``key`` as given (1-D ints: tensor,
+                ndarray, array or list); defaults to the token ids.
+            priority: for the ``priority`` policy; nodes on the path keep the maximum.
+            slots_checked: the caller vouches that ``value`` holds distinct non-negative
+                slots (an allocator's, as `radixkv.lifecycle` passes): skips the
+                O(k log k) check of the new slots.
+
+        Returns:
+            `InsertResult`: ``prefix_len``, how many leading units were cached already
+            (those keep their existing indices: the caller frees its own duplicates
+            ``value[:prefix_len]``), and ``last_node``, the node where the (page-aligned)
+            key ends, so a caller can lock what it inserted without matching it again.
+
+        Raises:
+            TypeError / ValueError: bad key, value or priority; the cache is unchanged.
+        """
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        units, n, ns, view = self._prepare(key)
+        given = len(key) if isinstance(key, RadixKey) else view.raw_len()
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dtype == torch.int64
+            and value.is_cpu
+            and value.dim() == 1
+        ):
+            value = value.numpy()  # a view: the fast path below
+        if value is None:
+            tail: Any = units if not view.is_bigram else view.raw_view()[:n].tobytes()
+        elif type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
+            tail = value  # packed below, only the part the tree does not have yet
+            if len(value) != given:
+                raise ValueError(f"len(value) must equal len(key): got {len(value)} != {given}")
+        else:
+            tail = as_int64_bytes(value)
+            if len(tail) != given * TOKEN_BYTES:
+                raise ValueError(
+                    f"len(value) must equal len(key): got {len(tail) // TOKEN_BYTES} != {given}"
+                )
+        if self.disable or n == 0:
+            return InsertResult(0, self.root)
+        path, off, partial, m = self._descend(units, n, ns)
+        start = off + m  # units cached already
+        width = self._width
+        if start < n:
+            leaf_key = units[start * width :] if start else units
+            if tail is units:
+                leaf_value = leaf_key
+            elif isinstance(tail, np.ndarray):
+                leaf_value = tail[start:n].tobytes()
+            else:
+                leaf_value = tail[start * TOKEN_BYTES : n * TOKEN_BYTES]
+            if value is not None and not slots_checked:
+                check_slots(leaf_value)
+        if partial is not None:
+            path.append(self._split(partial, m))
+        off = start
+        if off == n:
+            self._touch(path, priority)
+            if partial is not None and not self.precise:
+                self._touch_lower(partial)
+            return InsertResult(off, path[-1])
+        parent = path[-1] if path else self.root
+        leaf = self._new_node(leaf_key, leaf_value, parent, ns)
+        for c in self._components:
+            c.new_leaf(leaf, parent)
+        if path:  # the path's last node gains a child, so it needs no re-index
+            self._touch(path, priority, reindex=False)
+            if partial is not None and not self.precise:
+                self._touch_lower(partial)
+        self._clock += 1
+        leaf.last_access = leaf.created = self._clock
+        leaf.priority = priority
+        self._evictable += n - off
+        if self.merge_chains and path and not parent.children and not parent.lock_ref:
+            self._absorb(leaf, parent)
+        elif parent.children:
+            parent.children[self._dict_key(parent, leaf)] = leaf
+        else:
+            parent.children = {self._dict_key(parent, leaf): leaf}
+        self._push(leaf)
+        return InsertResult(off, leaf)
+
+    def _absorb(self, leaf: TreeNode, parent: TreeNode) -> None:
+        """Make ``leaf`` (new, not yet linked) take the place of ``parent``, an unpinned
+        leaf, holding ``parent``'s units followed by its own; ``parent`` leaves the tree
+        (its heap entries die with it)."""
+        grand = parent.parent
+        assert grand is not None
+        for c in self._components:
+            c.merge(leaf, parent)
+        shared = parent._key is parent._value and leaf._key is leaf._value
+        leaf._key = parent._key + leaf._key
+        leaf._value = leaf._key if shared else parent._value + leaf._value
+        leaf.parent = grand
+        leaf.created, leaf.hit_count = parent.created, parent.hit_count
+        leaf.priority = max(leaf.priority, parent.priority)
+        grand.children[self._dict_key(grand, leaf)] = leaf
+        parent.parent = None
+        self._num_nodes -= 1
+
+    def detach_leaf(self, node: TreeNode, units: int | None = None) -> torch.Tensor:
+        """Remove an unlocked leaf, or its last ``units`` units (whole pages), *without*
+        freeing their slots, and return them: undoes an insert whose caller cannot finish
+        (the slots go back to the caller, who owns them again). An insert whose units
+        were merged into an existing leaf is undone with ``units`` = what it added.
+
+        Raises:
+            ValueError: ``node`` is not an unlocked leaf of this cache, or ``units`` is
+                not a positive multiple of the page size up to its length; nothing
+                changes.
+        """
+        self._path_to_root(node, "detach_leaf")
+        if node is self.root or node.children or node.lock_ref:
+            raise ValueError(f"detach_leaf: node {node.id} is not an unlocked leaf")
+        if units is not None:
+            units = as_count(units, "units")
+            if not 0 < units <= len(node) or units % self.page_size:
+                raise ValueError(
+                    f"detach_leaf: units must be a positive multiple of page_size "
+                    f"{self.page_size} up to {len(node)}, got {units}"
+                )
+            if units < len(node):
+                self._split(node, len(node) - units)  # node keeps its identity: the tail
+        for c in self._components:
+            c.detach(node)
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._dict_key(parent, node)]
+        if not parent.children:
+            parent.children = NO_CHILDREN
+        node.parent = None
+        self._num_nodes -= 1
+        self._evictable -= len(node._value) >> 3
+        if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            self._push(parent)
+        return bytes_to_tensor([node._value])
+
+    # --- locks -------------------------------------------------------------------------
+    def _path_to_root(self, node: TreeNode, op: str) -> list[TreeNode]:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"{op}: node must be a TreeNode, got {type(node).__name__}")
+        path = []
+        x: TreeNode | None = node
+        while x is not None and x is not self.root:
+            path.append(x)
+            x = x.parent
+        if x is not self.root:
+            raise ValueError(f"{op}: node {node.id} is not in this cache (evicted or foreign)")
+        return path
+
+    def path_values(self, node: TreeNode) -> torch.Tensor:
+        """The slot indices from the root down to ``node`` (what a match ending exactly
+        there returns), without touching anything. O(depth)."""
+        path = self._path_to_root(node, "path_values")
+        return bytes_to_tensor([x._value for x in reversed(path)])
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock the path from ``node`` to the root; returns the change in evictable size
+        (zero or negative)."""
+        if self.disable:
+            return 0
+        delta = 0
+        path = self._path_to_root(node, "inc_lock_ref")
+        for x in path:
+            if x.lock_ref == 0:
+                delta -= len(x._value) >> 3
+            x.lock_ref += 1
+        self._evictable += delta
+        self._protected -= delta
+        if self._lockers:
+            for c in self._lockers:
+                c.lock(path)  # type: ignore[misc]
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Release one lock on the path from ``node`` to the root; returns the change in
+        evictable size (zero or positive).
+
+        Raises:
+            ValueError: ``node`` is not locked (or not in this cache); nothing changes.
+        """
+        if self.disable:
+            return 0
+        path = self._path_to_root(node, "dec_lock_ref")
+        if path and node.lock_ref <= 0:
+            raise ValueError(f"dec_lock_ref: node {node.id} is not locked")
+        delta = 0
+        for x in path:
+            x.lock_ref -= 1
+            if x.lock_ref == 0:
+                delta += len(x._value) >> 3
+                if not x.children:
+                    self._push(x)
+        self._evictable += delta
+        self._protected -= delta
+        if self._lockers:
+            for c in self._lockers:
+                c.unlock(path)  # type: ignore[misc]
+        return delta
+
+    # --- inspection --------------------------------------------------------------------
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root, parents before children (iterative DFS)."""
+        stack = list(reversed(self.root.children.values()))
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(node.children.values()))
+
+    def all_values(self) -> torch.Tensor:
+        """Every slot index held by the tree, as one int64 tensor (no recursion)."""
+        return bytes_to_tensor([node._value for node in self.iter_nodes()])
+
+    def format_tree(self, max_units: int = 10) -> str:
+        """The tree as indented text, one node a line."""
+        return inspection.format_tree(self, max_units)
+
+    def pretty_print(self, file: IO[str] | None = None) -> None:
+        """Print `format_tree` (to stdout by default)."""
+        import sys
+
+        print(self.format_tree(), file=file or sys.stdout)
+
+    def check_integrity(self) -> None:
+        """Recompute every invariant from scratch (`radixkv.tree.inspection.check_integrity`).
+
+        Raises:
+            AssertionError: naming the first violated invariant and the node.
+        """
+        inspection.check_integrity(self)
