@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from radixkv.server.bench_serve import BenchConfig, run_bench
-from radixkv.server.process import ServerProcess, free_port, free_port_pair, wait_healthy
+from radixkv.web.process import ServerProcess, free_port, free_port_pair, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKER = ["--model", "random", "--page-size", "16", "--max-running", "16",

@@ -27,7 +27,7 @@ from radixkv import RadixCache, RadixKey
 from radixkv.engine.engine import Engine, load_model
 from radixkv.engine.request import SamplingParams
 from radixkv.server.bench_serve import BenchConfig, run_bench, shared_prefix_items
-from radixkv.server.process import ServerProcess
+from radixkv.web.process import ServerProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SERVER = ["--page-size", "16", "--kv-tokens", "65536", "--max-running", "16"]

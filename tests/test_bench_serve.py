@@ -17,7 +17,7 @@ from radixkv.server.bench_serve import (
     report,
     run_bench,
 )
-from radixkv.server.process import ServerProcess
+from radixkv.web.process import ServerProcess
 
 
 def test_default_sizes_shrink_to_fit_and_explicit_ones_are_refused():

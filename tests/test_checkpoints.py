@@ -14,7 +14,7 @@ from radixkv.engine.engine import Engine
 from radixkv.engine.model import ModelConfig
 from radixkv.engine.tokenizer import HFTokenizer
 from radixkv.engine.weights import random_model
-from radixkv.server.process import ServerProcess
+from radixkv.web.process import ServerProcess
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"

@@ -28,7 +28,7 @@ from radixkv.events import (
 )
 from radixkv.router.index import KvIndex
 from radixkv.router.subscriber import EventSubscriber
-from radixkv.server.process import free_port_pair
+from radixkv.web.process import free_port_pair
 
 DATA = Path(__file__).parent / "data"
 

@@ -12,9 +12,9 @@ import pytest
 from radixkv.cli import main
 from radixkv.router import policies
 from radixkv.router.proxy import WorkerSpec
-from radixkv.server.process import ServerProcess, free_port_pair
 from radixkv.sim.replicas import ROUTERS, pooled_bound, simulate_replicas
 from radixkv.sim.traces import SimRequest, Trace
+from radixkv.web.process import ServerProcess, free_port_pair
 
 A, B, C = "a", "b", "c"
 
@@ -555,54 +555,85 @@ def test_a_slow_health_check_neither_takes_a_worker_out_nor_forgets_its_cache():
     piled 36 of 48 requests on the third."""
     from radixkv.engine.engine import load_tokenizer
     from radixkv.events import BlockStored, KVEventBatch
-    from radixkv.router.proxy import HEALTH_FAILURES
-    from radixkv.router.proxy import Router as RouterState
+    from radixkv.router.fleet import HEALTH_FAILURES
+    from radixkv.router.fleet import Router as RouterState
 
     specs = [WorkerSpec.parse(u) for u in ("http://127.0.0.1:1", "http://127.0.0.1:2")]
     router = RouterState(specs, "kv", load_tokenizer("random"))
     a, b = router.workers
     tokens = list(range(1, 33))
-    router._apply(a.url, KVEventBatch(0, [BlockStored(list(range(8)), None, tokens, 4)]))
-    assert router.choose(tokens, None).worker is a
+    router.apply(a.url, KVEventBatch(0, [BlockStored(list(range(8)), None, tokens, 4)]))
+
+    def choose(tokens: list[int]):  # the choice, its load released at once
+        ticket = router.core.choose(tokens, None)
+        ticket.release(served=False)
+        return router.worker_of(ticket), ticket
+
+    assert choose(tokens)[0] is a
     for _ in range(HEALTH_FAILURES - 1):
         router.health_checked(a, False)
-    assert a.alive and router.choose(tokens, None).worker is a
+    assert a.alive and choose(tokens)[0] is a
     router.health_checked(a, True)  # the count starts over
     for _ in range(HEALTH_FAILURES - 1):
         router.health_checked(a, False)
     assert a.alive
     router.health_checked(a, False)
     assert not a.alive and router.index.num_blocks(a.url) == 8  # out, not forgotten
-    assert router.choose(list(range(100, 132)), None).worker is b
+    assert choose(list(range(100, 132)))[0] is b
     router.health_checked(a, True)  # back, with what it held
-    choice = router.choose(tokens, None)
-    assert a.alive and choice.worker is a and choice.held == 8
+    worker, ticket = choose(tokens)
+    assert a.alive and worker is a and ticket.held == 8
 
 
-def test_a_routed_prompt_counts_as_cached_only_until_the_worker_could_have_reported_it(
-    monkeypatch,
-):
+def test_a_routed_prompt_counts_as_cached_only_until_the_worker_could_have_reported_it():
     """Claims outliving their requests kept sending a chat's turns to a worker that had
     evicted it (eviction pressure: 36 of 48 requests on one thrashing worker)."""
-    from radixkv.engine.engine import load_tokenizer
-    from radixkv.router import proxy
+    from radixkv.router import core
 
-    specs = [WorkerSpec.parse(u) for u in ("http://127.0.0.1:1", "http://127.0.0.1:2")]
-    router = proxy.Router(specs, "kv", load_tokenizer("random"))
-    router.index.block_size = 4
+    now = [0.0]
+    routing = core.RoutingCore("kv", clock=lambda: now[0])
+    for name in ("a", "b"):
+        routing.add(name)
+    routing.index.block_size = 4
     tokens = list(range(1, 65))
-    first = router.choose(tokens, None)
-    again = router.choose(tokens, None)  # no events yet: the claim stands
+    first = routing.choose(tokens)
+    again = routing.choose(tokens)  # no events yet: the claim stands
     assert again.worker is first.worker and again.prefill == 0
-    router.settled(again, served=False)  # that one never reached its worker
-    router.settled(first, served=True)  # done: the claim stands for the grace period
-    assert router.choose(tokens, None).worker is first.worker
-    monkeypatch.setattr(proxy, "EVENTS_GRACE_S", 0.0)
-    for w in router.workers:
-        for claim in w.pending:
-            router.settled(proxy.Choice(w, 0, 0, 0, claim), served=True)
+    again.release(served=False)  # that one never reached its worker
+    first.release(served=True)  # done: the claim stands for the grace period
+    first.release(served=False)  # a second release changes nothing
+    assert first.worker.in_flight == 0 and first.worker.queued_blocks == 0
+    third = routing.choose(tokens)
+    assert third.worker is first.worker
+    third.release(served=True)
+    now[0] += core.EVENTS_GRACE_S + 0.001  # past the grace period of every claim
     # the index (empty: the worker reported nothing, e.g. it evicted at once) decides
-    assert router.choose(tokens, None).prefill == len(tokens) // 4
+    assert routing.choose(tokens).prefill == len(tokens) // 4
+
+
+def test_a_ticket_releases_its_load_exactly_once_on_every_path():
+    """Every way a request ends (an answer, a failure before it, a retry elsewhere)
+    releases its charge once; the load returns to zero whatever the order."""
+    from radixkv.router import core
+
+    routing = core.RoutingCore("least_load")
+    for name in ("a", "b"):
+        routing.add(name)
+    tokens = list(range(64))
+    tickets = [routing.choose(tokens, max_tokens=16) for _ in range(4)]
+    assert [t.worker.name for t in tickets] == ["a", "b", "a", "b"]  # a burst spreads
+    a = routing.workers["a"]
+    assert a.in_flight == 2 and a.active_blocks == 2 * (64 + 16) // 16
+    assert a.queued_blocks == 2 * 64 // 16
+    tickets[0].started()
+    tickets[0].started()  # the answer's start counts once
+    assert a.queued_blocks == 64 // 16
+    retry = routing.assign("b", tokens)  # tickets[2] failed on a: the load moves to b
+    tickets[2].release(served=False)
+    for t in (tickets[0], tickets[1], tickets[3], retry, tickets[0], retry):
+        t.release()
+    for w in routing.workers.values():
+        assert (w.in_flight, w.active_blocks, w.queued_blocks) == (0, 0, 0)
 
 
 def test_a_prefix_many_prompts_share_does_not_pin_the_traffic_to_its_first_holder():

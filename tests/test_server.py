@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from radixkv.engine.engine import Engine
-from radixkv.server.process import ServerProcess
+from radixkv.web.process import ServerProcess
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from radixkv.server.process import ServerProcess
+from radixkv.web.process import ServerProcess
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 BASE = ["--model", "random", "--page-size", "4", "--kv-tokens", "4096",

@@ -12,7 +12,7 @@ import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
-from radixkv.server.process import ServerProcess
+from radixkv.web.process import ServerProcess
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 A = 65  # "A" under the random model's byte tokenizer

@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from radixkv.engine.engine import Engine
-from radixkv.server.process import free_port
 from radixkv.storage import FileStore, MemoryStore, PageCodec, RedisStore, open_store
 from radixkv.storage.store import IOV_BATCH, PageError
+from radixkv.web.process import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
 PROMPTS = ["You are a careful assistant who answers briefly. " * 4 + q
@@ -349,7 +349,7 @@ def test_a_full_store_fails_writes_softly():
 def test_two_servers_share_through_redis(shared_redis):
     from openai import OpenAI
 
-    from radixkv.server.process import ServerProcess
+    from radixkv.web.process import ServerProcess
 
     args = ["--model", "random", "--page-size", "4", "--kv-tokens", "4096", "--storage",
             shared_redis]  # fmt: skip

@@ -17,8 +17,8 @@ from test_storage import PROMPTS, REDIS_URL, OwnRedis, engine, run
 
 from radixkv.engine.model import ModelConfig
 from radixkv.engine.weights import random_model
-from radixkv.server.process import ServerProcess
 from radixkv.tree import HASH_BYTES
+from radixkv.web.process import ServerProcess
 
 
 def pages_written(url: str) -> float:

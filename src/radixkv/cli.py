@@ -226,7 +226,7 @@ def add_route_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_key_flags(parser: argparse.ArgumentParser, admin: str) -> None:
-    """``--api-key`` and ``--admin-key``, as `radixkv.server.access` applies them on a
+    """``--api-key`` and ``--admin-key``, as `radixkv.web.access` applies them on a
     server and on a router (``admin``: what the admin key opens)."""
     parser.add_argument("--api-key", default=os.environ.get("RADIXKV_API_KEY"),
                         help="every request but /health must send Authorization: Bearer "
@@ -240,7 +240,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     _require_serve_extra()
     from radixkv.engine.engine import load_tokenizer
     from radixkv.router.proxy import Router, WorkerSpec, build_router_app, check_workers
-    from radixkv.server.serve import uvicorn_server
+    from radixkv.web.serving import uvicorn_server
 
     try:
         specs = [WorkerSpec.parse(w) for w in args.worker]
@@ -251,7 +251,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
         raise CliError(f"--model {args.model}: {e}") from None
     from radixkv.router.proxy import ADMIN_PATHS
-    from radixkv.server.access import Access
+    from radixkv.web.access import Access
 
     try:
         access = Access.for_bind(
@@ -530,7 +530,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise _flag_error(e) from None
-    from radixkv.server.access import Access
+    from radixkv.web.access import Access
 
     try:
         hosts = args.allowed_hosts

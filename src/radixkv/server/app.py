@@ -34,7 +34,6 @@ from starlette.requests import ClientDisconnect
 from radixkv.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from radixkv.engine.request import SamplingParams, StepOutput
 from radixkv.engine.tokenizer import tokenizer_fingerprint
-from radixkv.server.access import Access, AccessMiddleware
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
     MAX_LOGIT_BIAS,
@@ -45,6 +44,7 @@ from radixkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from radixkv.web.access import Access, AccessMiddleware
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # when the request names none
 RETRY_AFTER_S = 1
@@ -392,7 +392,7 @@ def build_app(
     """The FastAPI app over a started (or, with ``owns_engine``, a not yet started)
     engine loop. With ``owns_engine`` it starts the loop at startup if needed and stops
     it (aborting what is in flight) at shutdown. ``access``: keys, hosts and the body
-    limit (`radixkv.server.access`; the default: no API key, admin endpoints refused)."""
+    limit (`radixkv.web.access`; the default: no API key, admin endpoints refused)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

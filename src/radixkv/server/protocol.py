@@ -5,6 +5,8 @@ Every field of OpenAI's request types is either honoured or refused with a 400 n
 them all). ``user`` is accepted as OpenAI's end-user id, which changes no output. Fields
 OpenAI does not define are ignored, as OpenAI-compatible servers do (``ignore_eos``,
 ``cache_salt`` and ``repetition_penalty`` are vLLM's and honoured).
+
+Owns: the request schemas and the refused fields. Must not touch: running requests.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from radixkv.web.errors import ApiError as ApiError  # re-exported: the server's errors
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit on choices
@@ -44,33 +48,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "suffix": (),
 }
-
-
-class ApiError(Exception):
-    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind, self.headers = kind, headers
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
 
 
 class StreamOptions(BaseModel):

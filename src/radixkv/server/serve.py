@@ -3,6 +3,8 @@
 On SIGINT or SIGTERM the server stops accepting connections, aborts every request in
 flight (streams end with finish reason ``abort``, their KV is freed), stops the engine
 loop and exits 0.
+
+Owns: building and shutting down a server. Must not touch: request handling.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from typing import Any
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
-from radixkv.server.access import Access
+from radixkv.web.access import Access
+from radixkv.web.serving import uvicorn_server
 
 log = logging.getLogger("radixkv.serve")
-GRACEFUL_TIMEOUT_S = 5  # at most this long for open connections after the aborts
 
 
 @dataclass
@@ -76,30 +78,3 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
             aeng.abort_all()
 
     return uvicorn_server(app, serve.host, serve.port, serve.log_level, abort_in_flight), aeng
-
-
-def uvicorn_server(app: Any, host: str, port: int, log_level: str, on_exit: Any = None) -> Any:
-    """A uvicorn server that calls ``on_exit()`` first on SIGINT/SIGTERM and exits 0
-    after a requested, completed shutdown."""
-    import uvicorn
-
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=log_level in ("info", "debug", "trace"),
-        timeout_graceful_shutdown=GRACEFUL_TIMEOUT_S,
-    )
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            if on_exit is not None:
-                on_exit()
-            super().handle_exit(sig, frame)
-            # uvicorn re-raises a caught signal after shutting down (exit 130/143)
-            captured = getattr(self, "_captured_signals", None)
-            if isinstance(captured, list):
-                captured.clear()
-
-    return Server(config)

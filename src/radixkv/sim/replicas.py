@@ -1,54 +1,46 @@
 """Routing over many replicas, simulated: a trace replayed over N replicas, each a radix
-cache of the given capacity, with a router choosing a replica for every request.
+cache of the given capacity, with the router that ships choosing a replica for every
+request: the same `RoutingCore` (`radixkv.router.core`) ``radixkv route`` runs, driven on
+the trace's clock, its index fed by the replicas' own KV events.
+
+Owns: the replicas' caches, the load model and the measurements. Must not touch: how a
+replica is chosen (the core's, but for ``oracle``, which no router ships).
 
 Load model (simple on purpose, the same for every router): a request occupies its
 replica from its arrival for ``computed prompt tokens / prefill_rate + output tokens x
-decode_s`` seconds (replicas run requests concurrently); "in flight" counts the requests
-still occupying a replica. Busy time is the sum of those durations; load imbalance is the
-busiest replica's busy time over the mean. Prefills queue: a replica computes one
-prompt's uncached tokens at a time, so a request's time to first token is its wait for
-the replica's earlier prefills plus its own (decode runs beside them, as in continuous
-batching); TTFT p50/p90 show what piling onto one replica costs.
+decode_s`` seconds (replicas run requests concurrently). Prefills queue: a replica
+computes one prompt's uncached tokens at a time, so a request's time to first token is
+its wait for the replica's earlier prefills plus its own (decode runs beside them, as in
+continuous batching); TTFT p50/p90 show what piling onto one replica costs. The core sees
+what a live router sees: a request's ticket charges its replica from its arrival, its
+prefill blocks until its first token, and is released when it ends. Busy time is the sum
+of the requests' durations; load imbalance the busiest replica's over the mean.
 
 Reuse, decomposed per request: *fleet-available* is the longest prefix any replica
 holds when the request arrives; *routing-captured* what the chosen replica holds (here
-also what it serves: the simulated caches are exact, so nothing is lost after routing).
-Their gap is reuse the router left on the table.
+also what it serves: the simulated caches are exact and report their pages at once, so
+nothing is lost after routing). Their gap is reuse the router left on the table.
 
-Routers:
-    round_robin   replicas in turn
-    least_load    fewest requests in flight
-    approx        SGLang router's cache-aware policy with its defaults: if the loads are
-                  imbalanced (max - min > 64 and max > 1.5 x min) the least loaded;
-                  else, if some replica's tree of routed prompts matches more than 0.3
-                  of the request, the best match; else the replica with the smallest
-                  tree. Each replica's tree holds what was routed to it, bounded by the
-                  replica's capacity (LRU).
-    kv            Dynamo's KV router (`radixkv.router.policies.kv`): cost = weight x
-                  (1/4 x blocks queued for prefill there + this request's blocks after
-                  the replica's cached overlap, known exactly, as events would report
-                  it) + blocks of the requests in flight there; the lowest cost wins.
-                  (The router's shared-prefix term needs its index's fan-out; the
-                  simulator has no global index and leaves it out.)
-    oracle        the replica with the longest cached prefix, load ignored (ties: the
-                  emptiest cache). Not a bound when capacity is short: a prefix every
-                  request shares (a system prompt) pulls all traffic to one replica,
-                  whose cache then thrashes. `pooled_bound` is the reference instead.
+Routers: every policy of `radixkv.router.policies` (``round_robin``, ``least_load``,
+``approx`` over trees of routed prompts bounded by the replica's capacity, ``kv`` with its
+claims and shared-prefix pricing), and ``oracle``: the replica with the longest cached
+prefix, load ignored (ties: the emptiest cache). Not a bound when capacity is short: a
+prefix every request shares (a system prompt) pulls all traffic to one replica, whose
+cache then thrashes. `pooled_bound` is the reference instead.
 """
 
 from __future__ import annotations
 
-import functools
 import heapq
-import itertools
 import math
 from array import array
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from radixkv.events import EventCollector
 from radixkv.key import RadixKey
 from radixkv.router import policies
+from radixkv.router.core import APPROX_TREE_TOKENS, RoutingCore, Ticket
 from radixkv.sim.replay import serve_request
 from radixkv.sim.traces import SimRequest, Trace
 from radixkv.tree import RadixCache
@@ -83,22 +75,24 @@ class ReplicaResult:
 
 
 class _Replica:
-    def __init__(self, capacity: int | None) -> None:
-        self.cache = RadixCache(page_size=1, merge_chains=True)  # as the engine's
+    """One replica: an exact cache, as the engine configures it, whose KV events go
+    to the routing core's index the moment it changes."""
+
+    def __init__(self, name: int, capacity: int | None, core: RoutingCore) -> None:
+        self.name, self.core = name, core
+        self.events = EventCollector()
+        self.cache = RadixCache(page_size=1, merge_chains=True, event_sink=self.events)
         self.capacity = capacity
         self.busy = 0.0
-        self.finishing: list[tuple[float, int]] = []  # (finish time, blocks) heap
-        self.active_blocks = 0
         self.prefill_free = 0.0  # when the replica's queued prefills are done
-        self.routed = RadixCache(page_size=1)  # approx: prompts routed here
 
-    def retire(self, now: float) -> None:
-        while self.finishing and self.finishing[0][0] <= now:
-            self.active_blocks -= heapq.heappop(self.finishing)[1]
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.finishing)
+    def serve(self, req: SimRequest, capacity: int | None, outputs: bool) -> int:
+        """Serve one request; the index hears of what the cache stored and evicted."""
+        hit, _ = serve_request(self.cache, req, capacity, outputs)
+        batch = self.events.drain()
+        if batch is not None:
+            self.core.apply(self.name, batch)
+        return hit
 
 
 def simulate_replicas(
@@ -117,37 +111,50 @@ def simulate_replicas(
         raise ValueError(f"unknown router {router!r}; valid: {', '.join(ROUTERS)}")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive int, got {replicas!r}")
-    reps = [_Replica(capacity_units) for _ in range(replicas)]
-    choose = _ROUTERS[router]
-    if router == "kv":
-        choose = functools.partial(_kv, w=kv_weight, rate=prefill_rate, unit=trace.block_size)
-    turn = itertools.count()
-    hit_tokens = prompt_tokens = prefill = fleet_tokens = 0
-    peak = 0
+    clock = [0.0]
+    core = RoutingCore(
+        router if router != "oracle" else "round_robin", kv_weight,
+        approx_tokens=capacity_units or APPROX_TREE_TOKENS, clock=lambda: clock[0],
+    )  # fmt: skip
+    reps = [_Replica(i, capacity_units, core) for i in range(replicas)]
+    for r in reps:
+        core.add(r.name)
+    pending: list[tuple[float, int, bool, Ticket]] = []  # (when, order, ends?, ticket)
+    order = 0
+    hit_tokens = prompt_tokens = prefill = fleet_tokens = peak = 0
     ttfts: list[float] = []
     owns: list[float] = []
     for req in trace.requests:
-        now = req.timestamp / 1000.0  # trace timestamps are milliseconds
-        for r in reps:
-            r.retire(now)
-        prompt = RadixKey(array("q", req.units[: req.num_prompt_units]))
-        fleet_tokens += trace.hit_tokens(req, max(r.cache.match_len(prompt) for r in reps))
-        i = choose(reps, req, prompt, next(turn))
+        now = clock[0] = req.timestamp / 1000.0  # trace timestamps are milliseconds
+        while pending and pending[0][0] <= now:  # first tokens and ends, in time order
+            _, _, ends, ticket = heapq.heappop(pending)
+            if ends:
+                ticket.release()
+            else:
+                ticket.started()
+        prompt = req.units[: req.num_prompt_units]
+        fleet_tokens += trace.hit_tokens(
+            req, max(r.cache.match_len(RadixKey(array("q", prompt))) for r in reps)
+        )
+        outputs = len(req.units) - req.num_prompt_units
+        if router == "oracle":
+            i = _oracle(reps, prompt)
+            ticket = core.assign(i, prompt, outputs)
+        else:
+            ticket = core.choose(prompt, None, outputs)
+            i = ticket.worker.name
         rep = reps[i]
-        hit, _ = serve_request(rep.cache, req, capacity_units, cache_outputs)
-        if router == "approx":
-            serve_request(rep.routed, req, capacity_units, False)
-        hit_tok = trace.hit_tokens(req, hit)
+        hit_tok = trace.hit_tokens(req, rep.serve(req, capacity_units, cache_outputs))
         computed = req.prompt_tokens - hit_tok
         rep.prefill_free = max(rep.prefill_free, now) + computed / prefill_rate
         ttfts.append(rep.prefill_free - now)
         owns.append(computed / prefill_rate)
         duration = computed / prefill_rate + req.output_tokens * decode_s
         rep.busy += duration
-        blocks = len(req.units)
-        heapq.heappush(rep.finishing, (now + duration, blocks))
-        rep.active_blocks += blocks
-        peak = max(peak, rep.in_flight)
+        for when, ends in ((rep.prefill_free, False), (now + duration, True)):
+            heapq.heappush(pending, (when, order, ends, ticket))
+            order += 1
+        peak = max(peak, ticket.worker.in_flight)
         hit_tokens += hit_tok
         prompt_tokens += req.prompt_tokens
         prefill += computed
@@ -189,66 +196,47 @@ def pooled_bound(trace: Trace, replicas: int, capacity_units: int | None) -> flo
     return simulate(trace, cap, "lru").token_hit_rate
 
 
-Router = Callable[[list[_Replica], SimRequest, RadixKey, int], int]
+def router_list(text: str | None) -> tuple[str, ...]:
+    """The routers ``--router`` names (``None`` or ``all``: every one).
+
+    Raises:
+        ValueError: ``router: ...`` naming an unknown one.
+    """
+    names = ROUTERS if text in (None, "all") else tuple(text.split(","))  # type: ignore[union-attr]
+    for name in names:
+        if name not in ROUTERS:
+            raise ValueError(f"router: unknown {name!r}; valid: {', '.join(ROUTERS)}")
+    return names
 
 
-def _round_robin(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
-    return policies.round_robin(range(len(reps)), turn)
+def sweep_replicas(
+    trace: Trace,
+    counts: list[int],
+    caps: list[int | None],
+    routers: tuple[str, ...],
+    cache_outputs: bool = False,
+    kv_weight: float = KV_OVERLAP_WEIGHT,
+) -> tuple[list[ReplicaResult], dict[tuple[int, int | None], float]]:
+    """Every (capacity, replica count, router) point, and per (count, capacity) the
+    pooled bound (`pooled_bound`)."""
+    results, bounds = [], {}
+    for cap in caps:
+        for n in counts:
+            bounds[(n, cap)] = pooled_bound(trace, n, cap)
+            for name in routers:
+                results.append(
+                    simulate_replicas(trace, n, cap, name, cache_outputs, kv_weight=kv_weight)
+                )
+    return results, bounds
 
 
-def _least_load(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
-    return policies.least_load(range(len(reps)), {i: r.in_flight for i, r in enumerate(reps)})
-
-
-def _approx(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
-    ids = range(len(reps))
-    return policies.approx(
-        ids,
-        {i: r.in_flight for i, r in enumerate(reps)},
-        {i: r.routed.match_len(prompt) for i, r in enumerate(reps)},
-        len(prompt),
-        {i: r.routed.total_size() for i, r in enumerate(reps)},
-    )
-
-
-def _kv(
-    reps: list[_Replica],
-    req: SimRequest,
-    prompt: RadixKey,
-    turn: int,
-    w: float = KV_OVERLAP_WEIGHT,
-    rate: float = PREFILL_RATE,
-    unit: int = 1,
-) -> int:
-    now = req.timestamp / 1000.0
-    # a router counts the prefills it sent that have not answered yet: here, the queue
-    queued = {i: max(0.0, r.prefill_free - now) * rate / unit for i, r in enumerate(reps)}
-    return policies.kv(
-        range(len(reps)),
-        {i: r.cache.match_len(prompt) for i, r in enumerate(reps)},
-        len(prompt),
-        {i: r.active_blocks for i, r in enumerate(reps)},
-        w,
-        {i: r.cache.total_size() for i, r in enumerate(reps)},
-        queued,
-    )
-
-
-def _oracle(reps: list[_Replica], req: SimRequest, prompt: RadixKey, turn: int) -> int:
+def _oracle(reps: list[_Replica], prompt: list[int]) -> int:
     # ties (a cold prompt above all) go to the emptiest cache, spreading new prefixes
+    key = RadixKey(array("q", prompt))
     return max(
         range(len(reps)),
-        key=lambda i: (reps[i].cache.match_len(prompt), -reps[i].cache.total_size(), -i),
+        key=lambda i: (reps[i].cache.match_len(key), -reps[i].cache.total_size(), -i),
     )
-
-
-_ROUTERS: dict[str, Router] = {
-    "round_robin": _round_robin,
-    "least_load": _least_load,
-    "approx": _approx,
-    "kv": _kv,
-    "oracle": _oracle,
-}
 
 
 def print_replicas_table(results: list[ReplicaResult], console: Any, labels: dict) -> None:

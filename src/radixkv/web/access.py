@@ -1,4 +1,5 @@
-"""Who may reach what on `radixkv serve`: an ASGI middleware in front of the app.
+"""Who may reach what on `radixkv serve` and `radixkv route`: an ASGI middleware in front of
+the app.
 
 Checked before the app reads a byte of the body, in this order:
 
@@ -18,6 +19,8 @@ Checked before the app reads a byte of the body, in this order:
   ``Content-Length`` or as soon as that many bytes arrived.
 
 Every refusal is an OpenAI error body.
+
+Owns: the access rules. Must not touch: the apps behind it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.server.protocol import ApiError
+from radixkv.web.errors import ApiError
 
 OPEN_PATHS = frozenset({"/health"})
 ADMIN_PATHS = ("/flush_cache",)

@@ -1,5 +1,7 @@
 """`ServerProcess`: ``radixkv serve`` (or ``radixkv route``) in a child process on a free
-loopback port, for tests, benchmarks and scripts that need a real server to talk to."""
+loopback port, for tests, benchmarks and scripts that need a real server to talk to.
+
+Owns: starting and stopping a server process. Must not touch: the server itself."""
 
 from __future__ import annotations
 

@@ -1,0 +1,240 @@
+"""The routing core: which worker a request goes to, and what it costs there until it
+ends. No HTTP: ``radixkv route``'s proxy (`radixkv.router.proxy`) and the replica
+simulator (`radixkv.sim.replicas`) drive this same core, the proxy on the wall clock and
+the simulator on its own, so a simulated policy is the shipped one.
+
+Owns: each worker's load (requests and blocks in flight, prefill blocks queued), claims
+(a prompt routed to a worker counts as cached there until the worker's events can have
+reported it), the approximate trees of routed prompts (``approx``), the event-fed
+`KvIndex` and the lock that guards it, shared-prefix pricing, and `RoutingCore.choose`.
+Must not touch: HTTP, retries, streams, health checks, metrics (the proxy's), or the
+workers themselves.
+
+A `Ticket` is one request's charge on one worker: counted from the moment it is issued
+(so the next choice sees it, and a burst spreads before anyone answers), its prefill
+blocks until `Ticket.started` (the answer began), the rest until `Ticket.release`, which
+takes effect exactly once whatever path ends the request (an answer, a failure, a
+retry elsewhere, a client gone).
+
+Policies (`radixkv.router.policies` has the pure functions):
+
+    round_robin, least_load (requests in flight),
+    approx  SGLang router's cache-aware policy over a tree of the prompts routed to
+            each worker (bounded: the oldest routed prompts go first),
+    kv      Dynamo's cost over the event-fed index: weight x (1/4 x blocks still to
+            prefill for requests sent to the worker that have not answered yet + this
+            prompt's blocks after the worker's cached overlap, a prefix many cached
+            prompts share counting as held everywhere) + blocks of the requests in
+            flight there. A prompt routed to a worker counts as cached there while the
+            request runs and for `EVENTS_GRACE_S` after (at most `PENDING_S`), until
+            the worker's events arrive (they follow the request by a step or more, and
+            a chat's next turn often comes first).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixkv.events import KVEventBatch, salt_tag
+from radixkv.key import RadixKey
+from radixkv.router import policies
+from radixkv.router.index import KvIndex
+from radixkv.tree import RadixCache
+
+APPROX_TREE_TOKENS = 1 << 22  # per worker; the oldest routed prompts are evicted beyond
+# kv: a routed prompt counts as cached on its worker for this long, until the worker's
+# events (which follow the request by a step or more) make the index say so
+PENDING_S = 10.0
+EVENTS_GRACE_S = 1.0  # after a request ends, how long its claim still stands
+DEFAULT_BLOCK = 16  # block size assumed before any worker's events said it
+
+
+@dataclass(eq=False)
+class WorkerLoad:
+    """What the core knows of one worker: its load and what was routed to it."""
+
+    name: Hashable
+    alive: bool = True
+    in_flight: int = 0
+    active_blocks: int = 0
+    queued_blocks: int = 0  # prefill blocks of requests sent here, not answered yet
+    routed: RadixCache = field(default_factory=lambda: RadixCache(page_size=1))
+    claims: deque = field(default_factory=deque)  # [expiry, RadixKey] of recent routes
+
+    def claimed(self, key: RadixKey, now: float) -> int:
+        """Tokens of ``key`` shared with a prompt routed here whose pages the worker's
+        events may not have reported yet."""
+        while self.claims and self.claims[0][0] < now:
+            self.claims.popleft()
+        best = 0
+        for expiry, k in self.claims:
+            if expiry >= now and k.extra_key == key.extra_key:
+                best = max(best, k.match(key))
+        return best
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's charge on one worker (see the module docstring).
+
+    Attributes:
+        worker: the worker's load record (``worker.name`` names it).
+        held: blocks of the prompt the index says the worker holds.
+        fleet: the most blocks any alive worker holds (fleet-available).
+        prefill: blocks the worker must compute (claims count as held).
+        blocks: blocks charged while the request is in flight.
+    """
+
+    core: RoutingCore
+    worker: WorkerLoad
+    held: int
+    fleet: int
+    prefill: int
+    blocks: int
+    claim: list | None = None  # kv: [expiry, key], the claim routing made for it
+    queued: bool = True
+    released: bool = False
+
+    def started(self) -> None:
+        """The answer started: the worker has done this request's prefill."""
+        if self.queued and not self.released:
+            self.queued = False
+            self.worker.queued_blocks -= self.prefill
+
+    def release(self, served: bool = True) -> None:
+        """The request is over on this worker: its load goes, once (later calls do
+        nothing). Its claim stands `EVENTS_GRACE_S` more when ``served`` (the worker's
+        events about the prompt follow within a step; a worker under memory pressure
+        may already have evicted it), and ends now when not (it never took it)."""
+        if self.released:
+            return
+        self.started()
+        self.released = True
+        w = self.worker
+        w.in_flight -= 1
+        w.active_blocks -= self.blocks
+        if self.claim is not None:
+            end = self.core.clock() + (EVENTS_GRACE_S if served else 0.0)
+            self.claim[0] = min(self.claim[0], end)
+
+
+class RoutingCore:
+    """Workers' load, the event-fed index and the policy (see the module docstring).
+
+    Args:
+        policy: one of `radixkv.router.policies.POLICIES`.
+        kv_weight: the ``kv`` cost's weight on prefill blocks.
+        events_key: the workers' key for namespace tags (`radixkv.events.salt_tag`).
+        approx_tokens: tokens each worker's tree of routed prompts holds (``approx``).
+        clock: seconds (the proxy's monotonic clock, or a simulator's).
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        kv_weight: float = policies.KV_OVERLAP_WEIGHT,
+        events_key: bytes | None = None,
+        approx_tokens: int = APPROX_TREE_TOKENS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if policy not in policies.POLICIES:
+            raise ValueError(f"policy must be one of {policies.POLICIES}, got {policy!r}")
+        self.policy, self.kv_weight, self.events_key = policy, kv_weight, events_key
+        self.approx_tokens, self.clock = approx_tokens, clock
+        self.workers: dict[Hashable, WorkerLoad] = {}
+        self.index = KvIndex()
+        self.lock = threading.Lock()  # event threads write the index, choices read it
+        self._turn = itertools.count()
+
+    # --- workers and events -------------------------------------------------------------
+    def add(self, name: Hashable) -> WorkerLoad:
+        if name in self.workers:
+            raise ValueError(f"the router already has the worker {name}")
+        w = self.workers[name] = WorkerLoad(name)
+        return w
+
+    def remove(self, name: Hashable) -> None:
+        """Forget the worker and what the index knew of it (its tickets still release
+        into its old record)."""
+        self.workers.pop(name, None)
+        with self.lock:
+            self.index.remove_worker(name)
+
+    def apply(self, name: Hashable, batch: KVEventBatch) -> None:
+        """One batch of the worker's KV events, into the index."""
+        with self.lock:
+            self.index.apply(name, batch)
+
+    @property
+    def block_size(self) -> int:
+        return self.index.block_size or DEFAULT_BLOCK
+
+    # --- choosing -----------------------------------------------------------------------
+    def choose(self, tokens: Sequence[int], salt: Any = None, max_tokens: int = 16) -> Ticket:
+        """Pick a worker for a prompt (its token ids as the workers see them) and charge
+        it; the ticket says what the index knew. Alive workers only, unless none is."""
+        alive = [w for w in self.workers.values() if w.alive] or list(self.workers.values())
+        if not alive:
+            raise LookupError("the router has no worker")
+        with self.lock:
+            tag = None if salt is None else salt_tag(salt, self.events_key)
+            by_name, shared = self.index.lookup(tokens, tag, salt)
+            cached = {w: self.index.num_blocks(w.name) for w in alive}
+        size = self.block_size
+        held = {w: by_name.get(w.name, 0) for w in alive}
+        overlap, claim, now = held, None, self.clock()
+        key = RadixKey(tokens, salt)
+        if self.policy == "kv":
+            overlap = {w: max(held[w], w.claimed(key, now) // size) for w in alive}
+        if self.policy == "round_robin":
+            w = policies.round_robin(alive, next(self._turn))
+        elif self.policy == "least_load":
+            w = policies.least_load(alive, {x: x.in_flight for x in alive})
+        elif self.policy == "approx":
+            matched = {x: x.routed.match_len(key) if tokens else 0 for x in alive}
+            sizes = {x: x.routed.total_size() for x in alive}
+            w = policies.approx(alive, {x: x.in_flight for x in alive}, matched, len(tokens),
+                                sizes)  # fmt: skip
+            if tokens:
+                self._remember(w, key)
+        else:
+            w = policies.kv(
+                alive, overlap, len(tokens) // size, {x: x.active_blocks for x in alive},
+                self.kv_weight, cached, {x: x.queued_blocks for x in alive}, shared,
+            )  # fmt: skip
+            claim = [now + PENDING_S, key]
+            w.claims.append(claim)
+        prefill = len(tokens) // size - overlap.get(w, 0)
+        fleet = max(held.values(), default=0)
+        return self._charge(w, held.get(w, 0), fleet, prefill, len(tokens) + max_tokens, claim)
+
+    def assign(self, name: Hashable, tokens: Sequence[int], max_tokens: int = 16) -> Ticket:
+        """Charge a worker picked elsewhere (a retry after the chosen one failed): its
+        whole prompt counts as to prefill, and it claims nothing."""
+        w = self.workers[name]
+        size = self.block_size
+        return self._charge(w, 0, 0, len(tokens) // size, len(tokens) + max_tokens, None)
+
+    def _charge(
+        self, w: WorkerLoad, held: int, fleet: int, prefill: int, tokens: int, claim: list | None
+    ) -> Ticket:
+        blocks = tokens // self.block_size
+        w.in_flight += 1
+        w.active_blocks += blocks
+        w.queued_blocks += prefill
+        return Ticket(self, w, held, fleet, prefill, blocks, claim)
+
+    def _remember(self, w: WorkerLoad, key: RadixKey) -> None:
+        over = w.routed.total_size() + len(key) - self.approx_tokens
+        if over > 0:
+            w.routed.evict(over)
+        w.routed.insert(key)
+
+
+__all__ = ["EVENTS_GRACE_S", "PENDING_S", "RoutingCore", "Ticket", "WorkerLoad"]
