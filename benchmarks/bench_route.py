@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from radixkv.server.bench_serve import BenchConfig, run_bench
+from radixkv.bench.client import BenchConfig, run_bench
 from radixkv.web.process import ServerProcess, free_port, free_port_pair, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"

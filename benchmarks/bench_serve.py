@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from radixkv import RadixCache, RadixKey
+from radixkv.bench.client import BenchConfig, run_bench, shared_prefix_items
 from radixkv.engine.engine import Engine, load_model
 from radixkv.engine.request import SamplingParams
-from radixkv.server.bench_serve import BenchConfig, run_bench, shared_prefix_items
 from radixkv.web.process import ServerProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"

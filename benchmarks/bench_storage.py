@@ -21,7 +21,7 @@ from pathlib import Path
 
 import redis
 
-from radixkv.server.bench_serve import WORDS
+from radixkv.bench.client import WORDS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -9,7 +9,7 @@ import math
 import pytest
 from rich.console import Console
 
-from radixkv.server.bench_serve import (
+from radixkv.bench.client import (
     BenchConfig,
     fit_to_server,
     format_report,
@@ -57,7 +57,7 @@ def test_the_defaults_run_against_the_random_model():
 
 
 def test_multi_turn_chats_can_open_with_one_shared_system_prompt():
-    from radixkv.server.bench_serve import shared_system
+    from radixkv.bench.client import shared_system
 
     cfg = BenchConfig(workload="multi-turn", shared_system_words=50)
     (msg,) = shared_system(cfg)

@@ -92,7 +92,7 @@ def test_a_folder_without_a_tokenizer_says_so(tmp_path, caplog):
 
 
 def test_the_converted_smollm2_folder_loads_in_transformers():
-    from radixkv.engine.weights import smollm2_folder, smollm2_missing
+    from radixkv.engine.sources import smollm2_folder, smollm2_missing
 
     if smollm2_missing() is not None:
         pytest.skip(smollm2_missing())

@@ -73,6 +73,21 @@ def is_loopback_endpoint(endpoint: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def exposure_problem(endpoint: str, replay: str | None, insecure: bool) -> str | None:
+    """Why publishing events at ``endpoint`` (and replaying at ``replay``, by default the
+    next port) is refused, or ``None``: events are unauthenticated, so a non-loopback
+    address needs the operator's explicit ``insecure``."""
+    try:
+        replay = replay or replay_endpoint(endpoint)
+    except ValueError as e:
+        return f"--kv-events: {e}"
+    for flag, where in (("--kv-events", endpoint), ("--kv-events-replay", replay)):
+        if not is_loopback_endpoint(where) and not insecure:
+            return (f"{flag} {where}: not a loopback address, and KV events are "
+                    "unauthenticated; add --kv-events-insecure to publish there")  # fmt: skip
+    return None
+
+
 def replay_endpoint(endpoint: str) -> str:
     """The replay address that goes with a PUB address: the next port, vLLM's convention
     (``tcp://HOST:5557`` -> ``tcp://HOST:5558``).

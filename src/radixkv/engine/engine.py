@@ -28,8 +28,15 @@ from radixkv.engine.model import LlamaForCausalLM, ModelConfig
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.request import EngineReq, SamplingParams, StepOutput
 from radixkv.engine.scheduler import Scheduler
-from radixkv.engine.tokenizer import BPETokenizer, ByteTokenizer, HFTokenizer, Tokenizer
-from radixkv.engine.weights import load_hf_folder, random_model, smollm2_folder, smollm2_missing
+from radixkv.engine.sources import smollm2_folder, smollm2_missing
+from radixkv.engine.tokenizer import (
+    BPETokenizer,
+    ByteTokenizer,
+    Tokenizer,
+    folder_tokenizer,
+    load_tokenizer,
+)
+from radixkv.engine.weights import load_hf_folder, random_model
 from radixkv.key import check_namespace
 from radixkv.lifecycle import CacheManager
 from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -45,6 +52,7 @@ __all__ = [
     "SamplingParams",
     "StepOutput",
     "load_model",
+    "load_tokenizer",
 ]
 
 log = logging.getLogger("radixkv.engine")
@@ -125,38 +133,6 @@ def load_model(
         raise ValueError(f"model {model!r}: not auto/smollm2/random nor a checkpoint folder")
     net = load_hf_folder(folder)
     return net, folder_tokenizer(folder, net.config.vocab_size), str(folder)
-
-
-def folder_tokenizer(folder: Path, vocab_size: int | None = None) -> Tokenizer:
-    """A checkpoint folder's tokenizer: its ``tokenizer.json`` (Hugging Face), else the
-    GGUF converter's, else a byte tokenizer, with a warning saying so."""
-    if (folder / "tokenizer.json").exists():
-        return HFTokenizer.from_folder(folder)
-    if (folder / "gguf_tokenizer.json").exists():
-        return BPETokenizer(folder / "gguf_tokenizer.json")
-    log.warning("%s has no tokenizer.json: using a byte tokenizer (token ids are UTF-8 "
-                "bytes), which is not this checkpoint's", folder)  # fmt: skip
-    return ByteTokenizer(max(384, vocab_size or 384))
-
-
-def load_tokenizer(model: str | Path) -> Tokenizer:
-    """The tokenizer `load_model` would give, without loading any weights (for routers).
-    ``auto``: SmolLM2's when it is installed, else the byte tokenizer."""
-    if model in ("auto", "smollm2"):
-        why_not = smollm2_missing()
-        if why_not is None:
-            folder = smollm2_folder()
-            assert folder is not None
-            return BPETokenizer(folder / "gguf_tokenizer.json")
-        if model == "smollm2":
-            raise ModuleNotFoundError(why_not)
-        model = "random"
-    if model == "random":
-        return ByteTokenizer(ModelConfig().vocab_size)
-    folder = Path(model)
-    if (folder / "config.json").exists():
-        return folder_tokenizer(folder)
-    raise ValueError(f"model {model!r}: not auto/smollm2/random nor a checkpoint folder")
 
 
 @dataclass
@@ -243,7 +219,7 @@ class Engine:
         """16 bytes naming what this engine's KV means (weights, config, dtype, page
         size, tokenizer: `radixkv.storage.identity`), computed once."""
         if self._identity is None:
-            from radixkv.engine.weights import cache_dir
+            from radixkv.engine.sources import cache_dir
             from radixkv.storage.identity import model_identity
 
             cfg = self.engine_config

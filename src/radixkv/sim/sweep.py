@@ -2,6 +2,8 @@
 
 Capacities are given in tokens (``1M``, ``512k``, ``inf``), blocks (``2000blocks``) or bytes
 of KV (``8GiB``, ``8GB``, needing a model's bytes per token from `MODELS` or a custom value).
+
+Owns: capacity parsing, sweeps and their output. Must not touch: a replay's logic.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from radixkv.sim.replay import SimResult, reuse_ceiling, simulate
+from radixkv.sim.replay import BLOCK_POLICIES, POLICY_NAMES, SimResult, reuse_ceiling, simulate
 from radixkv.sim.traces import Trace
 
 # KV bytes per token: 2 (K and V) x layers x KV heads x head dim x 2 bytes (bf16/fp16).
@@ -131,6 +133,70 @@ def sweep(
             return out
     finally:
         _TRACE = None
+
+
+def policy_list(text: str | None, scope: str) -> list[str]:
+    """The policies ``--policy`` names (``None``: the scope's defaults; ``all``).
+
+    Raises:
+        ValueError: ``policy: ...`` naming an unknown one.
+    """
+    valid = POLICY_NAMES if scope == "tree" else BLOCK_POLICIES
+    text = text or ("lru,lfu,belady" if scope == "tree" else "lru,fifo")
+    names = list(valid) if text == "all" else text.split(",")
+    for p in names:
+        if p not in valid:
+            raise ValueError(f"policy: unknown {p!r} for --scope {scope}; valid: "
+                             f"{', '.join(valid)}")  # fmt: skip
+    return names
+
+
+def capacities(text: str, block_size: int, bytes_per_token: int | None) -> dict[int | None, str]:
+    """Comma-separated capacities as units, each with the text that gave it (in order,
+    duplicates once).
+
+    Raises:
+        ValueError: a capacity `parse_capacity` refuses.
+    """
+    labels: dict[int | None, str] = {}
+    for part in text.split(","):
+        labels.setdefault(parse_capacity(part, block_size, bytes_per_token), part.strip())
+    return labels
+
+
+def bounded_caps(caps: Sequence[int | None]) -> list[int | None]:
+    """The capacities to sweep policy by policy (`run_sweep` replays the unbounded one
+    once, when there are others)."""
+    return [c for c in caps if c is not None] if len(caps) > 1 and None in caps else list(caps)
+
+
+def run_sweep(
+    trace: Trace,
+    caps: Sequence[int | None],
+    policies: Sequence[str],
+    cache_outputs: bool = False,
+    warmup: float = 0.0,
+    workers: int | None = None,
+    progress: Callable[[SimResult], None] | None = None,
+    scope: str = "tree",
+) -> tuple[list[SimResult], float]:
+    """`sweep`, with the unbounded point replayed once for every policy (it is the same
+    for all), the results in (policy, capacity) order, and the reuse ceiling: the
+    unbounded hit rate (with a warm-up, the measured one)."""
+    bounded = bounded_caps(caps)
+    results = sweep(trace, bounded, policies, cache_outputs, warmup, workers, progress, scope)
+    if len(caps) > 1 and None in caps:
+        unbounded = simulate(trace, None, "lru", cache_outputs, warmup, scope=scope)
+        for p in policies:
+            results.append(SimResult(**{**unbounded.to_dict(), "policy": p}))
+        order = {c: i for i, c in enumerate(caps)}
+        results.sort(key=lambda r: (policies.index(r.policy), order[r.capacity_units]))
+    if not warmup:
+        ceiling = reuse_ceiling(trace, cache_outputs)
+    else:
+        unbounded_rates = [r.token_hit_rate for r in results if r.capacity_units is None]
+        ceiling = max(unbounded_rates, default=float("nan"))
+    return results, ceiling
 
 
 def to_json(results: list[SimResult], ceiling: float) -> str:

@@ -12,6 +12,8 @@ A request's prompt hits, in order: the leading pages on the device, then the pag
 continue it in the host tier, then those in the shared store. Whatever it hit in a lower
 tier is loaded back to the device, so after the request its whole prompt (and output,
 with ``cache_outputs``) is on the device.
+
+Owns: the tier simulation. Must not touch: the real tiers (`radixkv.storage.tier`).
 """
 
 from __future__ import annotations
@@ -109,6 +111,24 @@ def simulate_tiers(
         trace.name, device_units, host_units, shared, len(trace.requests), prompt_tok,
         dev_tok, host_tok, shared_tok,
     )  # fmt: skip
+
+
+def sweep_tiers(
+    trace: Trace, caps: list[int | None], hosts: list[int], shared: bool, cache_outputs: bool
+) -> tuple[list[TierResult], list[tuple[int, int, float]]]:
+    """Every (device, host) point, and for each bounded device the hit rate of one cache
+    as large as device + host: ``(device, host, rate)``."""
+    from radixkv.sim.replay import simulate
+
+    hosts = list(dict.fromkeys(hosts))
+    results = [simulate_tiers(trace, c, h, shared, cache_outputs) for c in caps for h in hosts]
+    pooled = [
+        (c, h, simulate(trace, c + h, "lru", cache_outputs).token_hit_rate)
+        for c in caps
+        if c is not None
+        for h in hosts
+    ]
+    return results, pooled
 
 
 def print_tiers_table(results: list[TierResult], console: Any, labels: dict) -> None:

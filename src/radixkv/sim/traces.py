@@ -6,6 +6,8 @@ requests share KV for exactly their common leading ids — the contract of Moonc
 ``hash_ids``. Token sequences are turned into ids by *interning* ``(parent id, block
 tokens)``: exact (no hash collisions) and deterministic. A trailing partial block is not a
 unit (engines cache whole pages only), except in Mooncake traces, which give it an id.
+
+Owns: trace formats, their validation, and the generators. Must not touch: replaying.
 """
 
 from __future__ import annotations
@@ -198,6 +200,34 @@ def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -
             raise TraceError(f"{path}:{n}: {e}") from None
         records.append((prompt, out))
     return _from_tokens(Path(path).stem, records, block_size)
+
+
+def guess_format(path: str | Path) -> str:
+    """``mooncake`` when the first record carries ``hash_ids``, else ``tokens``."""
+    with open(path, encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), "")
+    return "mooncake" if "hash_ids" in first else "tokens"
+
+
+def load_trace(
+    path: str | Path, fmt: str | None = None, block_size: int | None = None, tokenizer: Any = None
+) -> Trace:
+    """A trace file in either format (``None``: guessed from the first line); token traces
+    cut into pages of ``block_size`` tokens (16 by default).
+
+    Raises:
+        TraceError: a bad record. ValueError: ``block_size: ...`` for a Mooncake trace
+            given another block size. OSError, UnicodeDecodeError: an unreadable file.
+    """
+    fmt = fmt or guess_format(path)
+    if fmt == "mooncake":
+        if block_size not in (None, MOONCAKE_BLOCK):
+            raise ValueError(
+                f"block_size: Mooncake traces have {MOONCAKE_BLOCK}-token blocks (their "
+                f"hash_ids fix it), got {block_size}"
+            )
+        return load_mooncake(path)
+    return load_token_jsonl(path, block_size or 16, tokenizer)
 
 
 def _from_tokens(name: str, records: list[tuple[list[int], dict]], block: int) -> Trace:

@@ -1,0 +1,111 @@
+"""What every subcommand shares: the one error style, argument types, output files, the
+key flags and the serve extra's check.
+
+One error style: bad input prints one line ``error: FILE:LINE: what is wrong`` or
+``error: --flag: what is wrong`` to stderr and exits 2; Ctrl-C exits 130; an unexpected
+failure prints one ``error:`` line and exits 1. Never a traceback, unless ``--debug``.
+
+Owns: the CLI's shared flags, types and error style. Must not touch: any subcommand's
+logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx", "msgspec", "zmq")
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
+
+class CliError(Exception):
+    """Bad input: printed as ``error: <message>``, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def number(kind: type, lo: float, what: str) -> Callable[[str], Any]:
+    """An argument type: a ``kind`` number at least ``lo`` (nan refused)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not value >= lo:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = number(int, 1, "a positive integer")
+port_number = number(int, 0, "a port number")
+
+
+def flag_error(e: ValueError) -> CliError:
+    """A config error ("kv_tokens must be ...", "url: ...") as ``--flag: message``."""
+    text = str(e)
+    name, _, rest = text.partition(" ")
+    if name.endswith(":"):
+        name, text = name[:-1], rest
+    return CliError(f"--{name.replace('_', '-')}: {text}")
+
+
+def require_serve_extra() -> None:
+    import importlib.util
+
+    lacking = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if lacking:
+        raise CliError(
+            f"needs {', '.join(lacking)} (the serve extra): pip install 'radixkv[serve]'"
+        )
+
+
+def add_key_flags(parser: argparse.ArgumentParser, admin: str) -> None:
+    """``--api-key`` and ``--admin-key``, as `radixkv.web.access` applies them on a
+    server and on a router (``admin``: what the admin key opens)."""
+    parser.add_argument("--api-key", default=os.environ.get("RADIXKV_API_KEY"),
+                        help="every request but /health must send Authorization: Bearer "
+                        "KEY [$RADIXKV_API_KEY; none: open]")  # fmt: skip
+    parser.add_argument("--admin-key", default=os.environ.get("RADIXKV_ADMIN_KEY"),
+                        help=f"the key admin endpoints ({admin}) need; without one they "
+                        "answer 403 [$RADIXKV_ADMIN_KEY]")  # fmt: skip
+
+
+def check_output(flag: str, dest: str | None) -> None:
+    """Refuse an output path that cannot be written, before any work is done."""
+    if dest is None or dest == "-":
+        return
+    path = Path(dest)
+    if path.is_dir():
+        raise CliError(f"{flag}: {dest} is a folder; give a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        raise CliError(f"{flag}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise CliError(f"{flag}: {dest} is not writable")
+
+
+def write_output(flag: str, dest: str | None, text: Callable[[], str]) -> None:
+    """``text()`` to ``dest`` (``-``: stdout; ``None``: nowhere)."""
+    if dest is None:
+        return
+    if dest == "-":
+        sys.stdout.write(text())
+        return
+    try:
+        with open(dest, "w", encoding="utf-8") as f:
+            f.write(text())
+    except OSError as e:
+        raise CliError(f"{flag}: cannot write {dest}: {e.strerror or e}") from None

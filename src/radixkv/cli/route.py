@@ -1,0 +1,104 @@
+"""``radixkv route``: a cache-aware router over several ``radixkv serve`` (or vLLM)
+replicas. The router lives in `radixkv.router`; this module parses, checks and runs it.
+
+Owns: the subcommand's flags and the router's start-up checks. Must not touch: routing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from radixkv.cli.common import (
+    LOG_LEVELS,
+    CliError,
+    add_key_flags,
+    flag_error,
+    number,
+    require_serve_extra,
+)
+from radixkv.router.policies import KV_OVERLAP_WEIGHT
+
+HELP = "a cache-aware router over several radixkv serve (or vLLM) replicas"
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    r = sub.add_parser(
+        "route",
+        parents=[common],
+        help=HELP,
+        description="An OpenAI-compatible proxy that sends each request to the replica "
+        "most likely to hold its prefix, fed by the replicas' KV events.",
+    )
+    r.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        metavar="URL[,EVENTS]",
+        help="a replica, e.g. http://127.0.0.1:8001,tcp://127.0.0.1:5557 (repeat the flag)",
+    )
+    r.add_argument("--policy", choices=["kv", "approx", "least_load", "round_robin"], default="kv")
+    r.add_argument("--model", default="auto", help="whose tokenizer to route with [auto]")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=number(int, 0, "a port number"), default=8100)
+    r.add_argument(
+        "--kv-weight", type=number(float, 0.0, "a non-negative number"),
+        default=KV_OVERLAP_WEIGHT,
+        help="weight on prefill blocks in the kv cost (Dynamo's overlap_score_weight; "
+        f"Dynamo's default is 1) [{KV_OVERLAP_WEIGHT:g}]",
+    )  # fmt: skip
+    r.add_argument("--health-interval", type=number(float, 0.05, "seconds >= 0.05"), default=1.0)
+    r.add_argument("--kv-events-key", default=os.environ.get("RADIXKV_EVENTS_KEY"),
+                   help="the workers' --kv-events-key [$RADIXKV_EVENTS_KEY]")  # fmt: skip
+    add_key_flags(r, "/workers: list, add, remove")
+    r.add_argument("--worker-api-key", default=os.environ.get("RADIXKV_WORKER_API_KEY"),
+                   help="the workers' --api-key: the router sends it to them (never the "
+                   "client's key) [$RADIXKV_WORKER_API_KEY]")  # fmt: skip
+    r.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
+
+
+def run(args: argparse.Namespace) -> int:
+    require_serve_extra()
+    from radixkv.engine.tokenizer import load_tokenizer
+    from radixkv.router.proxy import Router, WorkerSpec, build_router_app, check_workers
+    from radixkv.web.serving import uvicorn_server
+
+    try:
+        specs = [WorkerSpec.parse(w) for w in args.worker]
+    except ValueError as e:
+        raise CliError(f"--worker: {e}") from None
+    try:
+        tokenizer = load_tokenizer(args.model)
+    except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
+        raise CliError(f"--model {args.model}: {e}") from None
+    from radixkv.router.proxy import ADMIN_PATHS
+    from radixkv.web.access import Access
+
+    try:
+        access = Access.for_bind(
+            args.host, api_key=args.api_key, admin_key=args.admin_key, admin_paths=ADMIN_PATHS
+        )
+        if args.worker_api_key is not None and not args.worker_api_key.strip():
+            raise ValueError("worker_api_key must be a non-empty string")
+    except ValueError as e:
+        raise flag_error(e) from None
+    key = args.kv_events_key.encode() if args.kv_events_key else None
+    router = Router(
+        specs, args.policy, tokenizer, args.kv_weight, key, worker_key=args.worker_api_key
+    )
+    problems = check_workers(specs, tokenizer, headers=router.worker_headers)
+    if problems:
+        raise CliError("; ".join(problems))
+    app = build_router_app(router, args.health_interval, access)
+    print(
+        f"radixkv route: {args.policy} over {len(specs)} workers on "
+        f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = uvicorn_server(app, args.host, args.port, args.log_level)
+    server.run()
+    if not server.started:
+        raise CliError(f"--port: could not listen on {args.host}:{args.port}")
+    return 0

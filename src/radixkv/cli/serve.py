@@ -1,0 +1,190 @@
+"""``radixkv serve``: an OpenAI-compatible server with prefix caching. The server lives in
+`radixkv.server`; this module parses, checks, builds and runs it.
+
+Owns: the subcommand's flags and how they become configs. Must not touch: the server or
+the engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from radixkv.cli.common import (
+    LOG_LEVELS,
+    CliError,
+    add_key_flags,
+    flag_error,
+    number,
+    positive_int,
+    require_serve_extra,
+)
+
+HELP = "an OpenAI-compatible server with prefix caching"
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    serve = sub.add_parser(
+        "serve",
+        parents=[common],
+        help=HELP,
+        description="Serve a model over the OpenAI API (completions, chat, streaming) with "
+        "prefix caching, Prometheus metrics at /metrics and per-tenant cache salts.",
+    )
+    serve.add_argument(
+        "--model",
+        default="auto",
+        help="auto (SmolLM2 if installed, else a tiny random model), smollm2, random, or a "
+        "checkpoint folder [auto]",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind [127.0.0.1]")
+    serve.add_argument("--port", type=number(int, 0, "a port number"), default=8000)
+    serve.add_argument("--served-model-name", help="the model id clients send [the model's]")
+    serve.add_argument("--page-size", type=positive_int, default=16, help="[16]")
+    serve.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV pool [65536]")
+    serve.add_argument(
+        "--max-running", type=positive_int, default=32, help="requests running at once [32]"
+    )
+    serve.add_argument(
+        "--chunk-size", type=positive_int, default=512, help="prefill tokens per step [512]"
+    )
+    serve.add_argument(
+        "--max-context-len", type=positive_int, default=4096, help="prompt + output [4096]"
+    )
+    serve.add_argument("--eviction-policy", default="lru", help="lru, lfu, fifo, ... [lru]")
+    serve.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
+    serve.add_argument(
+        "--no-prefix-cache", action="store_true", help="recompute every prompt (a baseline)"
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=1024,
+        help="waiting requests at most; beyond, 503 with Retry-After [1024]",
+    )
+    serve.add_argument(
+        "--storage",
+        metavar="URL",
+        help="a shared KV page store: redis://127.0.0.1:6379/0, file:///DIR or memory:// "
+        "(write-through: prompts' missing pages are read from it, finished ones written)",
+    )
+    serve.add_argument(
+        "--storage-secret",
+        metavar="SECRET",
+        help="a secret the engines sharing --storage hold: every page carries a MAC and "
+        "one whose MAC fails is a miss (default: $RADIXKV_STORAGE_SECRET; prefer it, a "
+        "command line is visible to other users). Without one, anyone who can write to "
+        "the store can change what the engines compute",
+    )
+    serve.add_argument(
+        "--host-tokens",
+        type=number(int, 0, "a non-negative integer"),
+        default=0,
+        help="KV tokens of a host-memory tier below the device pool [0: none]",
+    )
+    serve.add_argument(
+        "--write-policy",
+        choices=["write_through", "write_through_selective", "write_back"],
+        default="write_through",
+        help="when pages reach --storage [write_through]",
+    )
+    serve.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish KV events (vLLM's ZeroMQ wire) on this PUB address, e.g. "
+        "tcp://127.0.0.1:5557; replay on the next port",
+    )
+    serve.add_argument("--kv-events-replay", metavar="ENDPOINT", help="[the next port]")
+    serve.add_argument(
+        "--kv-events-key",
+        default=os.environ.get("RADIXKV_EVENTS_KEY"),
+        help="a key shared with the router: tenants' cache salts travel as keyed digests "
+        "under it [$RADIXKV_EVENTS_KEY; none: unkeyed digests]",
+    )
+    serve.add_argument(
+        "--kv-events-mode",
+        choices=["tokens", "hashes"],
+        default="tokens",
+        help="tokens: block hashes, token ids and salt digests (any router); hashes: block "
+        "hashes only, no prompt text (a router that hashes as radixkv does) [tokens]",
+    )
+    serve.add_argument(
+        "--kv-events-insecure",
+        action="store_true",
+        help="allow --kv-events on a non-loopback address: anyone who reaches it reads "
+        "the events unauthenticated (see the README's 'Exposing it')",
+    )
+    add_key_flags(serve, "/flush_cache")
+    serve.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=4 << 20,
+        help="the largest request body; beyond, 413 [4194304]",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        metavar="NAMES",
+        help="comma-separated host names a request's Host header may name [loopback names "
+        "while --host is loopback; else any]",
+    )
+    serve.add_argument(
+        "--check-memory",
+        action="store_true",
+        help="verify every memory invariant after each step; a violation stops the engine "
+        "and /health turns 503 (slow: for tests and debugging)",
+    )
+    serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
+
+
+def run(args: argparse.Namespace) -> int:
+    require_serve_extra()
+    from radixkv.engine.config import EngineConfig
+    from radixkv.events import exposure_problem
+    from radixkv.server.serve import ServeConfig, build_server
+    from radixkv.web.access import Access
+
+    if args.port > 65535:
+        raise CliError(f"--port: must be a port number, got {args.port}")
+    hosts = args.allowed_hosts
+    try:
+        engine_config = EngineConfig(
+            prefix_cache=not args.no_prefix_cache, page_size=args.page_size,
+            schedule_policy=args.schedule_policy, chunk_size=args.chunk_size,
+            max_running=args.max_running, kv_tokens=args.kv_tokens,
+            max_context_len=args.max_context_len, eviction_policy=args.eviction_policy,
+            check_memory=args.check_memory, storage=args.storage, host_tokens=args.host_tokens,
+            write_policy=args.write_policy, storage_secret=args.storage_secret,
+        )  # fmt: skip
+        access = Access.for_bind(
+            args.host, api_key=args.api_key, admin_key=args.admin_key,
+            max_request_bytes=args.max_request_bytes,
+            allowed_hosts=tuple(h.strip().lower() for h in hosts.split(",")) if hosts else None,
+        )  # fmt: skip
+    except ValueError as e:
+        raise flag_error(e) from None
+    serve = ServeConfig(
+        args.model, args.host, args.port, args.served_model_name, args.max_queue,
+        args.log_level, args.kv_events, args.kv_events_replay, access, args.kv_events_key,
+        args.kv_events_mode == "tokens",
+    )  # fmt: skip
+    if args.kv_events:
+        problem = exposure_problem(args.kv_events, args.kv_events_replay, args.kv_events_insecure)
+        if problem:
+            raise CliError(problem)
+    try:
+        server, aeng = build_server(serve, engine_config)
+    except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
+        raise CliError(f"--model {args.model}: {e}") from None
+    except Exception as e:
+        if type(e).__name__ == "ZMQError":  # pyzmq's: a bad or busy events address
+            raise CliError(f"--kv-events {args.kv_events}: cannot bind ({e})") from None
+        raise
+    name = server.config.app.state.api.model_name
+    where = f"http://{args.host}:{args.port}/v1"
+    print(f"radixkv serve: {name} ({aeng.engine.model_name}) on {where} (Ctrl-C stops)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    server.run()
+    if not server.started:
+        raise CliError(f"--port: could not listen on {args.host}:{args.port}")
+    return 0

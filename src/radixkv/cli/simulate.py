@@ -1,0 +1,236 @@
+"""``radixkv simulate``: replay a trace through the radix cache (hit rate against capacity
+and policy), over tiers (``--tiers``) or over routed replicas (``--replicas``). The
+replays live in `radixkv.sim`; this module parses, calls and prints.
+
+Owns: the subcommand's flags and its printing. Must not touch: the replays
+(`radixkv.sim`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from radixkv.cli.common import CliError, check_output, flag_error, number, positive_int
+from radixkv.cli.common import write_output as write
+from radixkv.router.policies import KV_OVERLAP_WEIGHT
+
+HELP = "replay a trace through the radix cache: hit rate vs capacity and policy"
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    sim = sub.add_parser(
+        "simulate", parents=[common], help=HELP,
+        description="Replay a request trace (or a built-in workload) through the radix cache "
+        "and report how much prefill prefix caching saves.",
+    )  # fmt: skip
+    src = sim.add_mutually_exclusive_group()
+    src.add_argument("--trace", help="a trace file (JSONL)")
+    src.add_argument("--workload", choices=["shared-prefix", "multi-turn", "few-shot"],
+                     help="a built-in generated workload (default: shared-prefix)")  # fmt: skip
+    sim.add_argument("--format", choices=["mooncake", "tokens"], default=None,
+                     help="trace format (default: guessed from the first line)")  # fmt: skip
+    sim.add_argument(
+        "--capacity", default="64k,256k,1M,inf",
+        help="comma-separated: tokens (1M, 512k), blocks (2000blocks), KV bytes "
+        "(8GiB or 8GB, with --model or --bytes-per-token) or inf [%(default)s]",
+    )  # fmt: skip
+    sim.add_argument("--policy", default=None,
+                     help="comma-separated eviction policies, or 'all' [lru,lfu,belady; "
+                     "lru,fifo with --scope block]")  # fmt: skip
+    sim.add_argument("--scope", choices=["tree", "block"], default="tree",
+                     help="tree: evict leaves only, as a radix cache (SGLang, radixkv); block: "
+                     "evict any block, as a hash-based block pool (vLLM) [tree]")  # fmt: skip
+    sim.add_argument("--block-size", type=positive_int, default=None,
+                     help="tokens per cache page for token traces and generated workloads "
+                     "[16]; Mooncake traces fix it at 512")  # fmt: skip
+    sim.add_argument("--model", help="bytes per token of a catalog model, for GiB capacities")
+    sim.add_argument("--tokenizer",
+                     help="for token traces whose lines carry text: 'byte' (UTF-8 bytes), "
+                     "'smollm2', or a gguf_tokenizer.json written by the engine's weight "
+                     "converter")  # fmt: skip
+    sim.add_argument("--bytes-per-token", type=positive_int, help="custom KV bytes per token")
+    sim.add_argument("--cache-outputs", action=argparse.BooleanOptionalAction, default=None,
+                     help="cache prompt + output at finish, as engines do [on for generated "
+                     "workloads; Mooncake traces carry no output blocks]")  # fmt: skip
+    sim.add_argument("--warmup", type=number(float, 0.0, "a fraction in [0, 1)"), default=0.0,
+                     help="fraction of first requests left out of the rates [0]")  # fmt: skip
+    sim.add_argument("--requests", type=positive_int, help="replay only the first N requests")
+    sim.add_argument("--json", dest="json_out", help="write results as JSON here ('-' stdout)")
+    sim.add_argument("--csv", dest="csv_out", help="write results as CSV here ('-' stdout)")
+    sim.add_argument("--plot", help="write a hit-rate-vs-capacity plot (PNG) here")
+    sim.add_argument("--tiers", action="store_true",
+                     help="simulate a device cache (--capacity) over a host tier "
+                     "(--host-capacity) and a shared store; report hits by tier")  # fmt: skip
+    sim.add_argument("--host-capacity", default="0",
+                     help="with --tiers: comma-separated host tier sizes, in --capacity's "
+                     "units [0]")  # fmt: skip
+    sim.add_argument(
+        "--shared",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --tiers: an unbounded shared store behind the host tier [on]",
+    )
+    sim.add_argument("--replicas",
+                     help="comma-separated replica counts: route the trace over this many "
+                     "replicas, each of --capacity (e.g. 8,16,32,64)")  # fmt: skip
+    sim.add_argument("--router", default=None,
+                     help="with --replicas: comma-separated round_robin, least_load, approx, "
+                     "kv, oracle or 'all' [all]")  # fmt: skip
+    sim.add_argument(
+        "--kv-weight", type=number(float, 0.0, "a non-negative number"), default=KV_OVERLAP_WEIGHT,
+        help="the kv router's weight on prefill blocks (Dynamo's overlap_score_weight; "
+        f"Dynamo's default is 1) [{KV_OVERLAP_WEIGHT:g}]",
+    )  # fmt: skip
+    sim.add_argument("--workers", type=positive_int, help="processes for the sweep [all cores]")
+
+
+def _load_trace(args: argparse.Namespace) -> Any:
+    from radixkv.sim import traces
+
+    if not args.trace:
+        return traces.GENERATORS[args.workload or "shared-prefix"](block_size=args.block_size or 16)
+    tokenizer = None
+    if args.tokenizer is not None:
+        from radixkv.engine.tokenizer import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(args.tokenizer)
+        except (ValueError, ModuleNotFoundError) as e:
+            raise CliError(f"--tokenizer: {e}") from None
+    try:
+        return traces.load_trace(args.trace, args.format, args.block_size, tokenizer)
+    except OSError as e:
+        raise CliError(f"--trace {args.trace}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise CliError(f"--trace {args.trace}: not a UTF-8 text file") from None
+    except traces.TraceError as e:
+        raise CliError(str(e)) from None
+    except ValueError as e:
+        raise flag_error(e) from None
+
+
+def _replica_counts(args: argparse.Namespace) -> list[int]:
+    if args.replicas is None:
+        if args.router is not None:
+            raise CliError("--router: needs --replicas")
+        return []
+    try:
+        counts = [int(x) for x in args.replicas.split(",")]
+    except ValueError:
+        raise CliError(f"--replicas: expected counts like 8,16,32, got {args.replicas!r}") from None
+    if any(c < 1 for c in counts):
+        raise CliError(f"--replicas: counts must be positive, got {args.replicas!r}")
+    return counts
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from radixkv.sim import sweep
+
+    for flag, dest in (("--json", args.json_out), ("--csv", args.csv_out), ("--plot", args.plot)):
+        check_output(flag, dest)
+    if args.plot == "-":
+        raise CliError("--plot: give a file name (a PNG cannot go to stdout)")
+    if args.warmup >= 1.0:
+        raise CliError(f"--warmup: must be a fraction in [0, 1), got {args.warmup}")
+    if args.model and args.bytes_per_token:
+        raise CliError("--bytes-per-token: give it or --model, not both")
+    bpt = args.bytes_per_token
+    if args.model:
+        if args.model not in sweep.MODELS:
+            raise CliError(f"--model: unknown {args.model!r}; known: {', '.join(sweep.MODELS)}")
+        bpt = sweep.MODELS[args.model]
+    try:
+        policies = sweep.policy_list(args.policy, args.scope)
+    except ValueError as e:
+        raise flag_error(e) from None
+    console = Console(stderr=bool(args.json_out == "-" or args.csv_out == "-"))
+    counts = _replica_counts(args)
+    trace = _load_trace(args)
+    if args.requests:
+        trace.requests = trace.requests[: args.requests]
+    try:
+        labels = sweep.capacities(args.capacity, trace.block_size, bpt)
+    except ValueError as e:
+        raise CliError(f"--capacity: {e}") from None
+    caps = list(labels)
+    outputs = args.cache_outputs if args.cache_outputs is not None else not args.trace
+    if counts:
+        return _replicas(args, trace, counts, caps, labels, outputs, console)
+    if args.tiers:
+        return _tiers(args, trace, caps, labels, outputs, console, bpt)
+    return _sweep(args, trace, caps, labels, policies, outputs, console)
+
+
+def _sweep(args, trace, caps, labels, policies, outputs, console) -> int:  # type: ignore[no-untyped-def]
+    from rich.progress import Progress
+
+    from radixkv.sim import sweep
+
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"replaying {len(trace.requests):,} requests",
+                            total=len(sweep.bounded_caps(caps)) * len(policies))  # fmt: skip
+        results, ceiling = sweep.run_sweep(
+            trace, caps, policies, outputs, args.warmup, args.workers,
+            progress=lambda _r: bar.advance(task), scope=args.scope,
+        )  # fmt: skip
+    sweep.print_table(results, ceiling, trace, console, labels)
+    write("--json", args.json_out, lambda: sweep.to_json(results, ceiling))
+    write("--csv", args.csv_out, lambda: sweep.to_csv(results))
+    if args.plot:
+        try:
+            sweep.plot(results, ceiling, trace, args.plot)
+        except RuntimeError as e:
+            raise CliError(f"--plot: {e}") from None
+        except OSError as e:
+            raise CliError(f"--plot: cannot write {args.plot}: {e.strerror or e}") from None
+        console.print(f"plot written to {args.plot}", markup=False)
+    return 0
+
+
+def _tiers(args, trace, caps, labels, outputs, console, bpt) -> int:  # type: ignore[no-untyped-def]
+    from radixkv.sim import sweep, tiers
+
+    hosts = []
+    try:
+        for text in args.host_capacity.split(","):
+            units = sweep.parse_capacity(text, trace.block_size, bpt)
+            if units is None:
+                raise ValueError(f"capacity {text!r}: the host tier must be bounded")
+            labels.setdefault(("host", units), text.strip())
+            hosts.append(units)
+    except ValueError as e:
+        raise CliError(f"--host-capacity: {e}") from None
+    results, pooled = tiers.sweep_tiers(trace, caps, hosts, args.shared, outputs)
+    tiers.print_tiers_table(results, console, labels)
+    for cap, host, rate in pooled:
+        console.print(f"device {labels[cap]} + host {labels[('host', host)]}: one cache of "
+                      f"that total size would hit {rate:.4f}", markup=False)  # fmt: skip
+    rows = {"results": [r.to_dict() for r in results]}
+    write("--json", args.json_out, lambda: json.dumps(rows, indent=2))
+    return 0
+
+
+def _replicas(args, trace, counts, caps, labels, outputs, console) -> int:  # type: ignore[no-untyped-def]
+    from radixkv.sim import replicas
+
+    try:
+        names = replicas.router_list(args.router)
+    except ValueError as e:
+        raise flag_error(e) from None
+    results, bounds = replicas.sweep_replicas(trace, counts, caps, names, outputs, args.kv_weight)
+    replicas.print_replicas_table(results, console, labels)
+    for (n, cap), bound in bounds.items():
+        console.print(f"{n} replicas x {labels[cap]}: one cache as large as all of them would "
+                      f"hit {bound:.4f}", markup=False)  # fmt: skip
+    rows = [r.to_dict() | {"pooled_bound": bounds[(r.replicas, r.capacity_units)]} for r in results]
+    write("--json", args.json_out, lambda: json.dumps({"results": rows}, indent=2))
+    if args.plot:
+        try:
+            replicas.plot_replicas(results, args.plot)
+        except RuntimeError as e:
+            raise CliError(f"--plot: {e}") from None
+        console.print(f"plot written to {args.plot}", markup=False)
+    return 0
