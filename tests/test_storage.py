@@ -16,7 +16,8 @@ import redis
 
 from radixkv.engine.engine import Engine
 from radixkv.storage import FileStore, MemoryStore, PageCodec, RedisStore, open_store
-from radixkv.storage.store import IOV_BATCH, PageError
+from radixkv.storage.page import PageError
+from radixkv.storage.resp import IOV_BATCH
 from radixkv.web.process import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
@@ -170,7 +171,7 @@ def test_the_reply_reader_parses_what_redis_sends_and_refuses_what_it_would_not(
     """`_RespReader` on a socket pair: many small replies in one read and one larger than
     a read, nil in RESP2 and RESP3, an error reply, a line with no end, a peer that
     hangs up mid-reply."""
-    from radixkv.storage.store import _RespReader
+    from radixkv.storage.resp import _RespReader
 
     ours, theirs = socket.socketpair()
     big = bytes(range(256)) * 1000

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from radixkv import RadixKey
 from radixkv.engine.engine import Engine
-from radixkv.storage.store import PageError
+from radixkv.storage.page import PageError
 
 PAGE = 4
 PREFIXES = [[(7 * i + 3 * k) % 250 for k in range(18 + 6 * i)] for i in range(3)]

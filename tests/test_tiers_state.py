@@ -137,3 +137,53 @@ def test_a_host_tier_brings_back_what_the_device_evicted():
     assert st_.demoted_pages > 0 and st_.host_hit_tokens > 0
     assert again.stats.cached_tokens > got.stats.cached_tokens  # the host tier paid off
     tiered.tier.check()
+
+
+class _GatedStore(MemoryStore):
+    """A memory store whose writes wait at a gate once they are done, so a test can run
+    the engine's side between a write landing and the writer thread's bookkeeping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.landed, self.gate = threading.Event(), threading.Event()
+
+    def set(self, keys, values):
+        n = super().set(keys, values)
+        self.landed.set()
+        assert self.gate.wait(10)
+        return n
+
+
+def test_a_bad_page_found_while_a_write_lands_is_still_rewritten():
+    """The writer thread and the engine thread share the pages to rewrite. A write that
+    landed before a read found its page bad (someone overwrote it meanwhile) must not
+    unmark it: the old code dropped the mark after every write, so the bad page was
+    never written again (the store said it had it)."""
+    page = 2
+    alloc = TokenToKVPoolAllocator(32, page)
+    cache = RadixCache(page, allocator=alloc)
+    kv = KVPool(1, 1, 1, 32)
+    store = _GatedStore()
+    tiers = KVTiers(kv, cache, b"f" * 16, store, 0, "write_through")
+    prompt = [5, 6, 7, 8, 9]
+    slots = alloc.alloc(4)
+    kv.k[0][slots] = torch.arange(1.0, 5.0).view(4, 1, 1)
+    cache.insert(RadixKey(prompt[:4]), slots)
+    tiers.save(prompt[:4], None, slots)  # the writer takes it and writes both pages
+    assert store.landed.wait(10)
+    keys = [tiers._key(h) for h in tiers.page_hashes(prompt, None, 2)]
+    store.data[keys[1]] = b"not a page"  # overwritten after the write landed
+    cache.evict(cache.evictable_size())
+    assert tiers.load(prompt, None, 4, alloc.alloc) == page  # page 2 is refused: bad
+    store.gate.set()  # the writer finishes its bookkeeping now
+    tiers.flush()
+    slots = alloc.alloc(2)  # the page is computed again and saved: it must be rewritten
+    kv.k[0][slots] = torch.tensor([3.0, 4.0]).view(2, 1, 1)
+    got = cache.match_prefix(RadixKey(prompt[:2])).indices
+    cache.insert(RadixKey(prompt[:4]), torch.cat((got, slots)))
+    tiers.save(prompt[:4], None, torch.cat((got, slots)))
+    tiers.flush()
+    assert store.data[keys[1]] != b"not a page"
+    tiers.codec.decode(tiers.page_hashes(prompt, None, 2)[1], store.data[keys[1]])  # valid

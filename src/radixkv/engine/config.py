@@ -1,4 +1,6 @@
-"""`EngineConfig`: every knob of the engine in one validated dataclass."""
+"""`EngineConfig`: every knob of the engine in one validated dataclass.
+
+Owns: the engine's knobs and their validation. Must not touch: building anything."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 
 from radixkv.key import as_bool, as_count
 from radixkv.policy import POLICIES
+from radixkv.storage import WRITE_POLICIES
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
@@ -80,8 +83,6 @@ class EngineConfig:
         if (self.storage is not None or self.host_tokens) and not self.prefix_cache:
             raise ValueError("storage and host_tokens need the prefix cache (prefix_cache=True)")
         as_count(self.host_tokens, "host_tokens")
-        from radixkv.storage.tier import WRITE_POLICIES
-
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}"

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from radixkv.storage.identity import tokenizer_identity
+
 Message = dict[str, str]
 
 
@@ -21,15 +23,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def apply_chat_template(self, messages: list[Message]) -> list[int]: ...
-
-
-def tokenizer_identity(tokenizer: Any) -> bytes:
-    """Bytes naming a tokenizer exactly: its own ``identity`` when it has one (a digest
-    of its vocabulary, merges and template), else its class name."""
-    ident = getattr(tokenizer, "identity", None)
-    if isinstance(ident, bytes):
-        return ident
-    return type(tokenizer).__qualname__.encode()
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -14,24 +14,37 @@ tenant's, can never match. A value is one page's K and V for every layer behind 
 secret a keyed MAC) that is checked on every read: a page that fails the check is a miss,
 counted, never used, and is written again when it is next computed.
 
-Backends (`open_store`): ``memory://`` (tests), ``file:///DIR`` (one machine, several
-processes; atomic renames), ``redis://`` and ``rediss://`` (redis-py, pipelined). Store
-failures are soft: a down or full store costs a warning and a recompute, never a crash,
-and a store that failed is not asked again for ``retry_s`` seconds, so it cannot stall
-the engine.
+Modules: ``page.py`` the stored value's format (header, CRC, MAC), ``store.py`` the
+backends (`open_store`: ``memory://`` for tests, ``file:///DIR`` for one machine and
+several processes with atomic renames, ``redis://`` and ``rediss://``), ``resp.py`` the
+RESP client of the Redis hot paths, ``identity.py`` the model identity, ``tier.py`` the
+host pool and store behind a device pool. Nothing here imports the engine, the server or
+the router.
+
+Store failures are soft: a down or full store costs a warning and a recompute, never a
+crash, and a store that failed is not asked again for ``retry_s`` seconds, so it cannot
+stall the engine.
+
+Owns: the package's names and the write policies. Must not touch: the engine, the
+server, the router.
 """
 
+from radixkv.storage.page import PageCodec
 from radixkv.storage.store import (
     FileStore,
     MemoryStore,
-    PageCodec,
     PageStore,
     RedisStore,
     StoreStats,
     open_store,
 )
 
+# when pages reach the store (`radixkv.storage.tier`); here, so a config can name them
+# without importing the tier (torch, threads)
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
 __all__ = [
+    "WRITE_POLICIES",
     "FileStore",
     "MemoryStore",
     "PageCodec",

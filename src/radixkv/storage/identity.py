@@ -12,6 +12,9 @@ Hashing every weight costs about a second per GB, so for a model loaded from che
 files the weight digest is cached in ``cache_dir()/identity-cache.json``, keyed by each
 file's path, size, modification time (ns) and inode, plus the dtype: a changed file is
 hashed again; start-up with unchanged files reads the cache.
+
+Owns: the identity's digest and its cache. Must not touch: the engine (it reads a model
+and a tokenizer it is given).
 """
 
 from __future__ import annotations
@@ -22,11 +25,10 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from radixkv.engine.tokenizer import tokenizer_identity
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("radixkv.storage")
 startup = logging.getLogger("radixkv.startup")  # start-up progress (the CLI shows it)
@@ -36,9 +38,20 @@ CACHE_FILE = "identity-cache.json"
 CACHE_ENTRIES = 64  # digests kept (one per checkpoint and dtype)
 
 
+def tokenizer_identity(tokenizer: Any) -> bytes:
+    """Bytes naming a tokenizer exactly: its own ``identity`` when it has one (a digest
+    of its vocabulary, merges and template), else its class name."""
+    ident = getattr(tokenizer, "identity", None)
+    if isinstance(ident, bytes):
+        return ident
+    return type(tokenizer).__qualname__.encode()
+
+
 def weights_digest(model: torch.nn.Module) -> bytes:
     """BLAKE2b-256 over every tensor of ``model.state_dict()``: name, dtype, shape and
     every byte of its data, in order."""
+    import torch
+
     h = hashlib.blake2b(digest_size=32)
     for name, t in model.state_dict().items():
         t = t.detach().to("cpu").contiguous()

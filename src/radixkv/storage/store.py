@@ -1,16 +1,17 @@
-"""Page stores and the page format (see `radixkv.storage`)."""
+"""Page stores: where stored pages live (memory, a folder, Redis), behind one
+prefix-shaped interface (see `radixkv.storage`).
+
+Owns: the backends and their soft failures (a store that fails is skipped for a while,
+never waited on). Must not touch: the bytes of a page (`radixkv.storage.page`) or the
+RESP wire (`radixkv.storage.resp`).
+"""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
-import ssl
-import struct
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,16 +19,9 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-log = logging.getLogger("radixkv.storage")
+from radixkv.storage.resp import _command, _RespReader, _send, _set_commands
 
-MAGIC = b"RKV2"
-FORMAT_VERSION = 2
-KEY_HASH_BYTES = 16  # a page's chained hash (radixkv.tree.page_hash)
-MAC_BYTES = 32  # keyed BLAKE2b-256 over the header and payload, with a storage secret
-_FLAG_MAC = 1
-# magic, version, fingerprint (16 bytes), key hash (16 bytes), flags, payload length, CRC-32
-_HEADER = struct.Struct(">4sH16s16sBQI")
-IOV_BATCH = 512  # buffers a sendmsg call takes (the system's limit is 1024)
+log = logging.getLogger("radixkv.storage")
 
 
 @dataclass
@@ -43,105 +37,6 @@ class StoreStats:
     errors: int = 0  # calls that failed (store down, full, timed out)
     corrupt: int = 0  # values that failed the header check
     unauthenticated: int = 0  # values whose MAC failed (or that had none) under a secret
-
-
-class PageError(ValueError):
-    """A stored value that must not be used; ``kind`` is ``corrupt`` (the header, length
-    or CRC check failed: another format, model or key, truncated, flipped bits) or
-    ``unauthenticated`` (a storage secret is set and the value's MAC is missing or
-    wrong)."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__(kind)
-        self.kind = kind
-
-
-class PageCodec:
-    """Wraps a page's payload in a checked header, and with a secret a MAC.
-
-    Args:
-        fingerprint: 16 bytes naming the model (`radixkv.storage.identity`).
-        secret: a storage secret shared by the engines of one fleet: every page then
-            carries a keyed BLAKE2b-256 MAC over its header and payload, and a page
-            whose MAC fails (or that has none) is refused. Without one, anyone who can
-            write to the store can change what the engines compute.
-    """
-
-    def __init__(self, fingerprint: bytes, secret: bytes | None = None) -> None:
-        if len(fingerprint) != 16:
-            raise ValueError("fingerprint must be 16 bytes")
-        if secret is not None and not (isinstance(secret, bytes) and secret):
-            raise ValueError("secret must be non-empty bytes")
-        self.fingerprint = fingerprint
-        self.secret = secret
-        # the MAC key: a digest of the secret (any length), never the secret itself
-        self._mac_key = (
-            hashlib.blake2b(secret, digest_size=32, person=b"radixkv-page-mac").digest()
-            if secret is not None
-            else b""
-        )
-
-    def _mac(self, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
-        h = hashlib.blake2b(digest_size=MAC_BYTES, key=self._mac_key)
-        h.update(header)
-        h.update(payload)
-        return h.digest()
-
-    def encode(self, key_hash: bytes, payload: bytes) -> bytes:
-        flags = _FLAG_MAC if self.secret is not None else 0
-        header = _HEADER.pack(
-            MAGIC, FORMAT_VERSION, self.fingerprint, key_hash, flags, len(payload),
-            zlib.crc32(payload),
-        )  # fmt: skip
-        if self.secret is None:
-            return header + payload
-        return header + payload + self._mac(header, payload)
-
-    def decode(self, key_hash: bytes, value: bytes) -> memoryview:
-        """The payload (a view, no copy).
-
-        Raises:
-            PageError: the value fails a check (see `PageError`)."""
-        view = memoryview(value)
-        if len(view) < _HEADER.size:
-            raise PageError("corrupt")
-        length = _HEADER.unpack_from(view)[5]
-        end = _HEADER.size + length
-        mac = view[end:]
-        self.check(key_hash, view[: _HEADER.size], view[_HEADER.size : end], mac)
-        return view[_HEADER.size : end]
-
-    def value_parts(self, length: int, payload_len: int) -> tuple[int, int] | None:
-        """How a stored value of ``length`` bytes splits when its payload should be
-        ``payload_len``: (header, MAC) sizes, or ``None`` when it cannot be such a page.
-        A value with and one without a MAC both split (`check` says which may be used)."""
-        if length == _HEADER.size + payload_len:
-            return _HEADER.size, 0
-        if length == _HEADER.size + payload_len + MAC_BYTES:
-            return _HEADER.size, MAC_BYTES
-        return None
-
-    def check(
-        self, key_hash: bytes, header: memoryview, payload: memoryview, mac: memoryview
-    ) -> None:
-        """Check a value given in its parts (a store may read them straight into
-        separate buffers: `PageStore.get_into`).
-
-        Raises:
-            PageError: the value fails a check (see `PageError`)."""
-        if len(header) != _HEADER.size:
-            raise PageError("corrupt")
-        magic, version, fp, kh, flags, length, crc = _HEADER.unpack_from(header)
-        if (magic, version, fp, kh) != (MAGIC, FORMAT_VERSION, self.fingerprint, key_hash):
-            raise PageError("corrupt")
-        if len(payload) != length or len(mac) != (MAC_BYTES if flags & _FLAG_MAC else 0):
-            raise PageError("corrupt")
-        if zlib.crc32(payload) != crc:
-            raise PageError("corrupt")
-        if self.secret is not None and (
-            not flags & _FLAG_MAC or not hmac.compare_digest(mac, self._mac(header, payload))
-        ):
-            raise PageError("unauthenticated")
 
 
 # Where `PageStore.get_into` puts a value of a given length: the buffers to fill, in
@@ -442,127 +337,6 @@ class RedisStore(_SoftStore):
             raise
         finally:
             pool.release(conn)
-
-
-def _command(*args: bytes) -> bytes:
-    """A RESP command (an array of bulk strings)."""
-    out = [b"*%d\r\n" % len(args)]
-    for a in args:
-        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
-    return b"".join(out)
-
-
-def _set_commands(keys: list[bytes], values: list[bytes], ttl_s: int | None) -> list[Any]:
-    """SET commands as buffers to send, each value as its own buffer (never copied)."""
-    if ttl_s is None:
-        head, tail = b"*3\r\n", b"\r\n"
-    else:  # SET key value EX seconds: the two last arguments follow the value
-        ttl = str(ttl_s).encode()
-        head, tail = b"*5\r\n", b"\r\n$2\r\nEX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl)
-    out: list[Any] = []
-    for k, v in zip(keys, values, strict=True):
-        out.append(b"%s$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (head, len(k), k, len(v)))
-        out.append(v)
-        out.append(tail)
-    return out
-
-
-def _send(sock: Any, buffers: list[Any]) -> None:
-    """Send ``buffers`` in order: scatter-gather (``sendmsg``, no copy), or one by one
-    on a TLS socket, which has no ``sendmsg``."""
-    if sock is None:
-        raise ConnectionError("not connected")
-    if isinstance(sock, ssl.SSLSocket):
-        for b in buffers:
-            sock.sendall(b)
-        return
-    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
-    at = 0  # the first buffer not wholly sent
-    while at < len(views):
-        sent = sock.sendmsg(views[at : at + IOV_BATCH])
-        while sent:
-            if sent >= len(views[at]):
-                sent -= len(views[at])
-                at += 1
-            else:
-                views[at] = views[at][sent:]
-                sent = 0
-
-
-class _RespReader:
-    """Replies (RESP2 or RESP3) off a socket: a bulk string goes straight into the
-    caller's buffers with ``recv_into``; only line headers pass through a small buffer."""
-
-    CHUNK = 1 << 16  # a read for headers; also the longest reply line taken
-
-    def __init__(self, sock: Any) -> None:
-        if sock is None:
-            raise ConnectionError("not connected")
-        self.sock = sock
-        self.buf = bytearray()
-        self.pos = 0  # buf[pos:] is unread: consuming moves pos, never the bytes
-
-    def _fill(self) -> None:
-        if self.pos:
-            del self.buf[: self.pos]
-            self.pos = 0
-        if len(self.buf) > self.CHUNK:
-            raise ConnectionError("a reply line longer than 64 KiB: not Redis")
-        chunk = self.sock.recv(self.CHUNK)
-        if not chunk:
-            raise ConnectionError("Redis closed the connection mid-reply")
-        self.buf += chunk
-
-    def line(self) -> bytes:
-        while (end := self.buf.find(b"\r\n", self.pos)) < 0:
-            self._fill()
-        line = bytes(self.buf[self.pos : end])
-        self.pos = end + 2
-        return line
-
-    def _read_into(self, view: memoryview) -> None:
-        take = min(len(self.buf) - self.pos, len(view))
-        view[:take] = memoryview(self.buf)[self.pos : self.pos + take]
-        self.pos += take
-        while take < len(view):
-            n = self.sock.recv_into(view[take:])
-            if not n:
-                raise ConnectionError("Redis closed the connection mid-reply")
-            take += n
-
-    def _skip(self, n: int) -> None:
-        while n:
-            if self.pos == len(self.buf):
-                self._fill()
-            take = min(n, len(self.buf) - self.pos)
-            self.pos += take
-            n -= take
-
-    def bulk_into(self, parts: Callable[[int], list[memoryview] | None]) -> bool | None:
-        """One GET reply: ``None`` for nil, else whether ``parts(length)`` took it.
-
-        Raises:
-            redis.ResponseError: an error reply; ConnectionError: a reply of another kind.
-        """
-        line = self.line()
-        kind = line[:1]
-        if kind == b"_" or line == b"$-1":
-            return None
-        if kind == b"-":
-            import redis
-
-            raise redis.ResponseError(line[1:].decode(errors="replace"))
-        if kind != b"$":
-            raise ConnectionError(f"unexpected reply to GET: {line[:40]!r}")
-        n = int(line[1:])
-        where = parts(n)
-        if where is None or sum(len(p) for p in where) != n:
-            self._skip(n + 2)
-            return False
-        for view in where:
-            self._read_into(view)
-        self._skip(2)  # the bulk string's CRLF
-        return True
 
 
 def open_store(url: str, **kw: Any) -> PageStore:

@@ -34,6 +34,10 @@ eviction) or holds bad ones heals as traffic passes.
 
 Invariants (``check``): every host page is either free or holds exactly one key; the
 host index and the free list together cover the pool once.
+
+Owns: the host pool, what goes to the store and when, and repairing the store. Must not
+touch: the tree's structure (it inserts and matches through the API, and hears evictions
+through the evict hook).
 """
 
 from __future__ import annotations
@@ -50,14 +54,15 @@ import torch
 
 from radixkv.key import RadixKey
 from radixkv.memory import KVPool
-from radixkv.storage.store import PageCodec, PageError, PageStore, StoreStats
+from radixkv.storage import WRITE_POLICIES
+from radixkv.storage.page import PageCodec, PageError
+from radixkv.storage.store import PageStore, StoreStats
 from radixkv.tree import HASH_BYTES, RadixCache, chain_hashes
 
 log = logging.getLogger("radixkv.storage")
 KNOWN_KEYS = 1 << 16  # keys remembered as stored, to skip asking the store again
 STAGING_MAX_BYTES = 256 << 20  # the staging buffer a tier keeps between loads, at most
 WRITE_QUEUE = 256  # page batches waiting for the writer; beyond, writes are dropped
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 class TierStats(StoreStats):
@@ -120,9 +125,13 @@ class KVTiers:
         self._host_free = list(range(host_pages - 1, -1, -1))
         self._host_index: OrderedDict[bytes, int] = OrderedDict()  # key -> page, LRU first
         self._known: OrderedDict[bytes, None] = OrderedDict()  # keys the store has
-        # keys whose stored value a read found bad: written even though the store has them
-        # (the writer thread drops a key once it is written)
-        self._rewrite: OrderedDict[bytes, None] = OrderedDict()
+        # keys whose stored value a read found bad: written even though the store has them.
+        # Shared with the writer thread, which drops a key once a write queued after the
+        # mark is done; each mark has a number, so a write queued before it (which may
+        # have landed before the value went bad) never drops it. Guarded by _lock.
+        self._rewrite: OrderedDict[bytes, int] = OrderedDict()
+        self._marks = 0
+        self._lock = threading.Lock()
         self._seen: OrderedDict[bytes, int] = OrderedDict()  # selective: finishes per key
         self._failed: deque[bytes] = deque()  # written by the writer, drained by save
         self._queue: queue.Queue = queue.Queue(WRITE_QUEUE)
@@ -337,7 +346,8 @@ class KVTiers:
         wanted = list(range(n_pages))
         if self.write_policy == "write_through_selective":
             wanted = [i for i in wanted if self._count(keys[i]) >= 2]
-        rewrite = self._rewrite
+        with self._lock:
+            rewrite = {k for k in keys if k in self._rewrite}
         wanted = [i for i in wanted if keys[i] not in self._known or keys[i] in rewrite]
         if not wanted:
             return
@@ -366,8 +376,10 @@ class KVTiers:
             return
         cpu = pages.to("cpu").contiguous().numpy()
         values = [self.codec.encode(h, cpu[i].tobytes()) for i, h in enumerate(hashes)]
+        with self._lock:  # the marks this write answers: those made before it was queued
+            marks = [self._rewrite.get(k) for k in keys]
         try:
-            self._queue.put_nowait((keys, values))
+            self._queue.put_nowait((keys, values, marks))
         except queue.Full:
             self.stats.errors += 1
             return
@@ -376,9 +388,12 @@ class KVTiers:
 
     def _mark_rewrite(self, key: bytes) -> None:
         self._known.pop(key, None)
-        self._rewrite[key] = None
-        if len(self._rewrite) > KNOWN_KEYS:
-            self._rewrite.popitem(last=False)
+        with self._lock:
+            self._marks += 1
+            self._rewrite[key] = self._marks
+            self._rewrite.move_to_end(key)
+            if len(self._rewrite) > KNOWN_KEYS:
+                self._rewrite.popitem(last=False)
 
     def _remember(self, key: bytes) -> None:
         self._known[key] = None
@@ -389,15 +404,17 @@ class KVTiers:
     def _write_loop(self) -> None:
         assert self.store is not None
         while True:
-            keys, values = self._queue.get()
+            keys, values, marks = self._queue.get()
             t0 = time.perf_counter()
             n = self.store.set(keys, values)
             self.stats.pages_written += n
             self.stats.bytes_written += sum(len(v) for v in values[:n])
             self.stats.write_s += time.perf_counter() - t0
             self._failed.extend(keys[n:])
-            for k in keys[:n]:
-                self._rewrite.pop(k, None)
+            with self._lock:  # a mark made after this write was queued stays
+                for k, mark in zip(keys[:n], marks, strict=False):
+                    if mark is not None and self._rewrite.get(k) == mark:
+                        del self._rewrite[k]
             self._queue.task_done()
 
     def flush(self, timeout: float = 10.0) -> None:
