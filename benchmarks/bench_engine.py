@@ -10,7 +10,7 @@ import argparse
 import random
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.model import ModelConfig
+from radixkv.engine.models.llama import ModelConfig
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import pytest
 from test_identity import save_checkpoint
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.model import ModelConfig
+from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.tokenizer import HFTokenizer
 from radixkv.engine.weights import random_model
 from radixkv.web.process import ServerProcess
@@ -146,3 +146,61 @@ def test_long_start_up_steps_say_what_they_do(tmp_path, monkeypatch):
     with ServerProcess(*args, timeout=60, stderr=subprocess.PIPE) as srv:
         pass
     assert "radixkv: hashing every weight" in srv.proc.stderr.read()
+
+
+def _transformers_folder(path, cls_name: str, **config):
+    """A folder written by transformers' own ``save_pretrained`` (tiny, random)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    conf = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))(
+        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, **config,
+    )  # fmt: skip
+    getattr(transformers, cls_name)(conf).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("arch", "config", "named"),
+    [
+        ("MistralForCausalLM", {"sliding_window": 64}, "MistralForCausalLM"),
+        ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "linear"),
+        ("LlamaForCausalLM", {"attention_bias": True}, "attention_bias"),
+        ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_an_architecture_or_config_field_radixkv_does_not_run_is_refused(
+    tmp_path, capsys, arch, config, named
+):
+    """A Mistral folder with a 64-token sliding window used to load as Llama and attend
+    past its window without a word; a Llama with a field radixkv does not implement
+    (scaled RoPE, biases, another activation) computed something else."""
+    from radixkv.cli import main
+    from radixkv.engine.models import UnsupportedModel
+
+    folder = _transformers_folder(tmp_path / "ckpt", arch, **config)
+    with pytest.raises(UnsupportedModel, match=named):
+        Engine(str(folder))
+    capsys.readouterr()  # (transformers' own progress bars)
+    assert main(["serve", "--model", str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --model {folder}") and named in err[0]
+
+
+def test_a_llama_folder_written_by_transformers_runs_its_rope_base(tmp_path):
+    """transformers 5 writes the RoPE base under rope_parameters: read, not defaulted."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    folder = _transformers_folder(tmp_path / "ckpt", "LlamaForCausalLM",
+                                  rope_parameters={"rope_type": "default",
+                                                   "rope_theta": 500.0})  # fmt: skip
+    engine = Engine(str(folder))
+    assert engine.config.rope_theta == 500.0
+    reference = LlamaForCausalLM.from_pretrained(folder).eval()
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0, -1].argmax().item()
+    assert engine.generate([ids], max_new_tokens=1, chat=False).outputs[0].token_ids == [want]

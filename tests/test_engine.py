@@ -12,7 +12,7 @@ import torch
 
 from radixkv import RadixCache
 from radixkv.engine.engine import Engine
-from radixkv.engine.model import ForwardBatch, ModelConfig
+from radixkv.engine.models.llama import ForwardBatch, ModelConfig
 from radixkv.engine.weights import random_model
 from radixkv.lifecycle import CacheManager, Req
 from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator

@@ -11,7 +11,7 @@ import pytest
 
 from radixkv.engine.async_engine import AsyncEngine, EngineDead, QueueFull
 from radixkv.engine.engine import Engine
-from radixkv.engine.model import ModelConfig
+from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.request import SamplingParams
 
 CFG = ModelConfig()

@@ -473,7 +473,7 @@ def test_workers_with_another_model_behind_one_tokenizer_are_refused(tmp_path, c
     from test_checkpoints import hf_folder
     from test_identity import save_checkpoint
 
-    from radixkv.engine.model import ModelConfig
+    from radixkv.engine.models.llama import ModelConfig
     from radixkv.engine.weights import random_model
 
     one, two = hf_folder(tmp_path / "one"), hf_folder(tmp_path / "two")

@@ -15,7 +15,7 @@ import torch
 from test_identity import middle_tensor, save_checkpoint
 from test_storage import PROMPTS, REDIS_URL, OwnRedis, engine, run
 
-from radixkv.engine.model import ModelConfig
+from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.weights import random_model
 from radixkv.tree import HASH_BYTES
 from radixkv.web.process import ServerProcess

@@ -7,6 +7,9 @@ outputs come back to each request's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. While nothing is unfinished the thread sleeps on the
 command queue; otherwise it steps as fast as the model runs, taking new commands
 between steps.
+
+Owns: the engine's thread, its command queue and the output streams. Must not touch: the
+engine's internals; everything goes through commands on the loop thread.
 """
 
 from __future__ import annotations
@@ -265,3 +268,37 @@ class AsyncEngine:
                 break
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(dead)
+
+
+async def merge_choices(
+    runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]],
+) -> AsyncIterator[tuple[int, StepOutput]]:
+    """The outputs of a request's ``n`` choices (each a first output and the rest) as
+    they come, tagged with the choice's index; closing this closes (aborts) every choice
+    still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, first: StepOutput, outputs: AsyncIterator[StepOutput]) -> None:
+        try:
+            out = first
+            await queue.put((i, out))
+            async with aclosing(outputs):
+                while not out.finished:
+                    out = await anext(outputs)
+                    await queue.put((i, out))
+        except Exception as e:  # handed to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, f, o)) for i, (f, o) in enumerate(runs)]
+    try:
+        left = len(runs)
+        while left:
+            i, out = await queue.get()
+            if isinstance(out, Exception):
+                raise out
+            left -= out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

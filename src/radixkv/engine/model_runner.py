@@ -1,10 +1,13 @@
-"""`ModelRunner`: a planned batch in, one row of logits per request out, and sampling."""
+"""`ModelRunner`: a planned batch in, one row of logits per request out, and sampling.
+
+Owns: batching a plan into one forward pass, and sampling. Must not touch: the cache,
+the scheduler, outputs."""
 
 from __future__ import annotations
 
 import torch
 
-from radixkv.engine.model import ForwardBatch, LlamaForCausalLM
+from radixkv.engine.models.llama import ForwardBatch, LlamaForCausalLM
 from radixkv.engine.request import EngineReq
 from radixkv.memory import KVPool, ReqToTokenPool
 

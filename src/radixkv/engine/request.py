@@ -1,4 +1,7 @@
-"""Requests as the engine sees them: sampling parameters, state, and what a step returns."""
+"""Requests as the engine sees them: sampling parameters, state, and what a step returns.
+
+Owns: a request's sampling parameters and state, and what a step returns. Must not
+touch: scheduling or caching."""
 
 from __future__ import annotations
 
@@ -112,8 +115,10 @@ class EngineReq(Req):
     prompt_cached: int = -1  # prompt tokens served from cache at first admission
     preemptions: int = 0
     prefetched: bool = False  # shared-store pages looked up
-    text: str = ""  # the output decoded so far, stop string removed
+    text: str = ""  # the output's final text so far, stop string removed
     stop_cut: bool = False  # ``text`` was cut at a stop string: it is final
+    detok: Any = None  # its incremental detokenizer (radixkv.engine.output)
+    searched: int = 0  # characters of ``text`` searched for stop strings
     sent_text: int = 0  # characters of ``text`` already handed out in step outputs
     sent_tokens: int = 0  # output tokens already handed out
     # per output token (with sampling.logprobs): (its logprob, [(token, logprob), ...])

@@ -16,6 +16,9 @@ It owns the waiting and running queues. Each step it
 Progress: a request is admitted only if it fits the pool alone (``add`` refuses one
 that never can), and preemption always picks the newest request, so the oldest running
 request always advances and no request is preempted forever.
+
+Owns: the waiting and running queues, admission, the batch plan, preemption, and the one
+fit check. Must not touch: the model, outputs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,19 @@ from radixkv.tree import RadixCache
 IN_BATCH_PREFIX_THRESHOLD = 16
 
 Plan = list[tuple[EngineReq, int]]  # (request, tokens it computes this step)
+
+
+class DoesNotFit(ValueError):
+    """A request that can never run: longer than the context, or than the KV pool holds.
+
+    Attributes:
+        limit: the most tokens (prompt + output) a request may have here.
+        prompt_tokens, max_new_tokens: what the request asked for.
+    """
+
+    def __init__(self, message: str, limit: int, prompt_tokens: int, max_new_tokens: int):
+        super().__init__(message)
+        self.limit, self.prompt_tokens, self.max_new_tokens = limit, prompt_tokens, max_new_tokens
 
 
 class Scheduler:
@@ -57,20 +73,29 @@ class Scheduler:
             self.mgr.allocator.size - self.mgr.allocator.page_size,
         )
 
-    def add(self, req: EngineReq) -> None:
-        need = len(req.input_ids) + req.sampling.max_new_tokens
-        if need > self.mgr.req_pool.max_context_len:
-            raise ValueError(
-                f"prompt of {len(req.input_ids)} tokens + max_tokens "
-                f"{req.sampling.max_new_tokens} = {need} exceeds the context "
-                f"(max_context_len={self.mgr.req_pool.max_context_len})"
-            )
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """The one check that a request can ever run here: its prompt and output fit the
+        context and, alone, the KV pool (`max_tokens`).
+
+        Raises:
+            DoesNotFit: naming which, and the limit.
+        """
+        need = prompt_tokens + max_new_tokens
+        context = self.mgr.req_pool.max_context_len
+        what = f"prompt of {prompt_tokens} tokens + max_tokens {max_new_tokens} = {need}"
+        if need > context:
+            raise DoesNotFit(f"{what} exceeds the context (max_context_len={context})",
+                             self.max_tokens(), prompt_tokens, max_new_tokens)  # fmt: skip
         if need > self.max_tokens():
-            raise ValueError(
-                f"prompt of {len(req.input_ids)} tokens + max_tokens "
-                f"{req.sampling.max_new_tokens} = {need} can never fit the KV pool of "
-                f"{self.mgr.allocator.size} tokens (at most {self.max_tokens()})"
-            )
+            raise DoesNotFit(
+                f"{what} can never fit the KV pool of {self.mgr.allocator.size} tokens (at "
+                f"most {self.max_tokens()}): raise kv_tokens", self.max_tokens(),
+                prompt_tokens, max_new_tokens,
+            )  # fmt: skip
+
+    def add(self, req: EngineReq) -> None:
+        """Queue a request (`check_fits` first)."""
+        self.check_fits(len(req.input_ids), req.sampling.max_new_tokens)
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:

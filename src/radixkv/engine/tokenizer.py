@@ -1,6 +1,9 @@
 """Tokenizers: a Hugging Face checkpoint's own (``tokenizer.json`` and the chat template
 of ``tokenizer_config.json``, through the ``tokenizers`` library), a byte-level BPE built
-from the vocabulary and merges a GGUF carries, and a byte tokenizer for random models."""
+from the vocabulary and merges a GGUF carries, and a byte tokenizer for random models.
+
+Owns: the tokenizers and the one resolver of tokenizer names. Must not touch: weights
+(it loads none)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,17 @@ from typing import Any, Protocol
 from radixkv.storage.identity import tokenizer_identity
 
 Message = dict[str, str]
+
+__all__ = [
+    "BPETokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "Tokenizer",
+    "folder_tokenizer",
+    "load_tokenizer",
+    "tokenizer_fingerprint",
+    "tokenizer_identity",
+]
 
 
 class Tokenizer(Protocol):

@@ -5,6 +5,9 @@ The GGUF is converted once (dequantised to float32, Q/K rows un-permuted back to
 Face's RoPE layout) and cached as ``config.json`` + ``model.safetensors`` +
 ``tokenizer.json`` under ``~/.cache/radixkv/`` (``RADIXKV_CACHE`` overrides), so later
 loads read a plain checkpoint folder. Nothing is downloaded.
+
+Owns: weights' sources and conversions. Must not touch: the engine; a model comes out,
+nothing else.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixkv.engine.model import LlamaForCausalLM, ModelConfig
+from radixkv.engine.models.llama import LlamaForCausalLM, ModelConfig
 
 log = logging.getLogger("radixkv.startup")  # start-up progress (the CLI shows it)
 
@@ -36,13 +39,23 @@ def random_model(cfg: ModelConfig | None = None, seed: int = 0) -> LlamaForCausa
     return model.eval()
 
 
-def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """A Llama checkpoint folder: ``config.json`` and ``*.safetensors``."""
+def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A Hugging Face checkpoint folder: ``config.json`` and ``*.safetensors``, of an
+    architecture `radixkv.engine.models` runs (chosen by its ``architectures``).
+
+    Raises:
+        UnsupportedModel: another architecture, or a config field it does not implement.
+        FileNotFoundError, ValueError: no weights, or weights that do not fit.
+    """
     from safetensors.torch import load_file
 
+    from radixkv.engine.models import architecture_of, family
+
     path = Path(path)
-    cfg = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
-    model = LlamaForCausalLM(cfg)
+    raw = json.loads((path / "config.json").read_text())
+    fam = family(architecture_of(raw))
+    cfg = fam.ModelConfig.from_dict(raw)
+    model = fam.MODEL_CLASS(cfg)
     state: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -11,6 +11,10 @@ different salts never share a cached token (unsalted ones share only with each o
 
 Every error is an OpenAI error body with a 4xx status (503 with ``Retry-After`` when the
 waiting queue is full); a client that goes away has its request aborted and its KV freed.
+
+Owns: the endpoints, request validation, streaming and ``n`` choices. Must not touch:
+the engine's internals (it talks to `AsyncEngine`; tokenizing off the loop uses only
+what `radixkv.engine.engine` states thread-safe).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,8 +34,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from radixkv.engine.async_engine import AsyncEngine, EngineDead, QueueFull
+from radixkv.engine.async_engine import AsyncEngine, EngineDead, QueueFull, merge_choices
+from radixkv.engine.output import choice_sampling, usage
 from radixkv.engine.request import SamplingParams, StepOutput
+from radixkv.engine.scheduler import DoesNotFit
 from radixkv.engine.tokenizer import tokenizer_fingerprint
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
@@ -138,20 +143,22 @@ class Api:
         return n
 
     def _sampling(self, req: Any, ids: list[int], max_tokens: int | None, kind: str) -> Any:
-        limit = self.engine.scheduler.max_tokens()
+        limit = self.engine.scheduler.max_tokens()  # read-only: safe off the engine thread
         if max_tokens is None:  # the default, shortened to what fits
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS[kind], limit - len(ids)))
         if max_tokens < 1:
             raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-        if len(ids) + max_tokens > limit:
+        try:
+            self.engine.scheduler.check_fits(len(ids), max_tokens)
+        except DoesNotFit as e:
             raise ApiError(
                 400,
-                f"This model's maximum context length is {limit} tokens. However, you "
+                f"This model's maximum context length is {e.limit} tokens. However, you "
                 f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
                 f"{max_tokens} for the completion).",
-                "max_tokens" if len(ids) < limit else "prompt",
+                "max_tokens" if len(ids) < e.limit else "prompt",
                 "context_length_exceeded",
-            )
+            ) from None
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
             return SamplingParams(
@@ -258,8 +265,7 @@ class Api:
         runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]] = []
         try:
             for i in range(n):
-                seed = None if sampling.seed is None else sampling.seed + i
-                runs.append(await self.start(ids, replace(sampling, seed=seed), salt, arrival))
+                runs.append(await self.start(ids, choice_sampling(sampling, i), salt, arrival))
         except BaseException:
             for _, outputs in runs:
                 await outputs.aclose()  # type: ignore[attr-defined]
@@ -269,14 +275,7 @@ class Api:
     @staticmethod
     def usage(lasts: list[StepOutput]) -> dict[str, Any]:
         """The prompt counted once (the choices share it), every choice's completion."""
-        first = lasts[0]
-        done = sum(out.output_tokens for out in lasts)
-        return {
-            "prompt_tokens": first.prompt_tokens,
-            "completion_tokens": done,
-            "total_tokens": first.prompt_tokens + done,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
-        }
+        return usage(lasts)
 
     # --- logprobs in OpenAI's two shapes ----------------------------------------------------
     def _token(self, token: int) -> str:
@@ -353,39 +352,6 @@ async def _collect_or_abort(
     return list(task.result())
 
 
-async def _merged(
-    runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]],
-) -> AsyncIterator[tuple[int, StepOutput]]:
-    """The outputs of several choices as they come, tagged with the choice's index;
-    closing this closes (aborts) every choice still running."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, first: StepOutput, outputs: AsyncIterator[StepOutput]) -> None:
-        try:
-            out = first
-            await queue.put((i, out))
-            async with aclosing(outputs):
-                while not out.finished:
-                    out = await anext(outputs)
-                    await queue.put((i, out))
-        except Exception as e:  # handed to the consumer
-            await queue.put((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, f, o)) for i, (f, o) in enumerate(runs)]
-    try:
-        left = len(runs)
-        while left:
-            i, out = await queue.get()
-            if isinstance(out, Exception):
-                raise out
-            left -= out.finished
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def build_app(
     aeng: AsyncEngine, model_name: str, owns_engine: bool = True, access: Access | None = None
 ) -> FastAPI:
@@ -446,7 +412,7 @@ def build_app(
         async def events() -> AsyncIterator[str]:
             started: set[int] = set()
             lasts: dict[int, StepOutput] = {}
-            async with aclosing(_merged(runs)) as merged:
+            async with aclosing(merge_choices(runs)) as merged:
                 async for i, out in merged:
                     if i not in started or out.text or out.finished or out.logprobs:
                         yield _sse(chunk(i, out, i not in started))

@@ -7,17 +7,40 @@ are written to its ``out_slots`` first; its attention then gathers K/V for *all*
 context slots (a cached prefix computed by another request included), so prefill
 computes only the uncached suffix. Parameter names follow Hugging Face's
 ``LlamaForCausalLM``, so its state dicts load as they are.
+
+Owns: Llama's hyper-parameters, layers and forward pass. Must not touch: the KV pool's
+layout (it reads and writes by slot), the cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixkv.engine.models.base import (
+    ForwardBatch,
+    RMSNorm,
+    check_fields,
+    rope_theta,
+    rotate_half,
+)
 from radixkv.memory import KVPool
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+# config.json fields Llama has that radixkv runs only at these values
+FIXED = {
+    "hidden_act": ("silu",),
+    "attention_bias": (False,),
+    "mlp_bias": (False,),
+    "sliding_window": (None,),
+    "use_sliding_window": (False,),
+    "layer_types": (None,),
+}
 
 
 @dataclass
@@ -37,7 +60,6 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -47,52 +69,24 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        names = {f.name for f in fields(cls)} - {"extra"}
+        """A Hugging Face ``config.json`` of a Llama: every field honored, neutral, or
+        refused (`radixkv.engine.models.base.check_fields`).
+
+        Raises:
+            UnsupportedModel: a field Llama as radixkv runs it does not implement.
+        """
+        names = {f.name for f in fields(cls)}
+        check_fields(d, ARCHITECTURE, names | {"rope_parameters", "rope_scaling"}, FIXED)
         kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        kwargs["rope_theta"] = rope_theta(d, ARCHITECTURE, cls.rope_theta)
         eos = kwargs.get("eos_token_id")
         if isinstance(eos, list):
             kwargs["eos_token_id"] = eos[0]
-        return cls(**kwargs, extra={k: v for k, v in d.items() if k not in names})
+        return cls(**kwargs)
 
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
         return {**out, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-
-
-@dataclass
-class ForwardBatch:
-    """The new tokens of several sequences, end to end.
-
-    Attributes:
-        input_ids, positions, out_slots: one entry per new token (``[T]``).
-        extend_lens: new tokens per sequence.
-        kv_slots: per sequence, the slots of its whole context so far, new tokens
-            included (``len >= extend_len``).
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_slots: torch.Tensor
-    extend_lens: list[int]
-    kv_slots: list[torch.Tensor]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -118,8 +112,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.nh, self.hd)
         k = self.k_proj(x).view(t, self.nkv, self.hd)
         v = self.v_proj(x).view(t, self.nkv, self.hd)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         pool.write(self.layer_id, batch.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
         outs, start = [], 0
         group = self.nh // self.nkv
@@ -202,3 +196,6 @@ class LlamaForCausalLM(nn.Module):
             last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
             x = x[last]
         return self.lm_head(x).float()
+
+
+MODEL_CLASS = LlamaForCausalLM

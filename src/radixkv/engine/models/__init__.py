@@ -1,0 +1,68 @@
+"""Model families, one module each, chosen by ``config.json``'s ``architectures`` through
+one registry.
+
+    llama.py   LlamaForCausalLM (Llama 2/3, SmolLM2, TinyLlama, ...)
+    base.py    the ragged batch, shared layers, the strict config reader
+
+A family module has ``ARCHITECTURE`` (the name in ``config.json``), ``ModelConfig`` (its
+hyper-parameters; ``from_dict`` honors or refuses every field) and the model class.
+An architecture not here is refused at start with one line naming it: never loaded as
+another one.
+
+Owns: the registry. Must not touch: any family's layers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from radixkv.engine.models.base import ForwardBatch, UnsupportedModel
+
+FAMILIES = {
+    "LlamaForCausalLM": "radixkv.engine.models.llama",
+}
+# what a config without ``architectures`` (a bare PretrainedConfig) names by model_type
+MODEL_TYPES = {"llama": "LlamaForCausalLM"}
+
+
+def architecture_of(config: dict[str, Any]) -> str:
+    """The architecture a ``config.json`` names (``architectures[0]``, else by
+    ``model_type``).
+
+    Raises:
+        UnsupportedModel: it names none, or several.
+    """
+    archs = config.get("architectures")
+    if isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str):
+        return archs[0]
+    if archs:
+        raise UnsupportedModel(f"config.json names architectures {archs!r}: radixkv runs one")
+    kind = config.get("model_type")
+    if kind in MODEL_TYPES:
+        return MODEL_TYPES[kind]
+    raise UnsupportedModel(f"config.json names no architecture (model_type {kind!r})")
+
+
+def family(architecture: str) -> ModuleType:
+    """The module of a supported architecture.
+
+    Raises:
+        UnsupportedModel: radixkv does not run it (the message lists what it runs).
+    """
+    module = FAMILIES.get(architecture)
+    if module is None:
+        raise UnsupportedModel(
+            f"architecture {architecture} is not supported by radixkv (it runs: "
+            f"{', '.join(FAMILIES)})"
+        )
+    return importlib.import_module(module)
+
+
+def config_from_dict(config: dict[str, Any]) -> Any:
+    """The family's config for a ``config.json``, every field honored or refused."""
+    return family(architecture_of(config)).ModelConfig.from_dict(config)
+
+
+__all__ = ["FAMILIES", "ForwardBatch", "UnsupportedModel", "config_from_dict", "family"]

@@ -1,0 +1,119 @@
+"""What every model family shares: the ragged batch a forward pass takes, the layers every
+family uses, and the strict reading of ``config.json``.
+
+Owns: `ForwardBatch`, `RMSNorm`, `rotate_half`, and `check_fields`: a checkpoint's config
+field is either honored by the family, known to shape no forward pass (training knobs,
+bookkeeping), or refused with an error naming it (`UnsupportedModel`); no field is
+silently ignored. Must not touch: any one family's architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# config.json fields that change no computation of a forward pass: bookkeeping, training
+# knobs, generation defaults (the engine takes those from the request)
+NEUTRAL_FIELDS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype",
+    "dtype", "use_cache", "initializer_range", "attention_dropout", "pad_token_id",
+    "pretraining_tp",  # a tensor-parallel split of the same matmuls in Hugging Face's code
+    "output_attentions", "output_hidden_states", "return_dict", "tie_encoder_decoder",
+})  # fmt: skip
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint radixkv cannot run exactly: an unknown architecture, or a config
+    field its family does not implement. One line, naming it."""
+
+
+def check_fields(
+    config: Mapping[str, Any],
+    architecture: str,
+    honored: Iterable[str],
+    fixed: Mapping[str, tuple[Any, ...]] = {},
+) -> None:
+    """Refuse a config field the family neither honors nor knows to be neutral, and a
+    field in ``fixed`` set to a value other than the ones listed (what the family
+    implements: ``hidden_act`` ``silu``, no ``sliding_window``, ...).
+
+    Raises:
+        UnsupportedModel: naming the field and the architecture.
+    """
+    honored = set(honored)
+    for name, value in config.items():
+        if name in honored or name in NEUTRAL_FIELDS:
+            continue
+        if name in fixed:
+            if value not in fixed[name]:
+                raise UnsupportedModel(
+                    f"{architecture}: config.json sets {name}={value!r}, which radixkv does "
+                    f"not implement for this architecture"
+                )
+            continue
+        raise UnsupportedModel(
+            f"{architecture}: config.json field {name!r} is not implemented by radixkv for "
+            "this architecture"
+        )
+
+
+def rope_theta(config: Mapping[str, Any], architecture: str, default: float) -> float:
+    """The RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta`` /
+    ``rope_scaling`` (earlier); only plain RoPE (``rope_type`` default) is implemented.
+
+    Raises:
+        UnsupportedModel: another RoPE type (``llama3``, ``yarn``, ...) or parameter.
+    """
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling")
+    if scaling:
+        params.update(scaling)
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind != "default":
+        raise UnsupportedModel(f"{architecture}: config.json asks for rope_type {kind!r}; "
+                               "radixkv implements the default RoPE only")  # fmt: skip
+    theta = params.pop("rope_theta", config.get("rope_theta", default))
+    if params:
+        raise UnsupportedModel(f"{architecture}: config.json's RoPE parameters "
+                               f"{sorted(params)} are not implemented by radixkv")  # fmt: skip
+    return float(theta)
+
+
+@dataclass
+class ForwardBatch:
+    """The new tokens of several sequences, end to end.
+
+    Attributes:
+        input_ids, positions, out_slots: one entry per new token (``[T]``).
+        extend_lens: new tokens per sequence.
+        kv_slots: per sequence, the slots of its whole context so far, new tokens
+            included (``len >= extend_len``).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    extend_lens: list[int]
+    kv_slots: list[torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
