@@ -4,6 +4,9 @@
 ``from radixkv import RadixCache`` (or ``radixkv.RadixCache``) imports the tree, numpy
 and torch (about 2-3 s the first time), while the command line starts without them. The
 engine, the simulator, the server and plotting import from their own subpackages.
+
+Owns: the package's public names and their lazy loading. Must not touch: anything heavy
+at import.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ Cost: 256 tokens hash in ~2.4 µs, as 256 pages of 1 or 16 pages of 16 (a runnin
 ``u * W`` with each unit's key pre-scaled to its page, ``W = K_j * M^-(k+1)``), where a
 BLAKE2b call a page took ~150 µs for the 256; `chain_runs` hashes many runs, a step's
 inserts, in one such pass. ``python benchmarks/run.py`` times (a), (b) and (g) with events.
+
+Owns: the fast event hash chain. Must not touch: the tree (which keeps the hashes) or
+the events (which carry them).
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ chains over the pages and the namespace: with token ids, the fast vectorized cha
 `radixkv.blockhash` (the tokens are on the wire anyway; a collision could only misroute);
 hashes only, BLAKE2b-128 chains cut to vLLM's 64-bit integers (`radixkv.tree.page_hash`),
 which do not give the tokens away.
+
+Owns: the event classes, their wire and the publisher. Must not touch: the tree (it
+hears of pages through the sink protocol).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ pairs of raw tokens, so ``len(key) == max(0, raw_len - 1)``.
 The module also holds the byte-level helpers the tree walks with: tokens packed as
 native int64 bytes compare with one ``memcmp`` (``bytes.startswith(buf, offset)``),
 about ten times faster than comparing ``memoryview`` items one by one.
+
+Owns: keys and their validation. Must not touch: the tree.
 """
 
 from __future__ import annotations

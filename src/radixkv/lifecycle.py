@@ -26,6 +26,9 @@ The accounting identity, checked by `CacheManager.check_memory` after any step:
 where *private* counts slots held by running requests and not in the tree, and
 *reserved_tail* the unfilled rest of requests' partial pages (0 with page size 1), and
 every slot is owned exactly once (by the tree, by one request, or by the allocator).
+
+Owns: a request's slots, rows and locks from arrival to finish. Must not touch:
+scheduling (who runs), the model.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ Invariants of `TokenToKVPoolAllocator` (checked by ``check``):
     * ``available_size() + handed_out + reserved_tail_size() == size``, where the reserved
       tail is the not-yet-handed-out rest of pages that are partly handed out (the
       owner's ``alloc_extend`` fills it; zero with ``page_size == 1``).
+
+Owns: slots, KV tensors and request rows. Must not touch: the tree (`radixkv.lifecycle`
+joins the two).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ wall time, so the same sequence of operations always evicts in the same order.
 A node split in two keeps its statistics on both halves (the upper half was created and
 used exactly when the lower one was). `hit_count` counts every `match_prefix` and
 `insert` that passes through a node after it was created.
+
+Owns: the eviction orders. Must not touch: the tree's index (it only supplies sort
+keys).
 """
 
 from __future__ import annotations

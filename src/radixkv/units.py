@@ -1,4 +1,6 @@
-"""Small integer helpers shared by the layers (named, so page arithmetic reads as words)."""
+"""Small integer helpers shared by the layers (named, so page arithmetic reads as words).
+
+Owns: page arithmetic. Must not touch: anything else."""
 
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ token throughput, and the server's prefix-cache hit rate read from its ``/metric
 It is bounded: at most ``num_prompts`` requests, and ``time_limit`` seconds after which
 nothing new is sent and what is in flight is cancelled. It sends only to loopback
 addresses.
+
+Owns: the workloads, the client, the timings and the report. Must not touch: any
+server's internals; it sends HTTP to loopback only.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ hash of ``w`` maps to ``id``; an id is interned exactly while some worker holds 
 the index's memory follows what the fleet holds, not everything it was ever told (ids
 are never reused: a child interned under a forgotten parent id is unreachable and goes
 when its own holders do).
+
+Owns: the index and its memory bound. Must not touch: routing decisions
+(`radixkv.router.core`).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 route`` and the replica simulator (`radixkv.sim.replicas`).
 
 Workers are any hashable names, listed in a fixed order (ties go to the earlier one).
+
+Owns: the policies' arithmetic. Must not touch: state; each is a pure function of its
+arguments.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ A SUB socket receives ``(topic, seq, payload)``; when a sequence number skips ah
 the missed batches are asked for on the worker's replay socket (DEALER to its ROUTER,
 vLLM's protocol) and applied in order before the new one. A batch that cannot be
 recovered (the replay buffer no longer has it) is counted as lost.
+
+Owns: one worker's ordered stream. Must not touch: the index's contents (it hands
+batches to ``apply``).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ inter-token latency between streamed outputs, end-to-end latency to the last one
 Prefix-cache queries and hits mean what vLLM's ``prefix_cache_queries`` and
 ``prefix_cache_hits`` mean: prompt tokens looked up, and of them served from the cache
 (counted once per request, at its first admission).
+
+Owns: the server's Prometheus names. Must not touch: the engine (it reads counters at
+scrape time).
 """
 
 from __future__ import annotations

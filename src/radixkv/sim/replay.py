@@ -8,6 +8,9 @@ Policies: every policy of `radixkv.policy`, plus ``belady`` (offline optimal: ev
 unit whose next use lies farthest in the future). Because a unit id stands for its whole
 prefix, a child's next use is never earlier than its parent's, so the farthest unit is
 always at a leaf's tail and leaf-first eviction loses nothing.
+
+Owns: one replay's measurements. Must not touch: the cache's internals (it uses the
+public API).
 """
 
 from __future__ import annotations
