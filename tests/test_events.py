@@ -82,7 +82,7 @@ def test_events_replayed_into_an_index_reproduce_the_trees_pages(page, policy, s
     key = b"fleet events key"
     sink = EventCollector(key, tokens)
     cache = RadixCache(page, policy, event_sink=sink)
-    index = KvIndex()
+    index = KvIndex(page)
     slot = 0
     for op, arg, ns in seq:
         if op == "insert":
@@ -124,7 +124,7 @@ def test_two_workers_and_removal():
     assert index.overlap([1, 2, 3, 4]) == {}
     index.check()
     with pytest.raises(ValueError, match="block size"):
-        index.apply("c", KVEventBatch(0, [BlockStored([1], None, [1, 2, 3], 3)]))
+        index.validate("c", KVEventBatch(0, [BlockStored([1], None, [1, 2, 3], 3)]))
 
 
 def test_a_run_whose_parent_is_unknown_is_skipped_and_counted():
@@ -231,7 +231,7 @@ def wait_for(pred, timeout=10.0):
 def test_publisher_and_subscriber_with_replay_for_a_late_joiner():
     port = free_port_pair()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 100)
-    index = KvIndex()
+    index = KvIndex(2)
     sub = None
     try:
         sink = EventCollector()
@@ -259,7 +259,7 @@ def test_a_batch_that_does_not_encode_is_dropped_and_the_stream_goes_on(caplog):
     and takes no sequence number (subscribers see no gap)."""
     port = free_port_pair()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 100)
-    index = KvIndex()
+    index = KvIndex(2)
     sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
     try:
         time.sleep(0.3)  # the SUB connection settles
@@ -281,7 +281,7 @@ def test_a_batch_that_does_not_encode_is_dropped_and_the_stream_goes_on(caplog):
 def test_batches_beyond_the_replay_buffer_are_counted_lost():
     port = free_port_pair()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 2)
-    index = KvIndex()
+    index = KvIndex(1)
     sub = None
     try:
         for i in range(6):
@@ -310,7 +310,7 @@ def test_an_engine_publishes_what_its_cache_holds():
                     max_new_tokens=4, ignore_eos=True)  # fmt: skip
     engine.flush_cache()
     engine.generate([list(range(40, 60))], max_new_tokens=2, ignore_eos=True)
-    index = KvIndex()
+    index = KvIndex(4)
     for b in batches:
         index.apply("e", b)
     assert index_pages(index, "e") == tree_pages(engine.cache)
@@ -372,7 +372,7 @@ def test_the_index_shrinks_with_what_the_workers_hold():
     rng = random.Random(0)
     sink = EventCollector()
     cache = RadixCache(4, event_sink=sink)
-    index = KvIndex()
+    index = KvIndex(4)
     for i in range(3000):
         prompt = [i % 7] * 8 + [rng.randrange(50_000) for _ in range(20)]
         cache.insert(RadixKey(prompt), torch.arange(i * 28, i * 28 + 28))
@@ -391,7 +391,7 @@ def test_a_restarted_worker_is_noticed_even_when_its_first_batches_were_missed()
     port = free_port_pair()
     ends = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
     pub = ZmqEventPublisher(*ends, 100)
-    index = KvIndex()
+    index = KvIndex(1)
     sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
     try:
         time.sleep(0.3)

@@ -559,7 +559,7 @@ def test_a_slow_health_check_neither_takes_a_worker_out_nor_forgets_its_cache():
     from radixkv.router.fleet import Router as RouterState
 
     specs = [WorkerSpec.parse(u) for u in ("http://127.0.0.1:1", "http://127.0.0.1:2")]
-    router = RouterState(specs, "kv", load_tokenizer("random"))
+    router = RouterState(specs, "kv", load_tokenizer("random"), block_size=4)
     a, b = router.workers
     tokens = list(range(1, 33))
     router.apply(a.url, KVEventBatch(0, [BlockStored(list(range(8)), None, tokens, 4)]))

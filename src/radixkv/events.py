@@ -15,10 +15,14 @@ Publisher (`ZmqEventPublisher`): its own thread encodes each batch and a PUB soc
 sends it as three frames (topic, 8-byte big-endian sequence number, payload); a ROUTER
 socket answers a replay request (one frame: the first wanted sequence number, 8 bytes
 big-endian) with ``("", topic, seq, payload)`` for each buffered batch from there on, then
-``("", "", -1, "")``, as vLLM's publisher does. A replay sends at most the last
-``replay_batches`` batches, a peer's unread queue is capped there (ZeroMQ drops beyond),
-and at most ``REPLAYS_PER_S`` replays are served a second, so peers that ask and never
-read cannot grow the publisher's memory without bound.
+``("", "", -1, "")``, as vLLM's publisher does. Replays are bounded in bytes, so peers
+that ask and never read cannot grow the publisher's memory without bound: the buffer
+keeps at most ``buffer_steps`` batches and `REPLAY_BUFFER_BYTES`; one replay sends at
+most `REPLAY_MAX_BYTES` (from the batch asked for on; a peer asks again for the rest);
+a peer's unread queue holds at most one replay (ZeroMQ drops beyond); at most
+`REPLAYS_PER_S` replays are served a second, and at most `REPLAY_PEERS` distinct peers
+within `REPLAY_PEER_WINDOW_S` (others get no answer, counted in ``replays_dropped``).
+So what unread replays can hold is about `REPLAY_PEERS` x `REPLAY_MAX_BYTES` a window.
 
 Privacy (what a subscriber learns): a tenant's cache salt never goes out in clear. A
 namespace travels as `salt_tag`: a keyed BLAKE2b digest under the fleet's events key
@@ -58,6 +62,10 @@ BlockHash = int | bytes
 
 
 REPLAYS_PER_S = 8  # replay requests served a second, all peers together
+REPLAY_BUFFER_BYTES = 64 << 20  # what the replay buffer keeps, at most (oldest go first)
+REPLAY_MAX_BYTES = 16 << 20  # what one replay sends, at most
+REPLAY_PEERS = 8  # distinct peers served a replay within REPLAY_PEER_WINDOW_S, at most
+REPLAY_PEER_WINDOW_S = 60.0
 
 
 def salt_tag(namespace: Any, key: bytes | None = None) -> str:
@@ -305,6 +313,7 @@ class ZmqEventPublisher:
         self._topic = topic.encode()
         self._queue: queue.SimpleQueue[KVEventBatch | None] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer_bytes = 0
         self._seq = 0
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -318,7 +327,9 @@ class ZmqEventPublisher:
             self._replay.bind(replay_endpoint)
         self._clock = clock
         self._replays: deque[float] = deque()  # when recent replays were served
+        self._peers: dict[bytes, float] = {}  # peers served a replay, and when last
         self.replays_dropped = 0
+        self.replay_bytes = 0  # sent in replays, all peers together
         self._thread = threading.Thread(target=self._run, name="radixkv-events", daemon=True)
         self._thread.start()
 
@@ -354,11 +365,20 @@ class ZmqEventPublisher:
                 log.exception("dropping a KV event batch that does not encode")
                 continue
             seq, self._seq = self._seq, self._seq + 1
-            self._buffer.append((seq, payload))
+            self._keep(seq, payload)
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._pub.close()
         if self._replay is not None:
             self._replay.close()
+
+    def _keep(self, seq: int, payload: bytes) -> None:
+        """Buffer a batch for replay: at most ``buffer_steps`` and the byte bound."""
+        if len(self._buffer) == self._buffer.maxlen:
+            self._buffer_bytes -= len(self._buffer[0][1])
+        self._buffer.append((seq, payload))
+        self._buffer_bytes += len(payload)
+        while self._buffer_bytes > REPLAY_BUFFER_BYTES and len(self._buffer) > 1:
+            self._buffer_bytes -= len(self._buffer.popleft()[1])
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -370,14 +390,23 @@ class ZmqEventPublisher:
         now = self._clock()
         while self._replays and self._replays[0] < now - 1.0:
             self._replays.popleft()
-        if len(self._replays) >= REPLAYS_PER_S:  # the peer sees no answer and may ask again
-            self.replays_dropped += 1
+        for peer, when in list(self._peers.items()):
+            if when < now - REPLAY_PEER_WINDOW_S:
+                del self._peers[peer]
+        new_peer = client not in self._peers and len(self._peers) >= REPLAY_PEERS
+        if len(self._replays) >= REPLAYS_PER_S or new_peer or len(start) != 8:
+            self.replays_dropped += 1  # the peer sees no answer and may ask again
             return
         self._replays.append(now)
-        first = int.from_bytes(start, "big")
+        self._peers[client] = now
+        first, sent = int.from_bytes(start, "big"), 0
         for seq, payload in self._buffer:
             if seq >= first:
+                if sent and sent + len(payload) > REPLAY_MAX_BYTES:
+                    break  # the rest on the peer's next request
                 self._replay.send_multipart(
                     (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
                 )
+                sent += len(payload)
+        self.replay_bytes += sent
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -16,6 +16,7 @@ from radixkv.cli.common import (
     add_key_flags,
     flag_error,
     number,
+    positive_int,
     require_serve_extra,
 )
 from radixkv.router.policies import KV_OVERLAP_WEIGHT
@@ -48,6 +49,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="weight on prefill blocks in the kv cost (Dynamo's overlap_score_weight; "
         f"Dynamo's default is 1) [{KV_OVERLAP_WEIGHT:g}]",
     )  # fmt: skip
+    r.add_argument("--block-size", type=positive_int, default=None,
+                   help="the workers' KV page size, for workers whose /v1/models does not "
+                   "say it (vLLM) [the workers' cards]")  # fmt: skip
     r.add_argument("--health-interval", type=number(float, 0.05, "seconds >= 0.05"), default=1.0)
     r.add_argument("--kv-events-key", default=os.environ.get("RADIXKV_EVENTS_KEY"),
                    help="the workers' --kv-events-key [$RADIXKV_EVENTS_KEY]")  # fmt: skip
@@ -61,6 +65,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     require_serve_extra()
     from radixkv.engine.tokenizer import load_tokenizer
+    from radixkv.router.fleet import radixkv_info, read_card
     from radixkv.router.proxy import Router, WorkerSpec, build_router_app, check_workers
     from radixkv.web.serving import uvicorn_server
 
@@ -84,12 +89,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise flag_error(e) from None
     key = args.kv_events_key.encode() if args.kv_events_key else None
-    router = Router(
-        specs, args.policy, tokenizer, args.kv_weight, key, worker_key=args.worker_api_key
-    )
-    problems = check_workers(specs, tokenizer, headers=router.worker_headers)
+    headers = {"authorization": f"Bearer {args.worker_api_key}"} if args.worker_api_key else {}
+    cards = {s.url: read_card(s, headers=headers) for s in specs}
+    problems = check_workers(specs, tokenizer, headers=headers, cards=cards)
+    sizes = {radixkv_info(c).get("page_size") for c in cards.values()} - {None}
+    if args.block_size is not None and sizes and sizes != {args.block_size}:
+        problems.append(f"--block-size {args.block_size}: the workers' page size is {sizes}")
     if problems:
         raise CliError("; ".join(problems))
+    if args.block_size is None and not sizes and any(s.events for s in specs):
+        raise CliError("--block-size: no worker's card says its page size (vLLM workers): "
+                       "give the workers' block size")  # fmt: skip
+    router = Router(specs, args.policy, tokenizer, args.kv_weight, key,
+                    worker_key=args.worker_api_key, cards=cards,
+                    block_size=args.block_size)  # fmt: skip
     app = build_router_app(router, args.health_interval, access)
     print(
         f"radixkv route: {args.policy} over {len(specs)} workers on "

@@ -61,6 +61,7 @@ class WorkerLoad:
 
     name: Hashable
     alive: bool = True
+    stale: bool = False  # its event stream keeps failing: its index entries are not trusted
     in_flight: int = 0
     active_blocks: int = 0
     queued_blocks: int = 0  # prefill blocks of requests sent here, not answered yet
@@ -167,9 +168,18 @@ class RoutingCore:
             self.index.remove_worker(name)
 
     def apply(self, name: Hashable, batch: KVEventBatch) -> None:
-        """One batch of the worker's KV events, into the index."""
+        """One batch of the worker's KV events, into the index: checked whole first
+        (`KvIndex.validate` raises `BadBatch` and nothing changes), then applied a
+        slice at a time, so a large batch never holds the lock a choice waits for long.
+
+        Raises:
+            BadBatch: the batch is refused (the caller counts it).
+        """
         with self.lock:
-            self.index.apply(name, batch)
+            self.index.validate(name, batch)
+        for event in self.index.slices(batch):
+            with self.lock:
+                self.index.apply_event(name, event)
 
     @property
     def block_size(self) -> int:
@@ -187,7 +197,8 @@ class RoutingCore:
             by_name, shared = self.index.lookup(tokens, tag, salt)
             cached = {w: self.index.num_blocks(w.name) for w in alive}
         size = self.block_size
-        held = {w: by_name.get(w.name, 0) for w in alive}
+        held = {w: 0 if w.stale else by_name.get(w.name, 0) for w in alive}
+        cached = {w: 0 if w.stale else n for w, n in cached.items()}
         overlap, claim, now = held, None, self.clock()
         key = RadixKey(tokens, salt)
         if self.policy == "kv":

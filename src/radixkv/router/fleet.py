@@ -10,6 +10,7 @@ counters. Must not touch: how a worker is chosen (the core's), HTTP (the proxy's
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -76,29 +77,46 @@ class Worker:
         return self.load.in_flight
 
 
+def read_card(spec: WorkerSpec, timeout: float = 5.0, headers: dict | None = None) -> dict | None:
+    """The worker's model card (its ``/v1/models``' first entry), or ``None`` when it
+    does not answer or has none (a warning says so)."""
+    try:
+        r = httpx.get(f"{spec.url}/v1/models", timeout=timeout, headers=headers)
+        card = r.json()["data"][0]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        log.warning("worker %s: cannot read /v1/models (%s); not checked", spec.url, e)
+        return None
+    return card if isinstance(card, dict) else None
+
+
+def radixkv_info(card: dict | None) -> dict:
+    """What a radixkv worker's card says of it (``{}`` for other servers)."""
+    info = card.get("radixkv") if isinstance(card, dict) else None
+    return info if isinstance(info, dict) else {}
+
+
 def check_workers(
     specs: list[WorkerSpec],
     tokenizer: Tokenizer,
     timeout: float = 5.0,
     headers: dict[str, str] | None = None,
+    cards: dict[str, dict | None] | None = None,
 ) -> list[str]:
     """What makes a worker unfit to route to, read from its ``/v1/models``: a tokenizer
     other than the router's (every overlap would be computed on other token ids, and be
     0), a page size other than the other workers', or another model (weights, config,
     dtype: the same prompt would not mean the same KV, so routing by cached prefix would
     mix models). Workers that do not answer, or do not say (a vLLM), are passed over
-    with a warning; the index still checks their events' block size."""
+    with a warning. ``cards``: the cards read already (by URL)."""
     mine = tokenizer_fingerprint(tokenizer)
     problems, pages, models = [], {}, {}
     for spec in specs:
-        try:
-            r = httpx.get(f"{spec.url}/v1/models", timeout=timeout, headers=headers)
-            card = r.json()["data"][0]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-            log.warning("worker %s: cannot read /v1/models (%s); not checked", spec.url, e)
+        card = cards[spec.url] if cards is not None and spec.url in cards else read_card(
+            spec, timeout, headers)  # fmt: skip
+        info = radixkv_info(card)
+        if card is None:
             continue
-        info = card.get("radixkv") if isinstance(card, dict) else None
-        if not isinstance(info, dict):
+        if not info:
             log.warning("worker %s does not describe its tokenizer; not checked", spec.url)
             continue
         if info.get("tokenizer") != mine:
@@ -116,6 +134,44 @@ def check_workers(
     return problems
 
 
+def _prompt_chars(path: str, body: dict) -> int:
+    """Characters of text the prompt holds (best effort: 0 for what is not text)."""
+    try:
+        if path.endswith("chat/completions"):
+            total = 0
+            for m in body["messages"]:
+                c = m["content"]
+                total += len(c) if isinstance(c, str) else sum(len(p.get("text", "")) for p in c)
+            return total
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            return len(prompt)
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            return sum(map(len, prompt))
+    except (KeyError, TypeError, AttributeError):
+        pass
+    return 0
+
+
+class _EventFailures:
+    """``radixkv_router:event_messages_failed_total`` by worker and kind, read from the
+    subscribers at scrape time."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        m = CounterMetricFamily("radixkv_router:event_messages_failed", "Event messages a "
+                                "worker's stream sent that were skipped (malformed, refused "
+                                "by the index)", labels=["worker", "kind"])  # fmt: skip
+        for url, sub in list(self.router.subscribers.items()):
+            for kind, n in list(sub.failures.items()):
+                m.add_metric([url, kind], n)
+        yield m
+
+
 class Router:
     """The fleet around a routing core (see the module docstring).
 
@@ -126,6 +182,10 @@ class Router:
         events_key: the workers' key for namespace tags.
         worker_key: the workers' API key, which the router sends them (never a
             client's key).
+        cards: the workers' model cards by URL (`read_card`): their page size is the
+            index's block size, their pool its bound on what each may claim to hold,
+            their context the longest prompt the router tokenizes.
+        block_size: the fleet's block size when no card says it (vLLM workers).
     """
 
     def __init__(
@@ -136,10 +196,17 @@ class Router:
         kv_weight: float = policies.KV_OVERLAP_WEIGHT,
         events_key: bytes | None = None,
         worker_key: str | None = None,
+        cards: dict[str, dict | None] | None = None,
+        block_size: int | None = None,
     ) -> None:
         if not specs:
             raise ValueError("give at least one worker")
         self.core = RoutingCore(policy, kv_weight, events_key)
+        self.cards: dict[str, dict | None] = dict(cards or {})
+        sizes = {radixkv_info(c).get("page_size") for c in self.cards.values()} - {None}
+        if block_size is None and len(sizes) == 1:
+            block_size = sizes.pop()
+        self.core.index.block_size = block_size
         self.policy, self.tokenizer = policy, tokenizer
         self.worker_headers = {"authorization": f"Bearer {worker_key}"} if worker_key else {}
         self.workers: list[Worker] = []
@@ -179,6 +246,10 @@ class Router:
         self.m_cut = Counter("radixkv_router:streams_cut", "Answers a worker broke off "
                              "after the first byte (the client got an error event)",
                              ["worker"], registry=r)  # fmt: skip
+        self.m_stale = Gauge("radixkv_router:worker_events_stale", "1 while the worker's "
+                             "event stream keeps failing (its index entries are not "
+                             "trusted)", ["worker"], registry=r)  # fmt: skip
+        r.register(_EventFailures(self))
 
     @property
     def index(self) -> Any:
@@ -195,11 +266,25 @@ class Router:
 
         if self._events_on and w.spec.events:
             self.subscribers[w.url] = EventSubscriber(
-                w.url, w.spec.events, w.spec.replay, self.apply
+                w.url, w.spec.events, w.spec.replay, self.apply, self.set_stale
             )
 
     def apply(self, worker: Hashable, batch: KVEventBatch) -> None:
+        """A worker's batch into the index (refused whole, raising, if it fails a check)."""
         self.core.apply(worker, batch)
+
+    def set_stale(self, worker: Hashable, stale: bool) -> None:
+        load = self.core.workers.get(worker)
+        if load is not None:
+            load.stale = stale
+            self.m_stale.labels(worker).set(int(stale))
+
+    def max_context(self) -> int | None:
+        """The longest prompt + output any worker takes, by their cards (``None``: no
+        card says)."""
+        lens = [c.get("max_model_len") for c in self.cards.values() if isinstance(c, dict)]
+        lens = [n for n in lens if isinstance(n, int) and n > 0]
+        return max(lens) if lens else None
 
     def stop_events(self) -> None:
         self._events_on = False
@@ -214,7 +299,7 @@ class Router:
                 return w
         return None
 
-    def add_worker(self, spec: WorkerSpec, quiet: bool = False) -> Worker:
+    def add_worker(self, spec: WorkerSpec, quiet: bool = False, card: dict | None = None) -> Worker:
         """Route to ``spec`` from now on (following its events, if it has any).
 
         Raises:
@@ -223,7 +308,12 @@ class Router:
         ident = spec.url.split("://", 1)[1]
         if self.find(spec.url) is not None or self.find(ident) is not None:
             raise ValueError(f"the router already has the worker {spec.url}")
+        if card is not None:
+            self.cards[spec.url] = card
         w = Worker(spec, self.core.add(spec.url))
+        blocks = radixkv_info(self.cards.get(spec.url)).get("kv_blocks")
+        if isinstance(blocks, int) and blocks > 0:  # a worker never holds more than its pool
+            self.core.index.max_blocks[spec.url] = blocks
         self.workers.append(w)
         self.m_alive.labels(w.url).set(1)
         self._subscribe(w)
@@ -243,6 +333,34 @@ class Router:
         log.warning("worker %s removed", w.url)
 
     # --- choosing -----------------------------------------------------------------------
+    def parse(self, path: str, raw: bytes) -> tuple[dict, list[int]] | Any:
+        """The body and its prompt's token ids, or the error to answer (a JSON response):
+        not JSON, not an object, or a prompt longer than any worker's context could hold
+        (refused before tokenizing, as a server refuses it: a token covers at most the
+        tokenizer's longest vocabulary entry). Runs off the event loop."""
+        from fastapi.responses import JSONResponse
+
+        def refuse(message: str, code: str | None = None, param: str | None = None) -> Any:
+            body = {"error": {"message": message, "type": "invalid_request_error",
+                              "param": param, "code": code}}  # fmt: skip
+            return JSONResponse(body, status_code=400)
+
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            return refuse("the body is nested too deeply")
+        except ValueError as e:
+            return refuse(f"the body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            return refuse("the body must be a JSON object")
+        limit, per_token = self.max_context(), getattr(self.tokenizer, "max_token_chars", 0)
+        chars = _prompt_chars(path, body)
+        if limit and per_token and chars > limit * per_token:
+            param = "messages" if path.endswith("chat/completions") else "prompt"
+            message = f"This model's maximum context length is {limit} tokens; the prompt has "
+            return refuse(f"{message}over {limit} tokens.", "context_length_exceeded", param)
+        return body, self.tokens(path, body)
+
     def tokens(self, path: str, body: dict) -> list[int]:
         """The prompt's token ids as the workers will see them (best effort: [] when
         the body is not a prompt the tokenizer understands; the worker will say why)."""

@@ -15,6 +15,13 @@ alike.
 ``overlap(token_ids)`` walks the request's whole pages from the root and returns, per
 worker, how many leading pages it holds: O(pages + workers matched).
 
+Trust: a batch is checked whole before any of it is applied (`KvIndex.validate`): the
+block size must be the worker's (the fleet's, from the workers' ``/v1/models`` cards,
+never set by an event), token ids must fit the blocks, hashes and namespaces must be
+plain values, a batch may carry at most `MAX_BATCH_BLOCKS` blocks, and a worker may hold
+at most what its card says its pool holds (``max_blocks``). A batch that fails raises
+`BadBatch` naming the kind, and changes nothing.
+
 Invariants (checked by ``check``): ``holders[id]`` contains worker ``w`` iff some block
 hash of ``w`` maps to ``id``; an id is interned exactly while some worker holds it, so
 the index's memory follows what the fleet holds, not everything it was ever told (ids
@@ -34,17 +41,31 @@ from typing import Any
 from radixkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 SHARED_FANOUT = 4  # continuations that make a page the end of a shared prefix
+MAX_BATCH_BLOCKS = 1 << 16  # blocks one batch may store or remove (a step stores far fewer)
+DEFAULT_MAX_BLOCKS = 1 << 22  # blocks a worker whose card does not say may hold
+_PLAIN = (int, str, bytes)  # what a block hash or a namespace tag may be
+
+
+class BadBatch(ValueError):
+    """A batch the index refuses, whole; ``kind`` names why (for counting)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class KvIndex:
     """A global prefix index over workers' KV events.
 
     Args:
-        block_size: tokens per page; every worker's events must use it.
+        block_size: tokens per page, the fleet's (its workers' cards say it); a worker's
+            events in another size are refused. ``None``: every batch is refused until
+            it is set.
     """
 
     def __init__(self, block_size: int | None = None) -> None:
         self.block_size = block_size
+        self.max_blocks: dict[Hashable, int] = {}  # per worker (its card's pool)
         self._ids: dict[tuple[int, Any, tuple[int, ...]], int] = {}
         self._keys: dict[int, Any] = {}  # id -> its key in _ids
         self._next_id = 1
@@ -56,33 +77,88 @@ class KvIndex:
         self.hash_keyed = False  # some worker publishes hashes only
 
     # --- events -------------------------------------------------------------------------
+    def validate(self, worker: Hashable, batch: KVEventBatch) -> None:
+        """Check a whole batch before any of it is applied.
+
+        Raises:
+            BadBatch: naming the kind (``block_size``, ``token_count``, ``not_plain``,
+                ``too_many_blocks``, ``over_capacity``, ``not_an_event``).
+        """
+        size = self.block_size
+        if size is None:
+            raise BadBatch("block_size", "the fleet's block size is not known yet")
+        stored = removed = 0
+        for e in batch.events:
+            if isinstance(e, BlockStored):
+                if e.block_size != size:
+                    raise BadBatch("block_size", f"block size {e.block_size}, the fleet's {size}")
+                if e.token_ids and len(e.token_ids) != size * len(e.block_hashes):
+                    raise BadBatch("token_count", f"{len(e.token_ids)} token ids for "
+                                   f"{len(e.block_hashes)} blocks of {size}")  # fmt: skip
+                if e.parent_block_hash is not None and not isinstance(e.parent_block_hash, _PLAIN):
+                    raise BadBatch("not_plain", "a parent block hash that is not a value")
+                if e.extra_keys is not None and not all(
+                    k is None or all(isinstance(x, _PLAIN) for x in k) for k in e.extra_keys
+                ):
+                    raise BadBatch("not_plain", "extra_keys that are not plain values")
+                stored += len(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                removed += len(e.block_hashes)
+            elif not isinstance(e, AllBlocksCleared):
+                raise BadBatch("not_an_event", f"not a KV event: {type(e).__name__}")
+            hashes = getattr(e, "block_hashes", ())
+            if not all(isinstance(h, _PLAIN) for h in hashes):
+                raise BadBatch("not_plain", "block hashes that are not values")
+        if stored + removed > MAX_BATCH_BLOCKS:
+            raise BadBatch("too_many_blocks", f"{stored + removed} blocks in one batch (at "
+                           f"most {MAX_BATCH_BLOCKS})")  # fmt: skip
+        limit = self.max_blocks.get(worker, DEFAULT_MAX_BLOCKS)
+        if self.num_blocks(worker) + stored > limit + removed:
+            raise BadBatch("over_capacity", f"the worker would hold over {limit} blocks, more "
+                           "than its pool holds")  # fmt: skip
+
     def apply(self, worker: Hashable, batch: KVEventBatch) -> None:
-        """Apply one batch of ``worker``'s events, in order."""
+        """Apply one batch of ``worker``'s events, in order (`validate` it first)."""
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                self._stored(worker, event)
-            elif isinstance(event, BlockRemoved):
-                self._removed(worker, event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                self.remove_worker(worker)
-                self._blocks[worker] = {}
+            self.apply_event(worker, event)
+
+    @staticmethod
+    def slices(batch: KVEventBatch, blocks: int = 1024) -> list[Any]:
+        """The batch's events cut into runs of at most ``blocks`` blocks, which applied
+        in order do what the batch does: a caller can release its lock between them."""
+        out: list[Any] = []
+        for e in batch.events:
+            if isinstance(e, BlockStored) and len(e.block_hashes) > blocks:
+                size, parent = e.block_size, e.parent_block_hash
+                for a in range(0, len(e.block_hashes), blocks):
+                    b = a + blocks
+                    tokens = e.token_ids[a * size : b * size] if e.token_ids else []
+                    extra = e.extra_keys[a:b] if e.extra_keys is not None else None
+                    out.append(BlockStored(e.block_hashes[a:b], parent, tokens, size,
+                                           extra_keys=extra))  # fmt: skip
+                    parent = e.block_hashes[b - 1] if b <= len(e.block_hashes) else None
+            elif isinstance(e, BlockRemoved) and len(e.block_hashes) > blocks:
+                out += [BlockRemoved(e.block_hashes[a : a + blocks])
+                        for a in range(0, len(e.block_hashes), blocks)]  # fmt: skip
+            else:
+                out.append(e)
+        return out
+
+    def apply_event(self, worker: Hashable, event: Any) -> None:
+        """One event of a validated batch (a caller may release its lock between)."""
+        if isinstance(event, BlockStored):
+            self._stored(worker, event)
+        elif isinstance(event, BlockRemoved):
+            self._removed(worker, event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self.remove_worker(worker)
+            self._blocks[worker] = {}
 
     def _stored(self, worker: Hashable, e: BlockStored) -> None:
         size = e.block_size
-        if self.block_size is None:
-            self.block_size = size
-        elif size != self.block_size:
-            raise ValueError(
-                f"worker {worker!r} uses block size {size}, the index {self.block_size}"
-            )
         if not e.token_ids and e.block_hashes:  # hashes only: keyed by the hash itself
             self._stored_hashes(worker, e)
             return
-        if len(e.token_ids) != size * len(e.block_hashes):
-            raise ValueError(
-                f"BlockStored: {len(e.token_ids)} token ids for {len(e.block_hashes)} "
-                f"blocks of {size}"
-            )
         blocks = self._blocks.setdefault(worker, {})
         parent = 0  # the root
         if e.parent_block_hash is not None:

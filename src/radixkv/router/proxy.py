@@ -29,10 +29,12 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 
 from radixkv.router.core import Ticket
-from radixkv.router.fleet import Router, Worker, WorkerSpec, check_workers
+from radixkv.router.fleet import Router, Worker, WorkerSpec, check_workers, read_card
 from radixkv.web.access import Access, AccessMiddleware
+from radixkv.web.errors import ApiError
 
 FORWARDED_HEADERS = ("content-type", "retry-after")
 ADMIN_PATHS = ("/workers",)  # changing the fleet: the router's --admin-key only
@@ -84,6 +86,11 @@ def build_router_app(
     app.add_middleware(AccessMiddleware, access=access or Access(admin_paths=ADMIN_PATHS))
     app.state.router = router
 
+    @app.exception_handler(ApiError)
+    async def _api_error(_r: Request, e: ApiError) -> JSONResponse:
+        # what the access rules raise while the body arrives (413 for a chunked body)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
     def error(status: int, message: str, code: str | None = None) -> JSONResponse:
         body = {"error": {"message": message, "type": "router_error", "param": None, "code": code}}
         return JSONResponse(body, status_code=status)
@@ -133,14 +140,17 @@ def build_router_app(
         """Choose a worker, send the body unchanged, relay the answer. A worker that
         fails before answering (no connection, a 5xx) passes the request to the next
         alive one. Every ticket is released once, on whichever path ends it."""
-        raw = await request.body()
         try:
-            body = json.loads(raw)
-        except ValueError as e:
-            return error(400, f"the body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            return error(400, "the body must be a JSON object")
-        tokens = router.tokens(path, body)
+            raw = await request.body()
+        except ClientDisconnect:
+            return error(400, "the client went away before its body arrived",
+                         "client_disconnected")  # fmt: skip
+        # parsing and tokenizing a large prompt take long: off the event loop, so
+        # /health and every other request keep their answers
+        parsed = await asyncio.to_thread(router.parse, path, raw)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        body, tokens = parsed
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         max_tokens = max_tokens if isinstance(max_tokens, int) else 16
@@ -235,13 +245,15 @@ def build_router_app(
         if router.find(spec.url) is not None:
             return error(409, f"the router already has the worker {spec.url}", "worker_exists")
         others = [w.spec for w in router.workers]
+        card = await asyncio.to_thread(read_card, spec, 5.0, router.worker_headers)
         problems = await asyncio.to_thread(
-            check_workers, [*others, spec], router.tokenizer, 5.0, router.worker_headers
-        )
+            check_workers, [*others, spec], router.tokenizer, 5.0, router.worker_headers,
+            {**router.cards, spec.url: card},
+        )  # fmt: skip
         if problems:
             return error(400, "; ".join(problems), "worker_mismatch")
         try:
-            w = router.add_worker(spec)
+            w = router.add_worker(spec, card=card)
         except ValueError as e:  # added meanwhile by another request
             return error(409, str(e), "worker_exists")
         return JSONResponse(describe(w), status_code=201)
@@ -267,6 +279,7 @@ def build_router_app(
                     "alive": w.alive,
                     "in_flight": w.in_flight,
                     "queued_blocks": w.load.queued_blocks,
+                    "events_stale": w.load.stale,
                     "indexed_blocks": router.index.num_blocks(w.url),
                 }
                 for w in router.workers

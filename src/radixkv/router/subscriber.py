@@ -5,8 +5,19 @@ the missed batches are asked for on the worker's replay socket (DEALER to its RO
 vLLM's protocol) and applied in order before the new one. A batch that cannot be
 recovered (the replay buffer no longer has it) is counted as lost.
 
-Owns: one worker's ordered stream. Must not touch: the index's contents (it hands
-batches to ``apply``).
+Trust (the stream may come from a buggy worker, or anyone who can publish on its
+address): every message is decoded and applied inside one guard, so none can stop the
+thread. A message that fails (not three frames, a sequence number that is not 8 bytes,
+undecodable, nested too deeply, refused by the index: `radixkv.router.index.BadBatch`)
+is counted by kind (``failures``), logged once per kind, and skipped. A worker whose
+stream keeps failing (`STALE_AFTER` failures in a row) is marked stale: the router stops
+trusting its index entries (routing to it falls back to its load) and the subscriber
+starts it over, dropping what the index held of it and replaying from its buffer; the
+first good batch makes it fresh again. The socket refuses messages over
+`MAX_MESSAGE_BYTES` (ZeroMQ drops the connection that sends one).
+
+Owns: one worker's stream: order, gaps, restarts, failures. Must not touch: the index's
+contents (it hands batches to ``apply``), routing.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -21,6 +33,9 @@ from radixkv.events import END_SEQ, AllBlocksCleared, KVEventBatch, decode_batch
 
 log = logging.getLogger("radixkv.router")
 REPLAY_TIMEOUT_MS = 1000
+MAX_MESSAGE_BYTES = 64 << 20  # a step of 64 long prompts publishes a few MB
+STALE_AFTER = 8  # failed messages in a row that make a worker's entries untrusted
+SEQ_BYTES = 8
 
 
 class EventSubscriber:
@@ -31,7 +46,9 @@ class EventSubscriber:
         endpoint: its PUB address (``tcp://127.0.0.1:5557``).
         replay_endpoint: its ROUTER replay address, or ``None``.
         apply: called with (worker, batch) for every batch, in sequence order; the
-            caller serialises it with whatever else touches the index.
+            caller serialises it with whatever else touches the index, and may raise
+            to refuse a batch (it is then counted, as an undecodable one is).
+        on_stale: called with (worker, stale) when the stream turns untrusted or good.
     """
 
     def __init__(
@@ -40,29 +57,39 @@ class EventSubscriber:
         endpoint: str,
         replay_endpoint: str | None,
         apply: Callable[[Hashable, KVEventBatch], None],
+        on_stale: Callable[[Hashable, bool], None] | None = None,
     ) -> None:
         import zmq
 
         self.worker, self.endpoint, self.replay_endpoint = worker, endpoint, replay_endpoint
-        self._apply = apply
+        self._apply, self._on_stale = apply, on_stale
         self.last_seq = -1
         self.replayed = 0
         self.lost = 0
-        self.bad = 0
         self.restarts = 0  # times the worker's stream started over
+        self.failures: Counter[str] = Counter()  # failed messages, by kind
+        self.failed_in_a_row = 0
+        self.stale = False
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoint)
         self._replay = None
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.DEALER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             self._replay.connect(replay_endpoint)
         self._thread = threading.Thread(target=self._run, name=f"events-{worker}", daemon=True)
         self._thread.start()
+
+    @property
+    def bad(self) -> int:
+        """Messages that failed, all kinds together."""
+        return sum(self.failures.values())
 
     def close(self) -> None:
         self._stop.set()
@@ -70,46 +97,86 @@ class EventSubscriber:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self._sub.poll(50):
+            try:
+                if not self._sub.poll(50):
+                    continue
+                frames = self._sub.recv_multipart()
+            except Exception as e:  # the socket itself failed: log, and keep going
+                self._failed("socket", e)
+                time.sleep(0.05)
                 continue
-            frames = self._sub.recv_multipart()
-            if len(frames) != 3:
-                self.bad += 1
-                continue
-            _, seq_bytes, payload = frames
-            seq = int.from_bytes(seq_bytes, "big")
-            if seq <= self.last_seq:
-                # the live stream never repeats or goes back (replays stop short of the
-                # batch that asked for them): the worker restarted, even if its first
-                # batches were missed. Start over; the replay fills in from 0.
-                self._apply(self.worker, KVEventBatch(time.time(), [AllBlocksCleared()]))
-                self.last_seq = -1
-                self.restarts += 1
-            if seq > self.last_seq + 1:  # a gap, or joining late: replay from there
-                self._catch_up(seq)
-            self._deliver(seq, payload)
+            try:
+                self._message(frames)
+            except Exception as e:  # any message, however malformed, is skipped
+                self._failed(getattr(e, "kind", type(e).__name__), e)
         self._sub.close()
         if self._replay is not None:
             self._replay.close()
 
-    def _deliver(self, seq: int, payload: bytes) -> None:
+    def _message(self, frames: list[Any]) -> None:
+        if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+            raise _Bad("frames", f"{len(frames)} frames (sequence of {len(frames[1:2])} parts)")
+        _, seq_bytes, payload = frames
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        if seq < 0:
+            raise _Bad("frames", f"sequence number {seq}")
+        if seq <= self.last_seq:
+            # the live stream never repeats or goes back (replays stop short of the
+            # batch that asked for them): the worker restarted, even if its first
+            # batches were missed. Start over; the replay fills in from 0.
+            self._start_over()
+            self.restarts += 1
+        if seq > self.last_seq + 1:  # a gap, or joining late: replay from there
+            self._catch_up(seq)
+        self.last_seq = seq  # a batch that fails below is not asked for again
+        self._deliver(payload)
+
+    def _deliver(self, payload: bytes) -> None:
         try:
             batch = decode_batch(payload)
+        except RecursionError:
+            raise _Bad("nested", "a payload nested too deeply") from None
         except ValueError as e:
-            self.bad += 1
-            log.warning("worker %s: undecodable event batch %d: %s", self.worker, seq, e)
-        else:
-            self._apply(self.worker, batch)
-        self.last_seq = seq
+            raise _Bad("undecodable", str(e)) from None
+        self._apply(self.worker, batch)
+        self.failed_in_a_row = 0
+        if self.stale:
+            self.stale = False
+            log.warning("worker %s: its event stream is good again", self.worker)
+            if self._on_stale is not None:
+                self._on_stale(self.worker, False)
+
+    def _failed(self, kind: str, e: BaseException) -> None:
+        self.failures[kind] += 1
+        self.failed_in_a_row += 1
+        if self.failures[kind] == 1:  # once per kind: a flood must not flood the log
+            log.warning("worker %s: skipping an event message (%s: %s)", self.worker, kind,
+                        str(e)[:200])  # fmt: skip
+        if self.failed_in_a_row >= STALE_AFTER and not self.stale:
+            self.stale = True
+            log.warning("worker %s: %d event messages failed in a row; its index entries are "
+                        "not trusted until its stream is good again", self.worker,
+                        self.failed_in_a_row)  # fmt: skip
+            if self._on_stale is not None:
+                self._on_stale(self.worker, True)
+            self._start_over()
+
+    def _start_over(self) -> None:
+        """Drop what the index held of the worker; the next batch replays from 0."""
+        try:
+            self._apply(self.worker, KVEventBatch(time.time(), [AllBlocksCleared()]))
+        except Exception as e:  # the index refuses nothing of this: never seen
+            log.warning("worker %s: could not clear its entries: %s", self.worker, e)
+        self.last_seq = -1
 
     def _catch_up(self, upto: int) -> None:
         """Replay batches ``last_seq + 1 .. upto - 1``; what cannot be had is lost."""
         want = self.last_seq + 1
         if self._replay is not None:
-            self._replay.send_multipart((b"", want.to_bytes(8, "big")))
+            self._replay.send_multipart((b"", want.to_bytes(SEQ_BYTES, "big")))
             while self._replay.poll(REPLAY_TIMEOUT_MS):
                 frames: list[Any] = self._replay.recv_multipart()
-                if len(frames) != 4:
+                if len(frames) != 4 or len(frames[2]) != SEQ_BYTES:
                     continue
                 _, _, seq_bytes, payload = frames
                 if seq_bytes == END_SEQ:
@@ -117,10 +184,22 @@ class EventSubscriber:
                 seq = int.from_bytes(seq_bytes, "big")
                 if self.last_seq < seq < upto:
                     self.lost += seq - self.last_seq - 1
-                    self._deliver(seq, payload)
+                    self.last_seq = seq
+                    try:
+                        self._deliver(payload)
+                    except Exception as e:
+                        self._failed(getattr(e, "kind", type(e).__name__), e)
                     self.replayed += 1
         missing = upto - self.last_seq - 1
         if missing > 0:
             self.lost += missing
             log.warning("worker %s: %d event batches lost", self.worker, missing)
             self.last_seq = upto - 1
+
+
+class _Bad(ValueError):
+    """A message that is not an event batch of this stream; ``kind`` for counting."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind

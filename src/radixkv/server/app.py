@@ -514,6 +514,8 @@ def build_app(
             # what a router checks before it routes here (radixkv route)
             "radixkv": {
                 "page_size": engine.cache.page_size,
+                # the most pages its KV pool holds: a router never believes it holds more
+                "kv_blocks": engine.mgr.allocator.size // engine.cache.page_size,
                 "tokenizer": tokenizer_fingerprint(engine.tokenizer),
                 # weights, config, dtype, page size and tokenizer as 32 hex digits:
                 # workers with equal ones compute the same KV for the same tokens

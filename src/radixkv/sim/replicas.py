@@ -116,6 +116,7 @@ def simulate_replicas(
         router if router != "oracle" else "round_robin", kv_weight,
         approx_tokens=capacity_units or APPROX_TREE_TOKENS, clock=lambda: clock[0],
     )  # fmt: skip
+    core.index.block_size = 1  # the replicas' caches hold one unit a page
     reps = [_Replica(i, capacity_units, core) for i in range(replicas)]
     for r in reps:
         core.add(r.name)
