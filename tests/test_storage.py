@@ -153,18 +153,40 @@ def test_a_tls_redis_reads_and_writes_through_the_same_code(tmp_path):
         own.kill()
 
 
-def test_a_redis_error_reply_mid_read_is_a_soft_failure_and_the_next_read_works(shared_redis):
-    store = RedisStore(shared_redis, retry_s=0.0)
+def test_a_key_of_another_type_is_a_bad_page_not_a_store_failure(shared_redis):
+    """A key of another type under a page's name used to fail the whole read, marking
+    the store down for 5 s for every prompt; now it is that one page's miss (counted and
+    rewritten by the tier), the replies after it still land, and the store stays up."""
+    store = RedisStore(shared_redis)
     client = redis.Redis.from_url(shared_redis)
     keys = [b"page-a" * 4, b"a-list" * 4, b"page-b" * 4]
     store.set([keys[0], keys[2]], [b"x" * 1000, b"y" * 1000])
+    client.delete(keys[1])
     client.rpush(keys[1], b"not a string")  # GET answers WRONGTYPE
     bufs = [bytearray(1000) for _ in keys]
     got = store.get_into(keys, lambda i, n: [memoryview(bufs[i])] if n == 1000 else None)
-    assert got == [None, None, None] and store.stats.errors == 1
-    client.delete(keys[1])
+    assert got == [True, False, True] and bytes(bufs[2]) == b"y" * 1000
+    assert store.get(keys) == [b"x" * 1000, b"", b"y" * 1000]
+    assert store.stats.errors == 0 and store.exists_prefix(keys) == 3
+    assert store.set([keys[1]], [b"z" * 1000]) == 1  # SET replaces a key of any type
+    assert store.get([keys[1]]) == [b"z" * 1000]
+
+
+def test_an_error_reply_mid_read_is_a_soft_failure_and_the_next_read_works(shared_redis):
+    """Any other error reply (here: a script that raises, standing for a store that
+    refuses) fails the call softly and drops the connection, which is never reused."""
+    store = RedisStore(shared_redis, retry_s=0.0)
+    client = redis.Redis.from_url(shared_redis)
+    keys = [b"page-a" * 4, b"page-b" * 4]
+    store.set(keys, [b"x" * 1000, b"y" * 1000])
+    client.config_set("maxmemory", "1")  # a GET still works; a full store answers OOM
+    try:
+        assert store.set([b"new" * 8], [b"z" * 1000]) == 0 and store.stats.errors == 1
+    finally:
+        client.config_set("maxmemory", "0")
+    bufs = [bytearray(1000) for _ in keys]
     got = store.get_into(keys, lambda i, n: [memoryview(bufs[i])] if n == 1000 else None)
-    assert got == [True, None, True] and bytes(bufs[2]) == b"y" * 1000
+    assert got == [True, True] and bytes(bufs[1]) == b"y" * 1000
 
 
 def test_the_reply_reader_parses_what_redis_sends_and_refuses_what_it_would_not():
@@ -192,7 +214,9 @@ def test_the_reply_reader_parses_what_redis_sends_and_refuses_what_it_would_not(
     assert reader.bulk_into(lambda n: None) is None  # $-1
     assert reader.bulk_into(lambda n: None) is None  # RESP3 null
     assert reader.bulk_into(lambda n: None) is False  # a length nobody wants: skipped
-    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+    assert reader.bulk_into(lambda n: None) is False  # WRONGTYPE: not a page
+    theirs.sendall(b"-ERR something else\r\n")
+    with pytest.raises(redis.ResponseError, match="something else"):
         reader.bulk_into(lambda n: None)
     garbage = threading.Thread(target=theirs.sendall, args=(b"x" * 150_000,), daemon=True)
     garbage.start()  # no line end: not Redis
@@ -466,3 +490,103 @@ def test_a_redis_cluster_works_through_the_same_code(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+# --- the file store follows nothing it did not write -------------------------------------
+def _page_path(store: FileStore, key: bytes):
+    name = key.hex()
+    return store.root / name[-2:] / name
+
+
+def test_a_planted_folder_link_is_never_written_through_nor_read_back(tmp_path):
+    """A symlink planted under a page subfolder's name used to be followed: pages were
+    written into the folder it pointed at, and read back from there."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    store = FileStore(tmp_path / "pages")
+    key = bytes(range(24))
+    sub = _page_path(store, key).parent
+    sub.parent.mkdir(parents=True, exist_ok=True)
+    sub.symlink_to(outside, target_is_directory=True)
+    (outside / key.hex()).write_bytes(b"planted")
+    assert store.get([key]) == [None]  # not read through the link
+    assert store.set([key], [b"page"]) == 1
+    assert list(outside.iterdir()) == [outside / key.hex()]  # nothing written there
+    assert (outside / key.hex()).read_bytes() == b"planted"
+    assert not sub.is_symlink() and store.get([key]) == [b"page"]  # a real folder now
+
+
+def test_a_planted_page_link_fifo_or_device_is_a_bad_page_and_never_blocks(tmp_path):
+    """A link to /dev/zero grew a server by 3 GB in 8 s; a FIFO hung the engine."""
+    import os
+    import threading
+
+    store = FileStore(tmp_path / "pages")
+    keys = [bytes([i]) * 24 for i in range(3)]
+    store.set(keys, [b"x"] * 3)  # the subfolders exist
+    for k in keys:
+        _page_path(store, k).unlink()
+    _page_path(store, keys[0]).symlink_to("/dev/zero")
+    os.mkfifo(_page_path(store, keys[1]))
+    _page_path(store, keys[2]).symlink_to(tmp_path / "elsewhere")
+    got: list = []
+    t = threading.Thread(target=lambda: got.append((store.get(keys), store.exists_prefix(keys))))
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "a read blocked on a planted file"
+    values, present = got[0]
+    assert values == [b"", b"", b""] and present == 0  # not pages: refused, unread
+    assert store.get_into(keys, lambda i, n: [memoryview(bytearray(n))]) == [False] * 3
+    assert store.set(keys, [b"a", b"b", b"c"]) == 3  # written over, as pages
+    assert store.get(keys) == [b"a", b"b", b"c"] and store.stats.errors == 0
+
+
+def test_a_file_store_keeps_under_its_cap_by_recency(tmp_path):
+    """100 distinct 4,000-token prompts wrote 25,000 files with no bound."""
+    import os
+
+    store = FileStore(tmp_path / "pages", max_bytes=10_000)
+    keys = [i.to_bytes(24, "big") for i in range(40)]
+    for i, k in enumerate(keys):
+        store.set([k], [bytes(1000)])
+        if i == 0:
+            os.utime(_page_path(store, keys[0]), (0, 0))  # the oldest page...
+        store.get([keys[0]])  # ...read all along: kept over newer unread ones
+    held = sum(f.stat().st_size for f in (tmp_path / "pages").rglob("*") if f.is_file())
+    assert held <= 10_000 and store.held_bytes == held
+    assert store.stats.evicted_pages >= 30 and store.stats.evicted_bytes >= 30_000
+    assert store.get([keys[0]]) == [bytes(1000)] and store.get([keys[1]]) == [None]
+    assert store.get(keys[-3:]) == [bytes(1000)] * 3  # the newest stay
+    again = FileStore(tmp_path / "pages", max_bytes=10_000)  # another process: scans it
+    assert again.held_bytes == held
+
+
+def test_serve_refuses_a_size_cap_on_a_store_that_sizes_itself(capsys):
+    from radixkv.cli import main
+
+    argv = ["serve", "--model", "random", "--storage", "redis://127.0.0.1:6379/0",
+            "--storage-max-bytes", "1000", "--port", "0"]  # fmt: skip
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith("error: --storage-max-bytes: only a file://")
+
+
+def test_an_engine_rewrites_a_page_key_of_another_type_and_the_store_stays_up(shared_redis):
+    """A key of another type under a page's name: before, each read of that prefix
+    marked the whole store down for 5 s for every prompt, and the key was never
+    repaired. Now the page is a counted bad page, later pages of other prompts still
+    load at once, and the engine writes the page over it when it computes it."""
+    client = redis.Redis.from_url(shared_redis)
+    first = engine(shared_redis)
+    cold = run(first)
+    keys = sorted(k for k in client.scan_iter() if client.type(k) == b"string")
+    victim = keys[len(keys) // 2]
+    client.delete(victim)
+    client.rpush(victim, b"not a page")
+    second = engine(shared_redis)
+    assert run(second) == cold
+    st = second.tier
+    assert st.stats.corrupt >= 1 and st.errors == 0  # a bad page, not a failed store
+    assert st.hit_tokens > 0  # the other prompts' pages still came from the store
+    assert client.type(victim) == b"string"  # written over as a page
+    third = engine(shared_redis)
+    assert run(third) == cold and third.tier.stats.corrupt == 0

@@ -78,6 +78,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "the store can change what the engines compute",
     )
     serve.add_argument(
+        "--storage-max-bytes",
+        type=positive_int,
+        default=None,
+        help="with a file:// store: the most bytes its folder holds; the least recently "
+        "used pages are removed beyond [no cap]",
+    )
+    serve.add_argument(
         "--host-tokens",
         type=number(int, 0, "a non-negative integer"),
         default=0,
@@ -155,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
             max_context_len=args.max_context_len, eviction_policy=args.eviction_policy,
             check_memory=args.check_memory, storage=args.storage, host_tokens=args.host_tokens,
             write_policy=args.write_policy, storage_secret=args.storage_secret,
+            storage_max_bytes=args.storage_max_bytes,
         )  # fmt: skip
         access = Access.for_bind(
             args.host, api_key=args.api_key, admin_key=args.admin_key,

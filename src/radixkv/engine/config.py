@@ -37,6 +37,8 @@ class EngineConfig:
         host_tokens: KV tokens of a host-memory tier: pages the device evicts are copied
             there and loaded back when a prompt needs them.
         write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
+        storage_max_bytes: the most bytes a ``file://`` store's folder holds (the least
+            recently used pages go first); other stores are sized in themselves.
         storage_secret: a secret shared by the engines of one store: every page carries
             a MAC under it and a page whose MAC fails is a counted miss. ``None``:
             ``RADIXKV_STORAGE_SECRET`` from the environment, if set.
@@ -58,6 +60,7 @@ class EngineConfig:
     host_tokens: int = 0  # a host-memory tier below the device pool
     write_policy: str = "write_through"
     storage_secret: str | None = None
+    storage_max_bytes: int | None = None  # a file store's size cap (LRU by mtime)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -91,5 +94,10 @@ class EngineConfig:
             not isinstance(self.storage_secret, str) or not self.storage_secret
         ):
             raise ValueError("storage_secret must be a non-empty string")
+        if self.storage_max_bytes is not None:
+            as_count(self.storage_max_bytes, "storage_max_bytes")
+            if self.storage is None or not self.storage.startswith("file://"):
+                raise ValueError("storage_max_bytes: only a file:// store takes a size cap "
+                                 "(size Redis with its maxmemory)")  # fmt: skip
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")

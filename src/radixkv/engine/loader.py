@@ -123,7 +123,7 @@ def build_tiers(cfg: EngineConfig, memory: Memory, identity: bytes) -> Any:
     from radixkv.storage.tier import KVTiers
 
     secret = cfg.storage_secret or os.environ.get("RADIXKV_STORAGE_SECRET") or None
-    store = open_store(cfg.storage) if cfg.storage is not None else None
+    store = open_store(cfg.storage, cfg.storage_max_bytes) if cfg.storage is not None else None
     return KVTiers(
         memory.kv, memory.cache, identity, store, cfg.host_tokens // cfg.page_size,
         cfg.write_policy, secret.encode() if secret else None,

@@ -92,6 +92,10 @@ class EngineCollector(Collector):
                  "header check (treated as misses)", st.corrupt),
                 (CounterMetricFamily, "storage_unauthenticated_pages", "Values whose MAC "
                  "failed under --storage-secret (treated as misses)", st.unauthenticated),
+                (CounterMetricFamily, "storage_evicted_pages", "Pages a capped file store "
+                 "removed (--storage-max-bytes)", tier.store_stats("evicted_pages")),
+                (CounterMetricFamily, "storage_evicted_bytes", "Bytes a capped file store "
+                 "removed", tier.store_stats("evicted_bytes")),
             ]  # fmt: skip
         for family, name, doc, value in values:
             m = family(f"radixkv:{name}", doc, labels=labels)

@@ -29,9 +29,9 @@ Owns: the package's names and the write policies. Must not touch: the engine, th
 server, the router.
 """
 
+from radixkv.storage.files import FileStore
 from radixkv.storage.page import PageCodec
 from radixkv.storage.store import (
-    FileStore,
     MemoryStore,
     PageStore,
     RedisStore,

@@ -109,16 +109,21 @@ class _RespReader:
             n -= take
 
     def bulk_into(self, parts: Callable[[int], list[memoryview] | None]) -> bool | None:
-        """One GET reply: ``None`` for nil, else whether ``parts(length)`` took it.
+        """One GET reply: ``None`` for nil, else whether ``parts(length)`` took it; a key
+        of another type (``WRONGTYPE``) is ``False`` too: a value that is not a page,
+        which the caller counts and writes over, not a failure of the store.
 
         Raises:
-            redis.ResponseError: an error reply; ConnectionError: a reply of another kind.
+            redis.ResponseError: any other error reply; ConnectionError: a reply of
+                another kind.
         """
         line = self.line()
         kind = line[:1]
         if kind == b"_" or line == b"$-1":
             return None
         if kind == b"-":
+            if line.startswith(b"-WRONGTYPE"):
+                return False  # a complete reply: the stream stays whole
             import redis
 
             raise redis.ResponseError(line[1:].decode(errors="replace"))

@@ -9,13 +9,10 @@ RESP wire (`radixkv.storage.resp`).
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
@@ -37,6 +34,8 @@ class StoreStats:
     errors: int = 0  # calls that failed (store down, full, timed out)
     corrupt: int = 0  # values that failed the header check
     unauthenticated: int = 0  # values whose MAC failed (or that had none) under a secret
+    evicted_pages: int = 0  # removed to keep a capped store under its size
+    evicted_bytes: int = 0
 
 
 # Where `PageStore.get_into` puts a value of a given length: the buffers to fill, in
@@ -132,85 +131,6 @@ class _SoftStore:
         return out
 
 
-class FileStore(_SoftStore):
-    """One file per page under ``root`` (``root/ab/abcdef...``); writes go to a temporary
-    file and are renamed into place, so readers in other processes never see half a page,
-    and a write that fails (a full disk) removes its temporary file. A folder that cannot
-    be created or written (at start or later) is soft, as a down Redis is: a warning
-    naming the path, then misses until it works again.
-
-    Args:
-        root: the folder (created on first use, with its parents).
-        retry_s: after a failure, the store is skipped this long.
-    """
-
-    def __init__(self, root: str | Path, retry_s: float = 5.0) -> None:
-        super().__init__(f"file store {root}", retry_s)
-        self.root = Path(root)
-        self._ready = False
-        self._call("open", self._open, None)
-
-    def _open(self) -> None:
-        if not self._ready:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._ready = True
-
-    def _path(self, key: bytes) -> Path:
-        name = key.hex()
-        return self.root / name[-2:] / name
-
-    def exists_prefix(self, keys: list[bytes]) -> int:
-        def run() -> int:
-            self._open()
-            n = 0
-            while n < len(keys) and self._path(keys[n]).exists():
-                n += 1
-            return n
-
-        return self._call("exists", run, 0)
-
-    def get(self, keys: list[bytes]) -> list[bytes | None]:
-        def run() -> list[bytes | None]:
-            self._open()
-            out: list[bytes | None] = []
-            for k in keys:
-                try:
-                    out.append(self._path(k).read_bytes())
-                except FileNotFoundError:
-                    out.append(None)
-            return out
-
-        return self._call("get", run, [None] * len(keys))
-
-    def get_into(self, keys: list[bytes], parts: Parts) -> list[bool | None]:
-        return _get_into(self, keys, parts)
-
-    def set(self, keys: list[bytes], values: list[bytes]) -> int:
-        def run() -> int:
-            self._open()
-            done = 0
-            for k, v in zip(keys, values, strict=True):
-                path = self._path(k)
-                try:
-                    path.parent.mkdir(exist_ok=True)  # not the root: a vanished root fails
-                    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-                except OSError as e:
-                    self._fail("set", e)
-                    return done
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(v)
-                    os.replace(tmp, path)
-                except OSError as e:
-                    Path(tmp).unlink(missing_ok=True)  # a full disk stays no fuller
-                    self._fail("set", e)
-                    return done
-                done += 1
-            return done
-
-        return self._call("set", run, 0)
-
-
 class RedisStore(_SoftStore):
     """Pages in Redis (or Valkey), pipelined; ``rediss://`` for TLS.
 
@@ -267,7 +187,14 @@ class RedisStore(_SoftStore):
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
                 pipe.get(k)
-            return pipe.execute()
+            out: list[bytes | None] = []
+            for r in pipe.execute(raise_on_error=False):
+                if isinstance(r, Exception):
+                    if "WRONGTYPE" not in str(r):
+                        raise r
+                    r = b""  # a key of another type: not a page (the tier rewrites it)
+                out.append(r)
+            return out
 
         return self._call("get", run, [None] * len(keys))
 
@@ -339,20 +266,26 @@ class RedisStore(_SoftStore):
             pool.release(conn)
 
 
-def open_store(url: str, **kw: Any) -> PageStore:
-    """``memory://``, ``file:///DIR``, ``redis://HOST:PORT/DB`` or ``rediss://...``.
+def open_store(url: str, max_bytes: int | None = None, **kw: Any) -> PageStore:
+    """``memory://``, ``file:///DIR``, ``redis://HOST:PORT/DB`` or ``rediss://...``;
+    ``max_bytes`` caps a file store (`radixkv.storage.files`).
 
     Raises:
         ValueError: an unknown scheme.
     """
     scheme = urlparse(url).scheme
+    if max_bytes is not None and scheme != "file":
+        raise ValueError(f"storage_max_bytes: only a file:// store takes a size cap; size "
+                         f"{scheme}:// in the store itself (Redis: maxmemory)")  # fmt: skip
     if scheme == "memory":
         return MemoryStore()
     if scheme == "file":
+        from radixkv.storage.files import FileStore
+
         path = urlparse(url).path
         if not path:
             raise ValueError(f"storage {url!r}: a file store needs a folder, file:///DIR")
-        return FileStore(path)
+        return FileStore(path, max_bytes=max_bytes)
     if scheme in ("redis", "rediss", "unix"):
         return RedisStore(url, **kw)
     raise ValueError(f"storage {url!r}: expected memory://, file:///DIR, redis:// or rediss://")

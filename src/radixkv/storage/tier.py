@@ -147,6 +147,10 @@ class KVTiers:
         """Store calls that failed (down, full, timed out) and writes dropped."""
         return self.stats.errors + (self.store.stats.errors if self.store is not None else 0)
 
+    def store_stats(self, name: str) -> int:
+        """A counter of the store's own (0 without a store)."""
+        return getattr(self.store.stats, name, 0) if self.store is not None else 0
+
     @property
     def hit_tokens(self) -> int:
         """Prompt tokens served from below the device: host pool and store."""
