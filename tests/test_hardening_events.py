@@ -1,10 +1,11 @@
 """Hardening, round 3: the router against any event stream (a forged publisher is a real
 ZeroMQ socket the test owns, in front of a real router process), its HTTP edge, the
-publisher's replays. Each test failed on the code
+publisher's replays, and ``n`` choices against the queue. Each test failed on the code
 before the fix (the note of issue 29 says how)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -241,3 +242,32 @@ def test_a_chunked_body_over_the_limit_gets_413_from_the_router():
     finally:
         router.stop()
         worker.stop()
+
+
+def test_n_choices_count_against_the_queue_and_share_the_slots():
+    """n=128 choices were submitted one at a time, never waiting: they bypassed
+    --max-queue, and one request took 31 running slots for 65 s while others waited."""
+    with ServerProcess(*WORKER, "--max-queue", "4", "--max-running", "4") as srv:
+        body = {"model": "random", "prompt": "x", "n": 8, "max_tokens": 2}
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=60, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        first_choice_done: list[float] = []
+
+        def big() -> None:  # 4 long choices, streamed: when does the first one end?
+            body = {"model": "random", "prompt": "big shares nothing", "n": 4,
+                    "max_tokens": 300, "ignore_eos": True, "stream": True}  # fmt: skip
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if '"finish_reason":"' in line and not first_choice_done:
+                        first_choice_done.append(time.monotonic())
+
+        t = threading.Thread(target=big)
+        t.start()
+        time.sleep(0.5)  # the big request's choices are running
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=120, json={
+            "model": "random", "prompt": "small", "max_tokens": 2, "ignore_eos": True})  # fmt: skip
+        small_done = time.monotonic()
+        t.join()
+        assert r.status_code == 200
+        # a slot was left for it: it did not wait for one of the big request's choices
+        assert first_choice_done and small_done < first_choice_done[0]

@@ -131,6 +131,10 @@ def test_models_retrieve(server):
         ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"65": 101}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),
+        # a digit to str.isdigit, not to int(); and a key int() refuses: both were 500s
+        ({"prompt": "x", "logit_bias": {"²": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "extra": 1, "repetition_penalty": 0}, "repetition_penalty"),
     ],

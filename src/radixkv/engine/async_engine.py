@@ -155,24 +155,48 @@ class AsyncEngine:
             QueueFull: ``max_queue`` requests are waiting.
             EngineDead: the loop is not running.
         """
+        (outputs,) = await self.submit_choices(prompt, [sampling], extra_key, chat, [rid])
+        return outputs
+
+    async def submit_choices(
+        self,
+        prompt: Any,
+        samplings: list[SamplingParams | None],
+        extra_key: Any = None,
+        chat: bool = True,
+        rids: list[Any] | None = None,
+    ) -> list[AsyncIterator[StepOutput]]:
+        """Queue the ``n`` choices of one request (one sampling each), all or none: they
+        count as ``n`` against ``max_queue``, and run as one group (the scheduler gives
+        a group at most its share of the running slots). Returns each choice's outputs,
+        as `submit` does; a refusal arrives as the first item of every one."""
         loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
-        rid = uuid.uuid4().hex if rid is None else rid
+        streams: list[asyncio.Queue] = [asyncio.Queue() for _ in samplings]
+        rids = [uuid.uuid4().hex if r is None else r for r in (rids or [None] * len(samplings))]
+        group = rids[0] if len(samplings) > 1 else None
 
         def add(engine: Engine) -> None:
+            added: list[Any] = []
             try:
-                if engine.num_waiting() >= self.max_queue:
-                    raise QueueFull(f"{engine.num_waiting()} requests are waiting already")
-                engine.add_request(prompt, sampling, rid, extra_key, chat)
+                waiting = engine.num_waiting()
+                if waiting + len(samplings) > self.max_queue:
+                    raise QueueFull(f"{waiting} requests are waiting already")
+                for rid, sampling in zip(rids, samplings, strict=True):
+                    added.append(engine.add_request(prompt, sampling, rid, extra_key, chat, group))
             except Exception as e:
-                loop.call_soon_threadsafe(stream.put_nowait, e)
+                for rid in added:  # all or none: nobody hears of these
+                    engine.abort(rid)
+                for stream in streams:
+                    loop.call_soon_threadsafe(stream.put_nowait, e)
                 return
-            self._streams[rid] = (loop, stream)
+            for rid, stream in zip(rids, streams, strict=True):
+                self._streams[rid] = (loop, stream)
 
         fut = self._submit(add)
         if fut.done() and fut.exception() is not None:  # the loop is not running
-            stream.put_nowait(fut.exception())
-        return self._outputs(rid, stream)
+            for stream in streams:
+                stream.put_nowait(fut.exception())
+        return [self._outputs(rid, stream) for rid, stream in zip(rids, streams, strict=True)]
 
     async def _outputs(self, rid: Any, stream: asyncio.Queue) -> AsyncIterator[StepOutput]:
         finished = False

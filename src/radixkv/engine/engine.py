@@ -224,6 +224,7 @@ class Engine:
         rid: Any = None,
         extra_key: Any = None,
         chat: bool = True,
+        group: Any = None,
     ) -> Any:
         """Queue a request; returns its id (``rid``, or a fresh number).
 
@@ -232,6 +233,8 @@ class Engine:
             sampling: how it generates (`SamplingParams`).
             extra_key: its cache namespace (a tenant's salt): requests in different
                 namespaces never share cached tokens.
+            group: the request it is one of ``n`` choices of: the scheduler runs at most
+                half its slots for one group at a time (`radixkv.engine.scheduler`).
 
         Raises:
             ValueError: an empty prompt, bad token ids, a duplicate ``rid``, or a request
@@ -260,6 +263,7 @@ class Engine:
             sampling=sampling,
             generator=gen,
             order=order,
+            group=group,
             arrival=time.perf_counter(),
         )
         self.scheduler.add(req)  # raises for a request that can never fit

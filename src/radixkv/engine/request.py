@@ -108,6 +108,7 @@ class EngineReq(Req):
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
     order: int = 0
+    group: Any = None  # the request whose n choices this one is (None: on its own)
     arrival: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -52,6 +53,7 @@ from radixkv.server.protocol import (
 from radixkv.web.access import Access, AccessMiddleware
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # when the request names none
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id, as ASCII digits
 RETRY_AFTER_S = 1
 
 
@@ -101,6 +103,9 @@ class Api:
                            "unsupported_parameter")  # fmt: skip
         if not 1 <= req.n <= MAX_N:
             raise ApiError(400, f"n must be in [1, {MAX_N}], got {req.n}", "n")
+        if req.n > self.aeng.max_queue:  # its choices wait as n requests: they never fit
+            raise ApiError(400, f"n must be at most {self.aeng.max_queue} on this server "
+                           f"(--max-queue), got {req.n}", "n")  # fmt: skip
         if not 0 <= req.temperature <= 2:
             raise ApiError(400, f"temperature must be in [0, 2], got {req.temperature}",
                            "temperature")  # fmt: skip
@@ -119,7 +124,9 @@ class Api:
             raise ApiError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens",
                            "logit_bias")  # fmt: skip
         for token, bias in (req.logit_bias or {}).items():
-            if not (token.isdigit() and int(token) < vocab) or not -100 <= bias <= 100:
+            # ASCII digits only, and few of them: "²" is a digit to str.isdigit but not to
+            # int(), and int() of a 5,000-digit key raises (both used to answer 500)
+            if not (_TOKEN_ID.fullmatch(token) and int(token) < vocab) or not -100 <= bias <= 100:
                 raise ApiError(400, f"logit_bias maps token ids in [0, {vocab}) to biases in "
                                f"[-100, 100]; got {token!r}: {bias}", "logit_bias")  # fmt: skip
         if req.cache_salt is not None and not req.cache_salt:
@@ -216,15 +223,11 @@ class Api:
         return self._encode(messages, chat=True)
 
     # --- running ----------------------------------------------------------------------------
-    async def start(
-        self, ids: list[int], sampling: SamplingParams, salt: str | None, arrival: float
-    ) -> tuple[StepOutput, AsyncIterator[StepOutput]]:
-        """Submit the request and wait for its first output, so that a refusal becomes
-        an HTTP error before any response starts. Returns (first output, the rest)."""
-        submitted = await self.aeng.submit(ids, sampling, None, salt, chat=False)
-        outputs = self.timed(submitted, arrival)
+    async def first(self, outputs: AsyncIterator[StepOutput]) -> StepOutput:
+        """A request's first output: a refusal becomes an HTTP error here, before any
+        response starts."""
         try:
-            first = await anext(outputs)
+            return await anext(outputs)
         except QueueFull as e:
             raise ApiError(
                 503,
@@ -237,7 +240,6 @@ class Api:
             raise ApiError(503, str(e), code="engine_dead", kind="server_error") from None
         except ValueError as e:
             raise ApiError(400, str(e), "max_tokens") from None
-        return first, outputs
 
     async def timed(
         self, outputs: AsyncIterator[StepOutput], arrival: float
@@ -260,15 +262,21 @@ class Api:
     async def start_all(
         self, ids: list[int], sampling: SamplingParams, n: int, salt: str | None, arrival: float
     ) -> list[tuple[StepOutput, AsyncIterator[StepOutput]]]:
-        """`start` for each of ``n`` choices (choice ``i`` seeded ``seed + i``); they share
-        the prompt's KV through the cache. A refusal of any aborts those started."""
+        """Submit the ``n`` choices as one group (choice ``i`` seeded ``seed + i``; they
+        share the prompt's KV through the cache; they count as ``n`` against the queue,
+        and hold at most their share of the running slots) and wait for each one's first
+        output. A refusal of any aborts those started. Returns (first output, the rest)
+        per choice."""
+        samplings: list[SamplingParams | None] = [choice_sampling(sampling, i) for i in range(n)]
+        submitted = await self.aeng.submit_choices(ids, samplings, salt, chat=False)
+        outputs = [self.timed(o, arrival) for o in submitted]
         runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]] = []
         try:
-            for i in range(n):
-                runs.append(await self.start(ids, choice_sampling(sampling, i), salt, arrival))
+            for o in outputs:
+                runs.append((await self.first(o), o))
         except BaseException:
-            for _, outputs in runs:
-                await outputs.aclose()  # type: ignore[attr-defined]
+            for o in outputs:
+                await o.aclose()  # type: ignore[attr-defined]
             raise
         return runs
 
