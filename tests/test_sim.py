@@ -50,6 +50,7 @@ def test_unbounded_replay_equals_the_independent_ceiling(name):
         "shared-prefix": dict(groups=6, prompts_per_group=5, system_len=256),
         "multi-turn": dict(conversations=8, turns=4),
         "few-shot": dict(requests=60),
+        "chat": dict(conversations=8, turns=3),
     }[name]
     trace = GENERATORS[name](**small)
     for outputs in (False, True):

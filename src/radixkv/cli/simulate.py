@@ -26,9 +26,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     src = sim.add_mutually_exclusive_group()
     src.add_argument("--trace", help="a trace file (JSONL)")
-    src.add_argument("--workload", choices=["shared-prefix", "multi-turn", "few-shot"],
+    src.add_argument("--workload", choices=["chat", "few-shot", "multi-turn", "shared-prefix"],
                      help="a built-in generated workload (default: shared-prefix)")  # fmt: skip
-    sim.add_argument("--format", choices=["mooncake", "tokens"], default=None,
+    sim.add_argument("--format", choices=["mooncake", "marconi", "tokens"], default=None,
                      help="trace format (default: guessed from the first line)")  # fmt: skip
     sim.add_argument(
         "--capacity", default="64k,256k,1M,inf",
@@ -45,6 +45,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                      help="tokens per cache page for token traces and generated workloads "
                      "[16]; Mooncake traces fix it at 512")  # fmt: skip
     sim.add_argument("--model", help="bytes per token of a catalog model, for GiB capacities")
+    sim.add_argument("--model-spec", default=None,
+                     help="a hybrid model (full, sliding-window and recurrent layers): a "
+                     "preset (qwen3.5-4b, nemotron-h, gemma-3) or a JSON file; replays with "
+                     "the hybrid policies (radixkv, marconi, sglang, vllm); capacities in "
+                     "bytes")  # fmt: skip
     sim.add_argument("--tokenizer",
                      help="for token traces whose lines carry text: 'byte' (UTF-8 bytes), "
                      "'smollm2', or a gguf_tokenizer.json written by the engine's weight "
@@ -135,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--plot: give a file name (a PNG cannot go to stdout)")
     if args.warmup >= 1.0:
         raise CliError(f"--warmup: must be a fraction in [0, 1), got {args.warmup}")
+    if args.model_spec is not None:
+        return _hybrid(args)
     if args.model and args.bytes_per_token:
         raise CliError("--bytes-per-token: give it or --model, not both")
     bpt = args.bytes_per_token
@@ -232,5 +239,71 @@ def _replicas(args, trace, counts, caps, labels, outputs, console) -> int:  # ty
             replicas.plot_replicas(results, args.plot)
         except RuntimeError as e:
             raise CliError(f"--plot: {e}") from None
+        console.print(f"plot written to {args.plot}", markup=False)
+    return 0
+
+
+# flags the hybrid replay has no use for: refused rather than ignored
+_NOT_HYBRID = (("--model", "model"), ("--bytes-per-token", "bytes_per_token"),
+               ("--tiers", "tiers"), ("--replicas", "replicas"), ("--router", "router"),
+               ("--warmup", "warmup"), ("--csv", "csv_out"), ("--workers", "workers"))  # fmt: skip
+
+
+def _hybrid(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from radixkv.sim import hybrid, sweep, traces
+
+    for flag, dest in _NOT_HYBRID:
+        if getattr(args, dest, None):
+            raise CliError(f"{flag}: not with --model-spec (the hybrid replay has its own budget)")
+    if args.scope != "tree":
+        raise CliError("--scope: not with --model-spec")
+    try:
+        spec = hybrid.model_spec(args.model_spec)
+    except (ValueError, TypeError) as e:
+        raise CliError(f"--model-spec: {e}") from None
+    except OSError as e:
+        raise CliError(f"--model-spec {args.model_spec}: {e.strerror or e}") from None
+    policies = (args.policy or ",".join(hybrid.POLICIES)).split(",")
+    bad = [p for p in policies if p not in hybrid.POLICIES]
+    if bad:
+        raise CliError(f"--policy: unknown {bad[0]!r} with --model-spec; valid: "
+                       f"{', '.join(hybrid.POLICIES)}")  # fmt: skip
+    trace = _load_trace(args)
+    if trace.block_size == traces.MOONCAKE_BLOCK:  # hybrid caches work in pages
+        try:
+            trace = traces.split_blocks(trace, args.block_size or 16)
+        except ValueError as e:
+            raise flag_error(e) from None
+    if args.requests:
+        trace.requests = trace.requests[: args.requests]
+    per_token = spec.full_kv + spec.window_kv
+    caps = []
+    try:
+        for text in args.capacity.split(","):
+            units = sweep.parse_capacity(text, trace.block_size, per_token)
+            caps.append(hybrid.UNBOUNDED if units is None else units * trace.block_size * per_token)
+    except ValueError as e:
+        raise CliError(f"--capacity: {e}") from None
+    outputs = args.cache_outputs if args.cache_outputs is not None else not args.trace
+    console = Console(stderr=args.json_out == "-")
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task(f"replaying {len(trace.requests):,} requests",
+                            total=len(caps) * len(policies))  # fmt: skip
+        results = hybrid.sweep_hybrid(
+            trace, spec, caps, policies, outputs, progress=lambda _r: bar.advance(task)
+        )
+    hybrid.print_hybrid_table(results, trace, spec, console)
+    rows = {"model": spec.__dict__, "results": [r.to_dict() for r in results]}
+    write("--json", args.json_out, lambda: json.dumps(rows, indent=2))
+    if args.plot:
+        try:
+            hybrid.plot_hybrid(results, trace, spec, args.plot)
+        except RuntimeError as e:
+            raise CliError(f"--plot: {e}") from None
+        except OSError as e:
+            raise CliError(f"--plot: cannot write {args.plot}: {e.strerror or e}") from None
         console.print(f"plot written to {args.plot}", markup=False)
     return 0

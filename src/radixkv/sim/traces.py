@@ -34,6 +34,9 @@ class SimRequest:
         num_prompt_units: leading units that lie in the prompt (what a lookup may hit).
         prompt_tokens: prompt length in tokens.
         timestamp: arrival time (ms), if the trace has one.
+        output_tokens: output length in tokens.
+        boundaries: unit counts where the prompt's template has a boundary a server
+            knows (the end of the system message): hybrid caches checkpoint there.
     """
 
     units: list[int]
@@ -41,6 +44,7 @@ class SimRequest:
     prompt_tokens: int
     timestamp: float = 0.0
     output_tokens: int = 0
+    boundaries: tuple[int, ...] = ()
 
 
 @dataclass
@@ -164,10 +168,43 @@ def load_mooncake(path: str | Path) -> Trace:
     return trace
 
 
+def split_blocks(trace: Trace, block_size: int) -> Trace:
+    """A Mooncake trace with its 512-token blocks cut into pages of ``block_size`` tokens
+    (a divisor of 512): hybrid caches hit and checkpoint at page granularity, finer than
+    Mooncake's blocks. Page ``j`` of the block with id ``h`` gets id ``h * k + j`` (``k``
+    pages a block), which again stands for the whole prefix up to its end; a partial last
+    block gets as many pages as it has tokens for (the last one partial, as Mooncake's).
+
+    Raises:
+        ValueError: ``block_size`` does not divide the trace's block.
+    """
+    if trace.block_size % block_size:
+        raise ValueError(f"block_size: {block_size} does not divide {trace.block_size}")
+    k = trace.block_size // block_size
+    out = Trace(trace.name, block_size)
+    for r in trace.requests:
+        last = r.prompt_tokens - (len(r.units) - 1) * trace.block_size
+        units = [h * k + j for h in r.units[:-1] for j in range(k)]
+        if r.units:
+            units += [r.units[-1] * k + j for j in range(div_ceil(last, block_size))]
+        out.requests.append(
+            SimRequest(
+                units,
+                len(units),
+                r.prompt_tokens,
+                r.timestamp,
+                r.output_tokens,
+                tuple(b * k for b in r.boundaries),
+            )
+        )
+    return out
+
+
 def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -> Trace:
     """One request per line: ``token_ids`` (or ``text`` with a ``tokenizer`` that has
     ``encode``), optional ``output_ids`` or ``output_length``, ``extra_key``,
-    ``timestamp``. Unknown outputs become fresh tokens (they match nothing).
+    ``timestamp``, ``boundaries`` (token positions in the prompt a template marks: the
+    end of the system message). Unknown outputs become fresh tokens (they match nothing).
 
     Raises:
         TraceError: ``FILE:LINE: what is wrong`` for the first bad record.
@@ -192,6 +229,10 @@ def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -
                 out["output_ids"] = _integers(rec["output_ids"], "output_ids")
             elif "output_length" in rec:
                 _integer(rec["output_length"], "output_length", 0, MAX_OUTPUT_TOKENS + 1)
+            if "boundaries" in rec:
+                out["boundaries"] = _integers(rec["boundaries"], "boundaries")
+                if any(b > len(prompt) for b in out["boundaries"]):
+                    raise ValueError("boundaries must lie within the prompt")
             ns = rec.get("extra_key")
             if ns is not None and not isinstance(ns, (str, int)):
                 raise ValueError(f"extra_key must be a string or integer, got {json.dumps(ns)}")
@@ -202,11 +243,71 @@ def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -
     return _from_tokens(Path(path).stem, records, block_size)
 
 
+def load_marconi(path: str | Path, block_size: int) -> Trace:
+    """A token-level multi-turn trace in the format Marconi (MLSys 2025) published: one
+    turn per line, ``session_id``, ``turn_id``, ``ts`` (seconds), ``input_tokens`` and
+    ``output_tokens``, each a list of token ids or a count. A count stands for a
+    conversation's history: turn ``k``'s prompt is the session's previous prompt, its
+    output, then fresh tokens up to the count (a first turn is all fresh); an output
+    count is fresh tokens. Turns are replayed in ``ts`` order (then ``turn_id``).
+
+    Raises:
+        TraceError: ``FILE:LINE: what is wrong`` for the first bad record (a count
+            shorter than the session's history, turns of a session out of order).
+    """
+    rows = []
+    history: dict[Any, tuple[int, list[int]]] = {}  # session -> (turn, prompt + output)
+    fresh = -1
+    for n, rec in _records(path):
+        try:
+            for k in ("session_id", "turn_id", "ts", "input_tokens", "output_tokens"):
+                if k not in rec:
+                    raise ValueError(f"a Marconi record needs {k}")
+            sid = rec["session_id"]
+            if not isinstance(sid, (str, int)) or isinstance(sid, bool):
+                raise ValueError("session_id must be a string or integer")
+            turn = _integer(rec["turn_id"], "turn_id")
+            ts = _timestamp({"timestamp": rec["ts"]})
+            prev_turn, past = history.get(sid, (-1, []))
+            if turn <= prev_turn:
+                raise ValueError(f"session {sid!r}: turn {turn} after turn {prev_turn}")
+            inp = rec["input_tokens"]
+            if isinstance(inp, list):
+                prompt = _integers(inp, "input_tokens")
+            else:
+                count = _integer(inp, "input_tokens", 1)
+                if count < len(past):
+                    raise ValueError(
+                        f"input_tokens {count} is shorter than session {sid!r}'s history "
+                        f"({len(past)} tokens)"
+                    )
+                prompt = past + list(range(fresh, fresh - (count - len(past)), -1))
+                fresh -= count - len(past)
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            outp = rec["output_tokens"]
+            if isinstance(outp, list):
+                output = _integers(outp, "output_tokens")
+            else:
+                count = _integer(outp, "output_tokens", 0, MAX_OUTPUT_TOKENS + 1)
+                output = list(range(fresh, fresh - count, -1))
+                fresh -= count
+        except ValueError as e:
+            raise TraceError(f"{path}:{n}: {e}") from None
+        history[sid] = (turn, prompt + output)
+        rows.append((ts, turn, n, prompt, {"output_ids": output, "timestamp": ts * 1000}))
+    rows.sort(key=lambda r: r[:3])
+    return _from_tokens(Path(path).stem, [(r[3], r[4]) for r in rows], block_size)
+
+
 def guess_format(path: str | Path) -> str:
-    """``mooncake`` when the first record carries ``hash_ids``, else ``tokens``."""
+    """``mooncake`` when the first record carries ``hash_ids``, ``marconi`` when it
+    carries ``session_id``, else ``tokens``."""
     with open(path, encoding="utf-8") as f:
         first = next((line for line in f if line.strip()), "")
-    return "mooncake" if "hash_ids" in first else "tokens"
+    if "hash_ids" in first:
+        return "mooncake"
+    return "marconi" if "session_id" in first else "tokens"
 
 
 def load_trace(
@@ -227,6 +328,8 @@ def load_trace(
                 f"hash_ids fix it), got {block_size}"
             )
         return load_mooncake(path)
+    if fmt == "marconi":
+        return load_marconi(path, block_size or 16)
     return load_token_jsonl(path, block_size or 16, tokenizer)
 
 
@@ -241,8 +344,11 @@ def _from_tokens(name: str, records: list[tuple[list[int], dict]], block: int) -
         ns = rec.get("extra_key")
         units = interner.units(prompt + list(output), block, ns)
         n_prompt = len(prompt) // block
+        marks = tuple(sorted({b // block for b in rec.get("boundaries", ()) if b >= block}))
         trace.requests.append(
-            SimRequest(units, n_prompt, len(prompt), float(rec.get("timestamp", 0)), len(output))
+            SimRequest(
+                units, n_prompt, len(prompt), float(rec.get("timestamp", 0)), len(output), marks
+            )
         )
     return trace
 
@@ -265,13 +371,15 @@ def gen_shared_prefix(
     seed: int = 0,
 ) -> Trace:
     """SGLang's generated-shared-prefix workload: ``groups`` system prompts, each shared
-    by ``prompts_per_group`` questions; requests arrive in a seeded random order."""
+    by ``prompts_per_group`` questions (the system prompt's end a template boundary);
+    requests arrive in a seeded random order."""
     rng = random.Random(seed)
     records = []
     for _ in range(groups):
         system = _toks(rng, system_len)
         for _ in range(prompts_per_group):
-            records.append((system + _toks(rng, question_len), {"output_length": output_len}))
+            rec = {"output_length": output_len, "boundaries": [system_len]}
+            records.append((system + _toks(rng, question_len), rec))
     rng.shuffle(records)
     return _from_tokens("shared-prefix", records, block_size)
 
@@ -328,8 +436,44 @@ def gen_few_shot(
     return _from_tokens("few-shot", records, block_size)
 
 
+def gen_chat(
+    conversations: int = 128,
+    turns: int = 6,
+    systems: int = 4,
+    system_len: int = 1024,
+    message_len: int = 192,
+    output_len: int = 256,
+    block_size: int = 16,
+    seed: int = 0,
+) -> Trace:
+    """Multi-turn chat behind a few system prompts: each conversation starts with one of
+    ``systems`` system messages (``system_len`` tokens, its end a template boundary),
+    then user messages and answers; every turn's prompt is the whole history plus a new
+    message; turns of different conversations interleave at random."""
+    rng = random.Random(seed)
+    prompts = [_toks(rng, system_len) for _ in range(systems)]
+    queues = []
+    for _ in range(conversations):
+        history = prompts[rng.randrange(systems)] + _toks(rng, message_len)
+        turns_out = []
+        for _ in range(turns):
+            answer = _toks(rng, output_len)
+            rec = {"output_ids": answer, "boundaries": [system_len]}
+            turns_out.append((list(history), rec))
+            history = history + answer + _toks(rng, message_len)
+        queues.append(turns_out)
+    records = []
+    while queues:
+        q = queues[rng.randrange(len(queues))]
+        records.append(q.pop(0))
+        if not q:
+            queues.remove(q)
+    return _from_tokens("chat", records, block_size)
+
+
 GENERATORS = {
     "shared-prefix": gen_shared_prefix,
     "multi-turn": gen_multi_turn,
     "few-shot": gen_few_shot,
+    "chat": gen_chat,
 }

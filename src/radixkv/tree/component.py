@@ -24,7 +24,13 @@ The contract (what the core promises, and what a component must do):
   units)``) and before the allocator frees their ``slots``; nothing is unlinked yet, and
   if the allocator raises, the tree stays as it was, so ``evicting`` must change no
   state a retry would see twice. ``evicted(victims, trim)`` runs once they are gone.
-* **Detach** ``detach(node)``: before `RadixCache.detach_leaf` unlinks a leaf.
+* **Insert** (optional) ``inserted(path, leaf, start, n, extra)``: after an insert of
+  ``n`` units linked everything; ``path`` covers the ``start`` units cached before,
+  ``leaf`` (or ``None``: nothing new) holds the rest as its tail (merged: its whole
+  node), and ``extra`` is what the caller handed this component for the key
+  (``insert_node(..., extras={name: ...})``, one entry per unit), if anything.
+* **Detach** ``detach(node)``: before `RadixCache.detach_leaf` unlinks a leaf;
+  ``detached(node, parent)`` after.
 * **Reset** ``reset()``: before the whole tree is dropped.
 * **Locks** (optional: a component without ``lock`` is not called) ``lock(path)`` and
   ``unlock(path)`` get the path from the locked node up to the root's child, after the
@@ -38,6 +44,11 @@ The contract (what the core promises, and what a component must do):
   is a cut to 0). Called before anything is split or touched.
 * **Checks** ``check_node(node, parent)`` for every node, then ``check(nodes)`` with the
   set of node ids in the tree: raise ``AssertionError`` naming the violation.
+* **Freeing** (`release`): a component hands the slots it lets go to its allocator
+  from inside the hooks, after the tree changed, so it must not raise there: a free
+  that fails keeps its slots pending (``pending``), retried by the next `release` or
+  `flush`; the error is counted in ``free_failures``. A slot is never lost, never freed
+  twice.
 
 A component may read the core's node fields; it never links, unlinks or re-keys a node.
 
@@ -68,6 +79,36 @@ class TreeComponent:
     lock: Callable[[list[TreeNode]], int] | None = None
     unlock: Callable[[list[TreeNode]], int] | None = None
     match_limit: Callable[[list[TreeNode], TreeNode | None, int], int] | None = None
+    inserted: Callable[..., None] | None = None
+
+    allocator: Any = None  # ``free(slots)``; ``None``: released slots are dropped
+    pending: list[torch.Tensor]  # slots whose free failed, retried
+    free_failures = 0
+
+    def release(self, slots: torch.Tensor | None = None) -> None:
+        """Hand ``slots`` (and any still pending) to the allocator; never raises (see
+        the module contract)."""
+        pending = self.__dict__.setdefault("pending", [])
+        if slots is not None and len(slots):
+            pending.append(slots)
+        if not pending or self.allocator is None:
+            pending.clear()
+            return
+        import torch
+
+        batch = torch.cat(pending) if len(pending) > 1 else pending[0]
+        try:
+            self.allocator.free(batch)
+        except Exception:
+            self.free_failures += 1
+            pending[:] = [batch]
+            return
+        pending.clear()
+
+    def flush(self) -> int:
+        """Retry the pending frees; returns how many slots are still pending."""
+        self.release()
+        return sum(len(t) for t in self.__dict__.get("pending", []))
 
     def attach(self, cache: RadixCache, index: int) -> None:
         """The cache takes the component (while empty); its data lives at ``index``."""
@@ -91,6 +132,9 @@ class TreeComponent:
         pass
 
     def detach(self, node: TreeNode) -> None:
+        pass
+
+    def detached(self, node: TreeNode, parent: TreeNode) -> None:
         pass
 
     def reset(self) -> None:

@@ -170,6 +170,7 @@ class RadixCache(ComponentHost, Eviction):
         self._own: list[TreeComponent] = []  # the ones the caller gave
         self._lockers: list[TreeComponent] = []
         self._limiters: list[TreeComponent] = []
+        self._inserters: list[TreeComponent] = []
         self._num_nodes = 0
         self.reset()
         for c in components:
@@ -280,13 +281,20 @@ class RadixCache(ComponentHost, Eviction):
     def _limit(
         self, path: list[TreeNode], off: int, partial: TreeNode | None, m: int
     ) -> tuple[list[TreeNode], int, TreeNode | None, int]:
-        """Cut a walk's match to what every component can serve (``match_limit``)."""
-        keep = off + m
-        for c in self._limiters:
-            keep = min(keep, c.match_limit(path, partial, m))  # type: ignore[misc]
-        keep -= keep % self.page_size
-        if keep >= off + m:
-            return path, off, partial, m
+        """Cut a walk's match to what every component can serve (``match_limit``), to
+        a fixed point: one component's cut may land where another cannot serve."""
+        while True:
+            keep = off + m
+            for c in self._limiters:
+                keep = min(keep, c.match_limit(path, partial, m))  # type: ignore[misc]
+            keep -= keep % self.page_size
+            if keep >= off + m:
+                return path, off, partial, m
+            path, off, partial, m = self._cut(path, off, partial, keep)
+
+    def _cut(
+        self, path: list[TreeNode], off: int, partial: TreeNode | None, keep: int
+    ) -> tuple[list[TreeNode], int, TreeNode | None, int]:
         while path and off - len(path[-1]) >= keep:  # whole nodes past the cut go
             off -= len(path.pop())
         if off > keep:  # the cut falls inside the last kept node: it is now partial
@@ -388,14 +396,16 @@ class RadixCache(ComponentHost, Eviction):
             return parts, path[-1], off
         return parts, self.root, 0
 
-    def match_len(self, key: RadixKey) -> int:
+    def match_len(self, key: RadixKey, full: bool = False) -> int:
         """Read-only hit length of ``key`` in units: no split, no recency change, no tensor.
-        For schedulers and routers that only rank requests by cache hit."""
+        For schedulers and routers that only rank requests by cache hit. ``full``: the
+        full-attention KV's match, before components cut it (where a hybrid request
+        leaves a cached path: a branch point)."""
         units, n, ns, _ = self._prepare(key)
         if self.disable:
             return 0
         path, off, partial, m = self._descend(units, n, ns)
-        if self._limiters:
+        if self._limiters and not full:
             _, off, _, m = self._limit(path, off, partial, m)
         return off + m
 
@@ -415,7 +425,13 @@ class RadixCache(ComponentHost, Eviction):
         return self.insert_node(key, value, priority).prefix_len
 
     def insert_node(
-        self, key: RadixKey, value: Any = None, priority: int = 0, *, slots_checked: bool = False
+        self,
+        key: RadixKey,
+        value: Any = None,
+        priority: int = 0,
+        *,
+        slots_checked: bool = False,
+        extras: dict[str, Any] | None = None,
     ) -> InsertResult:
         """Cache ``key`` with slot indices ``value``, and say where it ends.
 
@@ -427,6 +443,8 @@ class RadixCache(ComponentHost, Eviction):
             slots_checked: the caller vouches that ``value`` holds distinct non-negative
                 slots (an allocator's, as `radixkv.lifecycle` passes): skips the
                 O(k log k) check of the new slots.
+            extras: per component (by name), what it takes with the key: one entry per
+                unit of ``key`` (a sliding window's slots; see the component).
 
         Returns:
             `InsertResult`: ``prefix_len``, how many leading units were cached already
@@ -439,6 +457,10 @@ class RadixCache(ComponentHost, Eviction):
         """
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if extras:
+            unknown = set(extras) - {c.name for c in self._inserters}
+            if unknown:
+                raise ValueError(f"extras: no component takes {sorted(unknown)}")
         units, n, ns, view = self._prepare(key)
         given = len(key) if isinstance(key, RadixKey) else view.raw_len()
         if (
@@ -462,6 +484,10 @@ class RadixCache(ComponentHost, Eviction):
                 )
         if self.disable or n == 0:
             return InsertResult(0, self.root)
+        if extras:
+            for name, x in extras.items():
+                if x is not None and len(x) < n:
+                    raise ValueError(f"extras[{name!r}]: {len(x)} entries for {n} units")
         path, off, partial, m = self._descend(units, n, ns)
         start = off + m  # units cached already
         width = self._width
@@ -482,6 +508,8 @@ class RadixCache(ComponentHost, Eviction):
             self._touch(path, priority)
             if partial is not None and not self.precise:
                 self._touch_lower(partial)
+            if self._inserters:
+                self._tell_inserted(path, None, start, n, extras)
             return InsertResult(off, path[-1])
         parent = path[-1] if path else self.root
         leaf = self._new_node(leaf_key, leaf_value, parent, ns)
@@ -497,12 +525,23 @@ class RadixCache(ComponentHost, Eviction):
         self._evictable += n - off
         if self.merge_chains and path and not parent.children and not parent.lock_ref:
             self._absorb(leaf, parent)
+            path.pop()  # the parent's units are the leaf's now
         elif parent.children:
             parent.children[self._dict_key(parent, leaf)] = leaf
         else:
             parent.children = {self._dict_key(parent, leaf): leaf}
         self._push(leaf)
+        if self._inserters:
+            self._tell_inserted(path, leaf, start, n, extras)
         return InsertResult(off, leaf)
+
+    def _tell_inserted(
+        self, path: list[TreeNode], leaf: TreeNode | None, start: int, n: int, extras: Any
+    ) -> None:
+        extras = extras or {}
+        for c in self._inserters:
+            x = extras.get(c.name)
+            c.inserted(path, leaf, start, n, x[:n] if x is not None else None)  # type: ignore[misc]
 
     def _absorb(self, leaf: TreeNode, parent: TreeNode) -> None:
         """Make ``leaf`` (new, not yet linked) take the place of ``parent``, an unpinned
@@ -557,6 +596,8 @@ class RadixCache(ComponentHost, Eviction):
         self._evictable -= len(node._value) >> 3
         if parent is not self.root and not parent.children and parent.lock_ref == 0:
             self._push(parent)
+        for c in self._components:
+            c.detached(node, parent)
         return bytes_to_tensor([node._value])
 
     # --- locks -------------------------------------------------------------------------

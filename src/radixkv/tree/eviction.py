@@ -115,6 +115,37 @@ class Eviction:
         victims, trim, popped, uncovered = self._choose_victims(need)
         if not victims and trim is None:
             return 0  # only dead index entries were taken
+        return self._remove(victims, trim, popped, uncovered)
+
+    def evict_leaf(self, node: TreeNode, units: int | None = None) -> int:
+        """Evict one chosen unlocked leaf: whole, or its last ``units`` (whole pages),
+        for a caller with an eviction order of its own (a hybrid cache's utility).
+        Frees as `evict` does (components told, one ``allocator.free``).
+
+        Raises:
+            ValueError: ``node`` is not an unlocked leaf of this cache, or ``units`` is
+                not a positive multiple of the page size up to its length.
+        """
+        self._path_to_root(node, "evict_leaf")
+        if node is self.root or node.children or node.lock_ref:
+            raise ValueError(f"evict_leaf: node {node.id} is not an unlocked leaf")
+        length = len(node)
+        units = length if units is None else as_count(units, "units")
+        if not 0 < units <= length or units % self.page_size:
+            raise ValueError(f"evict_leaf: units must be whole pages in (0, {length}], "
+                             f"got {units}")  # fmt: skip
+        if units < length:
+            return self._remove([], (node, units), [], [])
+        return self._remove([node], None, [], [(node.parent,)])
+
+    def _remove(
+        self,
+        victims: list[TreeNode],
+        trim: tuple[TreeNode, int] | None,
+        popped: list[Any],
+        uncovered: list[Any],
+    ) -> int:
+        """Free and unlink chosen victims (see `evict`)."""
         freed = [v._value for v in victims]
         if trim is not None:
             node, take = trim

@@ -59,6 +59,7 @@ class ComponentHost:
         self._empty_ext = [c.empty for c in components]
         self._lockers = [c for c in components if c.lock is not None]
         self._limiters = [c for c in components if c.match_limit is not None]
+        self._inserters = [c for c in components if c.inserted is not None]
         for node in (self.root, *self.iter_nodes()):
             if components:  # a removed component's entries go; new ones start empty
                 node.ext = [

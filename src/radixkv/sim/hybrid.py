@@ -1,0 +1,512 @@
+"""Prefix caching for hybrid models, simulated: a trace replayed through the real radix
+tree with its recurrent-state and sliding-window components, under a byte budget, for
+several caching policies side by side.
+
+A model spec (`ModelSpec`, or a preset of `PRESETS`, or a JSON file with its fields)
+says what a cached token and a checkpoint cost: full-attention layers and their KV bytes
+a token, sliding-window layers and their window, recurrent layers and their state bytes.
+A capacity in bytes holds the full KV, the window KV and the checkpoints together.
+
+Policies (`POLICIES`), each as the system it is named after caches, on the same
+requests (prompt units, output units, and where known a chat template's boundary):
+
+    radixkv   checkpoints at each prompt's end, each output's end, the branch point
+              where a request leaves a cached path (so the next sharer hits) and the
+              boundaries the server knows (the end of a system message); window KV
+              kept only within a window of the ends a match can use (leaf ends, branch
+              points); one budget, evicting dead KV first (past a path's last
+              checkpoint, useless to the recurrent layers), then the lowest utility
+              (recency + prefill FLOPs saved per byte) among checkpoints and leaves.
+    marconi   Marconi (MLSys 2025) as published: checkpoints at input ends, output ends
+              and branch points; one budget, evicting whole leaves (KV and state) by
+              utility = recency + alpha x FLOP efficiency.
+    sglang    SGLang's unified cache: the same admission (leaf states, branching
+              seqlen), separate pools (states: ``mamba_full_memory_ratio`` 0.9 of the
+              full KV's bytes; window KV: ``swa_full_tokens_ratio`` 0.8 of its tokens),
+              each evicting least recently used; window KV kept until evicted.
+    vllm      vLLM's ``--mamba-cache-mode align``: the attention block inflated until
+              a page holds a layer's state (`ModelSpec.vllm_block`), states only on that
+              grid (a prompt's last full block, blocks finished while decoding), hits in
+              whole blocks, blocks evicted least recently used; window KV kept until
+              evicted.
+
+Owns: the replay, the budgets and the accounting. Must not touch: the components'
+internals (it drives them through their API).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixkv.key import RadixKey
+from radixkv.sim.traces import SimRequest, Trace
+from radixkv.tree import RadixCache
+from radixkv.tree.budget import HybridBudget, utility
+from radixkv.tree.state import StateCheckpoints
+from radixkv.tree.window import WindowKV
+from radixkv.units import div_ceil
+
+KERNEL_BLOCK = 16  # vLLM's attention kernel block alignment (FlashAttention's 16)
+MARCONI_ALPHA = 1.0  # Marconi's weight of FLOP efficiency against recency
+SGLANG_STATE_RATIO = 0.9  # mamba_full_memory_ratio: state pool bytes / full KV bytes
+SGLANG_WINDOW_RATIO = 0.8  # swa_full_tokens_ratio: window pool tokens / full tokens
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What caching costs for one model (bytes; all layers of a kind together).
+
+    Attributes:
+        full_layers: full-attention layers.
+        kv_bytes: K and V bytes of one token in one attention layer.
+        window_layers, window: sliding-window layers and their window (tokens).
+        recurrent_layers, state_bytes: recurrent layers and one layer's state bytes
+            (conv and SSM / DeltaNet state) in one checkpoint.
+        params, attn_dim: parameters and attention width (heads x head dim), for the
+            prefill FLOPs a hit saves.
+    """
+
+    name: str
+    full_layers: int
+    kv_bytes: int
+    window_layers: int = 0
+    window: int = 0
+    recurrent_layers: int = 0
+    state_bytes: int = 0
+    params: float = 1e9
+    attn_dim: int = 4096
+
+    def __post_init__(self) -> None:
+        for f in ("full_layers", "kv_bytes", "window_layers", "window", "recurrent_layers",
+                  "state_bytes"):  # fmt: skip
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"model spec {self.name}: {f} must be an int >= 0, got {v!r}")
+        if self.full_layers < 1 or self.kv_bytes < 1:
+            raise ValueError(f"model spec {self.name}: needs full_layers and kv_bytes >= 1")
+        if bool(self.window_layers) != bool(self.window):
+            raise ValueError(f"model spec {self.name}: window_layers and window go together")
+        if bool(self.recurrent_layers) != bool(self.state_bytes):
+            raise ValueError(f"model spec {self.name}: recurrent_layers and state_bytes go "
+                             "together")  # fmt: skip
+
+    @property
+    def full_kv(self) -> int:
+        """Full-attention KV bytes a token."""
+        return self.full_layers * self.kv_bytes
+
+    @property
+    def window_kv(self) -> int:
+        """Window-layer KV bytes a token."""
+        return self.window_layers * self.kv_bytes
+
+    @property
+    def checkpoint(self) -> int:
+        """Bytes of one checkpoint (every recurrent layer's state)."""
+        return self.recurrent_layers * self.state_bytes
+
+    def flops(self, tokens: int) -> float:
+        """Prefill FLOPs of a prefix of ``tokens``: the weights' and the attention's."""
+        n = float(tokens)
+        attn = self.full_layers * n * n + self.window_layers * n * min(n, float(self.window))
+        return 2.0 * self.params * n + 2.0 * self.attn_dim * attn
+
+    def vllm_block(self) -> int:
+        """vLLM's attention block under ``--mamba-cache-mode align``: the smallest
+        multiple of the kernel block whose page (one layer's KV for the block) holds one
+        layer's state (``_align_hybrid_block_size``); the kernel block without one."""
+        if not self.recurrent_layers:
+            return KERNEL_BLOCK
+        return KERNEL_BLOCK * div_ceil(self.state_bytes, KERNEL_BLOCK * self.kv_bytes)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> ModelSpec:
+        """A spec from a JSON object with these fields (unknown fields refused).
+
+        Raises:
+            ValueError: naming the field or the file.
+        """
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"model spec {path}: expected a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"model spec {path}: unknown fields {sorted(unknown)}")
+        data.setdefault("name", Path(path).stem)
+        return cls(**data)
+
+
+PRESETS = {
+    # 8 gated full-attention + 24 Gated DeltaNet layers (3:1); 4 KV heads x 256, bf16;
+    # a DeltaNet layer's state 32 heads x 128 x 128 fp32 + its short conv: 528 tokens
+    # of one layer's KV, the block vLLM computes for Qwen3.5-4B
+    "qwen3.5-4b": ModelSpec("qwen3.5-4b-like", 8, 4096, recurrent_layers=24,
+                            state_bytes=528 * 4096, params=4e9, attn_dim=16 * 256),
+    # 4 attention + 24 Mamba2 layers; 8 KV heads x 128, bf16; a Mamba2 state 128 heads x
+    # 64 x 128 fp32 + conv
+    "nemotron-h": ModelSpec("nemotron-h-like", 4, 4096, recurrent_layers=24,
+                            state_bytes=1040 * 4096, params=8e9, attn_dim=32 * 128),
+    # 5 sliding (window 1,024) : 1 global, 48 layers; 8 KV heads x 256, bf16
+    "gemma-3": ModelSpec("gemma-3-like", 8, 8192, window_layers=40, window=1024,
+                         params=12e9, attn_dim=16 * 256),
+}  # fmt: skip
+
+
+def model_spec(name: str) -> ModelSpec:
+    """A preset by name, or a JSON file.
+
+    Raises:
+        ValueError: neither.
+    """
+    if name in PRESETS:
+        return PRESETS[name]
+    if Path(name).is_file():
+        return ModelSpec.from_json(name)
+    raise ValueError(f"model_spec: {name!r} is not a preset ({', '.join(PRESETS)}) nor a "
+                     "JSON file")  # fmt: skip
+
+
+POLICIES = ("radixkv", "marconi", "sglang", "vllm")
+
+
+@dataclass
+class HybridResult:
+    trace: str
+    model: str
+    policy: str
+    capacity_bytes: int
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    token_hit_rate: float
+    flops_saved: float  # prefill FLOPs the hits saved / all prompts' prefill FLOPs
+    mean_bytes: dict[str, float] = field(default_factory=dict)  # full, window, states
+    checkpoints: int = 0  # checkpoints taken
+    block_tokens: int = 0  # the grid hits land on (vllm), else the page
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Slots:
+    """Counts what a component frees (the simulator has no pools)."""
+
+    def __init__(self) -> None:
+        self.freed = 0
+
+    def free(self, t: torch.Tensor) -> None:
+        self.freed += len(t)
+
+
+class _Sim:
+    """One policy's cache over a trace."""
+
+    def __init__(self, trace: Trace, spec: ModelSpec, cap: int, policy: str) -> None:
+        self.trace, self.spec, self.cap, self.policy = trace, spec, cap, policy
+        self.unit = trace.block_size  # tokens a unit
+        grid = spec.vllm_block() if policy == "vllm" else self.unit
+        self.page = max(1, grid // self.unit) if policy == "vllm" else 1
+        states = 1 << 30  # the budget below is what bounds them
+        if policy == "sglang" and spec.checkpoint:
+            full_share = cap / (1 + SGLANG_STATE_RATIO)
+            states = max(1, int(cap - full_share) // spec.checkpoint)
+        self.state = StateCheckpoints(
+            states, _Slots(), "utility" if policy in ("radixkv", "marconi") else "lru",
+            prefill_flops=lambda units: spec.flops(units * self.unit), state_bytes=spec.checkpoint,
+        )  # fmt: skip
+        comps: list[Any] = [self.state] if spec.recurrent_layers else []
+        self.window = None
+        if spec.window_layers:
+            retain = "ends" if policy == "radixkv" else "all"
+            self.window = WindowKV(div_ceil(spec.window, self.unit), _Slots(), retain)
+            comps.append(self.window)
+        mode = "precise" if policy != "marconi" else "leaf"
+        self.cache = RadixCache(self.page, eviction_mode=mode, components=tuple(comps))
+        self.budget = HybridBudget(
+            self.cache, self.state if spec.recurrent_layers else None, self.window,
+            token_bytes=self.unit * spec.full_kv, window_bytes=self.unit * spec.window_kv,
+            flops=lambda units: spec.flops(units * self.unit),
+        )  # fmt: skip
+        self.next_slot = 0
+        self.checkpoints = 0
+        self.bytes_sum = {"full": 0.0, "window": 0.0, "states": 0.0}
+
+    # --- bytes --------------------------------------------------------------------------
+    def held(self) -> dict[str, int]:
+        return self.budget.held()
+
+    def _slot(self) -> int:
+        self.next_slot += 1
+        return self.next_slot
+
+    # --- one request --------------------------------------------------------------------
+    def serve(self, req: SimRequest, outputs: bool) -> int:
+        P = req.num_prompt_units
+        units = req.units if outputs else req.units[:P]
+        key = RadixKey(np.asarray(units, dtype=np.int64))
+        prompt = key[: max(P - 1, 0) if P * self.unit > req.prompt_tokens - 1 else P]
+        full = self.cache.match_len(prompt, full=True)
+        m = self.cache.match_prefix(prompt)
+        hit = m.prefix_len
+        if hit and self.spec.recurrent_layers:
+            self.state.used(m.last_node)
+        self.cache.inc_lock_ref(m.last_node)
+        for pos, kind in self._positions(req, full, hit, outputs):
+            self._insert(key[:pos], kind)
+        self._insert(key[: len(units)], None)
+        self.cache.dec_lock_ref(m.last_node)
+        self._fit()
+        for k, v in self.held().items():
+            self.bytes_sum[k] += v
+        return hit
+
+    def _positions(
+        self, req: SimRequest, full: int, hit: int, outputs: bool
+    ) -> list[tuple[int, str]]:
+        """Where this policy takes checkpoints (units, increasing), and why."""
+        P = min(req.num_prompt_units, req.prompt_tokens // self.unit)  # whole pages
+        n = len(req.units) if outputs else P
+        if not self.spec.recurrent_layers:  # a window kept at the boundaries
+            if self.policy != "radixkv" or self.window is None:
+                return []
+            return [(b, "boundary") for b in req.boundaries if hit < b <= n]
+        if self.policy == "radixkv":  # the component's own plan, then the output's end
+            marks = dict(self.state.plan(P, full, hit, req.boundaries, prompt_end=not outputs))
+            marks.setdefault(n, "end")
+        elif self.policy == "vllm":  # the grid: the prompt's last full block, decode blocks
+            g = self.page
+            marks = dict.fromkeys({P - P % g} | set(range(P - P % g + g, n + 1, g)), "end")
+        else:  # the sequence's end (the output's, when cached), the branch point
+            marks = {n: "end"}
+            if full > hit:
+                marks[full] = "branch"
+        return sorted((p, k) for p, k in marks.items() if hit < p <= n and p % self.page == 0)
+
+    def _insert(self, key: RadixKey, kind: str | None) -> None:
+        extras = None
+        if self.window is not None:
+            n = len(key)
+            extras = {"window": np.arange(self.next_slot, self.next_slot + n, dtype=np.int64)}
+            self.next_slot += n
+        node = self.cache.insert_node(key, extras=extras).last_node
+        if kind == "boundary" and self.window is not None and node is not self.cache.root:
+            self.window.mark(node)
+        if not self.spec.recurrent_layers:
+            return
+        if (
+            kind is not None
+            and node is not self.cache.root
+            and self.state.add(node, self._slot(), kind=kind)
+        ):
+            self.checkpoints += 1
+
+    # --- the budget ---------------------------------------------------------------------
+    def _fit(self) -> None:
+        spec, u = self.spec, self.unit
+        unit_bytes = u * (spec.full_kv + spec.window_kv)
+        if self.policy == "sglang":
+            full_cap = self.cap / (1 + (SGLANG_STATE_RATIO if spec.checkpoint else 0))
+            if self.window is not None:
+                # the window pool holds 0.8 of the full pool's tokens
+                tokens = full_cap / (spec.full_kv + SGLANG_WINDOW_RATIO * spec.window_kv)
+                over = self.window.held_units() * u - int(SGLANG_WINDOW_RATIO * tokens)
+                if over > 0:
+                    self.window.evict(div_ceil(over, u))
+                full_cap = tokens * spec.full_kv
+            over = self.cache.total_size() * u * spec.full_kv - full_cap
+            if over > 0:
+                self.cache.evict(div_ceil(int(over), u * spec.full_kv))
+            return
+        for _ in range(1 << 20):
+            total = sum(self.held().values())
+            if total <= self.cap or not self.cache.evictable_size():
+                return
+            over = total - self.cap
+            if self.policy == "vllm":
+                self.cache.evict(max(1, div_ceil(over, unit_bytes)))
+            elif self.policy == "marconi":
+                self._evict_by_utility(over)
+            else:
+                self.budget.fit(self.cap)
+                return
+
+    def _evict_by_utility(self, over: float) -> None:
+        """Marconi: the lowest-utility unlocked leaves go whole (KV and states)."""
+        spec, u = self.spec, self.unit
+        leaves = [n for n in self.cache.iter_nodes() if not n.children and not n.lock_ref]
+        if not leaves:
+            return
+        value = [spec.flops(HybridBudget._depth(n) * u)
+                 if not spec.recurrent_layers or self.state.at(n) is not None else 0.0
+                 for n in leaves]  # fmt: skip
+        cost = [self._leaf_bytes(n) for n in leaves]
+        ticks = [float(n.last_access) for n in leaves]
+        scores = utility(ticks, value, cost, MARCONI_ALPHA)
+        freed = 0.0
+        for i in sorted(range(len(leaves)), key=scores.__getitem__):
+            if freed >= over:
+                break
+            freed += cost[i]
+            self.cache.evict_leaf(leaves[i])
+
+    def _leaf_bytes(self, node: Any) -> float:
+        spec = self.spec
+        kv = len(node) * self.unit * spec.full_kv
+        if self.window is not None:
+            kv += self.window.covered(node) * self.unit * spec.window_kv
+        if spec.recurrent_layers:
+            kv += len(self.state._of(node)) * spec.checkpoint
+        return kv
+
+
+def simulate_hybrid(
+    trace: Trace, spec: ModelSpec, capacity_bytes: int, policy: str, cache_outputs: bool = True
+) -> HybridResult:
+    """Replay ``trace`` through one policy's cache of ``capacity_bytes``."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy: unknown {policy!r}; valid: {', '.join(POLICIES)}")
+    sim = _Sim(trace, spec, capacity_bytes, policy)
+    hit_tokens = prompt_tokens = 0
+    saved = total = 0.0
+    for req in trace.requests:
+        hit = sim.serve(req, cache_outputs)
+        tokens = trace.hit_tokens(req, hit)
+        hit_tokens += tokens
+        prompt_tokens += req.prompt_tokens
+        saved += spec.flops(tokens)
+        total += spec.flops(req.prompt_tokens)
+    n = max(len(trace.requests), 1)
+    return HybridResult(
+        trace=trace.name, model=spec.name, policy=policy, capacity_bytes=capacity_bytes,
+        requests=len(trace.requests), prompt_tokens=prompt_tokens, hit_tokens=hit_tokens,
+        token_hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        flops_saved=saved / total if total else 0.0,
+        mean_bytes={k: v / n for k, v in sim.bytes_sum.items()},
+        checkpoints=sim.checkpoints,
+        block_tokens=sim.page * sim.unit,
+    )  # fmt: skip
+
+
+def window_bytes_per_token(trace: Trace, spec: ModelSpec, retain: str) -> float:
+    """KV bytes a cached token costs with window freeing (``ends``) or without (``all``),
+    everything cached (no budget): the Gemma-like target's measure."""
+    unit = trace.block_size
+    window = WindowKV(div_ceil(spec.window, unit), _Slots(), retain)
+    cache = RadixCache(1, eviction_mode="precise", components=(window,))
+    nxt = 0
+    for req in trace.requests:
+        key = RadixKey(np.asarray(req.units, dtype=np.int64))
+        extras = {"window": np.arange(nxt, nxt + len(key), dtype=np.int64)}
+        nxt += len(key)
+        cache.insert_node(key, extras=extras)
+    tokens = cache.total_size() * unit
+    held = tokens * spec.full_kv + window.held_units() * unit * spec.window_kv
+    return held / tokens if tokens else 0.0
+
+
+UNBOUNDED = 1 << 62  # a capacity in bytes no trace fills
+
+
+def sweep_hybrid(
+    trace: Trace,
+    spec: ModelSpec,
+    capacities: list[int],
+    policies: list[str],
+    cache_outputs: bool = True,
+    progress: Any = None,
+) -> list[HybridResult]:
+    """Every policy at every capacity (bytes), capacity-major."""
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"policy: unknown {p!r}; valid: {', '.join(POLICIES)}")
+    results = []
+    for cap in capacities:
+        for p in policies:
+            results.append(simulate_hybrid(trace, spec, cap, p, cache_outputs))
+            if progress is not None:
+                progress(results[-1])
+    return results
+
+
+def fmt_bytes(n: float) -> str:
+    if n >= UNBOUNDED:
+        return "inf"
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}B"
+
+
+def print_hybrid_table(
+    results: list[HybridResult], trace: Trace, spec: ModelSpec, console: Any
+) -> None:
+    """The results as a table, with each policy's hit rate over vLLM align's."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"{trace.name} on {spec.name}: {len(trace.requests):,} requests, "
+        f"{trace.prompt_tokens():,} prompt tokens, page {trace.block_size}; a checkpoint "
+        f"{fmt_bytes(spec.checkpoint)}, a token {fmt_bytes(spec.full_kv + spec.window_kv)}"
+    )
+    for col in ("policy", "capacity", "token hit rate", "vs vllm", "FLOPs saved", "full KV",
+                "window KV", "states", "checkpoints", "hit grid"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    base = {r.capacity_bytes: r.token_hit_rate for r in results if r.policy == "vllm"}
+    for r in results:
+        b = base.get(r.capacity_bytes)
+        table.add_row(
+            r.policy, fmt_bytes(r.capacity_bytes), f"{r.token_hit_rate:.4f}",
+            f"{r.token_hit_rate / b:.2f}x" if b else "-", f"{r.flops_saved:.4f}",
+            fmt_bytes(r.mean_bytes["full"]), fmt_bytes(r.mean_bytes["window"]),
+            fmt_bytes(r.mean_bytes["states"]), f"{r.checkpoints:,}", str(r.block_tokens),
+        )  # fmt: skip
+    console.print(table)
+
+
+def plot_hybrid(results: list[HybridResult], trace: Trace, spec: ModelSpec, path: str) -> None:
+    """Hit rate against capacity in bytes, one curve per policy."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("plotting needs matplotlib: pip install 'radixkv[plot]'") from e
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r.policy for r in results):
+        pts = sorted((r.capacity_bytes / (1 << 30), r.token_hit_rate) for r in results
+                     if r.policy == policy and r.capacity_bytes < UNBOUNDED)  # fmt: skip
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("cache capacity (GiB: full KV + window KV + states)")
+    ax.set_ylabel("token hit rate")
+    ax.set_ylim(0, 1.0)
+    ax.set_title(f"Hybrid prefix caching: {trace.name} on {spec.name}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = [
+    "POLICIES",
+    "PRESETS",
+    "UNBOUNDED",
+    "HybridResult",
+    "ModelSpec",
+    "model_spec",
+    "plot_hybrid",
+    "print_hybrid_table",
+    "simulate_hybrid",
+    "sweep_hybrid",
+    "window_bytes_per_token",
+]

@@ -1,0 +1,372 @@
+"""`StateCheckpoints`: recurrent-state snapshots (Mamba2, Gated DeltaNet, ...) as a tree
+component.
+
+A recurrent layer keeps one fixed-size state, updated in place token by token; a cached
+prefix helps it only where a snapshot of that state exists. A checkpoint is such a
+snapshot, taken after the prefix that ends at a position of the tree, held in a slot of
+a state pool (the conv and SSM / DeltaNet states of every recurrent layer).
+
+The contract (besides `radixkv.tree.component`'s):
+
+* **Where.** A checkpoint sits at a page-aligned position inside a node, ``offset``
+  units from the node's start (``0 < offset <= len(node)``; at the node's end when
+  ``offset == len(node)``). A node may hold several (a merged chain keeps its turns'
+  checkpoints). A split hands each checkpoint to the half that holds its position, a
+  merge shifts the absorbed leaf's ones, a trimmed tail and an evicted node free theirs.
+* **Matching.** A match may keep only up to the deepest checkpoint it passes
+  (``match_limit``): the full-attention KV beyond it is useless to the recurrent
+  layers. With ``split`` the match ends exactly there, so ``at(last_node)`` is the
+  checkpoint to start from.
+* **Copy, never lend.** A hit copies the checkpoint's state into the request's own
+  slot (`at` gives the slot to copy from): the request updates its copy in place, the
+  checkpoint stays as it was, so no lock is needed once the copy is made (the copy is
+  made right after the match, on the thread that owns the cache).
+* **Budget and eviction.** At most ``max_states`` checkpoints are held. Adding one
+  beyond evicts others by the policy: ``lru`` (least recently used), or ``utility``
+  (Marconi's idea: recency and prefill compute saved per byte, each normalised over the
+  candidates, ``score = recency + alpha x efficiency``; the lowest goes). Evicting a
+  checkpoint frees its slot (``allocator.free``) and leaves the node and its full KV.
+* **Admission** (`plan`): where a request should be snapshotted, at page granularity:
+  the end of its prompt, a branch point (where it leaves a cached path that has no
+  checkpoint there, so the next request sharing that prefix hits), every
+  ``every_pages`` pages of a long prefill (0: never), and boundaries the caller knows
+  (a chat template's end of the system message, a prompt-cache breakpoint). The end of
+  each output is the caller's to add when the request finishes.
+
+Invariants (``check``): every checkpoint is at a page-aligned position of its node, held
+once, its slot held once; ``len(held) <= max_states``.
+
+Owns: the checkpoints (positions, slots, use, utility). Must not touch: the tree's
+structure, the full KV, the state pool's contents (the engine copies states).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixkv.tree.component import TreeComponent
+
+if TYPE_CHECKING:
+    from radixkv.tree.node import TreeNode
+
+STATE_POLICIES = ("lru", "utility")
+# why a checkpoint was taken: a sequence's end (prompt or output), a branch point, a
+# template boundary, every N pages
+KINDS = ("end", "branch", "boundary", "interval")
+UTILITY_ALPHA = 1.0  # Marconi's weight of efficiency against recency
+
+
+class Checkpoint:
+    """One snapshot: where it sits, its slot, when it was last used, what it saves."""
+
+    __slots__ = ("flops", "kind", "node", "offset", "slot", "tick")
+
+    def __init__(
+        self, node: TreeNode, offset: int, slot: int, tick: int, flops: float, kind: str
+    ) -> None:
+        self.node, self.offset, self.slot, self.tick, self.flops = node, offset, slot, tick, flops
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(node={self.node.id}, offset={self.offset}, slot={self.slot})"
+
+
+class StateCheckpoints(TreeComponent):
+    """Recurrent-state checkpoints in a radix tree (see the module docstring).
+
+    Args:
+        max_states: the most checkpoints held (the state pool's slots for the tree).
+        allocator: ``free(slots)`` takes back the slots of evicted checkpoints (``None``:
+            dropped).
+        policy: ``lru`` or ``utility`` (Marconi's).
+        prefill_flops: FLOPs to prefill a prefix of ``n`` tokens (the utility policy's
+            compute saved; the default counts tokens, which ranks alike for one model).
+        state_bytes: bytes of one checkpoint (the utility policy's cost).
+        every_pages: `plan` also snapshots every this many pages (0: never).
+    """
+
+    name = "state"
+
+    def __init__(
+        self,
+        max_states: int,
+        allocator: Any = None,
+        policy: str = "lru",
+        prefill_flops: Callable[[int], float] | None = None,
+        state_bytes: int = 1,
+        every_pages: int = 0,
+    ) -> None:
+        if isinstance(max_states, bool) or not isinstance(max_states, int) or max_states < 1:
+            raise ValueError(f"max_states must be a positive int, got {max_states!r}")
+        if policy not in STATE_POLICIES:
+            raise ValueError(f"policy must be one of {STATE_POLICIES}, got {policy!r}")
+        if isinstance(every_pages, bool) or not isinstance(every_pages, int) or every_pages < 0:
+            raise ValueError(f"every_pages must be a non-negative int, got {every_pages!r}")
+        if allocator is not None and not callable(getattr(allocator, "free", None)):
+            raise TypeError("allocator must have a free(slots) method")
+        self.max_states, self.allocator, self.policy = max_states, allocator, policy
+        self.prefill_flops = prefill_flops or float
+        self.state_bytes, self.every_pages = state_bytes, every_pages
+        self.held: dict[int, Checkpoint] = {}  # slot -> checkpoint
+        self._clock = itertools.count(1)
+        self._lru: list[tuple[int, int]] = []  # (tick, slot), lazily invalidated
+        self.evictions = 0  # checkpoints evicted to stay within max_states
+        self.hits = 0  # matches served from a checkpoint
+
+    # --- reading ------------------------------------------------------------------------
+    def _of(self, node: TreeNode) -> tuple[Checkpoint, ...]:
+        return node.ext[self.index] or ()  # type: ignore[index]
+
+    def at(self, node: TreeNode) -> int | None:
+        """The slot of the checkpoint at ``node``'s end, if there is one."""
+        for c in self._of(node):
+            if c.offset == len(node):
+                return c.slot
+        return None
+
+    def num_states(self) -> int:
+        return len(self.held)
+
+    def held_bytes(self) -> int:
+        return len(self.held) * self.state_bytes
+
+    def depth(self, c: Checkpoint) -> int:
+        """Units from the root to the checkpoint's position."""
+        node, depth = c.node, c.offset
+        node = node.parent
+        while node is not None and node.id:
+            depth += len(node)
+            node = node.parent
+        return depth
+
+    # --- matching -----------------------------------------------------------------------
+    def match_limit(self, path: list[TreeNode], partial: TreeNode | None, units: int) -> int:
+        """Units from the root up to the deepest checkpoint within the match."""
+        off = sum(len(n) for n in path)
+        if partial is not None:
+            best = max((c.offset for c in self._of(partial) if c.offset <= units), default=0)
+            if best:
+                return off + best
+        for node in reversed(path):
+            off -= len(node)
+            cps = self._of(node)
+            if cps:
+                return off + max(c.offset for c in cps)
+        return 0
+
+    def used(self, node: TreeNode) -> int | None:
+        """A match ended at ``node``'s checkpoint and its state is being copied:
+        count the hit and refresh its recency; returns the slot."""
+        for c in self._of(node):
+            if c.offset == len(node):
+                c.tick = next(self._clock)
+                heapq.heappush(self._lru, (c.tick, c.slot))
+                self.hits += 1
+                return c.slot
+        return None
+
+    # --- adding -------------------------------------------------------------------------
+    def add(self, node: TreeNode, slot: int, offset: int | None = None, kind: str = "end") -> bool:
+        """Keep ``slot``'s state as the checkpoint at ``offset`` units into ``node`` (its
+        end by default). Returns False (the caller keeps its slot) when one is there
+        already; may evict others, never this one, to stay within ``max_states``.
+
+        Raises:
+            ValueError: ``node`` is not in the cache, the position is not a page
+                boundary inside it, or ``slot`` is held already.
+        """
+        cache = self.cache
+        cache._path_to_root(node, "StateCheckpoints.add")
+        offset = len(node) if offset is None else offset
+        if not 0 < offset <= len(node) or offset % cache.page_size:
+            raise ValueError(f"offset {offset} is not a page boundary inside node {node.id}")
+        if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0:
+            raise ValueError(f"slot must be a non-negative int, got {slot!r}")
+        if slot in self.held:
+            raise ValueError(f"slot {slot} holds a checkpoint already")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        cps = self._of(node)
+        if any(c.offset == offset for c in cps):
+            return False
+        flops = self.prefill_flops(self._depth_at(node, offset))
+        c = Checkpoint(node, offset, slot, next(self._clock), flops, kind)
+        node.ext[self.index] = tuple(sorted((*cps, c), key=lambda x: x.offset))  # type: ignore[index]
+        self.held[slot] = c
+        heapq.heappush(self._lru, (c.tick, slot))
+        if len(self._lru) > 2 * len(self.held) + 64:  # compact the lazy entries
+            self._lru = [(x.tick, s) for s, x in self.held.items()]
+            heapq.heapify(self._lru)
+        if len(self.held) > self.max_states:
+            self.evict(len(self.held) - self.max_states, keep=slot)
+        return True
+
+    def _depth_at(self, node: TreeNode, offset: int) -> int:
+        depth, x = offset, node.parent
+        while x is not None and x.id:
+            depth += len(x)
+            x = x.parent
+        return depth
+
+    # --- admission ----------------------------------------------------------------------
+    def plan(
+        self,
+        prompt_units: int,
+        full_hit: int,
+        state_hit: int,
+        boundaries: tuple[int, ...] = (),
+        prompt_end: bool = True,
+    ) -> list[tuple[int, str]]:
+        """Positions (units from the root, page-aligned, increasing) to snapshot a
+        request at during its prefill, with their kinds: its prompt's end, the branch
+        point where it leaves a cached path without a checkpoint (``full_hit``, the
+        full-attention match, when it lies beyond ``state_hit``, where the request
+        starts), every ``every_pages`` pages, and ``boundaries`` (the end of a system
+        message, breakpoints). A position two reasons share takes the first of branch,
+        boundary, end, interval. ``prompt_end=False`` when the output will be cached
+        and checkpointed at its end: the prompt's end would be superseded at once."""
+        page = self.cache.page_size
+        end = prompt_units - prompt_units % page
+        marks: dict[int, str] = {}
+        if self.every_pages:
+            step = self.every_pages * page
+            marks.update(
+                (p, "interval") for p in range(state_hit - state_hit % step + step, end, step)
+            )
+        if prompt_end:
+            marks[end] = "end"
+        marks.update((b - b % page, "boundary") for b in boundaries)
+        if full_hit > state_hit:
+            marks[full_hit - full_hit % page] = "branch"
+        return sorted((p, k) for p, k in marks.items() if state_hit < p <= end)
+
+    def superseded(self, c: Checkpoint) -> bool:
+        """A sequence's end (or an interval's) that a longer cached sequence passes
+        through with no branch there (a chat's earlier turn): only a request that leaves
+        the path exactly there starts from it. Branch points and boundaries never are."""
+        if c.kind not in ("end", "interval"):
+            return False
+        node = c.node
+        if c.offset < len(node):  # a later checkpoint here, or the path goes on below
+            return c is not self._of(node)[-1] or bool(node.children)
+        return len(node.children) == 1
+
+    # --- eviction -----------------------------------------------------------------------
+    def evict(self, n: int, keep: int | None = None) -> int:
+        """Evict ``n`` checkpoints by the policy (never slot ``keep``); returns how many."""
+        if self.policy == "utility":
+            victims = self._lowest_utility(n, keep)
+        else:
+            victims, kept = [], []
+            while len(victims) < n and self._lru:
+                tick, slot = heapq.heappop(self._lru)
+                c = self.held.get(slot)
+                if c is None or c.tick != tick:  # a stale entry
+                    continue
+                if slot == keep:
+                    kept.append((tick, slot))
+                    continue
+                victims.append(c)
+            for entry in kept:
+                heapq.heappush(self._lru, entry)
+        self.drop(victims)
+        return len(victims)
+
+    def _lowest_utility(self, n: int, keep: int | None) -> list[Checkpoint]:
+        cands = [c for s, c in self.held.items() if s != keep]
+        if not cands:
+            return []
+        ticks = [c.tick for c in cands]
+        t0, t1 = min(ticks), max(ticks)
+        eff = [c.flops / max(self.state_bytes, 1) for c in cands]
+        e0, e1 = min(eff), max(eff)
+
+        def score(i: int) -> float:
+            rec = (ticks[i] - t0) / (t1 - t0) if t1 > t0 else 1.0
+            ef = (eff[i] - e0) / (e1 - e0) if e1 > e0 else 1.0
+            return rec + UTILITY_ALPHA * ef
+
+        order = sorted(range(len(cands)), key=lambda i: (score(i), ticks[i]))
+        return [cands[i] for i in order[:n]]
+
+    def drop(self, victims: list[Checkpoint]) -> None:
+        """Evict these checkpoints (a caller's own order): forget them, free their
+        slots (one ``allocator.free``; a failed one stays pending, see `release`)."""
+        self._drop(victims)
+        self.evictions += len(victims)
+
+    def _drop(self, victims: list[Checkpoint]) -> None:
+        """Forget checkpoints and free their slots."""
+        if not victims:
+            return
+        i = self.index
+        for c in victims:
+            del self.held[c.slot]
+            node = c.node
+            node.ext[i] = tuple(x for x in node.ext[i] if x is not c) or None  # type: ignore[index]
+        self.release(torch.tensor([c.slot for c in victims], dtype=torch.int64))
+
+    # --- hooks --------------------------------------------------------------------------
+    def split(self, lower: TreeNode, upper: TreeNode, units: int) -> None:
+        cps = self._of(lower)
+        if not cps:
+            return
+        up = tuple(c for c in cps if c.offset <= units)
+        down = tuple(c for c in cps if c.offset > units)
+        for c in up:
+            c.node = upper
+        for c in down:
+            c.offset -= units
+        upper.ext[self.index] = up or None  # type: ignore[index]
+        lower.ext[self.index] = down or None  # type: ignore[index]
+
+    def merge(self, leaf: TreeNode, parent: TreeNode) -> None:
+        shift = len(parent)
+        ours, theirs = self._of(leaf), self._of(parent)
+        for c in ours:
+            c.offset += shift
+        for c in theirs:
+            c.node = leaf
+        leaf.ext[self.index] = (*theirs, *ours) or None  # type: ignore[index]
+
+    def evicted(self, victims: list[TreeNode], trim: tuple[TreeNode, int] | None) -> None:
+        gone = [c for v in victims for c in self._of(v)]
+        if trim is not None:
+            node = trim[0]  # already trimmed by the core
+            gone += [c for c in self._of(node) if c.offset > len(node)]
+        self._drop(gone)
+
+    def detach(self, node: TreeNode) -> None:
+        self._drop(list(self._of(node)))
+
+    def reset(self) -> None:
+        if self.held:
+            self.release(torch.tensor(list(self.held), dtype=torch.int64))
+        self.held.clear()
+        self._lru.clear()
+
+    def check_node(self, node: TreeNode, parent: TreeNode) -> None:
+        page = self.cache.page_size
+        offsets = [c.offset for c in self._of(node)]
+        if offsets != sorted(set(offsets)):
+            raise AssertionError(f"node {node.id}: checkpoints out of order or twice")
+        for c in self._of(node):
+            if c.node is not node or not 0 < c.offset <= len(node) or c.offset % page:
+                raise AssertionError(f"node {node.id}: checkpoint at {c.offset} is not inside it")
+            if self.held.get(c.slot) is not c:
+                raise AssertionError(f"node {node.id}: checkpoint slot {c.slot} not held")
+
+    def check(self, nodes: set[int]) -> None:
+        if len(self.held) > self.max_states:
+            raise AssertionError(f"{len(self.held)} checkpoints, at most {self.max_states}")
+        for c in self.held.values():
+            if id(c.node) not in nodes:
+                raise AssertionError(f"checkpoint slot {c.slot} sits on a node not in the tree")
+
+
+__all__ = ["KINDS", "STATE_POLICIES", "Checkpoint", "StateCheckpoints"]

@@ -1,0 +1,383 @@
+"""`WindowKV`: the KV of sliding-window layers (Gemma 3, gpt-oss, Mistral) as a tree
+component.
+
+A sliding-window layer attends to the last ``window`` tokens only, so a cached prefix
+serves it only where the window layers' KV of its last ``window`` tokens is present, and
+the rest of that KV is dead weight. Each node keeps window KV slots (a pool of its own,
+as SGLang's SWA pool) for a *tail* of its units: ``covered`` units ending at the node's
+end; the units before them are a tombstone (full-attention KV only).
+
+The contract (besides `radixkv.tree.component`'s):
+
+* **Useful ends.** A match is expected to end at a leaf's end (a cached prompt or
+  conversation), at a branch point (a node with two children or more: a shared prefix),
+  where a running request holds the tree (a lock end), or at a node end the caller
+  marked (`mark`: a template boundary, such as the end of a system message).
+  ``reach(node)`` is how many units back from the node's end some useful end at or
+  below it needs (``window`` from each, rounded up to pages), and a node needs
+  ``min(len, reach)`` units of tail.
+* **Retention.** With ``retain="ends"`` (the default here) a node keeps exactly the tail
+  it needs: window KV beyond every useful end's window is freed (``allocator.free``) as
+  soon as the tree changes so (an insert, a merge that makes a leaf end an inner
+  position, an eviction, a lock released). With ``retain="all"`` (SGLang's unified
+  cache) a node keeps all its window KV until `evict` tombstones it.
+* **Matching** (``match_limit``): a match may end only where the window KV of its last
+  ``window`` units (or of everything from the root, when shorter) is present.
+* **Inserting** (``inserted``): the caller hands the window slots of its key (one per
+  unit, ``extras={"window": slots}``); the tree takes those of the new units and, in the
+  part that was cached already, those it lacks where a window needs them (a tombstone
+  recovered), as far as it keeps them. ``taken`` then says which of the caller's slots
+  the tree owns; the caller frees the others (duplicates, or not needed).
+* **Pressure** (`evict`): frees window KV of unlocked nodes, least recently used first,
+  whatever their windows need (their matches then end earlier).
+
+Invariants (``check``): a node's window slots are a tail of it, at most its length, one
+slot per unit; ``reach`` is what its own end and its children ask; with ``retain="ends"``
+no node holds more than it needs.
+
+Owns: the window slots of the nodes and which of them are kept. Must not touch: the
+tree's structure, the full KV, locks (it reads them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from radixkv.tree.component import TreeComponent
+from radixkv.units import align_up
+
+if TYPE_CHECKING:
+    from radixkv.tree.node import TreeNode
+
+RETAIN = ("ends", "all")
+_NONE = b""
+
+
+class _Win:
+    """A node's entry: the window slots of its tail (8 bytes a unit), its reach, and
+    whether the caller marked its end as a useful end."""
+
+    __slots__ = ("mark", "reach", "slots")
+
+    def __init__(self, slots: bytes = _NONE, reach: int = 0, mark: bool = False) -> None:
+        self.slots, self.reach, self.mark = slots, reach, mark
+
+
+class WindowKV(TreeComponent):
+    """Sliding-window KV in a radix tree (see the module docstring).
+
+    Args:
+        window: the layers' window in tokens (rounded up to pages).
+        allocator: ``free(slots)`` takes back window slots the tree lets go (``None``:
+            dropped).
+        retain: ``ends`` (free what no useful end's window needs) or ``all``.
+    """
+
+    name = "window"
+
+    def __init__(self, window: int, allocator: Any = None, retain: str = "ends") -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int, got {window!r}")
+        if retain not in RETAIN:
+            raise ValueError(f"retain must be one of {RETAIN}, got {retain!r}")
+        if allocator is not None and not callable(getattr(allocator, "free", None)):
+            raise TypeError("allocator must have a free(slots) method")
+        self.window, self.allocator, self.retain = window, allocator, retain
+        self.taken: np.ndarray = np.zeros(0, dtype=bool)  # of the last insert's slots
+        self.held = 0  # window units the tree holds
+        self._freed: list[bytes] = []  # slots let go in the current operation
+        self._head: tuple[TreeNode, bytes] | None = None  # a merged leaf, its parent's slots
+        self._parents: list[TreeNode] = []  # the parents of the nodes an eviction removes
+
+    def attach(self, cache: Any, index: int) -> None:
+        super().attach(cache, index)
+        self.span = align_up(self.window, cache.page_size)  # the window, in whole pages
+
+    # --- reading ------------------------------------------------------------------------
+    def _w(self, node: TreeNode) -> _Win | None:
+        return node.ext[self.index]  # type: ignore[index]
+
+    def covered(self, node: TreeNode) -> int:
+        """Units of ``node``'s tail that have window KV."""
+        w = self._w(node)
+        return len(w.slots) >> 3 if w is not None else 0
+
+    def slots(self, node: TreeNode) -> torch.Tensor:
+        """The window slots of ``node``'s covered tail, in order."""
+        w = self._w(node)
+        if w is None or not w.slots:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.frombuffer(bytearray(w.slots), dtype=torch.int64)
+
+    def held_units(self) -> int:
+        """Window units the tree holds (counted as they come and go)."""
+        return self.held
+
+    def protected_units(self) -> int:
+        return sum(self.covered(n) for n in self.cache.iter_nodes() if n.lock_ref)
+
+    def _useful(self, node: TreeNode) -> bool:
+        """A match is expected to end at ``node``'s end (a leaf, a branch point, a lock
+        end)."""
+        kids = node.children
+        if len(kids) != 1:
+            return True
+        w = self._w(node)
+        if w is not None and w.mark:
+            return True
+        return node.lock_ref > sum(c.lock_ref for c in kids.values())
+
+    def _reach(self, node: TreeNode) -> int:
+        own = self.span if self._useful(node) else 0
+        best = own
+        for c in node.children.values():
+            w = self._w(c)
+            if w is not None and w.reach - len(c) > best:
+                best = w.reach - len(c)
+        return best
+
+    def need(self, node: TreeNode) -> int:
+        """Units of ``node``'s tail its useful ends need (``retain="all"``: all)."""
+        if self.retain == "all":
+            return len(node)
+        w = self._w(node)
+        return min(len(node), w.reach) if w is not None else 0
+
+    def mark(self, node: TreeNode) -> None:
+        """Keep a window at ``node``'s end from now on (until the node is evicted or a
+        split moves its end): the caller knows requests will branch there (a template
+        boundary). The window KV must come with a later insert through ``node``."""
+        self.cache._path_to_root(node, "WindowKV.mark")
+        w = self._w(node)
+        if w is None:
+            w = node.ext[self.index] = _Win()  # type: ignore[index]
+        if not w.mark:
+            w.mark = True
+            self._refresh(node)
+
+    # --- matching -----------------------------------------------------------------------
+    def servable(self, node: TreeNode) -> bool:
+        """A match may end at ``node``'s end: the window KV of its last ``window`` units
+        (or all, from the root) is there."""
+        path = self.cache._path_to_root(node, "WindowKV.servable")[::-1]
+        return self.match_limit(path, None, 0) == sum(len(n) for n in path)
+
+    def match_limit(self, path: list[TreeNode], partial: TreeNode | None, units: int) -> int:
+        """The deepest position within the match whose last ``window`` units (or all,
+        from the root) have window KV."""
+        span = self.span
+        run = 0  # where the covered run reaching the current position starts
+        end = best = 0
+        for node in path:
+            end += len(node)
+            k = self.covered(node)
+            if k < len(node):
+                run = end - k
+            if end - run >= span or run == 0:
+                best = end
+        if partial is not None:
+            k = self.covered(partial)
+            first = end + len(partial) - k  # the covered tail's first unit
+            pos = end + units
+            if pos > first:
+                run = first if first > end else run
+                if pos - run >= span or run == 0:
+                    best = pos
+        return best
+
+    # --- inserting ----------------------------------------------------------------------
+    def inserted(
+        self, path: list[TreeNode], leaf: TreeNode | None, start: int, n: int, extra: Any
+    ) -> None:
+        """After an insert of ``n`` units, ``start`` of them cached before (``path``
+        covers them; ``leaf`` holds the rest as its tail): recompute the windows, take
+        the caller's slots that are new or fill a needed tombstone (``taken``)."""
+        given = None
+        if extra is not None:
+            given = extra.numpy() if isinstance(extra, torch.Tensor) else np.asarray(extra)
+            given = given.astype(np.int64, copy=False)
+            if len(given) != n:
+                raise ValueError(f"window slots: {len(given)} for {n} units")
+        self.taken = np.zeros(n, dtype=bool)
+        head, self._head = self._head, None
+        if leaf is not None:
+            w = leaf.ext[self.index] = _Win()  # type: ignore[index]
+            prior = head[1] if head is not None and head[0] is leaf else _NONE
+            if given is not None:  # the new units are covered, and what came before
+                w.slots = prior + given[start:n].tobytes()
+                self.taken[start:n] = True
+                self.held += n - start
+            else:  # the merged leaf's old covered tail is no tail any more
+                self._freed.append(prior)
+        self._reach_up(leaf if leaf is not None else (path[-1] if path else None))
+        end = 0
+        for node in path:
+            end += len(node)
+            self._fit(node, end, given)
+        if leaf is not None:
+            self._fit(leaf, n, None)
+        self._flush()
+
+    def _fit(self, node: TreeNode, end: int, given: np.ndarray | None) -> None:
+        """Make ``node`` hold the tail it needs: free what is beyond (``retain="ends"``),
+        take what it lacks from ``given`` (the caller's slots, by absolute unit)."""
+        w = self._w(node)
+        if w is None:
+            w = node.ext[self.index] = _Win(_NONE, self._reach(node))  # type: ignore[index]
+        need, have = self.need(node), len(w.slots) >> 3
+        if have > need:
+            cut = (have - need) << 3
+            self._freed.append(w.slots[:cut])
+            w.slots = w.slots[cut:]
+        elif have < need and given is not None:
+            lo, hi = end - need, end - have  # the absolute units to take
+            w.slots = given[lo:hi].tobytes() + w.slots
+            self.taken[lo:hi] = True
+            self.held += hi - lo
+
+    def _reach_up(self, node: TreeNode | None) -> list[TreeNode]:
+        """Recompute reach from ``node`` up while it changes (always ``node`` itself and
+        its parent); returns the nodes visited."""
+        root, seen = self.cache.root, []
+        while node is not None and node is not root:
+            w = self._w(node)
+            if w is None:
+                w = node.ext[self.index] = _Win()  # type: ignore[index]
+            reach = self._reach(node)
+            changed = reach != w.reach
+            w.reach = reach
+            seen.append(node)
+            if not changed and len(seen) > 1:
+                break
+            node = node.parent
+        return seen
+
+    def _refresh(self, node: TreeNode | None) -> None:
+        """Recompute reach from ``node`` up, and free what the visited nodes no longer
+        need."""
+        if node is None or node.parent is None:
+            return
+        for x in self._reach_up(node):
+            self._fit(x, 0, None)
+        self._flush()
+
+    def _flush(self) -> None:
+        freed = [b for b in self._freed if b]
+        self._freed = []
+        self.held -= sum(len(b) for b in freed) >> 3
+        if freed:
+            self.release(torch.frombuffer(bytearray(b"".join(freed)), dtype=torch.int64))
+
+    # --- the tree changes ---------------------------------------------------------------
+    def split(self, lower: TreeNode, upper: TreeNode, units: int) -> None:
+        w = self._w(lower)
+        if w is None:
+            return
+        tail = len(lower) - units  # the lower half's length
+        have = len(w.slots) >> 3
+        up = max(have - tail, 0)  # covered units falling in the upper half
+        upper.ext[self.index] = _Win(w.slots[: up << 3], max(w.reach - tail, 0))  # type: ignore[index]
+        # the mark stays with the lower half, whose end it is
+        w.slots = w.slots[up << 3 :]
+
+    def merge(self, leaf: TreeNode, parent: TreeNode) -> None:
+        # ``inserted`` (next, in the same insert) joins the parent's covered tail, which
+        # ends where the leaf's new units start, to the new units' slots
+        pw = self._w(parent)
+        self._head = (leaf, pw.slots if pw is not None else _NONE)
+
+    def evicting(
+        self, victims: list[TreeNode], trim: tuple[TreeNode, int] | None, slots: Any
+    ) -> None:
+        self._parents = [v.parent for v in victims if v.parent is not None]
+
+    def evicted(self, victims: list[TreeNode], trim: tuple[TreeNode, int] | None) -> None:
+        for v in victims:
+            w = self._w(v)
+            if w is not None:
+                self._freed.append(w.slots)
+            v.ext[self.index] = None  # type: ignore[index]
+        if trim is not None:
+            node, take = trim  # already trimmed by the core: its last units are gone
+            w = self._w(node)
+            if w is not None:
+                have = len(w.slots) >> 3
+                keep = max(have - take, 0)
+                self._freed.append(w.slots[keep << 3 :])
+                w.slots = w.slots[: keep << 3]
+            self._refresh(node)
+        parents, self._parents = self._parents, []
+        for node in {id(p): p for p in parents}.values():
+            self._refresh(node)  # fewer children: a branch point may be gone
+        self._flush()
+
+    def detach(self, node: TreeNode) -> None:
+        w = self._w(node)
+        if w is not None:
+            self._freed.append(w.slots)
+        node.ext[self.index] = None  # type: ignore[index]
+
+    def detached(self, node: TreeNode, parent: TreeNode) -> None:
+        self._refresh(parent)
+        self._flush()
+
+    def lock(self, path: list[TreeNode]) -> int:
+        self._refresh(path[0] if path else None)
+        return 0
+
+    def unlock(self, path: list[TreeNode]) -> int:
+        self._refresh(path[0] if path else None)
+        return 0
+
+    def reset(self) -> None:
+        if self.allocator is not None and self.cache.num_nodes():
+            for n in self.cache.iter_nodes():
+                w = self._w(n)
+                if w is not None:
+                    self._freed.append(w.slots)
+            self._flush()
+        self._freed, self._head, self._parents = [], None, []
+        self.held = 0
+
+    # --- pressure -----------------------------------------------------------------------
+    def evict(self, units: int) -> int:
+        """Free the window KV of at least ``units`` units (when there are that many in
+        unlocked nodes), whole nodes' tails, least recently used first."""
+        cands = [n for n in self.cache.iter_nodes() if not n.lock_ref and self.covered(n)]
+        cands.sort(key=lambda n: (n.last_access, n.id))
+        freed = 0
+        for node in cands:
+            if freed >= units:
+                break
+            w = self._w(node)
+            freed += len(w.slots) >> 3  # type: ignore[union-attr]
+            self._freed.append(w.slots)  # type: ignore[union-attr]
+            w.slots = _NONE  # type: ignore[union-attr]
+        self._flush()
+        return freed
+
+    # --- checks -------------------------------------------------------------------------
+    def check_node(self, node: TreeNode, parent: TreeNode) -> None:
+        w = self._w(node)
+        have = self.covered(node)
+        if have > len(node):
+            raise AssertionError(f"node {node.id}: {have} window units, {len(node)} units")
+        if w is None:
+            return
+        if w.reach != self._reach(node):
+            raise AssertionError(f"node {node.id}: reach {w.reach}, its ends ask "
+                                 f"{self._reach(node)}")  # fmt: skip
+        if self.retain == "ends" and have > self.need(node):
+            raise AssertionError(f"node {node.id}: holds {have} window units, needs "
+                                 f"{self.need(node)}")  # fmt: skip
+
+    def check(self, nodes: set[int]) -> None:
+        held = sum(self.covered(n) for n in self.cache.iter_nodes())
+        if held != self.held:
+            raise AssertionError(f"{held} window units held, counted {self.held}")
+
+
+__all__ = ["RETAIN", "WindowKV"]
