@@ -174,7 +174,8 @@ class StateCheckpoints(TreeComponent):
     def add(self, node: TreeNode, slot: int, offset: int | None = None, kind: str = "end") -> bool:
         """Keep ``slot``'s state as the checkpoint at ``offset`` units into ``node`` (its
         end by default). Returns False (the caller keeps its slot) when one is there
-        already; may evict others, never this one, to stay within ``max_states``.
+        already, and refreshes that one's recency (SGLang's unified cache does too);
+        may evict others, never this one, to stay within ``max_states``.
 
         Raises:
             ValueError: ``node`` is not in the cache, the position is not a page
@@ -192,8 +193,11 @@ class StateCheckpoints(TreeComponent):
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         cps = self._of(node)
-        if any(c.offset == offset for c in cps):
-            return False
+        for c in cps:
+            if c.offset == offset:  # the same state again: it was just reached, refresh it
+                c.tick = next(self._clock)
+                heapq.heappush(self._lru, (c.tick, c.slot))
+                return False
         flops = self.prefill_flops(self._depth_at(node, offset))
         c = Checkpoint(node, offset, slot, next(self._clock), flops, kind)
         node.ext[self.index] = tuple(sorted((*cps, c), key=lambda x: x.offset))  # type: ignore[index]

@@ -1,0 +1,224 @@
+"""A hybrid model's prefix cache (full-attention KV + recurrent-state checkpoints),
+radixkv against SGLang 0.5.23's production `UnifiedRadixCache` (Rust tree core, FULL +
+MAMBA components), driven with the same requests in the same run.
+
+    python benchmarks/bench_hybrid.py [--repeats 3]
+
+Per request, as each scheduler does it for a Mamba / Gated DeltaNet model: match the
+prompt (the state hit, and the branch point where the full-attention match goes past
+the last state), cache the branch point's state that the prefill saved there, then cache
+the prompt's KV with its state at the end. SGLang's side runs in the SGLang peer's venv
+(``../shared/peers/setup.sh sglang``); a missing peer is skipped with a note. Page 1:
+without its ping-pong extra buffer SGLang's MambaComponent requires page size 1.
+Reported: µs per request (match + inserts, median of the repeats, GC on), cached tokens
+(state hits, which must be equal: tests/test_sglang_hybrid_diff.py checks the same
+semantics operation by operation) and checkpoints held at the end; the last column is
+the same requests through radixkv's cache without components (a full-attention model's
+match + insert), for the cost of the state component.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+PEER = Path.home() / ".cache" / "radixkv-peers" / "sglang" / "bin" / "python"
+WORKLOADS = ("a", "b")
+
+
+def requests(workload: str) -> list[list[int]]:
+    from workloads import multi_turn_chat, shared_system_prompt
+
+    return shared_system_prompt() if workload == "a" else multi_turn_chat()
+
+
+def run_radixkv(reqs: list[list[int]]) -> tuple[float, int, int]:
+    import numpy as np
+
+    from radixkv import RadixCache, RadixKey
+    from radixkv.tree.state import StateCheckpoints
+
+    class Slots:
+        def free(self, slots) -> None:
+            pass
+
+    state = StateCheckpoints(1 << 30, Slots())
+    cache = RadixCache(1, components=(state,))
+    keys = [RadixKey(np.asarray(r, dtype=np.int64)) for r in reqs]
+    hits, slot = 0, 0
+    t0 = time.perf_counter()
+    for key in keys:
+        full = cache.match_len(key, full=True)
+        m = cache.match_prefix(key)
+        if m.prefix_len:
+            state.used(m.last_node)  # the hit copies this state
+        hits += m.prefix_len
+        for pos, _kind in state.plan(len(key), full, m.prefix_len):
+            state.add(cache.insert_node(key[:pos]).last_node, slot)
+            slot += 1
+    dt = time.perf_counter() - t0
+    return dt, hits, len(state.held)
+
+
+def run_sglang(reqs: list[list[int]]) -> tuple[float, int, int]:
+    from array import array
+
+    import torch
+    from sglang.srt import runtime_context
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.server_args import ServerArgs
+
+    class NullAllocator:
+        device = torch.device("cpu")
+
+        def free(self, t):
+            pass
+
+        def free_segment(self, t, start_pos=0):
+            pass
+
+    args = ServerArgs(model_path="dummy", page_size=1)
+    args._mamba_cache_chunk_size = 1
+    runtime_context._CONTEXT.set_server_args(args)
+    shape = Mamba2StateShape.create(
+        tp_world_size=1,
+        intermediate_size=8,
+        n_groups=1,
+        num_heads=2,
+        head_dim=4,
+        state_size=4,
+        conv_kernel=4,
+    )
+    pool = HybridReqToTokenPool(
+        size=8,
+        mamba_size=2 * len(reqs) + 8,
+        mamba_spec_state_size=0,
+        max_context_len=1 << 16,
+        device="cpu",
+        enable_memory_saver=False,
+        cache_params=Mamba2CacheParams(shape=shape, layers=[0]),
+        mamba_layer_ids=[0],
+        enable_mamba_extra_buffer=False,
+    )
+    cache = UnifiedRadixCache(
+        CacheInitParams(
+            disable=False,
+            req_to_token_pool=pool,
+            token_to_kv_pool_allocator=NullAllocator(),
+            page_size=1,
+            eviction_policy="lru",
+            tree_components=(ComponentType.FULL, ComponentType.MAMBA),
+            tree_core_backend="rust",
+        )
+    )
+    assert type(cache.tree_core).__name__ == "RustUnifiedTreeCore"
+    keys = [array("q", r) for r in reqs]
+    values = [torch.arange(len(r)) for r in reqs]
+    alloc, free = pool.mamba_allocator.alloc, pool.mamba_allocator.free
+    hits = held = 0
+    t0 = time.perf_counter()
+    for toks, value in zip(keys, values, strict=True):
+        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(toks)))
+        hits += m.device_prefix_len
+        b = m.mamba_branching_seqlen
+        for n in (b, len(toks)) if b is not None and b < len(toks) else (len(toks),):
+            s = alloc(1)
+            res = cache.insert(InsertParams(key=RadixKey(toks[:n]), value=value[:n], mamba_value=s))
+            if res.mamba_exist:
+                free(s)
+            else:
+                held += 1
+    dt = time.perf_counter() - t0
+    return dt, hits, held
+
+
+def run_full_only(reqs: list[list[int]]) -> tuple[float, int, int]:
+    """The same requests through radixkv's cache without components (a full-attention
+    model): match + insert."""
+    import numpy as np
+
+    from radixkv import RadixCache, RadixKey
+
+    cache = RadixCache(1)
+    keys = [RadixKey(np.asarray(r, dtype=np.int64)) for r in reqs]
+    hits = 0
+    t0 = time.perf_counter()
+    for key in keys:
+        hits += cache.match_prefix(key).prefix_len
+        cache.insert(key)
+    return time.perf_counter() - t0, hits, 0
+
+
+def measure(impl: str, repeats: int) -> list[dict]:
+    run = {"radixkv": run_radixkv, "full": run_full_only, "sglang": run_sglang}[impl]
+    rows = []
+    for w in WORKLOADS:
+        reqs = requests(w)
+        times, out = [], None
+        for _ in range(repeats):
+            dt, hits, held = run(reqs)
+            times.append(dt / len(reqs) * 1e6)
+            out = (hits, held)
+        rows.append(dict(workload=w, us=statistics.median(times), hits=out[0], held=out[1]))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--impl", choices=("radixkv", "sglang"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.impl:  # one side, in its own venv: print JSON
+        print(json.dumps(measure(args.impl, args.repeats)))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    ours = measure("radixkv", args.repeats)
+    full = measure("full", args.repeats)
+    theirs = None
+    if PEER.exists():
+        env = {**os.environ, "SGLANG_PEER_UNIFIED": "1", "PYTHONWARNINGS": "ignore"}
+        cmd = [str(PEER), __file__, "--impl", "sglang", "--repeats", str(args.repeats)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if proc.returncode:
+            raise SystemExit(f"SGLang side failed:\n{proc.stderr[-2000:]}")
+        theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    else:
+        console.print(f"[yellow]skipping SGLang:[/yellow] no interpreter at {PEER}")
+    table = Table(title="hybrid prefix cache (FULL + recurrent state), page 1, µs per request")
+    cols = ("workload", "radixkv µs", "SGLang Rust µs", "ratio", "cached tokens", "states")
+    for col in (*cols, "radixkv full-only µs"):
+        table.add_column(col, justify="right")
+    names = {"a": "(a) 2,000 × shared 1,024-token prompt", "b": "(b) 200 chats × 8 turns"}
+    for i, r in enumerate(ours):
+        t = theirs[i] if theirs else None
+        table.add_row(
+            names[r["workload"]],
+            f"{r['us']:.1f}",
+            f"{t['us']:.1f}" if t else "-",
+            f"{t['us'] / r['us']:.1f}×" if t else "-",
+            f"{r['hits']:,}" + (f" / {t['hits']:,}" if t else ""),
+            f"{r['held']:,}" + (f" / {t['held']:,}" if t else ""),
+            f"{full[i]['us']:.1f}",
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
