@@ -165,7 +165,7 @@ def _transformers_folder(path, cls_name: str, **config):
 @pytest.mark.parametrize(
     ("arch", "config", "named"),
     [
-        ("MistralForCausalLM", {"sliding_window": 64}, "MistralForCausalLM"),
+        ("Qwen3MoeForCausalLM", {}, "Qwen3MoeForCausalLM"),
         ("LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "linear"),
         ("LlamaForCausalLM", {"attention_bias": True}, "attention_bias"),
         ("LlamaForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
@@ -174,9 +174,10 @@ def _transformers_folder(path, cls_name: str, **config):
 def test_an_architecture_or_config_field_radixkv_does_not_run_is_refused(
     tmp_path, capsys, arch, config, named
 ):
-    """A Mistral folder with a 64-token sliding window used to load as Llama and attend
-    past its window without a word; a Llama with a field radixkv does not implement
-    (scaled RoPE, biases, another activation) computed something else."""
+    """An architecture radixkv does not run is refused naming it (a Mistral folder with a
+    sliding window used to load as Llama and attend past its window; Mistral runs now,
+    tests/test_families.py); a Llama with a field radixkv does not implement (scaled
+    RoPE, biases, another activation) computed something else."""
     from radixkv.cli import main
     from radixkv.engine.models import UnsupportedModel
 

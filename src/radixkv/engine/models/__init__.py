@@ -1,7 +1,11 @@
 """Model families, one module each, chosen by ``config.json``'s ``architectures`` through
 one registry.
 
-    llama.py   LlamaForCausalLM (Llama 2/3, SmolLM2, TinyLlama, ...)
+    llama.py   LlamaForCausalLM (Llama 2/3, SmolLM2, TinyLlama, ...), and the decoder
+               the next three share
+    qwen2.py   Qwen2ForCausalLM (Qwen2, Qwen2.5: q/k/v biases)
+    qwen3.py   Qwen3ForCausalLM (dense Qwen3: q/k norms)
+    mistral.py MistralForCausalLM (sliding-window attention)
     base.py    the ragged batch, shared layers, the strict config reader
 
 A family module has ``ARCHITECTURE`` (the name in ``config.json``), ``ModelConfig`` (its
@@ -22,9 +26,17 @@ from radixkv.engine.models.base import ForwardBatch, UnsupportedModel
 
 FAMILIES = {
     "LlamaForCausalLM": "radixkv.engine.models.llama",
+    "Qwen2ForCausalLM": "radixkv.engine.models.qwen2",
+    "Qwen3ForCausalLM": "radixkv.engine.models.qwen3",
+    "MistralForCausalLM": "radixkv.engine.models.mistral",
 }
 # what a config without ``architectures`` (a bare PretrainedConfig) names by model_type
-MODEL_TYPES = {"llama": "LlamaForCausalLM"}
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 
 def architecture_of(config: dict[str, Any]) -> str:

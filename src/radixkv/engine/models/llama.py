@@ -1,6 +1,11 @@
 """A Llama-architecture model in plain PyTorch whose attention reads and writes K/V through
 the `KVPool` by slot index.
 
+The same decoder runs the families that differ from Llama only in a few switches
+(``qwen2.py``: q/k/v biases; ``qwen3.py``: per-head q/k RMSNorm; ``mistral.py``:
+sliding-window attention): `ModelConfig`'s variant fields, which a Llama ``config.json``
+cannot set (`FIXED` refuses them there) and each family's ``from_dict`` sets.
+
 A forward pass takes a *ragged batch*: the new tokens of several sequences laid end to
 end (prefill chunks of any length, decode steps of one token). Each sequence's new K/V
 are written to its ``out_slots`` first; its attention then gathers K/V for *all* of its
@@ -23,6 +28,7 @@ from torch import nn
 from radixkv.engine.models.base import (
     ForwardBatch,
     RMSNorm,
+    UnsupportedModel,
     check_fields,
     rope_theta,
     rotate_half,
@@ -60,12 +66,22 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # the variants (set by the other families' from_dict, never by a Llama config.json)
+    qkv_bias: bool = False  # biases on q, k and v (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    # per layer: how many tokens back a query sees, itself included (0: all); Mistral's
+    # and Qwen's sliding_window on the layers their config names
+    windows: tuple[int, ...] = ()
+    architecture: str = ARCHITECTURE
 
     def __post_init__(self) -> None:
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.windows = tuple(self.windows) or (0,) * self.num_hidden_layers
+        if len(self.windows) != self.num_hidden_layers:
+            raise ValueError("windows must give one window per layer")
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
@@ -75,7 +91,7 @@ class ModelConfig:
         Raises:
             UnsupportedModel: a field Llama as radixkv runs it does not implement.
         """
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} - VARIANT_FIELDS
         check_fields(d, ARCHITECTURE, names | {"rope_parameters", "rope_scaling"}, FIXED)
         kwargs = {k: v for k, v in d.items() if k in names and v is not None}
         kwargs["rope_theta"] = rope_theta(d, ARCHITECTURE, cls.rope_theta)
@@ -84,9 +100,75 @@ class ModelConfig:
             kwargs["eos_token_id"] = eos[0]
         return cls(**kwargs)
 
+    @classmethod
+    def from_family_dict(
+        cls, d: dict, architecture: str, honored: set[str], fixed: dict, **variant: object
+    ) -> ModelConfig:
+        """A ``config.json`` of a Llama-like family: its own fields (``honored``, those
+        in ``fixed`` at the values listed) plus Llama's, every other field refused."""
+        names = {f.name for f in fields(cls)} - VARIANT_FIELDS
+        check_fields(d, architecture, names | honored | {"rope_parameters", "rope_scaling"},
+                     fixed)  # fmt: skip
+        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
+        kwargs["rope_theta"] = rope_theta(d, architecture, cls.rope_theta)
+        eos = kwargs.get("eos_token_id")
+        if isinstance(eos, list):
+            kwargs["eos_token_id"] = eos[0]
+        return cls(**kwargs, **variant, architecture=architecture)  # type: ignore[arg-type]
+
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        """A Llama's ``config.json``; for the other families every field, variants
+        included (what the model identity hashes: the layer types are part of it)."""
+        if self.architecture != ARCHITECTURE:
+            return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in VARIANT_FIELDS}
         return {**out, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+
+
+VARIANT_FIELDS = frozenset({"qkv_bias", "qk_norm", "windows", "architecture"})
+
+
+def layer_windows(d: dict, architecture: str) -> tuple[int, ...]:
+    """Per layer, the sliding window a Mistral / Qwen ``config.json`` asks for (0: full
+    attention): ``layer_types`` when given, else Qwen's ``use_sliding_window`` from
+    layer ``max_window_layers`` on, else Mistral's ``sliding_window`` on every layer.
+
+    A sliding layer with ``sliding_window`` null sees everything, as in transformers
+    (Qwen3 writes ``layer_types`` but nulls the window without ``use_sliding_window``).
+
+    Raises:
+        UnsupportedModel: a layer type other than full and sliding attention, or a
+            ``sliding_window`` that is not a positive int.
+    """
+    n = int(d.get("num_hidden_layers", ModelConfig.num_hidden_layers))
+    window = d.get("sliding_window")
+    types = d.get("layer_types")
+    if types is None:
+        if "use_sliding_window" in d:  # Qwen2 / Qwen3
+            start = int(d.get("max_window_layers", n))
+            on = bool(d["use_sliding_window"]) and window is not None
+            types = ["sliding_attention" if on and i >= start else "full_attention"
+                     for i in range(n)]  # fmt: skip
+        else:  # Mistral
+            types = ["sliding_attention" if window else "full_attention"] * n
+    if not isinstance(types, list) or len(types) != n:
+        raise UnsupportedModel(f"{architecture}: layer_types must list one type per layer")
+    out = []
+    for t in types:
+        if t == "full_attention":
+            out.append(0)
+        elif t == "sliding_attention":
+            if window is None:  # transformers: a sliding layer with no window sees all
+                out.append(0)
+                continue
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise UnsupportedModel(f"{architecture}: sliding layers need a positive "
+                                       f"sliding_window, config.json has {window!r}")  # fmt: skip
+            out.append(window)
+        else:
+            raise UnsupportedModel(f"{architecture}: layer type {t!r} is not implemented "
+                                   "by radixkv")  # fmt: skip
+    return tuple(out)
 
 
 class Attention(nn.Module):
@@ -94,11 +176,15 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=False)
+        self.window = cfg.windows[layer_id]
+        h, bias = cfg.hidden_size, cfg.qkv_bias
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -112,6 +198,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.nh, self.hd)
         k = self.k_proj(x).view(t, self.nkv, self.hd)
         v = self.v_proj(x).view(t, self.nkv, self.hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         pool.write(self.layer_id, batch.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
@@ -123,10 +211,16 @@ class Attention(nn.Module):
             qi = q[start : start + n].transpose(0, 1)  # [nh, n, hd]
             ki = keys.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
             vi = values.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-            # query j sits at context position s - n + j and sees keys 0 .. s - n + j
-            mask = torch.arange(s, device=x.device)[None, :] <= (
-                torch.arange(n, device=x.device)[:, None] + (s - n)
+            # query j sits at context position s - n + j and sees keys 0 .. s - n + j,
+            # with a window only the last ``window`` of them
+            ahead = (
+                torch.arange(n, device=x.device)[:, None]
+                + (s - n)
+                - torch.arange(s, device=x.device)[None, :]
             )
+            mask = ahead >= 0
+            if self.window:
+                mask &= ahead < self.window
             out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)
             outs.append(out.transpose(0, 1).reshape(n, self.nh * self.hd))
             start += n

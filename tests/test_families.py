@@ -1,0 +1,120 @@
+"""Model families other than Llama, token for token with transformers' own modeling code
+on tiny random checkpoints written by ``save_pretrained`` (no download): Qwen2 (q/k/v
+biases, and sliding layers from ``max_window_layers``), Qwen3 (q/k norms), Mistral (a
+sliding window on every layer). Prompts run well past the window, with the prefix cache
+on, chunked prefill, pages 1 and 16; a request that reuses a cached prefix must still
+agree with a fresh forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv.engine.engine import Engine
+
+FAMILIES = [
+    ("Qwen2ForCausalLM", {}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ("Qwen3ForCausalLM", {"head_dim": 16}),
+    ("Qwen3ForCausalLM", {"head_dim": 16, "use_sliding_window": True, "sliding_window": 20,
+                          "layer_types": ["sliding_attention", "full_attention"]}),
+    ("MistralForCausalLM", {"sliding_window": 24}),
+]  # fmt: skip
+
+
+def folder(path, arch: str, **config):
+    import transformers
+
+    torch.manual_seed(0)
+    conf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, **config,
+    )  # fmt: skip
+    model = getattr(transformers, arch)(conf)
+    with torch.no_grad():  # random biases and norms, so a dropped one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def greedy(reference, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                 attention_mask=mask)  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize(("arch", "config"), FAMILIES, ids=lambda x: str(x)[:40])
+@pytest.mark.parametrize("page", [1, 16])
+def test_token_for_token_with_transformers(tmp_path, arch, config, page):
+    import transformers
+
+    path = folder(tmp_path / "ckpt", arch, **config)
+    reference = getattr(transformers, arch).from_pretrained(path).eval()
+    engine = Engine(str(path), page_size=page, chunk_size=32)
+    assert engine.config.architecture == arch
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 384, (70,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 384, (k,), generator=g).tolist() for k in (5, 17, 40)]
+    first = engine.generate(prompts[:1], max_new_tokens=12, chat=False, ignore_eos=True)
+    rest = engine.generate(prompts[1:], max_new_tokens=12, chat=False, ignore_eos=True)
+    assert rest.stats.cached_tokens > 0  # the later ones reused the first one's KV
+    for prompt, out in zip(prompts, first.outputs + rest.outputs, strict=True):
+        assert out.token_ids == greedy(reference, prompt, 12)
+
+
+def test_a_window_changes_what_mistral_computes(tmp_path):
+    """The sliding window is honored, not ignored: the same weights with and without it
+    disagree past the window, and each agrees with transformers."""
+    import json
+
+    import transformers
+
+    path = folder(tmp_path / "w", "MistralForCausalLM", sliding_window=8)
+    ids = list(range(3, 80))
+    windowed = Engine(str(path)).generate([ids], max_new_tokens=8, chat=False, ignore_eos=True)
+    conf = json.loads((path / "config.json").read_text())
+    conf["sliding_window"] = None
+    (path / "config.json").write_text(json.dumps(conf))
+    full = Engine(str(path)).generate([ids], max_new_tokens=8, chat=False, ignore_eos=True)
+    assert windowed.outputs[0].token_ids != full.outputs[0].token_ids
+    reference = transformers.MistralForCausalLM.from_pretrained(path).eval()
+    assert full.outputs[0].token_ids == greedy(reference, ids, 8)
+
+
+@pytest.mark.parametrize(
+    ("arch", "config", "named"),
+    [
+        ("Qwen3ForCausalLM", {"attention_bias": True}, "attention_bias"),
+        ("Qwen2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        ("Qwen3ForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0,
+                                                  "rope_theta": 1e4}}, "yarn"),
+    ],
+)  # fmt: skip
+def test_fields_a_family_does_not_implement_are_refused(tmp_path, arch, config, named):
+    from radixkv.engine.models import UnsupportedModel
+
+    path = folder(tmp_path / "ckpt", arch, **config)
+    with pytest.raises(UnsupportedModel, match=named):
+        Engine(str(path))
+
+
+def test_the_model_identity_covers_the_layer_types(tmp_path):
+    """Two checkpoints with the same weights and different windows must never share
+    stored KV: the identity hashes the windows."""
+    import json
+
+    from radixkv.storage.identity import model_identity
+
+    path = folder(tmp_path / "m", "MistralForCausalLM", sliding_window=8)
+    a = Engine(str(path))
+    conf = json.loads((path / "config.json").read_text())
+    conf["sliding_window"] = 16
+    (path / "config.json").write_text(json.dumps(conf))
+    b = Engine(str(path))
+    assert a.config.windows != b.config.windows
+    ids = [model_identity(e.model, torch.float32, 1, e.tokenizer) for e in (a, b)]
+    assert ids[0] != ids[1]
