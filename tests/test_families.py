@@ -19,6 +19,15 @@ FAMILIES = [
     ("Qwen3ForCausalLM", {"head_dim": 16, "use_sliding_window": True, "sliding_window": 20,
                           "layer_types": ["sliding_attention", "full_attention"]}),
     ("MistralForCausalLM", {"sliding_window": 24}),
+    ("Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 16,
+                           "layer_types": ["sliding_attention", "full_attention"]}),
+    ("Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 12,
+                           "layer_types": ["full_attention", "sliding_attention"],
+                           "final_logit_softcapping": 3.0,
+                           "rope_parameters": {
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                               "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                  "factor": 8.0}}}),
 ]  # fmt: skip
 
 
@@ -26,7 +35,8 @@ def folder(path, arch: str, **config):
     import transformers
 
     torch.manual_seed(0)
-    conf = getattr(transformers, arch.replace("ForCausalLM", "Config"))(
+    name = arch.replace("ForCausalLM", "TextConfig" if arch.startswith("Gemma") else "Config")
+    conf = getattr(transformers, name)(
         vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, **config,
     )  # fmt: skip
@@ -90,6 +100,10 @@ def test_a_window_changes_what_mistral_computes(tmp_path):
     [
         ("Qwen3ForCausalLM", {"attention_bias": True}, "attention_bias"),
         ("Qwen2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
+        ("Gemma3ForCausalLM", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ("Gemma3ForCausalLM", {"rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0}}}, "yarn"),
         ("Qwen3ForCausalLM", {"rope_parameters": {"rope_type": "yarn", "factor": 2.0,
                                                   "rope_theta": 1e4}}, "yarn"),
     ],
@@ -118,3 +132,30 @@ def test_the_model_identity_covers_the_layer_types(tmp_path):
     assert a.config.windows != b.config.windows
     ids = [model_identity(e.model, torch.float32, 1, e.tokenizer) for e in (a, b)]
     assert ids[0] != ids[1]
+
+
+@pytest.mark.parametrize(("arch", "config"), FAMILIES, ids=lambda x: str(x)[:40])
+def test_logits_equal_transformers(tmp_path, arch, config):
+    """Every position's logits (not only the argmax: a final soft-cap keeps it), the
+    prompt run as two chunks through the KV pool, the second reading the first's KV."""
+    import transformers
+
+    from radixkv.engine.models.base import ForwardBatch
+    from radixkv.engine.weights import load_hf_folder
+    from radixkv.memory import KVPool
+
+    path = folder(tmp_path / "ckpt", arch, **config)
+    reference = getattr(transformers, arch).from_pretrained(path).eval()
+    ours = load_hf_folder(path)
+    c = ours.config
+    ids = torch.randint(3, 384, (90,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = reference(ids[None]).logits[0]
+    pool = KVPool(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 128, torch.float32,
+                  torch.device("cpu"))  # fmt: skip
+    slots = torch.randperm(128)[:90]  # anywhere in the pool
+    got = []
+    for a, b in ((0, 37), (37, 90)):
+        batch = ForwardBatch(ids[a:b], torch.arange(a, b), slots[a:b], [b - a], [slots[:b]])
+        got.append(ours(batch, pool, all_logits=True))
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)

@@ -6,6 +6,7 @@ one registry.
     qwen2.py   Qwen2ForCausalLM (Qwen2, Qwen2.5: q/k/v biases)
     qwen3.py   Qwen3ForCausalLM (dense Qwen3: q/k norms)
     mistral.py MistralForCausalLM (sliding-window attention)
+    gemma3.py  Gemma3ForCausalLM (Gemma 3 text: local and global layers)
     base.py    the ragged batch, shared layers, the strict config reader
 
 A family module has ``ARCHITECTURE`` (the name in ``config.json``), ``ModelConfig`` (its
@@ -29,6 +30,7 @@ FAMILIES = {
     "Qwen2ForCausalLM": "radixkv.engine.models.qwen2",
     "Qwen3ForCausalLM": "radixkv.engine.models.qwen3",
     "MistralForCausalLM": "radixkv.engine.models.mistral",
+    "Gemma3ForCausalLM": "radixkv.engine.models.gemma3",
 }
 # what a config without ``architectures`` (a bare PretrainedConfig) names by model_type
 MODEL_TYPES = {
@@ -36,6 +38,7 @@ MODEL_TYPES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

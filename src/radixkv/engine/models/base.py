@@ -1,10 +1,11 @@
 """What every model family shares: the ragged batch a forward pass takes, the layers every
 family uses, and the strict reading of ``config.json``.
 
-Owns: `ForwardBatch`, `RMSNorm`, `rotate_half`, and `check_fields`: a checkpoint's config
-field is either honored by the family, known to shape no forward pass (training knobs,
-bookkeeping), or refused with an error naming it (`UnsupportedModel`); no field is
-silently ignored. Must not touch: any one family's architecture.
+Owns: `ForwardBatch`, `RMSNorm`, `rotate_half`, `attend` (attention over the KV pool by
+slot, with a causal window), and `check_fields`: a
+checkpoint's config field is either honored by the family, known to shape no forward
+pass (training knobs, bookkeeping), or refused with an error naming it
+(`UnsupportedModel`); no field is silently ignored. Must not touch: any one family's architecture.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # config.json fields that change no computation of a forward pass: bookkeeping, training
@@ -117,3 +119,39 @@ class RMSNorm(nn.Module):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def attend(
+    q: torch.Tensor,
+    batch: ForwardBatch,
+    keys_values: Any,
+    window: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's new queries (``q``: ``[T, nh, hd]``, end to end)
+    over its whole context, read by ``keys_values(slots)`` (``[S, nkv, hd]`` each).
+    Query ``j`` of a sequence with ``n`` new tokens and ``s`` in all sits at position
+    ``s - n + j`` and sees keys up to it, only the last ``window`` of them (itself
+    included) when ``window``; ``scale`` defaults to ``hd ** -0.5``. Returns
+    ``[T, nh * hd]``."""
+    nh, hd = q.shape[1], q.shape[2]
+    outs, start = [], 0
+    for n, slots in zip(batch.extend_lens, batch.kv_slots, strict=True):
+        keys, values = keys_values(slots)
+        s = keys.shape[0]
+        group = nh // keys.shape[1]
+        qi = q[start : start + n].transpose(0, 1)  # [nh, n, hd]
+        ki = keys.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        vi = values.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        ahead = (
+            torch.arange(n, device=q.device)[:, None]
+            + (s - n)
+            - torch.arange(s, device=q.device)[None, :]
+        )  # how far each key lies behind each query
+        mask = ahead >= 0
+        if window:
+            mask &= ahead < window
+        out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        outs.append(out.transpose(0, 1).reshape(n, nh * hd))
+        start += n
+    return torch.cat(outs)

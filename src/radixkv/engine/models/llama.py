@@ -29,6 +29,7 @@ from radixkv.engine.models.base import (
     ForwardBatch,
     RMSNorm,
     UnsupportedModel,
+    attend,
     check_fields,
     rope_theta,
     rotate_half,
@@ -203,28 +204,8 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         pool.write(self.layer_id, batch.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
-        outs, start = [], 0
-        group = self.nh // self.nkv
-        for n, slots in zip(batch.extend_lens, batch.kv_slots, strict=True):
-            keys, values = pool.read(self.layer_id, slots)  # [S, nkv, hd]
-            s = keys.shape[0]
-            qi = q[start : start + n].transpose(0, 1)  # [nh, n, hd]
-            ki = keys.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-            vi = values.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-            # query j sits at context position s - n + j and sees keys 0 .. s - n + j,
-            # with a window only the last ``window`` of them
-            ahead = (
-                torch.arange(n, device=x.device)[:, None]
-                + (s - n)
-                - torch.arange(s, device=x.device)[None, :]
-            )
-            mask = ahead >= 0
-            if self.window:
-                mask &= ahead < self.window
-            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)
-            outs.append(out.transpose(0, 1).reshape(n, self.nh * self.hd))
-            start += n
-        return self.o_proj(torch.cat(outs))
+        out = attend(q, batch, lambda slots: pool.read(self.layer_id, slots), self.window)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
