@@ -39,6 +39,9 @@ class EngineConfig:
         write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
         storage_max_bytes: the most bytes a ``file://`` store's folder holds (the least
             recently used pages go first); other stores are sized in themselves.
+        max_checkpoints: recurrent-state checkpoints the prefix cache holds at most
+            (Qwen3.5 and other models with recurrent layers: each is one state of every
+            recurrent layer; the least recently used goes first).
         storage_secret: a secret shared by the engines of one store: every page carries
             a MAC under it and a page whose MAC fails is a counted miss. ``None``:
             ``RADIXKV_STORAGE_SECRET`` from the environment, if set.
@@ -61,6 +64,7 @@ class EngineConfig:
     write_policy: str = "write_through"
     storage_secret: str | None = None
     storage_max_bytes: int | None = None  # a file store's size cap (LRU by mtime)
+    max_checkpoints: int = 64  # recurrent-state checkpoints held (models with them)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -71,7 +75,8 @@ class EngineConfig:
             raise ValueError(
                 f"eviction_policy must be one of {tuple(POLICIES)}, got {self.eviction_policy!r}"
             )
-        for name in ("page_size", "chunk_size", "max_running", "kv_tokens", "max_context_len"):
+        for name in ("page_size", "chunk_size", "max_running", "kv_tokens", "max_context_len",
+                     "max_checkpoints"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,10 +39,13 @@ from radixkv.engine.loader import model_identity as identity_of
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.output import OutputProcessor
+from radixkv.engine.recurrent import RecurrentStates
 from radixkv.engine.request import EngineReq, SamplingParams, StepOutput
 from radixkv.engine.scheduler import DoesNotFit, Scheduler
 from radixkv.engine.tokenizer import Tokenizer
 from radixkv.key import check_namespace
+
+log = logging.getLogger("radixkv.engine")
 
 __all__ = [
     "SCHEDULE_POLICIES",
@@ -136,9 +140,27 @@ class Engine:
         self.tokenizer: Tokenizer = tokenizer or own_tokenizer
         self.model = net.to(device=self.device, dtype=cfg.dtype)
         self.config: ModelConfig = self.model.config
-        memory = build_memory(cfg, self.config, self.device)
+        self.recurrent: RecurrentStates | None = None
+        components: tuple = ()
+        if getattr(self.config, "recurrent", False):
+            if cfg.storage is not None or cfg.host_tokens:
+                arch = self.config.architecture
+                raise ValueError("storage and host_tokens: the tiers do not store recurrent "
+                                 f"states yet, so {arch} runs without them")  # fmt: skip
+            self.recurrent = RecurrentStates(self.model, cfg.max_running, cfg.max_checkpoints)
+            components = (self.recurrent.component,)
+            log.info("recurrent states: %d rows of %.2f MiB (%d requests, %d checkpoints "
+                     "+ spares), KV for %d of %d layers", cfg.max_running + self.recurrent.rows,
+                     self.recurrent.states.nbytes_per_row() / 2**20, cfg.max_running,
+                     cfg.max_checkpoints, self.config.kv_layers,
+                     self.config.num_hidden_layers)  # fmt: skip
+        memory = build_memory(cfg, self.config, self.device, components)
         self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
         self.scheduler = Scheduler(cfg, self.mgr)
+        if self.recurrent is not None:
+            rec = self.recurrent
+            self.scheduler.on_admit = lambda r: rec.admitted(r, self.cache)
+            self.scheduler.on_leave = rec.release
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.outputs = OutputProcessor(self.tokenizer)
         self.counters = EngineCounters()
@@ -188,6 +210,9 @@ class Engine:
         (`radixkv.events.EventCollector`)."""
         from radixkv.events import EventCollector
 
+        if self.recurrent is not None:
+            raise ValueError("KV events: a recurrent model's pages are servable only up to "
+                             "a checkpoint, which the events do not carry yet")  # fmt: skip
         collector = EventCollector(salt_key, tokens, arrays)
         self.cache.set_event_sink(collector)
         self._events = (collector, publish)
@@ -329,8 +354,11 @@ class Engine:
         self.counters.steps += 1
         now = time.perf_counter()
         computed, finished = [], []
+        rec = self.recurrent
         for (r, n), row_logits in zip(plan, logits, strict=True):  # type: ignore[arg-type]
             was_prefill = r.kv_len - n < len(r.input_ids)
+            if rec is not None:
+                rec.after_forward(r)
             if was_prefill:
                 self.counters.prefill_tokens += n
             if r.kv_len < r.num_tokens:  # a prompt chunk: cache it, no token yet
@@ -341,6 +369,8 @@ class Engine:
             self.counters.generation_tokens += 1
             reason = self.outputs.append(r, token)
             if reason is not None:
+                if rec is not None:
+                    rec.at_finish(r, self.cache.page_size)
                 self._save_to_tiers(r)
                 finished.append(r)
                 del self.requests[r.rid]
@@ -350,6 +380,11 @@ class Engine:
             outputs.append(self.outputs.output(r))
         self.mgr.cache_unfinished_batch(computed)
         self.scheduler.finish(finished)
+        if rec is not None:
+            for r in computed:
+                rec.attach(r, self.cache, r.cache_protected_len)
+            for r in finished:
+                rec.attach(r, self.cache, r.num_tokens)
         return outputs
 
     def _save_to_tiers(self, r: EngineReq) -> None:
@@ -361,6 +396,8 @@ class Engine:
     def _check(self) -> None:
         self.mgr.check_memory()
         self.cache.check_integrity()
+        if self.recurrent is not None:
+            self.recurrent.check(self.scheduler.running)
         if self.tier is not None:
             self.tier.check()
 

@@ -84,7 +84,9 @@ class Memory:
     mgr: CacheManager
 
 
-def build_memory(cfg: EngineConfig, mc: ModelConfig, device: torch.device) -> Memory:
+def build_memory(
+    cfg: EngineConfig, mc: ModelConfig, device: torch.device, components: tuple = ()
+) -> Memory:
     """Pools sized by ``cfg`` for a model of config ``mc``, and the cache. The engine
     locks every node it keeps right after matching or inserting it, so it opts in to
     chain merging (LRU) and precise eviction (see `radixkv.tree`)."""
@@ -95,10 +97,12 @@ def build_memory(cfg: EngineConfig, mc: ModelConfig, device: torch.device) -> Me
         allocator,
         disable=not cfg.prefix_cache,
         eviction_mode="merge" if cfg.eviction_policy == "lru" else "precise",
+        components=components,
     )
     req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=device)
     kv = KVPool(
-        mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, allocator.size, cfg.dtype,
+        getattr(mc, "kv_layers", mc.num_hidden_layers), mc.num_key_value_heads, mc.head_dim,
+        allocator.size, cfg.dtype,
         device,
     )  # fmt: skip
     return Memory(allocator, cache, kv, CacheManager(cache, allocator, req_pool))

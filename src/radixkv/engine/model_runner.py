@@ -32,7 +32,12 @@ class ModelRunner:
             lens.append(n)
         dev = self.device
         batch = ForwardBatch(
-            torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), torch.cat(out), lens, kv
+            torch.tensor(ids, device=dev),
+            torch.tensor(pos, device=dev),
+            torch.cat(out),
+            lens,
+            kv,
+            [r.row for r, _ in plan],
         )
         return self.model(batch, self.kv)  # the model runs under inference_mode
 

@@ -69,6 +69,10 @@ class Scheduler:
         self.hit_tokens = 0  # of which served from the cache
         # called once per request before its first admission (loads shared-store pages)
         self.prefetch: Callable[[EngineReq], None] | None = None
+        # called right after a request is admitted, and when it leaves uncached
+        # (preempted, aborted): recurrent models copy and free states there
+        self.on_admit: Callable[[EngineReq], None] | None = None
+        self.on_leave: Callable[[EngineReq], None] | None = None
 
     def max_tokens(self) -> int:
         """The most tokens (prompt + output) one request may need: it must fit the
@@ -146,6 +150,8 @@ class Scheduler:
             need = r.num_tokens - hits[id(r)] + mgr.allocator.page_size
             if need > mgr.available_tokens() or not mgr.admit(r):
                 break
+            if self.on_admit is not None:
+                self.on_admit(r)
             if r.prompt_cached < 0:
                 r.prompt_cached = r.cached_len
                 self.queried_tokens += len(r.input_ids)
@@ -172,7 +178,7 @@ class Scheduler:
             order = [r for r in order if r.prefilling]
             chunks = []
             for r in order:
-                n = min(r.num_tokens - r.kv_len, budget)
+                n = self._chunk(r, budget)
                 if n > 0:
                     chunks.append((r, n))
                     budget -= n
@@ -186,7 +192,7 @@ class Scheduler:
                 continue  # preempted while planning
             pending = r.num_tokens - r.kv_len
             prefill = r.prefilling
-            n = min(pending, budget) if prefill else pending
+            n = self._chunk(r, budget) if prefill else pending
             if n <= 0:
                 continue
             slots = self.mgr.allocate(r, n)
@@ -206,9 +212,20 @@ class Scheduler:
             plan.append((r, n))
         return plan
 
+    @staticmethod
+    def _chunk(r: EngineReq, budget: int) -> int:
+        """A prefill chunk's length: within the budget, ending at the request's next
+        snapshot position if it has one."""
+        n = min(r.num_tokens - r.kv_len, budget)
+        if r.snap_at and r.snap_at[0] > r.kv_len:
+            n = min(n, r.snap_at[0] - r.kv_len)
+        return n
+
     # --- moving requests ------------------------------------------------------------------
     def preempt(self, req: EngineReq) -> None:
         """Free the request's KV and put it first in line (it recomputes later)."""
+        if self.on_leave is not None:
+            self.on_leave(req)
         self.mgr.abort(req)
         self.running.remove(req)
         self.waiting.appendleft(req)
@@ -225,6 +242,8 @@ class Scheduler:
     def abort(self, req: EngineReq) -> None:
         """Drop the request wherever it is; frees its KV (nothing is cached)."""
         if req in self.running:
+            if self.on_leave is not None:
+                self.on_leave(req)
             self.mgr.abort(req)
             self.running.remove(req)
         elif req in self.waiting:

@@ -7,6 +7,7 @@ one registry.
     qwen3.py   Qwen3ForCausalLM (dense Qwen3: q/k norms)
     mistral.py MistralForCausalLM (sliding-window attention)
     gemma3.py  Gemma3ForCausalLM (Gemma 3 text: local and global layers)
+    qwen3_5.py Qwen3_5ForCausalLM (Qwen3.5 text: Gated DeltaNet + gated attention)
     base.py    the ragged batch, shared layers, the strict config reader
 
 A family module has ``ARCHITECTURE`` (the name in ``config.json``), ``ModelConfig`` (its
@@ -31,6 +32,7 @@ FAMILIES = {
     "Qwen3ForCausalLM": "radixkv.engine.models.qwen3",
     "MistralForCausalLM": "radixkv.engine.models.mistral",
     "Gemma3ForCausalLM": "radixkv.engine.models.gemma3",
+    "Qwen3_5ForCausalLM": "radixkv.engine.models.qwen3_5",
 }
 # what a config without ``architectures`` (a bare PretrainedConfig) names by model_type
 MODEL_TYPES = {
@@ -39,6 +41,7 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
 }
 
 

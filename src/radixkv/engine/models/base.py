@@ -11,7 +11,7 @@ pass (training knobs, bookkeeping), or refused with an error naming it
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -94,6 +94,8 @@ class ForwardBatch:
         extend_lens: new tokens per sequence.
         kv_slots: per sequence, the slots of its whole context so far, new tokens
             included (``len >= extend_len``).
+        state_slots: per sequence, its row of recurrent states (models with
+            recurrent layers; the request table's row).
     """
 
     input_ids: torch.Tensor
@@ -101,6 +103,12 @@ class ForwardBatch:
     out_slots: torch.Tensor
     extend_lens: list[int]
     kv_slots: list[torch.Tensor]
+    state_slots: list[int] = field(default_factory=list)
+
+    @property
+    def first_positions(self) -> list[int]:
+        """Per sequence, the position of its first new token."""
+        return [len(s) - n for s, n in zip(self.kv_slots, self.extend_lens, strict=True)]
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,409 @@
+"""Qwen3_5ForCausalLM (Qwen3.5 / Qwen3.6 text, dense): Gated DeltaNet (linear-attention)
+layers and gated full-attention layers, as ``config.layer_types`` says (three to one in
+the released models).
+
+**Gated DeltaNet** keeps, per sequence and layer, a fixed-size state updated in place:
+the last ``K - 1`` inputs of a short causal depthwise convolution over q, k and v, and a
+``[v_heads, k_dim, v_dim]`` matrix ``S``. Per token, with ``q, k`` L2-normalised (``q``
+then scaled by ``k_dim ** -0.5``), ``beta = sigmoid(b)`` and the decay
+``g = -exp(A_log) * softplus(a + dt_bias)``::
+
+    S <- exp(g) * S;  S <- S + k (x) beta * (v - S^T k);  o = S^T q
+
+then ``o`` is RMS-normalised per head, times ``silu(z)``, and projected out. Prefill runs
+the same recurrence chunk-parallel (`_chunked`: within a chunk the updates are solved as
+one unit-lower-triangular system, across chunks the state is carried), decode one token
+at a time (`_recurrent`); both give the recurrence's result.
+
+**Full attention** has q/k RMSNorm (``x * (1 + w)``), RoPE on the first
+``partial_rotary_factor`` of each head (text positions: the three multimodal RoPE grids
+coincide, so ``mrope_section`` changes nothing for text), and an output gate:
+``o_proj(attn * sigmoid(gate))`` where ``q_proj`` yields each head's query and gate.
+
+The recurrent states live in the model (`states`: one row per request-table row, the
+``ForwardBatch.state_slots``); a sequence whose new tokens start at position 0 starts
+from a zero state, any other continues the state in its row (the engine copies a
+checkpoint there on a cache hit). Parameter names follow transformers'
+``Qwen3_5ForCausalLM``.
+
+Owns: Qwen3.5's hyper-parameters, layers, forward pass and per-row recurrent states.
+Must not touch: the KV pool's layout (it reads and writes by slot), the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixkv.engine.models.base import (
+    ForwardBatch,
+    UnsupportedModel,
+    attend,
+    check_fields,
+    rotate_half,
+)
+from radixkv.memory import KVPool
+
+ARCHITECTURE = "Qwen3_5ForCausalLM"
+LAYER_TYPES = ("linear_attention", "full_attention")
+FIXED = {"hidden_act": ("silu",)}
+CHUNK = 64  # tokens per chunk of the chunk-parallel prefill
+
+
+@dataclass
+class ModelConfig:
+    """Qwen3.5's hyper-parameters (transformers' ``config.json`` names)."""
+
+    vocab_size: int = 384
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    layer_types: tuple[str, ...] = ()
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    architecture: str = ARCHITECTURE
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if not self.layer_types:  # transformers' default: every 4th layer full attention
+            self.layer_types = tuple(
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)
+            )
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(
+            LAYER_TYPES
+        ):
+            raise UnsupportedModel(f"{ARCHITECTURE}: layer_types must list "
+                                   f"{self.num_hidden_layers} of {LAYER_TYPES}")  # fmt: skip
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        return (0,) * self.num_hidden_layers
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers with KV in the pool: the full-attention ones."""
+        return self.layer_types.count("full_attention")
+
+    @property
+    def recurrent(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """Every field honored, neutral, or refused, naming it.
+
+        Raises:
+            UnsupportedModel: a field or value radixkv does not implement for Qwen3.5.
+        """
+        names = {f.name for f in fields(cls)} - {"architecture", "rope_theta",
+                                                  "partial_rotary_factor"}  # fmt: skip
+        check_fields(d, ARCHITECTURE, names | {"rope_parameters", "rope_scaling"}, FIXED)
+        kw: dict[str, Any] = {k: v for k, v in d.items() if k in names and v is not None}
+        if isinstance(kw.get("eos_token_id"), list):
+            kw["eos_token_id"] = kw["eos_token_id"][0]
+        if "layer_types" in kw:
+            kw["layer_types"] = tuple(kw["layer_types"])
+        rope = dict(d.get("rope_parameters") or {})
+        rope.update(d.get("rope_scaling") or {})
+        kind = rope.pop("rope_type", rope.pop("type", "default"))
+        if kind != "default":
+            raise UnsupportedModel(f"{ARCHITECTURE}: config.json asks for rope_type {kind!r}; "
+                                   "radixkv implements the default RoPE only")  # fmt: skip
+        kw["rope_theta"] = float(rope.pop("rope_theta", d.get("rope_theta", cls.rope_theta)))
+        kw["partial_rotary_factor"] = float(rope.pop("partial_rotary_factor", 1.0))
+        # text positions give the three multimodal grids the same angles: no effect
+        rope.pop("mrope_section", None)
+        rope.pop("mrope_interleaved", None)
+        if rope:
+            raise UnsupportedModel(f"{ARCHITECTURE}: config.json's RoPE parameters "
+                                   f"{sorted(rope)} are not implemented by radixkv")  # fmt: skip
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class CenteredRMSNorm(nn.Module):
+    """``x * (1 + w)`` in float32, cast back (Qwen3.5's, as Gemma's)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * rms_norm(x) * silu(z)`` over each head (the DeltaNet output's norm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(dtype)
+        return (y * F.silu(z.float())).to(dtype)
+
+
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _recurrent(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
+    """The recurrence token by token. ``q, k``: ``[H, T, dk]``; ``v``: ``[H, T, dv]``;
+    ``g, beta``: ``[H, T]``; ``state``: ``[H, dk, dv]``. Returns (``[H, T, dv]``, state)."""
+    out = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[:, None, None]
+        err = v[:, t] - torch.einsum("hkv,hk->hv", state, k[:, t])
+        state = state + k[:, t, :, None] * (beta[:, t, None] * err)[:, None, :]
+        out[:, t] = torch.einsum("hkv,hk->hv", state, q[:, t])
+    return out, state
+
+
+def _chunked(q, k, v, g, beta, state, size: int = CHUNK):  # type: ignore[no-untyped-def]
+    """The same recurrence, ``size`` tokens at a time. Within a chunk, with ``c`` the
+    cumulative log-decay from the chunk's start and ``D[i, j] = exp(c_i - c_j)``
+    (``j <= i``), each token's written value ``u_i = beta_i (v_i - S_{i-1}^T k_i)``
+    satisfies ``u_i + beta_i sum_{j<i} D[i, j] (k_i . k_j) u_j = beta_i (v_i -
+    exp(c_i) S_0^T k_i)``: one unit-lower-triangular solve. Then ``o_i = exp(c_i) S_0^T
+    q_i + sum_{j<=i} D[i, j] (q_i . k_j) u_j`` and the carried state is
+    ``exp(c_n) S_0 + sum_j exp(c_n - c_j) k_j u_j^T``."""
+    t = k.shape[1]
+    out = torch.empty_like(v)
+    for a in range(0, t, size):
+        b = min(a + size, t)
+        qc, kc, vc, bc = q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b]
+        c = g[:, a:b].cumsum(-1)  # [H, n]
+        n = b - a
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (c[:, :, None] - c[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+        kk = (kc @ kc.transpose(1, 2)) * decay  # [H, n, n], j <= i
+        system = torch.eye(n, device=q.device) + bc[:, :, None] * kk.tril(-1)
+        rhs = bc[:, :, None] * (vc - c.exp()[:, :, None] * torch.einsum("hkv,hnk->hnv", state, kc))
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        qk = (qc @ kc.transpose(1, 2)) * decay
+        out[:, a:b] = c.exp()[:, :, None] * torch.einsum("hkv,hnk->hnv", state, qc) + qk @ u
+        tail = (c[:, -1:] - c).exp()  # [H, n]
+        state = c[:, -1].exp()[:, None, None] * state + torch.einsum(
+            "hnk,hnv->hkv", kc * tail[:, :, None], u
+        )
+    return out, state
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index  # among the linear-attention layers
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
+        self.split = (key_dim, key_dim, value_dim)
+        self.conv_dim = 2 * key_dim + value_dim
+        h = cfg.hidden_size
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, bias=False,
+                                groups=self.conv_dim, padding=self.kernel - 1)  # fmt: skip
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, h, bias=False)
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, states: States) -> torch.Tensor:
+        mixed = self.in_proj_qkv(x)  # [T, conv_dim]
+        z = self.in_proj_z(x).view(-1, self.nv, self.dv)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
+        outs, start = [], 0
+        for n, row, first in zip(batch.extend_lens, batch.state_slots, batch.first_positions,
+                                 strict=True):  # fmt: skip
+            conv, ssm = states.conv[self.index, row], states.ssm[self.index, row]
+            if first == 0:
+                conv.zero_()
+                ssm.zero_()
+            seq = torch.cat([conv, mixed[start : start + n].T.to(conv.dtype)], dim=1)
+            conv.copy_(seq[:, -(self.kernel - 1) :])
+            y = F.silu(F.conv1d(seq[None], weight[:, None, :], groups=self.conv_dim)[0]).T
+            q, k, v = torch.split(y.to(x.dtype), self.split, dim=-1)
+            rep = self.nv // self.nk
+            q = _l2(q.view(n, self.nk, self.dk).float()).repeat_interleave(rep, 1) * self.dk**-0.5
+            k = _l2(k.view(n, self.nk, self.dk).float()).repeat_interleave(rep, 1)
+            v = v.view(n, self.nv, self.dv).float()
+            gs, bs = g[start : start + n].T, beta[start : start + n].float().T
+            args = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), gs, bs, ssm.float())
+            o, new = _recurrent(*args) if n == 1 else _chunked(*args)
+            ssm.copy_(new)
+            outs.append(o.transpose(0, 1).to(x.dtype))
+            start += n
+        o = self.norm(torch.cat(outs), z)
+        return self.out_proj(o.reshape(x.shape[0], -1))
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, kv_layer: int) -> None:
+        super().__init__()
+        self.kv_layer = kv_layer  # its layer in the KV pool
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.rot = int(self.hd * cfg.partial_rotary_factor)
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.nh * self.hd * 2, bias=bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=bias)
+        self.q_norm = CenteredRMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = CenteredRMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.rot
+        return torch.cat([x[..., :r] * cos + rotate_half(x[..., :r]) * sin, x[..., r:]], -1)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.nh, 2 * self.hd).chunk(2, dim=-1)
+        q = self._rope(self.q_norm(q), cos, sin)
+        k = self._rope(self.k_norm(self.k_proj(x).view(t, self.nkv, self.hd)), cos, sin)
+        v = self.v_proj(x).view(t, self.nkv, self.hd)
+        pool.write(self.kv_layer, batch.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
+        out = attend(q, batch, lambda slots: pool.read(self.kv_layer, slots))
+        return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, kind_index: int) -> None:
+        super().__init__()
+        self.linear = cfg.layer_types[layer_id] == "linear_attention"
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, kind_index)
+        else:
+            self.self_attn = GatedAttention(cfg, layer_id, kind_index)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, pool, states):  # type: ignore[no-untyped-def]
+        h = self.input_layernorm(x)
+        if self.linear:
+            x = x + self.linear_attn(h, batch, states)
+        else:
+            x = x + self.self_attn(h, cos, sin, batch, pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class States:
+    """Per request-table row, every linear layer's conv inputs and DeltaNet matrix."""
+
+    def __init__(self, cfg: ModelConfig, rows: int, device: torch.device | str = "cpu") -> None:
+        n = cfg.layer_types.count("linear_attention")
+        kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads
+        conv_dim = 2 * kd + vd * cfg.linear_value_head_dim
+        self.conv = torch.zeros(n, rows, conv_dim, cfg.linear_conv_kernel_dim - 1, device=device)
+        self.ssm = torch.zeros(n, rows, vd, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                               device=device)  # fmt: skip
+
+    def nbytes_per_row(self) -> int:
+        return (self.conv[:, 0].numel() + self.ssm[:, 0].numel()) * self.conv.element_size()
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        counters = {t: 0 for t in LAYER_TYPES}
+        layers = []
+        for i, t in enumerate(cfg.layer_types):
+            layers.append(DecoderLayer(cfg, i, counters[t]))
+            counters[t] += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Qwen3.5 with a slot-indexed KV pool for its full-attention layers (``kv_layers``
+    of them) and per-row recurrent states; ``forward`` as Llama's."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3_5Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        rot = int(cfg.head_dim * cfg.partial_rotary_factor)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, rot, 2).float() / rot))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.kv_layers = cfg.layer_types.count("full_attention")
+        self.states: States | None = None
+
+    def make_states(self, rows: int) -> States:
+        """The recurrent states of ``rows`` request-table rows (the engine's
+        ``max_running``), on the model's device."""
+        self.states = States(self.config, rows, self.inv_freq.device)
+        return self.states
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, pool: KVPool, all_logits: bool = False) -> torch.Tensor:
+        if self.states is None:
+            raise RuntimeError("call make_states(rows) before running Qwen3.5")
+        x = self.model.embed_tokens(batch.input_ids)
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch, pool, self.states)
+        x = self.model.norm(x)
+        if not all_logits:
+            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
+            x = x[last]
+        return self.lm_head(x).float()
+
+
+MODEL_CLASS = Qwen3_5ForCausalLM

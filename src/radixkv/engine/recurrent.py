@@ -1,0 +1,129 @@
+"""`RecurrentStates`: prefix caching for models with recurrent layers (Qwen3.5's Gated
+DeltaNet), joining the model's per-row states, the tree's `StateCheckpoints` component
+and a pool of checkpoint rows.
+
+A recurrent layer's state after a prefix is one fixed-size tensor, updated in place, so a
+cached prefix helps only where a snapshot of it exists. The model keeps one state row per
+request-table row (``0 .. max_running - 1``) and the checkpoints in the rows after them.
+
+    admission   the match already ends at a checkpoint (the component's match limit);
+                its state is copied into the request's row (copy, never lend), and the
+                request is told where to snapshot during its prefill (`plan`: the
+                prompt's end, the branch point where it leaves a cached path)
+    a chunk     the scheduler ends a prefill chunk at the next snapshot position
+                (``EngineReq.snap_at``); after the forward the request's state is copied
+                to a free checkpoint row (``snap_rows``)
+    caching     once the tree holds the prefix (after the step's inserts), each snapshot
+                becomes a checkpoint on the node ending there; at finish the state after
+                prompt + output is one more when that length is page-aligned
+    freeing     a checkpoint the tree evicts (with its node, or beyond ``max_states``)
+                gives its row back; a preempted or aborted request's pending snapshots
+                too
+
+Invariant (`check`): every checkpoint row is free, held by one checkpoint, or pending in
+one running request's ``snap_rows``.
+
+Owns: checkpoint rows and the copies between rows. Must not touch: the KV, the tree's
+structure (it inserts through `RadixCache`), scheduling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from radixkv.key import RadixKey
+from radixkv.tree import RadixCache
+from radixkv.tree.state import StateCheckpoints
+
+
+class RecurrentStates:
+    """See the module docstring. ``model`` has ``make_states(rows)``; ``max_states``
+    checkpoints at most are held."""
+
+    def __init__(self, model: Any, max_running: int, max_states: int) -> None:
+        self.first = max_running  # checkpoint rows start here
+        self.rows = max_states + max_running  # spare rows for pending snapshots
+        self.states = model.make_states(max_running + self.rows)
+        self.free_rows = list(range(self.first + self.rows - 1, self.first - 1, -1))
+        self.component = StateCheckpoints(max_states, self)
+        self.cache: RadixCache | None = None
+
+    # the component's allocator: evicted checkpoints give their rows back
+    def free(self, slots: torch.Tensor) -> None:
+        self.free_rows.extend(int(s) for s in slots)
+
+    def _take(self) -> int | None:
+        return self.free_rows.pop() if self.free_rows else None
+
+    def _copy(self, src: int, dst: int) -> None:
+        s = self.states
+        s.conv[:, dst].copy_(s.conv[:, src])
+        s.ssm[:, dst].copy_(s.ssm[:, src])
+
+    def admitted(self, r: Any, cache: RadixCache) -> None:
+        """After the match: copy the checkpoint the hit ends at into the request's row,
+        and plan where its prefill snapshots."""
+        self.release(r)
+        if r.cached_len:
+            slot = self.component.used(r.last_node)
+            assert slot is not None, "a hit on a recurrent model ends at a checkpoint"
+            self._copy(slot, r.row)
+        n = len(r.input_ids)
+        key = RadixKey(r.token_array(), r.extra_key)[: n - 1]
+        full = cache.match_len(key, full=True)
+        plan = self.component.plan(n, full, r.cached_len)
+        r.snap_at = [p for p, _ in plan]
+        r.snap_kinds = dict(plan)
+
+    def after_forward(self, r: Any) -> None:
+        """A chunk that ended at a snapshot position: copy the request's state."""
+        if r.snap_at and r.kv_len == r.snap_at[0]:
+            pos = r.snap_at.pop(0)
+            row = self._take()
+            if row is not None:
+                self._copy(r.row, row)
+                r.snap_rows.append((pos, row, r.snap_kinds.get(pos, "end")))
+
+    def at_finish(self, r: Any, page: int) -> None:
+        """Before the request's row goes: its state after prompt + output, when that
+        length is page-aligned (the tree caches whole pages only)."""
+        if r.kv_len and r.kv_len % page == 0 and all(p != r.kv_len for p, _, _ in r.snap_rows):
+            row = self._take()
+            if row is not None:
+                self._copy(r.row, row)
+                r.snap_rows.append((r.kv_len, row, "end"))
+
+    def attach(self, r: Any, cache: RadixCache, upto: int) -> None:
+        """Make the request's snapshots at positions ``<= upto`` checkpoints of the
+        tree (which holds that prefix now)."""
+        keep = []
+        tokens = None
+        for pos, row, kind in r.snap_rows:
+            if pos > upto:
+                keep.append((pos, row, kind))
+                continue
+            tokens = r.token_array() if tokens is None else tokens
+            key = RadixKey(tokens, r.extra_key)[:pos]
+            if cache.match_len(key, full=True) < pos:  # not (or no longer) in the tree
+                self.free_rows.append(row)
+                continue
+            node = cache.insert_node(key).last_node
+            if not self.component.add(node, row, kind=kind):
+                self.free_rows.append(row)
+        r.snap_rows = keep
+
+    def release(self, r: Any) -> None:
+        """A request leaves without caching (preempted, aborted): free its pending
+        snapshots."""
+        self.free_rows.extend(row for _, row, _ in r.snap_rows)
+        r.snap_rows = []
+        r.snap_at = []
+
+    def check(self, running: list[Any]) -> None:
+        pending = [row for r in running for _, row, _ in r.snap_rows]
+        held = list(self.component.held)
+        every = sorted(self.free_rows + pending + held)
+        if every != list(range(self.first, self.first + self.rows)):
+            raise AssertionError("checkpoint rows are lost or held twice")

@@ -1,0 +1,144 @@
+"""Qwen3.5 (Gated DeltaNet + gated attention) against transformers' own
+``Qwen3_5ForCausalLM`` on tiny random folders written by ``save_pretrained``, and its
+prefix cache: recurrent-state checkpoints at prompt ends, output ends and branch points
+(`radixkv.engine.recurrent`), a hit copying a checkpoint's state, outputs identical with
+the cache on and off through chunked prefill, preemption and sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv.engine.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    import transformers
+
+    torch.manual_seed(0)
+    conf = transformers.Qwen3_5TextConfig(
+        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+    )  # fmt: skip
+    model = transformers.Qwen3_5ForCausalLM(conf)
+    with torch.no_grad():  # random norms and gates, so a dropped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name or "A_log" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            # slow decay: the state remembers hundreds of tokens, so a wrong state shows
+            if "A_log" in name:
+                p.sub_(6.0)
+    path = tmp_path_factory.mktemp("qwen3_5")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    import transformers
+
+    return transformers.Qwen3_5ForCausalLM.from_pretrained(folder).eval()
+
+
+def greedy(reference, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                 attention_mask=mask)  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+def rand(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_logits_equal_transformers_chunked_and_token_by_token(folder, reference):
+    """Every position's logits to 1e-4: the prompt in one pass (over two of the chunked
+    form's 64-token chunks), in two chunks, and with single-token (recurrent) steps."""
+    from radixkv.engine.models.base import ForwardBatch
+    from radixkv.engine.weights import load_hf_folder
+    from radixkv.memory import KVPool
+
+    ours = load_hf_folder(folder)
+    ours.make_states(2)
+    c = ours.config
+    assert c.layer_types.count("linear_attention") == 3 and c.kv_layers == 1
+    ids = torch.tensor(rand(150, 2))
+    with torch.no_grad():
+        want = reference(ids[None]).logits[0]
+    for cuts in ([150], [37, 150], [37, 38, 39, 40, 150]):
+        pool = KVPool(c.kv_layers, c.num_key_value_heads, c.head_dim, 256, torch.float32,
+                      torch.device("cpu"))  # fmt: skip
+        slots, got, a = torch.randperm(256)[:150], [], 0
+        for b in cuts:
+            batch = ForwardBatch(ids[a:b], torch.arange(a, b), slots[a:b], [b - a], [slots[:b]],
+                                 [1])  # fmt: skip
+            got.append(ours(batch, pool, all_logits=True))
+            a = b
+        torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_token_for_token_and_the_third_sharer_hits(folder, reference, page):
+    """A 300-token shared prefix: the first request checkpoints its prompt's and its
+    output's end, the second leaves that path at 300 and snapshots the branch point
+    during its own prefill, the third starts there (>= 256 tokens at page 16)."""
+    engine = Engine(str(folder), page_size=page, chunk_size=64, check_memory=True)
+    shared = rand(300, 1)
+    prompts = [shared + rand(k, 10 + k) for k in (9, 23, 40)]
+    hits = []
+    for p in prompts:
+        res = engine.generate([p], max_new_tokens=8, chat=False, ignore_eos=True)
+        assert res.outputs[0].token_ids == greedy(reference, p, 8)
+        hits.append(res.stats.cached_tokens)
+    assert hits[0] == 0 and hits[1] == 0
+    assert hits[2] >= 256 and hits[2] == 300 - 300 % page
+    kinds = sorted(c.kind for c in engine.recurrent.component.held.values())
+    assert "branch" in kinds and "end" in kinds
+
+
+def test_a_hit_copies_the_state_never_lends_it(folder):
+    """Two requests start from the same checkpoint at once and run different suffixes;
+    the checkpoint stays as it was (a later request still gets the first's answer)."""
+    engine = Engine(str(folder), chunk_size=64, check_memory=True)
+    base = rand(40, 3)
+    engine.generate([base], max_new_tokens=4, chat=False, ignore_eos=True)
+    again = engine.generate([base + [7]], max_new_tokens=6, chat=False, ignore_eos=True)
+    engine.generate([base + rand(20, 4), base + rand(9, 5)], max_new_tokens=6, chat=False,
+                    ignore_eos=True)  # fmt: skip
+    later = engine.generate([base + [7]], max_new_tokens=6, chat=False, ignore_eos=True)
+    assert later.stats.cached_tokens > 0
+    assert later.outputs[0].token_ids == again.outputs[0].token_ids
+
+
+def test_cache_on_and_off_agree_under_preemption_and_sampling(folder):
+    """Eight requests over three shared prefixes in a pool that preempts, greedy and
+    seeded sampling: the same outputs as with the prefix cache off, every step checked
+    (KV accounting, the tree, checkpoint rows)."""
+    prefixes = [rand(70, 20 + i) for i in range(3)]
+    prompts = [prefixes[i % 3] + rand(5 + i, 30 + i) for i in range(8)]
+    for temperature in (0.0, 0.8):
+        outs = []
+        for cache in (True, False):
+            engine = Engine(str(folder), prefix_cache=cache, kv_tokens=300, max_running=6,
+                            chunk_size=48, check_memory=True, max_checkpoints=6)  # fmt: skip
+            warm = engine.generate(prompts[:3], max_new_tokens=12, chat=False, ignore_eos=True,
+                                   temperature=temperature, seed=3)  # fmt: skip
+            res = engine.generate(prompts, max_new_tokens=40, chat=False, ignore_eos=True,
+                                  temperature=temperature, seed=3)  # fmt: skip
+            outs.append([o.token_ids for o in warm.outputs + res.outputs])
+            if cache:
+                assert res.stats.cached_tokens > 0
+                assert engine.scheduler.preemptions > 0
+                assert len(engine.recurrent.component.held) <= 6
+        assert outs[0] == outs[1]
+
+
+def test_what_recurrent_models_do_not_run_yet_is_refused(folder):
+    with pytest.raises(ValueError, match="host_tokens"):
+        Engine(str(folder), host_tokens=64)
+    engine = Engine(str(folder))
+    with pytest.raises(ValueError, match="KV events"):
+        engine.publish_kv_events(lambda batch: None)
