@@ -142,3 +142,32 @@ def test_what_recurrent_models_do_not_run_yet_is_refused(folder):
     engine = Engine(str(folder))
     with pytest.raises(ValueError, match="KV events"):
         engine.publish_kv_events(lambda batch: None)
+
+
+def test_served_with_the_openai_client(folder):
+    """`radixkv serve` on the Qwen3.5 folder, the official client: three completions
+    sharing a 300-character prefix (a byte per token), the third served 288 tokens from
+    the cache; /metrics shows the checkpoints and their bytes."""
+    import re
+
+    import httpx
+    import openai
+
+    from radixkv.web.process import ServerProcess
+
+    args = ["--model", str(folder), "--page-size", "16", "--kv-tokens", "4096",
+            "--max-checkpoints", "8", "--check-memory"]  # fmt: skip
+    with ServerProcess(*args, timeout=90) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        shared = "The quick brown fox jumps over the lazy dog, again and again. " * 5
+        cached = []
+        for question in ("What?", "Where is it going now?", "Who saw it first?"):
+            out = client.completions.create(model=model, prompt=shared[:300] + question,
+                                            max_tokens=4, temperature=0)  # fmt: skip
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        text = httpx.get(f"{srv.url}/metrics").text
+    assert cached[0] == 0 and cached[2] == 288
+    held = re.search(r"radixkv:state_checkpoints\{[^}]*\} ([0-9.]+)", text)
+    size = re.search(r"radixkv:state_checkpoint_bytes\{[^}]*\} ([0-9.e+]+)", text)
+    assert held and 0 < float(held.group(1)) <= 8 and size and float(size.group(1)) > 0

@@ -44,6 +44,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--page-size", type=positive_int, default=16, help="[16]")
     serve.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV pool [65536]")
     serve.add_argument(
+        "--max-checkpoints", type=positive_int, default=64,
+        help="recurrent-state checkpoints the prefix cache holds (Qwen3.5) [64]",
+    )  # fmt: skip
+    serve.add_argument(
         "--max-running", type=positive_int, default=32, help="requests running at once [32]"
     )
     serve.add_argument(
@@ -162,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             max_context_len=args.max_context_len, eviction_policy=args.eviction_policy,
             check_memory=args.check_memory, storage=args.storage, host_tokens=args.host_tokens,
             write_policy=args.write_policy, storage_secret=args.storage_secret,
-            storage_max_bytes=args.storage_max_bytes,
+            storage_max_bytes=args.storage_max_bytes, max_checkpoints=args.max_checkpoints,
         )  # fmt: skip
         access = Access.for_bind(
             args.host, api_key=args.api_key, admin_key=args.admin_key,

@@ -64,6 +64,21 @@ class EngineCollector(Collector):
             (GaugeMetricFamily, "prefix_cache_tokens", "Tokens held by the prefix cache",
              e.cache.total_size()),
         ]  # fmt: skip
+        rec = e.recurrent
+        if rec is not None:  # a model with recurrent layers: its state checkpoints
+            comp = rec.component
+            values += [
+                (GaugeMetricFamily, "state_checkpoints", "Recurrent-state checkpoints held by "
+                 "the prefix cache", len(comp.held)),
+                (GaugeMetricFamily, "state_checkpoint_bytes", "Bytes of the recurrent-state "
+                 "checkpoints held", len(comp.held) * rec.states.nbytes_per_row()),
+                (GaugeMetricFamily, "prefix_cache_kv_bytes", "Bytes of full-attention KV held "
+                 "by the prefix cache", e.cache.total_size() * e.kv.bytes_per_token()),
+                (CounterMetricFamily, "state_checkpoint_hits", "Requests started from a "
+                 "checkpoint's state", comp.hits),
+                (CounterMetricFamily, "state_checkpoints_evicted", "Checkpoints evicted to "
+                 "stay within max_checkpoints", comp.evictions),
+            ]  # fmt: skip
         tier = e.tier
         if tier is not None:
             st = tier.stats

@@ -1,0 +1,120 @@
+"""The engine on a hybrid model (Qwen3.5: Gated DeltaNet + gated attention), tiny and
+random, written by transformers' own ``save_pretrained``:
+
+1. TTFT with the prefix cache on ÷ off, requests sharing a 2,000-token prefix, against
+   the same ratio for a full-attention model of the same size (Llama) in the same run;
+2. prefill and decode tokens/s against transformers' ``generate`` on the same weights.
+
+    python benchmarks/bench_hybrid_engine.py [--prefix 2000 --requests 6 --repeats 3]
+
+Requests run one after another (TTFT is then prefill time, not queueing). With the cache
+the first request computes everything, the second leaves the first's path after the
+prefix and saves the branch point's state, and from the third on the prefix is a hit:
+the table reports the mean TTFT of the third and later requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DIMS = dict(vocab_size=384, hidden_size=64, intermediate_size=176, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+
+
+def write_models(root: Path) -> dict[str, Path]:
+    import transformers
+
+    torch.manual_seed(0)
+    q = transformers.Qwen3_5TextConfig(
+        **DIMS, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, max_position_embeddings=8192,
+    )  # fmt: skip
+    transformers.Qwen3_5ForCausalLM(q).save_pretrained(root / "qwen3_5")
+    lc = transformers.LlamaConfig(**DIMS, max_position_embeddings=8192)
+    transformers.LlamaForCausalLM(lc).save_pretrained(root / "llama")
+    return {"qwen3_5": root / "qwen3_5", "llama": root / "llama"}
+
+
+def ttft(folder: Path, cache: bool, prompts: list[list[int]]) -> float:
+    from radixkv.engine.engine import Engine
+
+    engine = Engine(str(folder), prefix_cache=cache, page_size=16, chunk_size=512,
+                    kv_tokens=32768, max_context_len=4096)  # fmt: skip
+    times = []
+    for p in prompts:
+        t0 = time.perf_counter()
+        engine.generate([p], max_new_tokens=1, chat=False, ignore_eos=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.mean(times[2:])
+
+
+def speed(folder: Path, prompt: list[int], new: int) -> dict[str, float]:
+    """Prefill tok/s (one token generated) and decode tok/s (the rest), radixkv (cache
+    off) and transformers."""
+    import transformers
+
+    from radixkv.engine.engine import Engine
+
+    out: dict[str, float] = {}
+    engine = Engine(str(folder), prefix_cache=False, chunk_size=4096, kv_tokens=16384,
+                    max_context_len=4096)  # fmt: skip
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)
+    for name, run in (
+        ("radixkv", lambda n: engine.generate([prompt], max_new_tokens=n, chat=False,
+                                              ignore_eos=True)),
+        ("transformers", lambda n: ref.generate(ids, attention_mask=mask, max_new_tokens=n,
+                                                min_new_tokens=n, do_sample=False)),
+    ):  # fmt: skip
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            run(1)
+            t1 = time.perf_counter()
+            run(new)
+            t2 = time.perf_counter()
+        out[f"{name} prefill"] = len(prompt) / (t1 - t0)
+        out[f"{name} decode"] = (new - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prefix", type=int, default=2000)
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--new", type=int, default=32)
+    args = p.parse_args()
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 384, (args.prefix,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 384, (24,), generator=g).tolist()
+               for _ in range(args.requests)]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = write_models(Path(tmp))
+        print(f"TTFT, {args.requests} requests sharing a {args.prefix:,}-token prefix, "
+              f"mean of the 3rd and later, best of {args.repeats}:")  # fmt: skip
+        for name, folder in folders.items():
+            on = min(ttft(folder, True, prompts) for _ in range(args.repeats))
+            off = min(ttft(folder, False, prompts) for _ in range(args.repeats))
+            print(f"  {name:8s} cache on {on * 1e3:7.1f} ms  off {off * 1e3:7.1f} ms  "
+                  f"off / on {off / on:5.1f}x")  # fmt: skip
+        print(f"Qwen3.5 speed, {args.prefix:,}-token prompt, {args.new} new tokens "
+              f"(tok/s, best of {args.repeats}):")  # fmt: skip
+        best: dict[str, float] = {}
+        for _ in range(args.repeats):
+            for k, v in speed(folders["qwen3_5"], prefix, args.new).items():
+                best[k] = max(best.get(k, 0.0), v)
+        for phase in ("prefill", "decode"):
+            ours, ref = best[f"radixkv {phase}"], best[f"transformers {phase}"]
+            print(f"  {phase:8s} radixkv {ours:9,.0f}  transformers {ref:9,.0f}  "
+                  f"ratio {ours / ref:5.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
