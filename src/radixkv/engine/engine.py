@@ -335,7 +335,8 @@ class Engine:
         """Schedule, run the model, process the sampled tokens; what each request
         produced this step."""
         plan = self.scheduler.schedule()
-        logits = self.runner.forward(plan, self.mgr.req_pool) if plan else None
+        snaps = self.recurrent.snapshots(plan) if self.recurrent is not None else []
+        logits = self.runner.forward(plan, self.mgr.req_pool, snaps) if plan else None
         outputs = self._process(plan, logits)
         if self.engine_config.check_memory:
             self._check()
@@ -357,8 +358,6 @@ class Engine:
         rec = self.recurrent
         for (r, n), row_logits in zip(plan, logits, strict=True):  # type: ignore[arg-type]
             was_prefill = r.kv_len - n < len(r.input_ids)
-            if rec is not None:
-                rec.after_forward(r)
             if was_prefill:
                 self.counters.prefill_tokens += n
             if r.kv_len < r.num_tokens:  # a prompt chunk: cache it, no token yet

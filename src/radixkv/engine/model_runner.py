@@ -18,9 +18,15 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv: KVPool, device: torch.device) -> None:
         self.model, self.kv, self.device = model, kv, device
 
-    def forward(self, plan: list[tuple[EngineReq, int]], table: ReqToTokenPool) -> torch.Tensor:
+    def forward(
+        self,
+        plan: list[tuple[EngineReq, int]],
+        table: ReqToTokenPool,
+        snapshots: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
+    ) -> torch.Tensor:
         """Logits of the last new token of each planned request (``[len(plan), vocab]``):
-        request ``r`` computes its tokens ``[kv_len - n, kv_len)``."""
+        request ``r`` computes its tokens ``[kv_len - n, kv_len)``; ``snapshots`` as
+        `ForwardBatch` takes them (recurrent models)."""
         ids, pos, out, lens, kv = [], [], [], [], []
         for r, n in plan:
             start = r.kv_len - n
@@ -38,6 +44,7 @@ class ModelRunner:
             lens,
             kv,
             [r.row for r, _ in plan],
+            list(snapshots),
         )
         return self.model(batch, self.kv)  # the model runs under inference_mode
 

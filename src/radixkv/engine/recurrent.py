@@ -10,9 +10,9 @@ request-table row (``0 .. max_running - 1``) and the checkpoints in the rows aft
                 its state is copied into the request's row (copy, never lend), and the
                 request is told where to snapshot during its prefill (`plan`: the
                 prompt's end, the branch point where it leaves a cached path)
-    a chunk     the scheduler ends a prefill chunk at the next snapshot position
-                (``EngineReq.snap_at``); after the forward the request's state is copied
-                to a free checkpoint row (``snap_rows``)
+    a chunk     each snapshot position inside the step's new tokens is handed to the
+                model (``ForwardBatch.snapshots``), which copies the state there to a
+                free checkpoint row during the same pass (``snap_rows``)
     caching     once the tree holds the prefix (after the step's inserts), each snapshot
                 becomes a checkpoint on the node ending there; at finish the state after
                 prompt + output is one more when that length is page-aligned
@@ -77,14 +77,19 @@ class RecurrentStates:
         r.snap_at = [p for p, _ in plan]
         r.snap_kinds = dict(plan)
 
-    def after_forward(self, r: Any) -> None:
-        """A chunk that ended at a snapshot position: copy the request's state."""
-        if r.snap_at and r.kv_len == r.snap_at[0]:
-            pos = r.snap_at.pop(0)
-            row = self._take()
-            if row is not None:
-                self._copy(r.row, row)
-                r.snap_rows.append((pos, row, r.snap_kinds.get(pos, "end")))
+    def snapshots(self, plan: list[tuple[Any, int]]) -> list[tuple[int, int, int]]:
+        """The step's snapshots: ``(index in plan, new tokens before it, row)`` for each
+        planned position its new tokens reach (a free row each; none left: skipped)."""
+        out = []
+        for i, (r, n) in enumerate(plan):
+            start = r.kv_len - n
+            while r.snap_at and r.snap_at[0] <= r.kv_len:
+                pos = r.snap_at.pop(0)
+                row = self._take() if pos > start else None
+                if row is not None:
+                    out.append((i, pos - start, row))
+                    r.snap_rows.append((pos, row, r.snap_kinds.get(pos, "end")))
+        return out
 
     def at_finish(self, r: Any, page: int) -> None:
         """Before the request's row goes: its state after prompt + output, when that

@@ -124,8 +124,8 @@ class EngineReq(Req):
     sent_tokens: int = 0  # output tokens already handed out
     # per output token (with sampling.logprobs): (its logprob, [(token, logprob), ...])
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    # recurrent models (radixkv.engine.recurrent): positions a prefill chunk must end at
-    # to snapshot the state, why each, and the snapshots not yet in the tree
+    # recurrent models (radixkv.engine.recurrent): positions to snapshot the state at
+    # during the prefill, why each, and the snapshots taken but not yet in the tree
     snap_at: list[int] = field(default_factory=list)
     snap_kinds: dict[int, str] = field(default_factory=dict)
     snap_rows: list[tuple[int, int, str]] = field(default_factory=list)

@@ -178,7 +178,7 @@ class Scheduler:
             order = [r for r in order if r.prefilling]
             chunks = []
             for r in order:
-                n = self._chunk(r, budget)
+                n = min(r.num_tokens - r.kv_len, budget)
                 if n > 0:
                     chunks.append((r, n))
                     budget -= n
@@ -192,7 +192,7 @@ class Scheduler:
                 continue  # preempted while planning
             pending = r.num_tokens - r.kv_len
             prefill = r.prefilling
-            n = self._chunk(r, budget) if prefill else pending
+            n = min(pending, budget) if prefill else pending
             if n <= 0:
                 continue
             slots = self.mgr.allocate(r, n)
@@ -211,15 +211,6 @@ class Scheduler:
                 budget -= n
             plan.append((r, n))
         return plan
-
-    @staticmethod
-    def _chunk(r: EngineReq, budget: int) -> int:
-        """A prefill chunk's length: within the budget, ending at the request's next
-        snapshot position if it has one."""
-        n = min(r.num_tokens - r.kv_len, budget)
-        if r.snap_at and r.snap_at[0] > r.kv_len:
-            n = min(n, r.snap_at[0] - r.kv_len)
-        return n
 
     # --- moving requests ------------------------------------------------------------------
     def preempt(self, req: EngineReq) -> None:

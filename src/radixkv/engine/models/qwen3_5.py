@@ -23,7 +23,9 @@ coincide, so ``mrope_section`` changes nothing for text), and an output gate:
 The recurrent states live in the model (`states`: one row per request-table row, the
 ``ForwardBatch.state_slots``); a sequence whose new tokens start at position 0 starts
 from a zero state, any other continues the state in its row (the engine copies a
-checkpoint there on a cache hit). Parameter names follow transformers'
+checkpoint there on a cache hit). ``ForwardBatch.snapshots`` asks for the state after
+some of a sequence's new tokens, copied to another row during the same pass (the
+engine's checkpoints inside a prefill chunk). Parameter names follow transformers'
 ``Qwen3_5ForCausalLM``.
 
 Owns: Qwen3.5's hyper-parameters, layers, forward pass and per-row recurrent states.
@@ -198,29 +200,40 @@ def _chunked(q, k, v, g, beta, state, size: int = CHUNK):  # type: ignore[no-unt
     cumulative log-decay from the chunk's start and ``D[i, j] = exp(c_i - c_j)``
     (``j <= i``), each token's written value ``u_i = beta_i (v_i - S_{i-1}^T k_i)``
     satisfies ``u_i + beta_i sum_{j<i} D[i, j] (k_i . k_j) u_j = beta_i (v_i -
-    exp(c_i) S_0^T k_i)``: one unit-lower-triangular solve. Then ``o_i = exp(c_i) S_0^T
-    q_i + sum_{j<=i} D[i, j] (q_i . k_j) u_j`` and the carried state is
-    ``exp(c_n) S_0 + sum_j exp(c_n - c_j) k_j u_j^T``."""
-    t = k.shape[1]
+    exp(c_i) S_0^T k_i)``: a unit-lower-triangular system ``A u = ...``, so
+    ``u = A^-1 beta v - (A^-1 beta exp(c) k) S_0``. Both inverses' products do not
+    depend on the state and are solved for every chunk at once; only the state is
+    carried chunk to chunk: ``o_i = exp(c_i) S_0^T q_i + sum_{j<=i} D[i, j] (q_i . k_j)
+    u_j`` and the next state is ``exp(c_n) S_0 + sum_j exp(c_n - c_j) k_j u_j^T``."""
+    h, t = k.shape[:2]
+    pad = (-t) % size
+    if pad:  # zero tokens with no decay (g = 0) and no write (beta = 0) at the end
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    m = (t + pad) // size
+    q, k, v = (x.reshape(h, m, size, x.shape[-1]) for x in (q, k, v))
+    c = g.reshape(h, m, size).cumsum(-1)  # [H, C, n]
+    b = beta.reshape(h, m, size)
+    lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    system = torch.eye(size, device=q.device) + b[..., None] * ((k @ k.transpose(-1, -2)) *
+                                                                 decay).tril(-1)  # fmt: skip
+    ec = c.exp()[..., None]
+    both = torch.linalg.solve_triangular(
+        system, torch.cat([b[..., None] * v, b[..., None] * ec * k], dim=-1),
+        upper=False, unitriangular=True,
+    )  # fmt: skip
+    u_v, w = both[..., : v.shape[-1]], both[..., v.shape[-1] :]
+    qk = (q @ k.transpose(-1, -2)) * decay
+    qe = q * ec
+    kt = k * (c[..., -1:] - c).exp()[..., None]
+    carry = c[..., -1].exp()[..., None, None]  # [H, C, 1, 1]
     out = torch.empty_like(v)
-    for a in range(0, t, size):
-        b = min(a + size, t)
-        qc, kc, vc, bc = q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b]
-        c = g[:, a:b].cumsum(-1)  # [H, n]
-        n = b - a
-        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = (c[:, :, None] - c[:, None, :]).masked_fill(~lower, float("-inf")).exp()
-        kk = (kc @ kc.transpose(1, 2)) * decay  # [H, n, n], j <= i
-        system = torch.eye(n, device=q.device) + bc[:, :, None] * kk.tril(-1)
-        rhs = bc[:, :, None] * (vc - c.exp()[:, :, None] * torch.einsum("hkv,hnk->hnv", state, kc))
-        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        qk = (qc @ kc.transpose(1, 2)) * decay
-        out[:, a:b] = c.exp()[:, :, None] * torch.einsum("hkv,hnk->hnv", state, qc) + qk @ u
-        tail = (c[:, -1:] - c).exp()  # [H, n]
-        state = c[:, -1].exp()[:, None, None] * state + torch.einsum(
-            "hnk,hnv->hkv", kc * tail[:, :, None], u
-        )
-    return out, state
+    for i in range(m):
+        u = u_v[:, i] - w[:, i] @ state
+        out[:, i] = qe[:, i] @ state + qk[:, i] @ u
+        state = carry[:, i] * state + kt[:, i].transpose(-1, -2) @ u
+    return out.reshape(h, m * size, -1)[:, :t], state
 
 
 class GatedDeltaNet(nn.Module):
@@ -252,8 +265,11 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
         outs, start = [], 0
-        for n, row, first in zip(batch.extend_lens, batch.state_slots, batch.first_positions,
-                                 strict=True):  # fmt: skip
+        snaps: dict[int, list[tuple[int, int]]] = {}
+        for i, offset, dst in batch.snapshots:
+            snaps.setdefault(i, []).append((offset, dst))
+        for i, (n, row, first) in enumerate(zip(batch.extend_lens, batch.state_slots,
+                                                batch.first_positions, strict=True)):  # fmt: skip
             conv, ssm = states.conv[self.index, row], states.ssm[self.index, row]
             if first == 0:
                 conv.zero_()
@@ -267,10 +283,22 @@ class GatedDeltaNet(nn.Module):
             k = _l2(k.view(n, self.nk, self.dk).float()).repeat_interleave(rep, 1)
             v = v.view(n, self.nv, self.dv).float()
             gs, bs = g[start : start + n].T, beta[start : start + n].float().T
-            args = (q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), gs, bs, ssm.float())
-            o, new = _recurrent(*args) if n == 1 else _chunked(*args)
-            ssm.copy_(new)
-            outs.append(o.transpose(0, 1).to(x.dtype))
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+            state, a, parts = ssm.float(), 0, []
+            # segments ending at the snapshots inside this sequence's new tokens, the
+            # state after each copied to its row (the conv state: the K - 1 inputs
+            # before that position)
+            for b, dst in [*sorted(snaps.get(i, ())), (n, -1)]:
+                if b > a:
+                    run = _recurrent if b - a == 1 else _chunked
+                    o, state = run(q[:, a:b], k[:, a:b], v[:, a:b], gs[:, a:b], bs[:, a:b], state)
+                    parts.append(o)
+                    a = b
+                if dst >= 0:
+                    states.ssm[self.index, dst].copy_(state)
+                    states.conv[self.index, dst].copy_(seq[:, b : b + self.kernel - 1])
+            ssm.copy_(state)
+            outs.append(torch.cat(parts, dim=1).transpose(0, 1).to(x.dtype))
             start += n
         o = self.norm(torch.cat(outs), z)
         return self.out_proj(o.reshape(x.shape[0], -1))
