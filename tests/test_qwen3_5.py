@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_families import greedy
 
 from radixkv.engine.engine import Engine
 
@@ -40,14 +41,6 @@ def reference(folder):
     import transformers
 
     return transformers.Qwen3_5ForCausalLM.from_pretrained(folder).eval()
-
-
-def greedy(reference, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        mask = torch.ones(1, len(ids), dtype=torch.long)
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                 attention_mask=mask)  # fmt: skip
-    return out[0, len(ids) :].tolist()
 
 
 def rand(n: int, seed: int) -> list[int]:

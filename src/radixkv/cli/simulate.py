@@ -186,15 +186,21 @@ def _sweep(args, trace, caps, labels, policies, outputs, console) -> int:  # typ
     sweep.print_table(results, ceiling, trace, console, labels)
     write("--json", args.json_out, lambda: sweep.to_json(results, ceiling))
     write("--csv", args.csv_out, lambda: sweep.to_csv(results))
-    if args.plot:
-        try:
-            sweep.plot(results, ceiling, trace, args.plot)
-        except RuntimeError as e:
-            raise CliError(f"--plot: {e}") from None
-        except OSError as e:
-            raise CliError(f"--plot: cannot write {args.plot}: {e.strerror or e}") from None
-        console.print(f"plot written to {args.plot}", markup=False)
+    _plot(args.plot, lambda: sweep.plot(results, ceiling, trace, args.plot), console)
     return 0
+
+
+def _plot(path: str | None, draw, console) -> None:  # type: ignore[no-untyped-def]
+    """``--plot``: draw, or one line naming the flag."""
+    if not path:
+        return
+    try:
+        draw()
+    except RuntimeError as e:
+        raise CliError(f"--plot: {e}") from None
+    except OSError as e:
+        raise CliError(f"--plot: cannot write {path}: {e.strerror or e}") from None
+    console.print(f"plot written to {path}", markup=False)
 
 
 def _tiers(args, trace, caps, labels, outputs, console, bpt) -> int:  # type: ignore[no-untyped-def]
@@ -298,12 +304,5 @@ def _hybrid(args: argparse.Namespace) -> int:
     hybrid.print_hybrid_table(results, trace, spec, console)
     rows = {"model": spec.__dict__, "results": [r.to_dict() for r in results]}
     write("--json", args.json_out, lambda: json.dumps(rows, indent=2))
-    if args.plot:
-        try:
-            hybrid.plot_hybrid(results, trace, spec, args.plot)
-        except RuntimeError as e:
-            raise CliError(f"--plot: {e}") from None
-        except OSError as e:
-            raise CliError(f"--plot: cannot write {args.plot}: {e.strerror or e}") from None
-        console.print(f"plot written to {args.plot}", markup=False)
+    _plot(args.plot, lambda: hybrid.plot_hybrid(results, trace, spec, args.plot), console)
     return 0

@@ -472,13 +472,9 @@ def print_hybrid_table(
 
 def plot_hybrid(results: list[HybridResult], trace: Trace, spec: ModelSpec, path: str) -> None:
     """Hit rate against capacity in bytes, one curve per policy."""
-    try:
-        import matplotlib
+    from radixkv.sim.sweep import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise RuntimeError("plotting needs matplotlib: pip install 'radixkv[plot]'") from e
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(r.policy for r in results):
         pts = sorted((r.capacity_bytes / (1 << 30), r.token_hit_rate) for r in results

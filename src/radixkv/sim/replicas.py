@@ -267,13 +267,9 @@ def print_replicas_table(results: list[ReplicaResult], console: Any, labels: dic
 
 def plot_replicas(results: list[ReplicaResult], path: str) -> None:
     """Hit rate against replica count, one line per router."""
-    try:
-        import matplotlib
+    from radixkv.sim.sweep import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise RuntimeError("plotting needs matplotlib: pip install 'radixkv[plot]'") from e
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for router in dict.fromkeys(r.router for r in results):
         pts = sorted((r.replicas, r.token_hit_rate) for r in results if r.router == router)

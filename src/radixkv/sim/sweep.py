@@ -264,8 +264,12 @@ def print_table(
     console.print(table)
 
 
-def plot(results: list[SimResult], ceiling: float, trace: Trace, path: str) -> None:
-    """Hit rate against capacity, one curve per policy, the unbounded ceiling marked."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display needed).
+
+    Raises:
+        RuntimeError: matplotlib is not installed (the ``plot`` extra).
+    """
     try:
         import matplotlib
 
@@ -273,6 +277,12 @@ def plot(results: list[SimResult], ceiling: float, trace: Trace, path: str) -> N
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise RuntimeError("plotting needs matplotlib: pip install 'radixkv[plot]'") from e
+    return plt
+
+
+def plot(results: list[SimResult], ceiling: float, trace: Trace, path: str) -> None:
+    """Hit rate against capacity, one curve per policy, the unbounded ceiling marked."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(r.policy for r in results):
         pts = sorted(

@@ -384,6 +384,18 @@ def gen_shared_prefix(
     return _from_tokens("shared-prefix", records, block_size)
 
 
+def _interleave(queues: list[list], rng: random.Random) -> list:
+    """Pop from the front of a random queue until all are empty: conversations whose
+    turns arrive interleaved, each in its own order."""
+    records = []
+    while queues:
+        q = queues[rng.randrange(len(queues))]
+        records.append(q.pop(0))
+        if not q:
+            queues.remove(q)
+    return records
+
+
 def gen_multi_turn(
     conversations: int = 128,
     turns: int = 6,
@@ -404,12 +416,7 @@ def gen_multi_turn(
             turns_out.append((list(history), {"output_ids": answer}))
             history = history + answer + _toks(rng, message_len)
         queues.append(turns_out)
-    records = []
-    while queues:
-        q = queues[rng.randrange(len(queues))]
-        records.append(q.pop(0))
-        if not q:
-            queues.remove(q)
+    records = _interleave(queues, rng)
     return _from_tokens("multi-turn", records, block_size)
 
 
@@ -462,12 +469,7 @@ def gen_chat(
             turns_out.append((list(history), rec))
             history = history + answer + _toks(rng, message_len)
         queues.append(turns_out)
-    records = []
-    while queues:
-        q = queues[rng.randrange(len(queues))]
-        records.append(q.pop(0))
-        if not q:
-            queues.remove(q)
+    records = _interleave(queues, rng)
     return _from_tokens("chat", records, block_size)
 
 

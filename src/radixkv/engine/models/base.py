@@ -1,7 +1,8 @@
 """What every model family shares: the ragged batch a forward pass takes, the layers every
 family uses, and the strict reading of ``config.json``.
 
-Owns: `ForwardBatch`, `RMSNorm`, `rotate_half`, `attend` (attention over the KV pool by
+Owns: `ForwardBatch`, `RMSNorm`, `CenteredRMSNorm`, `GatedMLP`, `rotate_half`,
+`last_rows`, `attend` (attention over the KV pool by
 slot, with a causal window), and `check_fields`: a
 checkpoint's config field is either honored by the family, known to shape no forward
 pass (training knobs, bookkeeping), or refused with an error naming it
@@ -125,6 +126,42 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class CenteredRMSNorm(nn.Module):
+    """``x * (1 + w)``, computed in float32 and cast back (Gemma's and Qwen3.5's, where
+    Llama's multiplies by ``w`` after the cast)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SwiGLU with ``silu``, GeGLU with ``gelu_tanh``."""
+
+    def __init__(self, hidden: int, inner: int, act: str = "silu") -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate_proj(x)
+        g = F.silu(g) if self.act == "silu" else F.gelu(g, approximate="tanh")
+        return self.down_proj(g * self.up_proj(x))
+
+
+def last_rows(x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """Each sequence's last new token's row of ``x`` (``[num_seqs, ...]``)."""
+    return x[torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

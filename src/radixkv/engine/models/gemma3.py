@@ -21,14 +21,16 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixkv.engine.models.base import (
+    CenteredRMSNorm,
     ForwardBatch,
+    GatedMLP,
     UnsupportedModel,
     attend,
     check_fields,
+    last_rows,
     rotate_half,
 )
 from radixkv.memory import KVPool
@@ -147,20 +149,6 @@ def rope_per_type(d: dict) -> tuple[tuple[float, float], tuple[float, float]]:
     return _rope_one(local, "sliding_attention"), _rope_one(glob, "full_attention")
 
 
-class GemmaRMSNorm(nn.Module):
-    """``x * (1 + w)``, computed in float32 and cast back (Gemma's, unlike Llama's)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -173,8 +161,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
         self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=bias)
-        self.q_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.hd, cfg.rms_norm_eps)
+        self.q_norm = CenteredRMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = CenteredRMSNorm(self.hd, cfg.rms_norm_eps)
 
     def forward(self, x, rope, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:  # type: ignore[no-untyped-def]
         t = x.shape[0]
@@ -189,28 +177,16 @@ class Attention(nn.Module):
         return self.o_proj(attend(q, batch, read, self.window, self.scale))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, "gelu_tanh")
+        self.input_layernorm = CenteredRMSNorm(h, eps)
+        self.post_attention_layernorm = CenteredRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = CenteredRMSNorm(h, eps)
+        self.post_feedforward_layernorm = CenteredRMSNorm(h, eps)
 
     def forward(self, x, rope, batch, pool):  # type: ignore[no-untyped-def]
         a = self.self_attn(self.input_layernorm(x), rope, batch, pool)
@@ -224,7 +200,7 @@ class Gemma3Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -258,10 +234,7 @@ class Gemma3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, rope, batch, pool)
         x = self.model.norm(x)
-        if not all_logits:
-            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
-            x = x[last]
-        logits = self.lm_head(x).float()
+        logits = self.lm_head(x if all_logits else last_rows(x, batch)).float()
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)

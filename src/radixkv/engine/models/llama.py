@@ -22,15 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixkv.engine.models.base import (
     ForwardBatch,
+    GatedMLP,
     RMSNorm,
     UnsupportedModel,
     attend,
     check_fields,
+    last_rows,
     rope_theta,
     rotate_half,
 )
@@ -208,25 +209,13 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, batch, pool):  # type: ignore[no-untyped-def]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool)
@@ -267,10 +256,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, pool)
         x = self.model.norm(x)
-        if not all_logits:
-            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
-            x = x[last]
-        return self.lm_head(x).float()
+        return self.lm_head(x if all_logits else last_rows(x, batch)).float()
 
 
 MODEL_CLASS = LlamaForCausalLM

@@ -42,10 +42,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixkv.engine.models.base import (
+    CenteredRMSNorm,
     ForwardBatch,
+    GatedMLP,
     UnsupportedModel,
     attend,
     check_fields,
+    last_rows,
     rotate_half,
 )
 from radixkv.memory import KVPool
@@ -147,20 +150,6 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-class CenteredRMSNorm(nn.Module):
-    """``x * (1 + w)`` in float32, cast back (Qwen3.5's, as Gemma's)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -333,18 +322,6 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kind_index: int) -> None:
         super().__init__()
@@ -353,7 +330,7 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg, kind_index)
         else:
             self.self_attn = GatedAttention(cfg, layer_id, kind_index)
-        self.mlp = MLP(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -428,10 +405,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch, pool, self.states)
         x = self.model.norm(x)
-        if not all_logits:
-            last = torch.tensor(batch.extend_lens, device=x.device).cumsum(0) - 1
-            x = x[last]
-        return self.lm_head(x).float()
+        return self.lm_head(x if all_logits else last_rows(x, batch)).float()
 
 
 MODEL_CLASS = Qwen3_5ForCausalLM
