@@ -140,7 +140,8 @@ def test_what_recurrent_models_do_not_run_yet_is_refused(folder):
 def test_served_with_the_openai_client(folder):
     """`radixkv serve` on the Qwen3.5 folder, the official client: three completions
     sharing a 300-character prefix (a byte per token), the third served 288 tokens from
-    the cache; /metrics shows the checkpoints and their bytes."""
+    the cache; two chats sharing a system message, the second served it from the cache;
+    /metrics shows the checkpoints and their bytes."""
     import re
 
     import httpx
@@ -159,8 +160,46 @@ def test_served_with_the_openai_client(folder):
             out = client.completions.create(model=model, prompt=shared[:300] + question,
                                             max_tokens=4, temperature=0)  # fmt: skip
             cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        system = {"role": "system", "content": "Answer in one short sentence. " * 6}
+        chats = []
+        for question in ("A colour?", "A fruit?"):
+            out = client.chat.completions.create(
+                model=model, messages=[system, {"role": "user", "content": question}],
+                max_tokens=3, temperature=0,
+            )  # fmt: skip
+            chats.append(out.usage.prompt_tokens_details.cached_tokens)
         text = httpx.get(f"{srv.url}/metrics").text
     assert cached[0] == 0 and cached[2] == 288
+    # the second chat starts from the checkpoint at the system message's end
+    assert chats[0] == 0 and chats[1] >= 160
     held = re.search(r"radixkv:state_checkpoints\{[^}]*\} ([0-9.]+)", text)
     size = re.search(r"radixkv:state_checkpoint_bytes\{[^}]*\} ([0-9.e+]+)", text)
     assert held and 0 < float(held.group(1)) <= 8 and size and float(size.group(1)) > 0
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_a_shared_system_message_hits_from_the_second_request(folder, reference, page):
+    """Chat messages mark the end of the system message; the first request writes a
+    checkpoint there during its prefill, so the second one (another user message)
+    already starts from it, and its output is still transformers'."""
+    engine = Engine(str(folder), page_size=page, chunk_size=64, check_memory=True)
+    system = {"role": "system", "content": "You answer in one short sentence, always. " * 4}
+    first = [system, {"role": "user", "content": "Name a colour."}]
+    second = [system, {"role": "user", "content": "And a fruit?"}]
+    ids = engine.encode(second)
+    (end,) = ids.boundaries
+    assert engine.encode([system])[:end] == ids[:end]  # the system part, as rendered alone
+    engine.generate([first], max_new_tokens=4, ignore_eos=True)
+    res = engine.generate([second], max_new_tokens=6, ignore_eos=True)
+    assert res.stats.cached_tokens == end - end % page > 0
+    assert res.outputs[0].token_ids == greedy(reference, list(ids), 6)
+    assert "boundary" in {c.kind for c in engine.recurrent.component.held.values()}
+
+
+def test_boundaries_are_checked(folder):
+    from radixkv.engine.request import MarkedIds
+
+    engine = Engine(str(folder))
+    with pytest.raises(ValueError, match="boundaries"):
+        engine.add_request(MarkedIds([5, 6, 7], (4,)), chat=False)
+    assert not engine.requests

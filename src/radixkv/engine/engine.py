@@ -40,7 +40,7 @@ from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.output import OutputProcessor
 from radixkv.engine.recurrent import RecurrentStates
-from radixkv.engine.request import EngineReq, SamplingParams, StepOutput
+from radixkv.engine.request import EngineReq, MarkedIds, SamplingParams, StepOutput
 from radixkv.engine.scheduler import DoesNotFit, Scheduler
 from radixkv.engine.tokenizer import Tokenizer
 from radixkv.key import check_namespace
@@ -232,7 +232,8 @@ class Engine:
                 return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
+            ids = self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
+            return self.chat_boundaries(prompt, ids)  # type: ignore[arg-type]
         ids = []
         for t in prompt:
             if isinstance(t, bool) or not isinstance(t, int):
@@ -241,6 +242,22 @@ class Engine:
         if any(not 0 <= t < self.config.vocab_size for t in ids):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         return ids
+
+    def chat_boundaries(self, messages: list[dict], ids: list[int]) -> MarkedIds:
+        """``ids`` (the messages' rendering) marked at the end of the leading system
+        messages: where the rendering of those alone stops agreeing with it (the
+        template's own tokens after the message included, whatever the template). Safe
+        to call off the engine's thread (the tokenizer only)."""
+        k = 0
+        while k < len(messages) and messages[k].get("role") in ("system", "developer"):
+            k += 1
+        if k == 0 or k == len(messages):
+            return MarkedIds(ids)
+        alone = self.tokenizer.apply_chat_template(list(messages[:k]))  # type: ignore[arg-type]
+        n = 0
+        while n < min(len(alone), len(ids)) and alone[n] == ids[n]:
+            n += 1
+        return MarkedIds(ids, (n,) if 0 < n < len(ids) else ())
 
     def add_request(
         self,
@@ -273,6 +290,10 @@ class Engine:
         ids = self.encode(prompt, chat)
         if not ids:
             raise ValueError("the prompt is empty")
+        marks = getattr(ids, "boundaries", getattr(prompt, "boundaries", ()))
+        if any(isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= len(ids)
+               for b in marks):  # fmt: skip
+            raise ValueError(f"boundaries must be positions in (0, {len(ids)}], got {marks!r}")
         order = next(self._order)
         rid = order if rid is None else rid
         if rid in self.requests:
@@ -290,6 +311,7 @@ class Engine:
             order=order,
             group=group,
             arrival=time.perf_counter(),
+            boundaries=tuple(marks),
         )
         self.scheduler.add(req)  # raises for a request that can never fit
         self.requests[rid] = req

@@ -9,7 +9,8 @@ request-table row (``0 .. max_running - 1``) and the checkpoints in the rows aft
     admission   the match already ends at a checkpoint (the component's match limit);
                 its state is copied into the request's row (copy, never lend), and the
                 request is told where to snapshot during its prefill (`plan`: the
-                prompt's end, the branch point where it leaves a cached path)
+                prompt's end, the branch point where it leaves a cached path, its
+                boundaries such as the end of a chat's system message)
     a chunk     each snapshot position inside the step's new tokens is handed to the
                 model (``ForwardBatch.snapshots``), which copies the state there to a
                 free checkpoint row during the same pass (``snap_rows``)
@@ -73,7 +74,7 @@ class RecurrentStates:
         n = len(r.input_ids)
         key = RadixKey(r.token_array(), r.extra_key)[: n - 1]
         full = cache.match_len(key, full=True)
-        plan = self.component.plan(n, full, r.cached_len)
+        plan = self.component.plan(n, full, r.cached_len, r.boundaries)
         r.snap_at = [p for p, _ in plan]
         r.snap_kinds = dict(plan)
 

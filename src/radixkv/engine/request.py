@@ -101,6 +101,18 @@ class SamplingParams:
         )  # fmt: skip
 
 
+class MarkedIds(list):
+    """Token ids with ``boundaries``: positions worth caching a prefix at (the end of a
+    chat's system message), where a recurrent model writes a state checkpoint during
+    the prefill (`radixkv.engine.recurrent`). A list, so it goes wherever ids go."""
+
+    boundaries: tuple[int, ...] = ()
+
+    def __init__(self, ids: Any = (), boundaries: tuple[int, ...] = ()) -> None:
+        super().__init__(ids)
+        self.boundaries = tuple(boundaries)
+
+
 @dataclass(eq=False)
 class EngineReq(Req):
     """A request with its sampling state, timings and decoded text."""
@@ -126,6 +138,7 @@ class EngineReq(Req):
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # recurrent models (radixkv.engine.recurrent): positions to snapshot the state at
     # during the prefill, why each, and the snapshots taken but not yet in the tree
+    boundaries: tuple[int, ...] = ()  # positions worth a checkpoint (MarkedIds)
     snap_at: list[int] = field(default_factory=list)
     snap_kinds: dict[int, str] = field(default_factory=dict)
     snap_rows: list[tuple[int, int, str]] = field(default_factory=list)

@@ -220,7 +220,7 @@ class Api:
             if m.content is None:
                 raise ApiError(400, f"messages[{i}]: content is missing", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return self._encode(messages, chat=True)
+        return self._encode(messages, chat=True)  # marked at the system message's end
 
     # --- running ----------------------------------------------------------------------------
     async def first(self, outputs: AsyncIterator[StepOutput]) -> StepOutput:
