@@ -203,3 +203,13 @@ def test_boundaries_are_checked(folder):
     with pytest.raises(ValueError, match="boundaries"):
         engine.add_request(MarkedIds([5, 6, 7], (4,)), chat=False)
     assert not engine.requests
+
+
+def test_the_demo_runs_a_qwen3_5_folder(folder, capsys):
+    """`radixkv demo --model FOLDER`: both workloads, cache off and on, identical greedy
+    outputs, and the system-prompt workload served mostly from the cache."""
+    from radixkv.cli import main
+
+    assert main(["demo", "--model", str(folder), "--max-new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("greedy outputs with and without the cache are identical") == 2

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.models.llama import LlamaForCausalLM, ModelConfig
+from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.sources import smollm2_folder, smollm2_missing
 from radixkv.engine.tokenizer import (
     BPETokenizer,
@@ -46,12 +46,13 @@ def load_model(
             run. ValueError: none of the above. ModuleNotFoundError: SmolLM2 asked for
             and not installed.
     """
-    if isinstance(model, LlamaForCausalLM):
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):  # any family's
         return model, ByteTokenizer(model.config.vocab_size), "given model"
     if isinstance(model, ModelConfig):
         return random_model(model, seed), ByteTokenizer(model.vocab_size), "random (given config)"
     if not isinstance(model, (str, Path)):
-        raise TypeError(f"model must be a name, a folder, a ModelConfig or a model, got {model!r}")
+        raise TypeError("model must be a name, a folder, a ModelConfig or a model, got "
+                        f"{type(model).__name__}")  # fmt: skip
     why_not = None
     if model in ("auto", "smollm2"):
         why_not = smollm2_missing()
