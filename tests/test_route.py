@@ -660,3 +660,48 @@ def test_the_index_tells_a_shared_prefix_from_one_conversation():
     index.apply("a", KVEventBatch(0, [BlockStored([999], 3, [0, 50], 2)]))  # a 2nd turn
     assert index.lookup(system + [0, 0, 0, 50, 0, 50])[1] == 2  # the history is not shared
     index.check()
+
+
+@pytest.mark.parametrize("policy", ["kv", "least_load", "approx", "round_robin"])
+def test_a_prompt_cache_key_keeps_a_tenant_on_one_worker_and_spills_under_load(policy):
+    """Rendezvous hashing with bounded loads: a key's requests go to one worker at light
+    load whatever their prompts, keys spread over the workers, a salt changes the
+    key's worker space (a key never crosses a salt), and a loaded home spills to one
+    other worker; the spill is counted."""
+    from radixkv.router import core
+
+    routing = core.RoutingCore(policy)
+    for name in ("a", "b", "c"):
+        routing.add(name)
+
+    def home(key: str, salt: str | None = None) -> set:
+        got = set()
+        for i in range(6):
+            t = routing.choose(list(range(i * 64, i * 64 + 40)), salt, 8, cache_key=key)
+            got.add(t.worker.name)
+            t.release()
+        return got
+
+    homes = [home(f"tenant-{k}") for k in range(12)]
+    assert all(len(h) == 1 for h in homes)
+    assert len(set().union(*homes)) == 3  # the keys spread
+    assert any(home("tenant-0", salt) != homes[0] for salt in ("s1", "s2", "s3", "s4"))
+    (first,) = homes[0]
+    held = [routing.choose(list(range(40)), None, 8, cache_key="tenant-0") for _ in range(8)]
+    assert [t.worker.name for t in held[:4]] == [first] * 4  # a burst stays home
+    spilled = {t.worker.name for t in held if t.key_spilled}
+    assert len(spilled) == 1 and first not in spilled  # then one other worker takes it
+    assert routing.key_spills == sum(t.key_spilled for t in held) > 0
+
+
+def test_the_router_passes_prompt_cache_key_and_keeps_it_together(fleet):
+    router, _ = fleet
+    seen = set()
+    for i in range(5):
+        r = complete(router.url, f"question number {i} about something else entirely",
+                     prompt_cache_key="tenant-a")  # fmt: skip
+        assert r.status_code == 200, r.text
+        seen.add(r.headers["x-radixkv-worker"])
+    assert len(seen) == 1
+    metrics = httpx.get(f"{router.url}/metrics").text
+    assert "radixkv_router:prompt_cache_key_requests_total 5.0" in metrics

@@ -158,7 +158,33 @@ def test_tool_call_history_is_refused_clearly(server):
 
 
 # --- every field ---------------------------------------------------------------------------------
+def test_prompt_cache_key_is_counted_and_checked(server):
+    """One server has one cache: a key changes no output there; it is counted (a router
+    keeps a key's requests on one worker, tests/test_route.py) and checked."""
+    import re
+
+    def count() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        m = re.search(r"radixkv:prompt_cache_key_requests_total\{[^}]*\} ([0-9.]+)", text)
+        return float(m.group(1)) if m else 0.0
+
+    def chat(**kw) -> str:
+        r = client(server).chat.completions.create(
+            model="random", messages=MESSAGES, max_tokens=4, temperature=0, **kw
+        )
+        return r.choices[0].message.content
+
+    before = count()
+    assert chat(prompt_cache_key="tenant-7") == chat()  # the official client's field
+    assert count() == before + 1
+    for bad in ("", "k" * 1025, 7):
+        body = {"model": "random", "prompt": "x", "prompt_cache_key": bad}
+        r = httpx.post(f"{server.url}/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_key", r.text
+
+
 HONOURED = {  # field -> the test above (or the base suite) that shows its effect
+    "prompt_cache_key": test_prompt_cache_key_is_counted_and_checked,
     "frequency_penalty": test_presence_and_frequency_penalties,
     "presence_penalty": test_presence_and_frequency_penalties,
     "logit_bias": test_logit_bias_steers_the_tokens,

@@ -101,6 +101,7 @@ class Ticket:
     claim: list | None = None  # kv: [expiry, key], the claim routing made for it
     queued: bool = True
     released: bool = False
+    key_spilled: bool = False  # a prompt_cache_key request sent past the key's worker
 
     def started(self) -> None:
         """The answer started: the worker has done this request's prefill."""
@@ -152,6 +153,8 @@ class RoutingCore:
         self.index = KvIndex()
         self.lock = threading.Lock()  # event threads write the index, choices read it
         self._turn = itertools.count()
+        self.key_requests = 0  # requests with a prompt_cache_key
+        self.key_spills = 0  # of which sent past the key's first worker (it was loaded)
 
     # --- workers and events -------------------------------------------------------------
     def add(self, name: Hashable) -> WorkerLoad:
@@ -186,9 +189,22 @@ class RoutingCore:
         return self.index.block_size or DEFAULT_BLOCK
 
     # --- choosing -----------------------------------------------------------------------
-    def choose(self, tokens: Sequence[int], salt: Any = None, max_tokens: int = 16) -> Ticket:
+    def choose(
+        self,
+        tokens: Sequence[int],
+        salt: Any = None,
+        max_tokens: int = 16,
+        cache_key: str | None = None,
+    ) -> Ticket:
         """Pick a worker for a prompt (its token ids as the workers see them) and charge
-        it; the ticket says what the index knew. Alive workers only, unless none is."""
+        it; the ticket says what the index knew. Alive workers only, unless none is.
+
+        ``cache_key`` (OpenAI's ``prompt_cache_key``): requests with the same key (in
+        the same salt: a key never crosses a salt) go to the key's worker
+        (`policies.key_home`, spilling past it when it is loaded beyond the bound). The
+        key adds to the prefix match: under ``kv`` that worker counts as holding the
+        longest prefix any worker holds, so a request that continues a conversation
+        cached elsewhere still weighs where its prefix is."""
         alive = [w for w in self.workers.values() if w.alive] or list(self.workers.values())
         if not alive:
             raise LookupError("the router has no worker")
@@ -203,7 +219,19 @@ class RoutingCore:
         key = RadixKey(tokens, salt)
         if self.policy == "kv":
             overlap = {w: max(held[w], w.claimed(key, now) // size) for w in alive}
-        if self.policy == "round_robin":
+        home, spilled, known = None, False, overlap
+        if cache_key is not None:
+            names = {x.name: x for x in alive}
+            name, spilled = policies.key_home(list(names), cache_key, salt,
+                                              {x.name: x.in_flight for x in alive})  # fmt: skip
+            home = names[name]
+            self.key_requests += 1
+            self.key_spills += spilled
+            if self.policy == "kv":  # the longest prefix anywhere, and ties go home
+                overlap = {**overlap, home: max(overlap.values(), default=0) + 1}
+        if home is not None and self.policy != "kv":
+            w = home
+        elif self.policy == "round_robin":
             w = policies.round_robin(alive, next(self._turn))
         elif self.policy == "least_load":
             w = policies.least_load(alive, {x: x.in_flight for x in alive})
@@ -221,9 +249,11 @@ class RoutingCore:
             )  # fmt: skip
             claim = [now + PENDING_S, key]
             w.claims.append(claim)
-        prefill = len(tokens) // size - overlap.get(w, 0)
+        prefill = len(tokens) // size - known.get(w, 0)
         fleet = max(held.values(), default=0)
-        return self._charge(w, held.get(w, 0), fleet, prefill, len(tokens) + max_tokens, claim)
+        ticket = self._charge(w, held.get(w, 0), fleet, prefill, len(tokens) + max_tokens, claim)
+        ticket.key_spilled = spilled
+        return ticket
 
     def assign(self, name: Hashable, tokens: Sequence[int], max_tokens: int = 16) -> Ticket:
         """Charge a worker picked elsewhere (a retry after the chosen one failed): its

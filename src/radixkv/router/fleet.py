@@ -220,6 +220,11 @@ class Router:
         r = self.registry = CollectorRegistry()
         self.m_requests = Counter("radixkv_router:requests", "Requests routed",
                                   ["worker", "policy"], registry=r)  # fmt: skip
+        self.m_key = Counter("radixkv_router:prompt_cache_key_requests", "Requests with a "
+                             "prompt_cache_key", registry=r)  # fmt: skip
+        self.m_key_spills = Counter("radixkv_router:prompt_cache_key_spills", "prompt_cache_key "
+                                    "requests sent past the key's worker, which was loaded "
+                                    "beyond the bound", registry=r)  # fmt: skip
         self.m_retries = Counter("radixkv_router:retries", "Requests retried after a "
                                  "worker failed", ["worker"], registry=r)  # fmt: skip
         self.m_overlap = Counter("radixkv_router:overlap_blocks", "Cached blocks the index "

@@ -9,6 +9,8 @@ arguments.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Hashable, Mapping, Sequence
 
 POLICIES = ("round_robin", "least_load", "approx", "kv")
@@ -29,6 +31,12 @@ KV_OVERLAP_WEIGHT = 16.0
 # turn is queued there (3 replicas, multi-turn: hit 0.903-0.997x SGLang's router over 3
 # runs); at 1/4 it stays (0.997x in 3 of 3) and balance holds (imbalance <= 1.29).
 KV_QUEUE_SHARE = 0.25
+# prompt_cache_key: a key's worker takes it while its load is within this many times the
+# fleet's mean (Mirrokni, Thorup, Zadimoghaddam: consistent hashing with bounded loads)
+KEY_LOAD_SLACK = 1.25
+# ... and always while it has fewer than this many in flight (an engine runs several at
+# once: a tenant's short burst stays on its worker)
+KEY_MIN_BOUND = 4
 
 
 def round_robin(workers: Sequence[Hashable], turn: int) -> Hashable:
@@ -59,6 +67,34 @@ def approx(
     if request_len and matched.get(best, 0) / request_len > APPROX_CACHE_THRESHOLD:
         return best
     return min(workers, key=lambda w: tree_size.get(w, 0))
+
+
+def key_home(
+    workers: Sequence[Hashable],
+    key: str,
+    salt: str | None,
+    in_flight: Mapping[Hashable, int],
+    slack: float = KEY_LOAD_SLACK,
+    floor: int = KEY_MIN_BOUND,
+) -> tuple[Hashable, bool]:
+    """The worker a ``prompt_cache_key`` lives on: rendezvous hashing of (salt, key,
+    worker) orders the workers the same way on every router and keeps a key in place
+    when others come and go; the first whose load stays within ``slack`` x the fleet's
+    mean (counting this request: consistent hashing with bounded loads), or under
+    ``floor``, takes it.
+    Returns (the worker, whether it spilled past the key's first choice)."""
+
+    def rank(w: Hashable) -> bytes:
+        text = f"{salt or ''}\0{key}\0{w}".encode()
+        return hashlib.blake2b(text, digest_size=8).digest()
+
+    order = sorted(workers, key=rank)
+    total = sum(in_flight.get(w, 0) for w in workers)
+    bound = max(math.ceil(slack * (total + 1) / len(workers)), floor)
+    for w in order:
+        if in_flight.get(w, 0) + 1 <= bound:
+            return w, w is not order[0]
+    return order[0], False
 
 
 def kv(

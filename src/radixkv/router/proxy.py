@@ -154,7 +154,13 @@ def build_router_app(
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         max_tokens = max_tokens if isinstance(max_tokens, int) else 16
-        ticket = router.core.choose(tokens, salt, max_tokens)
+        key = body.get("prompt_cache_key")
+        key = key if isinstance(key, str) and key else None  # the worker refuses others
+        ticket = router.core.choose(tokens, salt, max_tokens, key)
+        if key is not None:
+            router.m_key.inc()
+            if ticket.key_spilled:
+                router.m_key_spills.inc()
         first = router.worker_of(ticket)
         order = [first] + [w for w in router.workers if w is not first and w.alive]
         streamed = body.get("stream") is True

@@ -42,6 +42,7 @@ from radixkv.engine.scheduler import DoesNotFit
 from radixkv.engine.tokenizer import tokenizer_fingerprint
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
+    MAX_CACHE_KEY,
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_STOP_STRINGS,
@@ -131,6 +132,10 @@ class Api:
                                f"[-100, 100]; got {token!r}: {bias}", "logit_bias")  # fmt: skip
         if req.cache_salt is not None and not req.cache_salt:
             raise ApiError(400, "cache_salt must be a non-empty string", "cache_salt")
+        key = req.prompt_cache_key
+        if key is not None and not 0 < len(key) <= MAX_CACHE_KEY:
+            raise ApiError(400, f"prompt_cache_key must be 1 to {MAX_CACHE_KEY} characters",
+                           "prompt_cache_key")  # fmt: skip
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise ApiError(400, f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings", "stop")
@@ -409,6 +414,8 @@ def build_app(
         final: Callable[[list[Choice]], dict],
     ) -> Response:
         sampling = api._sampling(req, ids, max_tokens, kind)
+        if req.prompt_cache_key is not None:
+            api.metrics.cache_keys.inc()
         runs = await api.start_all(ids, sampling, req.n, req.cache_salt, arrival)
         if not req.stream:
             done = await _collect_or_abort(request, runs)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -142,3 +142,8 @@ class ServerMetrics:
         self.ttft = hist("time_to_first_token_seconds", "Time to first token")
         self.itl = hist("inter_token_latency_seconds", "Time between streamed outputs")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to last output")
+        self.cache_keys = Counter(
+            "radixkv:prompt_cache_key_requests", "Requests with a prompt_cache_key (a "
+            "router keeps a key's requests on one worker; one server has one cache)",
+            ["model_name"], registry=self.registry,
+        ).labels(model_name)  # fmt: skip

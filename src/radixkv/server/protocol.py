@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_N = 128  # OpenAI's limit on choices
 MAX_LOGIT_BIAS = 300  # tokens a logit_bias may name: each one costs every decode step
 MAX_TOP_LOGPROBS = 20  # OpenAI's (chat); completions' logprobs take the same range here
+MAX_CACHE_KEY = 1024  # characters of a prompt_cache_key
 # OpenAI fields radixkv does not implement, with the values that ask for nothing and so
 # are accepted (a client library's explicit default)
 REFUSED: dict[str, tuple[Any, ...]] = {
@@ -40,7 +41,6 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "store": (False,),
     "service_tier": ("auto", "default"),
     "safety_identifier": (),
-    "prompt_cache_key": (),
     "prompt_cache_options": (),
     "prompt_cache_retention": (),
     "moderation": (),
@@ -74,6 +74,9 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI's prompt caching: requests sharing a key should reach the same cache (the
+    # router keeps them on one worker; counted here)
+    prompt_cache_key: str | None = None
     # refused unless a value in REFUSED (checked by the server)
     response_format: Any = None
     tools: Any = None
@@ -91,7 +94,6 @@ class _Sampling(BaseModel):
     store: Any = None
     service_tier: Any = None
     safety_identifier: Any = None
-    prompt_cache_key: Any = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
     moderation: Any = None
