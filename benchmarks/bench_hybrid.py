@@ -1,6 +1,7 @@
 """A hybrid model's prefix cache (full-attention KV + recurrent-state checkpoints),
 radixkv against SGLang 0.5.23's production `UnifiedRadixCache` (Rust tree core, FULL +
-MAMBA components), driven with the same requests in the same run.
+MAMBA components) and vLLM 0.33's `HybridKVCacheCoordinator` (a FullAttentionSpec group
+and a MambaSpec group in ``align`` mode), driven with the same requests in the same run.
 
     python benchmarks/bench_hybrid.py [--repeats 3]
 
@@ -8,8 +9,13 @@ Per request, as each scheduler does it for a Mamba / Gated DeltaNet model: match
 prompt (the state hit, and the branch point where the full-attention match goes past
 the last state), cache the branch point's state that the prefill saved there, then cache
 the prompt's KV with its state at the end. SGLang's side runs in the SGLang peer's venv
-(``../shared/peers/setup.sh sglang``); a missing peer is skipped with a note. Page 1:
-without its ping-pong extra buffer SGLang's MambaComponent requires page size 1.
+(``../shared/peers/setup.sh sglang``), vLLM's in vLLM's (``... vllm``); a missing peer
+is skipped with a note. Page 1: without its ping-pong extra buffer SGLang's
+MambaComponent requires page size 1. vLLM runs with 16-token blocks, the finest grid its
+align mode allows a state on (a real Qwen3.5-4B gets 528), driven as its scheduler does:
+a step per prefill chunk (``new_step_starts``), the first chunk ending on the block grid
+(where align mode keeps the state), then the rest; the finished request is freed (its
+blocks stay cached).
 Reported: µs per request (match + inserts, median of the repeats, GC on), cached tokens
 (state hits, which must be equal: tests/test_sglang_hybrid_diff.py checks the same
 semantics operation by operation) and checkpoints held at the end; the last column is
@@ -30,7 +36,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-PEER = Path.home() / ".cache" / "radixkv-peers" / "sglang" / "bin" / "python"
+PEERS = Path.home() / ".cache" / "radixkv-peers"
+PEER = PEERS / "sglang" / "bin" / "python"
+VLLM = PEERS / "vllm" / "bin" / "python"
+VLLM_BLOCK = 16
 WORKLOADS = ("a", "b")
 
 
@@ -163,8 +172,58 @@ def run_full_only(reqs: list[list[int]]) -> tuple[float, int, int]:
     return time.perf_counter() - t0, hits, 0
 
 
+def run_vllm(reqs: list[list[int]]) -> tuple[float, int, int]:
+    import torch
+    import vllm.utils.hashing as hashing
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+    from vllm.v1.request import Request
+
+    b = VLLM_BLOCK
+    hash_fn = hashing.sha256  # vLLM's default prefix-caching hash
+    kv_cache_utils.init_none_hash(hash_fn)
+    full = FullAttentionSpec(block_size=b, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    state = MambaSpec(block_size=b, shapes=((4, 8), (2, 8, 8)),
+                      dtypes=(torch.float32, torch.float32), mamba_cache_mode="align")  # fmt: skip
+    groups = [KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["gdn"], state)]
+    cfg = KVCacheConfig(num_blocks=1 << 20, kv_cache_tensors=[], kv_cache_groups=groups)
+    mgr = KVCacheManager(cfg, max_model_len=1 << 14, scheduler_block_size=b,
+                         hash_block_size=b, enable_caching=True)  # fmt: skip
+    assert type(mgr.coordinator).__name__ == "HybridKVCacheCoordinator"
+    hasher = kv_cache_utils.get_request_block_hasher(b, hash_fn)
+    params = SamplingParams(max_tokens=1)
+    hits = 0
+    t0 = time.perf_counter()  # hashing is part of vLLM's request path: it is timed
+    for i, toks in enumerate(reqs):
+        req = Request(str(i), toks, params, None, block_hasher=hasher)
+        mgr.new_step_starts()
+        blocks, hit, *_ = mgr.get_computed_blocks(req)
+        hits += hit
+        aligned = len(toks) - len(toks) % b
+        chunks = [(aligned - hit, hit, blocks)] if aligned > hit else []
+        if len(toks) > max(aligned, hit):
+            rest = len(toks) - max(aligned, hit)
+            chunks.append((rest,) if chunks else (rest, hit, blocks))
+        for j, chunk in enumerate(chunks):
+            if j:
+                mgr.new_step_starts()
+            if mgr.allocate_slots(req, *chunk) is None:
+                raise RuntimeError(f"vLLM refused request {i}'s chunk {j}")
+            req.num_computed_tokens += chunk[0] + (chunk[1] if len(chunk) > 1 else 0)
+        mgr.free(req)
+    return time.perf_counter() - t0, hits, 0
+
+
 def measure(impl: str, repeats: int) -> list[dict]:
-    run = {"radixkv": run_radixkv, "full": run_full_only, "sglang": run_sglang}[impl]
+    run = {"radixkv": run_radixkv, "full": run_full_only, "sglang": run_sglang,
+           "vllm": run_vllm}[impl]  # fmt: skip
     rows = []
     for w in WORKLOADS:
         reqs = requests(w)
@@ -180,7 +239,7 @@ def measure(impl: str, repeats: int) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--impl", choices=("radixkv", "sglang"), help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=("radixkv", "sglang", "vllm"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.impl:  # one side, in its own venv: print JSON
         print(json.dumps(measure(args.impl, args.repeats)))
@@ -191,19 +250,21 @@ def main() -> None:
     console = Console()
     ours = measure("radixkv", args.repeats)
     full = measure("full", args.repeats)
-    theirs = None
-    if PEER.exists():
-        env = {**os.environ, "SGLANG_PEER_UNIFIED": "1", "PYTHONWARNINGS": "ignore"}
-        cmd = [str(PEER), __file__, "--impl", "sglang", "--repeats", str(args.repeats)]
+    peers = {}
+    for name, python, env in (("sglang", PEER, {"SGLANG_PEER_UNIFIED": "1"}), ("vllm", VLLM, {})):
+        if not python.exists():
+            console.print(f"[yellow]skipping {name}:[/yellow] no interpreter at {python}")
+            continue
+        env = {**os.environ, **env, "PYTHONWARNINGS": "ignore"}
+        cmd = [str(python), __file__, "--impl", name, "--repeats", str(args.repeats)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         if proc.returncode:
-            raise SystemExit(f"SGLang side failed:\n{proc.stderr[-2000:]}")
-        theirs = json.loads(proc.stdout.strip().splitlines()[-1])
-    else:
-        console.print(f"[yellow]skipping SGLang:[/yellow] no interpreter at {PEER}")
+            raise SystemExit(f"{name} side failed:\n{proc.stderr[-2000:]}")
+        peers[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    theirs, vllm = peers.get("sglang"), peers.get("vllm")
     table = Table(title="hybrid prefix cache (FULL + recurrent state), page 1, µs per request")
     cols = ("workload", "radixkv µs", "SGLang Rust µs", "ratio", "cached tokens", "states")
-    for col in (*cols, "radixkv full-only µs"):
+    for col in (*cols, "vLLM µs", "ratio", "vLLM cached", "radixkv full-only µs"):
         table.add_column(col, justify="right")
     names = {"a": "(a) 2,000 × shared 1,024-token prompt", "b": "(b) 200 chats × 8 turns"}
     for i, r in enumerate(ours):
@@ -215,6 +276,9 @@ def main() -> None:
             f"{t['us'] / r['us']:.1f}×" if t else "-",
             f"{r['hits']:,}" + (f" / {t['hits']:,}" if t else ""),
             f"{r['held']:,}" + (f" / {t['held']:,}" if t else ""),
+            f"{vllm[i]['us']:.1f}" if vllm else "-",
+            f"{vllm[i]['us'] / r['us']:.1f}×" if vllm else "-",
+            f"{vllm[i]['hits']:,}" if vllm else "-",
             f"{full[i]['us']:.1f}",
         )
     console.print(table)
