@@ -49,7 +49,6 @@ class RecurrentStates:
         self.states = model.make_states(max_running + self.rows)
         self.free_rows = list(range(self.first + self.rows - 1, self.first - 1, -1))
         self.component = StateCheckpoints(max_states, self)
-        self.cache: RadixCache | None = None
 
     # the component's allocator: evicted checkpoints give their rows back
     def free(self, slots: torch.Tensor) -> None:
@@ -74,9 +73,7 @@ class RecurrentStates:
         n = len(r.input_ids)
         key = RadixKey(r.token_array(), r.extra_key)[: n - 1]
         full = cache.match_len(key, full=True)
-        plan = self.component.plan(n, full, r.cached_len, r.boundaries)
-        r.snap_at = [p for p, _ in plan]
-        r.snap_kinds = dict(plan)
+        r.snap_plan = self.component.plan(n, full, r.cached_len, r.boundaries)
 
     def snapshots(self, plan: list[tuple[Any, int]]) -> list[tuple[int, int, int]]:
         """The step's snapshots: ``(index in plan, new tokens before it, row)`` for each
@@ -84,12 +81,12 @@ class RecurrentStates:
         out = []
         for i, (r, n) in enumerate(plan):
             start = r.kv_len - n
-            while r.snap_at and r.snap_at[0] <= r.kv_len:
-                pos = r.snap_at.pop(0)
+            while r.snap_plan and r.snap_plan[0][0] <= r.kv_len:
+                pos, kind = r.snap_plan.pop(0)
                 row = self._take() if pos > start else None
                 if row is not None:
                     out.append((i, pos - start, row))
-                    r.snap_rows.append((pos, row, r.snap_kinds.get(pos, "end")))
+                    r.snap_rows.append((pos, row, kind))
         return out
 
     def at_finish(self, r: Any, page: int) -> None:
@@ -125,7 +122,7 @@ class RecurrentStates:
         snapshots."""
         self.free_rows.extend(row for _, row, _ in r.snap_rows)
         r.snap_rows = []
-        r.snap_at = []
+        r.snap_plan = []
 
     def check(self, running: list[Any]) -> None:
         pending = [row for r in running for _, row, _ in r.snap_rows]

@@ -137,10 +137,9 @@ class EngineReq(Req):
     # per output token (with sampling.logprobs): (its logprob, [(token, logprob), ...])
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # recurrent models (radixkv.engine.recurrent): positions to snapshot the state at
-    # during the prefill, why each, and the snapshots taken but not yet in the tree
+    # during the prefill with why each, and the snapshots taken but not yet in the tree
     boundaries: tuple[int, ...] = ()  # positions worth a checkpoint (MarkedIds)
-    snap_at: list[int] = field(default_factory=list)
-    snap_kinds: dict[int, str] = field(default_factory=dict)
+    snap_plan: list[tuple[int, str]] = field(default_factory=list)
     snap_rows: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property

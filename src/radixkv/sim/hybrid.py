@@ -472,7 +472,7 @@ def print_hybrid_table(
 
 def plot_hybrid(results: list[HybridResult], trace: Trace, spec: ModelSpec, path: str) -> None:
     """Hit rate against capacity in bytes, one curve per policy."""
-    from radixkv.sim.sweep import pyplot
+    from radixkv.sim.sweep import pyplot, save_plot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -486,11 +486,7 @@ def plot_hybrid(results: list[HybridResult], trace: Trace, spec: ModelSpec, path
     ax.set_ylabel("token hit rate")
     ax.set_ylim(0, 1.0)
     ax.set_title(f"Hybrid prefix caching: {trace.name} on {spec.name}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(plt, fig, ax, path)
 
 
 __all__ = [

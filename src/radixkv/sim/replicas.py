@@ -267,7 +267,7 @@ def print_replicas_table(results: list[ReplicaResult], console: Any, labels: dic
 
 def plot_replicas(results: list[ReplicaResult], path: str) -> None:
     """Hit rate against replica count, one line per router."""
-    from radixkv.sim.sweep import pyplot
+    from radixkv.sim.sweep import pyplot, save_plot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -278,8 +278,4 @@ def plot_replicas(results: list[ReplicaResult], path: str) -> None:
     ax.set_xlabel("replicas")
     ax.set_ylabel("token hit rate")
     ax.set_title(f"Cache-aware routing: {results[0].trace}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(plt, fig, ax, path)

@@ -280,6 +280,15 @@ def pyplot() -> Any:
     return plt
 
 
+def save_plot(plt: Any, fig: Any, ax: Any, path: str) -> None:
+    """The common end of every plot: grid, legend, layout, the PNG, the figure closed."""
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(results: list[SimResult], ceiling: float, trace: Trace, path: str) -> None:
     """Hit rate against capacity, one curve per policy, the unbounded ceiling marked."""
     plt = pyplot()
@@ -298,11 +307,7 @@ def plot(results: list[SimResult], ceiling: float, trace: Trace, path: str) -> N
     ax.set_ylabel("token hit rate")
     ax.set_ylim(0, min(1.0, max(ceiling, 0.05) * 1.15))
     ax.set_title(f"Prefix-cache hit rate: {trace.name}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(plt, fig, ax, path)
 
 
 __all__ = [

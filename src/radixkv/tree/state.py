@@ -129,9 +129,6 @@ class StateCheckpoints(TreeComponent):
                 return c.slot
         return None
 
-    def num_states(self) -> int:
-        return len(self.held)
-
     def held_bytes(self) -> int:
         return len(self.held) * self.state_bytes
 

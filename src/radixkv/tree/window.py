@@ -116,9 +116,6 @@ class WindowKV(TreeComponent):
         """Window units the tree holds (counted as they come and go)."""
         return self.held
 
-    def protected_units(self) -> int:
-        return sum(self.covered(n) for n in self.cache.iter_nodes() if n.lock_ref)
-
     def _useful(self, node: TreeNode) -> bool:
         """A match is expected to end at ``node``'s end (a leaf, a branch point, a lock
         end)."""

@@ -93,14 +93,7 @@ class ModelConfig:
         Raises:
             UnsupportedModel: a field Llama as radixkv runs it does not implement.
         """
-        names = {f.name for f in fields(cls)} - VARIANT_FIELDS
-        check_fields(d, ARCHITECTURE, names | {"rope_parameters", "rope_scaling"}, FIXED)
-        kwargs = {k: v for k, v in d.items() if k in names and v is not None}
-        kwargs["rope_theta"] = rope_theta(d, ARCHITECTURE, cls.rope_theta)
-        eos = kwargs.get("eos_token_id")
-        if isinstance(eos, list):
-            kwargs["eos_token_id"] = eos[0]
-        return cls(**kwargs)
+        return cls.from_family_dict(d, ARCHITECTURE, set(), FIXED)
 
     @classmethod
     def from_family_dict(
@@ -128,6 +121,25 @@ class ModelConfig:
 
 
 VARIANT_FIELDS = frozenset({"qkv_bias", "qk_norm", "windows", "architecture"})
+
+
+def variant_config(
+    architecture: str, honored: set[str], fixed: dict, **variant: bool
+) -> type[ModelConfig]:
+    """The config class of a family that is this decoder with ``variant`` switched on
+    (``qkv_bias``, ``qk_norm``), its windows read by `layer_windows`, its own
+    ``config.json`` fields ``honored`` (those in ``fixed`` at the values listed) and
+    every other field refused, naming it."""
+
+    class FamilyConfig(ModelConfig):
+        @classmethod
+        def from_dict(cls, d: dict) -> ModelConfig:
+            windows = layer_windows(d, architecture)
+            return ModelConfig.from_family_dict(d, architecture, honored, fixed,
+                                                windows=windows, **variant)  # fmt: skip
+
+    FamilyConfig.__qualname__ = FamilyConfig.__name__ = f"{architecture}Config"
+    return FamilyConfig
 
 
 def layer_windows(d: dict, architecture: str) -> tuple[int, ...]:

@@ -11,25 +11,10 @@ decoder's layers (``llama.py``).
 
 from __future__ import annotations
 
-from radixkv.engine.models.llama import MODEL_CLASS as _DECODER
-from radixkv.engine.models.llama import ModelConfig as _Base
-from radixkv.engine.models.llama import layer_windows
+from radixkv.engine.models.llama import MODEL_CLASS, variant_config
 
 ARCHITECTURE = "MistralForCausalLM"
-FIXED = {"hidden_act": ("silu",)}
+ModelConfig = variant_config(ARCHITECTURE, {"sliding_window", "layer_types"},
+                             {"hidden_act": ("silu",)})  # fmt: skip
 
-
-class ModelConfig(_Base):
-    @classmethod
-    def from_dict(cls, d: dict) -> _Base:  # type: ignore[override]
-        """Every field honored, neutral, or refused, naming it.
-
-        Raises:
-            UnsupportedModel: a field radixkv does not implement for Mistral.
-        """
-        windows = layer_windows(d, ARCHITECTURE)
-        return _Base.from_family_dict(d, ARCHITECTURE, {"sliding_window", "layer_types"}, FIXED,
-                                      windows=windows)  # fmt: skip
-
-
-MODEL_CLASS = _DECODER
+__all__ = ["ARCHITECTURE", "MODEL_CLASS", "ModelConfig"]

@@ -8,26 +8,11 @@ decoder's layers (``llama.py``).
 
 from __future__ import annotations
 
-from radixkv.engine.models.llama import MODEL_CLASS as _DECODER
-from radixkv.engine.models.llama import ModelConfig as _Base
-from radixkv.engine.models.llama import layer_windows
+from radixkv.engine.models.llama import MODEL_CLASS, variant_config
 
 ARCHITECTURE = "Qwen2ForCausalLM"
 WINDOW_FIELDS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
-FIXED = {"hidden_act": ("silu",)}
+ModelConfig = variant_config(ARCHITECTURE, WINDOW_FIELDS, {"hidden_act": ("silu",)},
+                             qkv_bias=True)  # fmt: skip
 
-
-class ModelConfig(_Base):
-    @classmethod
-    def from_dict(cls, d: dict) -> _Base:  # type: ignore[override]
-        """Every field honored, neutral, or refused, naming it.
-
-        Raises:
-            UnsupportedModel: a field radixkv does not implement for Qwen2.
-        """
-        windows = layer_windows(d, ARCHITECTURE)
-        return _Base.from_family_dict(d, ARCHITECTURE, WINDOW_FIELDS, FIXED, qkv_bias=True,
-                                      windows=windows)  # fmt: skip
-
-
-MODEL_CLASS = _DECODER
+__all__ = ["ARCHITECTURE", "MODEL_CLASS", "ModelConfig"]

@@ -105,10 +105,6 @@ class ModelConfig:
                                    f"{self.num_hidden_layers} of {LAYER_TYPES}")  # fmt: skip
 
     @property
-    def windows(self) -> tuple[int, ...]:
-        return (0,) * self.num_hidden_layers
-
-    @property
     def kv_layers(self) -> int:
         """Layers with KV in the pool: the full-attention ones."""
         return self.layer_types.count("full_attention")
