@@ -233,6 +233,8 @@ class Engine:
             return self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
             ids = self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
+            if self.recurrent is None:  # only checkpoints use the marks: skip a render
+                return ids
             return self.chat_boundaries(prompt, ids)  # type: ignore[arg-type]
         ids = []
         for t in prompt:
