@@ -101,6 +101,7 @@ def test_a_window_changes_what_mistral_computes(tmp_path):
         ("Qwen3ForCausalLM", {"attention_bias": True}, "attention_bias"),
         ("Qwen2ForCausalLM", {"hidden_act": "gelu"}, "hidden_act"),
         ("Gemma3ForCausalLM", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ("Gemma3ForCausalLM", {"final_logit_softcapping": 0.0}, "final_logit_softcapping"),
         ("Gemma3ForCausalLM", {"rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0}}}, "yarn"),

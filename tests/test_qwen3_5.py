@@ -213,3 +213,29 @@ def test_the_demo_runs_a_qwen3_5_folder(folder, capsys):
     assert main(["demo", "--model", str(folder), "--max-new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("greedy outputs with and without the cache are identical") == 2
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.3}},
+         "partial_rotary_factor"),
+        ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
+        ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, "layer_types"),
+        ({"mtp_num_hidden_layers": 1}, "mtp_num_hidden_layers"),
+    ],
+)  # fmt: skip
+def test_config_fields_qwen3_5_does_not_implement_are_refused(folder, tmp_path, change, named):
+    import json
+    import shutil
+
+    from radixkv.engine.models import UnsupportedModel
+
+    path = tmp_path / "changed"
+    shutil.copytree(folder, path)
+    conf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**conf, **change}))
+    with pytest.raises(UnsupportedModel, match=named):
+        Engine(str(path))

@@ -36,6 +36,8 @@ from radixkv.router.fleet import Router, Worker, WorkerSpec, check_workers, read
 from radixkv.web.access import Access, AccessMiddleware
 from radixkv.web.errors import ApiError
 
+MAX_CACHE_KEY = 1024  # as radixkv.server.protocol (the router imports no server module)
+
 FORWARDED_HEADERS = ("content-type", "retry-after")
 ADMIN_PATHS = ("/workers",)  # changing the fleet: the router's --admin-key only
 USAGE_TAIL = 4096  # bytes kept from the end of an answer: its usage is there
@@ -155,7 +157,9 @@ def build_router_app(
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         max_tokens = max_tokens if isinstance(max_tokens, int) else 16
         key = body.get("prompt_cache_key")
-        key = key if isinstance(key, str) and key else None  # the worker refuses others
+        # the worker refuses others (empty, or longer than its MAX_CACHE_KEY); hashing a
+        # body-sized key for every worker would cost every request behind it
+        key = key if isinstance(key, str) and 0 < len(key) <= MAX_CACHE_KEY else None
         ticket = router.core.choose(tokens, salt, max_tokens, key)
         if key is not None:
             router.m_key.inc()

@@ -83,6 +83,14 @@ class ModelConfig:
         self.windows = tuple(self.windows) or (self.sliding_window,) * self.num_hidden_layers
         if len(self.windows) != self.num_hidden_layers:
             raise ValueError("windows must give one window per layer")
+        # a zero or negative one would divide by zero or flip the logits' order
+        if not self.query_pre_attn_scalar > 0:
+            raise UnsupportedModel(f"{ARCHITECTURE}: query_pre_attn_scalar must be positive, "
+                                   f"config.json has {self.query_pre_attn_scalar!r}")  # fmt: skip
+        cap = self.final_logit_softcapping
+        if cap is not None and not cap > 0:
+            raise UnsupportedModel(f"{ARCHITECTURE}: final_logit_softcapping must be positive "
+                                   f"or null, config.json has {cap!r}")  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:

@@ -92,6 +92,14 @@ class ModelConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        rot = self.head_dim * self.partial_rotary_factor
+        if not (0 < self.partial_rotary_factor <= 1 and rot == int(rot) and int(rot) % 2 == 0):
+            raise UnsupportedModel(f"{ARCHITECTURE}: partial_rotary_factor "
+                                   f"{self.partial_rotary_factor!r} must rotate an even part of "
+                                   f"each head (head_dim {self.head_dim})")  # fmt: skip
+        if self.linear_conv_kernel_dim < 2:
+            raise UnsupportedModel(f"{ARCHITECTURE}: linear_conv_kernel_dim must be at least 2, "
+                                   f"config.json has {self.linear_conv_kernel_dim!r}")  # fmt: skip
         if not self.layer_types:  # transformers' default: every 4th layer full attention
             self.layer_types = tuple(
                 "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
