@@ -5,9 +5,11 @@ the scheduler, outputs."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from radixkv.engine.models.llama import ForwardBatch, LlamaForCausalLM
+from radixkv.engine.models.base import ForwardBatch
 from radixkv.engine.request import EngineReq
 from radixkv.memory import KVPool, ReqToTokenPool
 
@@ -15,14 +17,14 @@ from radixkv.memory import KVPool, ReqToTokenPool
 class ModelRunner:
     """Runs the model over a ragged batch whose KV lives in ``kv`` by slot."""
 
-    def __init__(self, model: LlamaForCausalLM, kv: KVPool, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv: KVPool, device: torch.device) -> None:
         self.model, self.kv, self.device = model, kv, device
 
     def forward(
         self,
         plan: list[tuple[EngineReq, int]],
         table: ReqToTokenPool,
-        snapshots: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
+        snapshots: Sequence[tuple[int, int, int]] = (),
     ) -> torch.Tensor:
         """Logits of the last new token of each planned request (``[len(plan), vocab]``):
         request ``r`` computes its tokens ``[kv_len - n, kv_len)``; ``snapshots`` as
