@@ -217,6 +217,25 @@ def test_window_pressure_tombstones_least_recent_first():
     cache.check_integrity()
 
 
+def test_drop_tombstones_a_chosen_node_and_refuses_a_locked_one():
+    cache, win, pool = window_cache(4, retain="all")
+    put(cache, win, pool, seq(0, 8))
+    mid = cache.insert_node(K(*seq(0, 4))).last_node  # split: [0, 4) and [4, 8)
+    assert win.drop(mid) == 4 and win.drop(mid) == 0
+    assert pool.freed == [0, 1, 2, 3]
+    assert cache.match_len(K(*seq(0, 8))) == 8  # the last window is still there
+    assert cache.match_len(K(*seq(0, 6))) == 0  # two units past a tombstone: too few
+    leaf = cache.match_prefix(K(*seq(0, 8))).last_node
+    cache.inc_lock_ref(leaf)
+    with pytest.raises(ValueError, match="locked"):
+        win.drop(leaf)
+    cache.dec_lock_ref(leaf)
+    other, _w, _p = window_cache(4)
+    with pytest.raises(ValueError, match="not in this cache"):
+        win.drop(put(other, _w, _p, seq(0, 4)).last_node)
+    cache.check_integrity()
+
+
 def test_extras_are_checked():
     cache, _win, _pool = window_cache(4)
     with pytest.raises(ValueError, match="no component takes"):

@@ -29,7 +29,9 @@ The contract (besides `radixkv.tree.component`'s):
   recovered), as far as it keeps them. ``taken`` then says which of the caller's slots
   the tree owns; the caller frees the others (duplicates, or not needed).
 * **Pressure** (`evict`): frees window KV of unlocked nodes, least recently used first,
-  whatever their windows need (their matches then end earlier).
+  whatever their windows need (their matches then end earlier); `drop` frees one node's,
+  for a caller with an order of its own. Validator and recovery equal SGLang's
+  `SWAComponent` operation by operation (``tests/test_sglang_hybrid_diff.py``).
 
 Invariants (``check``): a node's window slots are a tail of it, at most its length, one
 slot per unit; ``reach`` is what its own end and its children ask; with ``retain="ends"``
@@ -349,12 +351,33 @@ class WindowKV(TreeComponent):
         for node in cands:
             if freed >= units:
                 break
-            w = self._w(node)
-            freed += len(w.slots) >> 3  # type: ignore[union-attr]
-            self._freed.append(w.slots)  # type: ignore[union-attr]
-            w.slots = _NONE  # type: ignore[union-attr]
+            freed += self._drop(node)
         self._flush()
         return freed
+
+    def drop(self, node: TreeNode) -> int:
+        """Free ``node``'s window KV (a tombstone: its full KV stays), for a caller with
+        an eviction order of its own; returns the units freed. Matches through it then
+        end before it, or ``window`` units past it.
+
+        Raises:
+            ValueError: ``node`` is locked (a running request may read its window), or
+                not in this cache.
+        """
+        self.cache._path_to_root(node, "WindowKV.drop")
+        if node.lock_ref:
+            raise ValueError(f"WindowKV.drop: node {node.id} is locked")
+        freed = self._drop(node)
+        self._flush()
+        return freed
+
+    def _drop(self, node: TreeNode) -> int:
+        w = self._w(node)
+        if w is None or not w.slots:
+            return 0
+        self._freed.append(w.slots)
+        w.slots = _NONE
+        return len(self._freed[-1]) >> 3
 
     # --- checks -------------------------------------------------------------------------
     def check_node(self, node: TreeNode, parent: TreeNode) -> None:
