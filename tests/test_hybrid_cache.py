@@ -122,6 +122,22 @@ def test_lru_and_utility_eviction_choose_differently():
         cache.check_integrity()
 
 
+def test_a_protected_checkpoint_is_never_evicted_and_at_most_half_are():
+    cache, state, pool = hybrid(max_states=4)
+    nodes = [cache.insert_node(K(*seq(10 * i, 8))).last_node for i in range(4)]
+    for slot, node in enumerate(nodes):
+        state.add(node, slot)
+    assert state.protect(nodes[0]) == 0 and state.protect(nodes[0]) == 0
+    assert state.protect(nodes[1]) == 1
+    assert state.protect(nodes[2]) is None  # half of max_states protected already
+    assert state.evict(4) == 2 and sorted(state.held) == [0, 1]  # the unprotected ones
+    state.unprotect(0)
+    assert state.evict(1) == 0  # still protected once
+    state.unprotect(0)
+    assert state.evict(1) == 1 and sorted(state.held) == [1]
+    cache.check_integrity()
+
+
 def test_checkpoints_follow_splits_merges_and_eviction():
     pool = Pool()
     state = StateCheckpoints(8, pool)

@@ -196,6 +196,26 @@ def test_a_shared_system_message_hits_from_the_second_request(folder, reference,
     assert "boundary" in {c.kind for c in engine.recurrent.component.held.values()}
 
 
+def test_a_retained_breakpoint_is_a_checkpoint_and_outlives_a_flood(folder, reference):
+    """A prompt-caching breakpoint inside the prompt is where the prefill writes a state
+    checkpoint, and retention keeps that prefix (KV and its state) through a flood of
+    other prompts: the next request sharing it starts there, still transformers'."""
+    from radixkv.engine.request import CacheSpec, SamplingParams
+
+    engine = Engine(str(folder), kv_tokens=512, max_checkpoints=4, check_memory=True)
+    head = rand(96, 11)
+    sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    engine.add_request(head + rand(20, 12), sp, chat=False, cache=CacheSpec(((96, 600.0),)))
+    while engine.has_unfinished():
+        engine.step()
+    for i in range(12):  # 12 x 100 tokens through a 512-token pool and 4 checkpoints
+        engine.generate([rand(98, 100 + i)], max_new_tokens=2, ignore_eos=True, chat=False)
+    ids = head + rand(9, 13)
+    res = engine.generate([ids], max_new_tokens=4, ignore_eos=True, chat=False)
+    assert res.stats.cached_tokens == 96
+    assert res.outputs[0].token_ids == greedy(reference, ids, 4)
+
+
 def test_boundaries_are_checked(folder):
     from radixkv.engine.request import MarkedIds
 

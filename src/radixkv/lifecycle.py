@@ -61,6 +61,11 @@ class Req:
         cache_protected_len: leading slots of the row owned by the tree (locked).
         cached_len: prompt tokens served from the cache at arrival.
         last_node: the locked tree node ending the protected prefix.
+        cache_limit: the most leading tokens the request hands to the tree (``None``:
+            all it computes); what lies past it stays its own and is freed at the end
+            (OpenAI's explicit prompt caching: only up to the last breakpoint).
+        cache_read: False: it matches nothing at arrival (a request that does not use
+            the prompt cache).
     """
 
     rid: Any
@@ -72,6 +77,8 @@ class Req:
     cache_protected_len: int = 0
     cached_len: int = 0
     last_node: TreeNode | None = None
+    cache_limit: int | None = None
+    cache_read: bool = True
     _tokens: array | None = field(default=None, init=False, repr=False)
 
     @property
@@ -135,6 +142,11 @@ class CacheManager:
         so slicing counts the units the tree stores (pairs), not raw tokens."""
         return RadixKey._view(req.token_array(), 0, n, req.extra_key, self.cache.is_eagle)
 
+    def _cacheable_key(self, req: Req) -> RadixKey:
+        """The computed tokens the request hands to the tree (up to its ``cache_limit``)."""
+        n = req.kv_len if req.cache_limit is None else min(req.kv_len, req.cache_limit)
+        return self._key(req, n)
+
     def _slots(self, req: Req, start: int, end: int) -> np.ndarray:
         """``row[start:end]`` as a numpy view of the host table (copy it to keep it)."""
         return self.req_pool._np[req.row, start:end]
@@ -179,7 +191,10 @@ class CacheManager:
         if row is None:
             return False
         try:  # the last token is always computed
-            parts, last, hit = self.cache.match_parts(key[: n - 1])
+            if req.cache_read:
+                parts, last, hit = self.cache.match_parts(key[: n - 1])
+            else:
+                parts, last, hit = [], self.cache.root, 0
             self.req_pool.write_parts(row, parts)
         except BaseException:
             self.req_pool.free(row)  # nothing else changed yet (a split is harmless)
@@ -302,7 +317,7 @@ class CacheManager:
         before the row changes, and a failure undoes the insert (the units it added go
         back to the request), so the request still owns exactly
         ``row[cache_protected_len:kv_len]`` when the error propagates."""
-        key = self._key(req, req.kv_len) if key is None else key
+        key = self._cacheable_key(req) if key is None else key
         stored = self.cache.cacheable_len(key)
         if stored <= req.cache_protected_len:
             return req.cache_protected_len
@@ -342,7 +357,7 @@ class CacheManager:
         """The request is done: cache prompt + output, free duplicates and the unaligned
         tail, release its lock and its row."""
         self._require_admitted(req, "cache_finished_req")
-        key = self._key(req, req.kv_len)
+        key = self._cacheable_key(req)
         stored = max(self.cache.cacheable_len(key), req.cache_protected_len)
         if req.kv_len > stored:  # the unaligned tail first: if this raises, nothing changed
             self.allocator.free(self._slots(req, stored, req.kv_len).copy())

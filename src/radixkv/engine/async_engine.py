@@ -25,7 +25,7 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from radixkv.engine.engine import Engine
-from radixkv.engine.request import SamplingParams, StepOutput
+from radixkv.engine.request import CacheSpec, SamplingParams, StepOutput
 
 log = logging.getLogger("radixkv.engine")
 T = TypeVar("T")
@@ -165,6 +165,7 @@ class AsyncEngine:
         extra_key: Any = None,
         chat: bool = True,
         rids: list[Any] | None = None,
+        cache: CacheSpec | None = None,
     ) -> list[AsyncIterator[StepOutput]]:
         """Queue the ``n`` choices of one request (one sampling each), all or none: they
         count as ``n`` against ``max_queue``, and run as one group (the scheduler gives
@@ -182,7 +183,9 @@ class AsyncEngine:
                 if waiting + len(samplings) > self.max_queue:
                     raise QueueFull(f"{waiting} requests are waiting already")
                 for rid, sampling in zip(rids, samplings, strict=True):
-                    added.append(engine.add_request(prompt, sampling, rid, extra_key, chat, group))
+                    added.append(
+                        engine.add_request(prompt, sampling, rid, extra_key, chat, group, cache)
+                    )
             except Exception as e:
                 for rid in added:  # all or none: nobody hears of these
                     engine.abort(rid)

@@ -42,6 +42,10 @@ class EngineConfig:
         max_checkpoints: recurrent-state checkpoints the prefix cache holds at most
             (Qwen3.5 and other models with recurrent layers: each is one state of every
             recurrent layer; the least recently used goes first).
+        max_retained_tokens: prompt-cache retention (`radixkv.retention`): the most
+            tokens one namespace (a ``cache_salt``) keeps retained on request; ``None``:
+            a quarter of ``kv_tokens``; 0: retention off. All namespaces together keep
+            at most half of ``kv_tokens``.
         storage_secret: a secret shared by the engines of one store: every page carries
             a MAC under it and a page whose MAC fails is a counted miss. ``None``:
             ``RADIXKV_STORAGE_SECRET`` from the environment, if set.
@@ -65,6 +69,7 @@ class EngineConfig:
     storage_secret: str | None = None
     storage_max_bytes: int | None = None  # a file store's size cap (LRU by mtime)
     max_checkpoints: int = 64  # recurrent-state checkpoints held (models with them)
+    max_retained_tokens: int | None = None  # per namespace; None: kv_tokens // 4
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -85,6 +90,8 @@ class EngineConfig:
                 f"kv_tokens must hold at least two pages of {self.page_size} tokens, "
                 f"got {self.kv_tokens}"
             )
+        if self.max_retained_tokens is not None:
+            as_count(self.max_retained_tokens, "max_retained_tokens")
         as_bool(self.prefix_cache, "prefix_cache")
         as_bool(self.check_memory, "check_memory")
         as_count(self.seed, "seed")

@@ -40,10 +40,11 @@ from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.output import OutputProcessor
 from radixkv.engine.recurrent import RecurrentStates
-from radixkv.engine.request import EngineReq, MarkedIds, SamplingParams, StepOutput
+from radixkv.engine.request import CacheSpec, EngineReq, MarkedIds, SamplingParams, StepOutput
 from radixkv.engine.scheduler import DoesNotFit, Scheduler
 from radixkv.engine.tokenizer import Tokenizer
-from radixkv.key import check_namespace
+from radixkv.key import RadixKey, check_namespace
+from radixkv.retention import Retention
 
 log = logging.getLogger("radixkv.engine")
 
@@ -157,6 +158,11 @@ class Engine:
         memory = build_memory(cfg, self.config, self.device, components)
         self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
         self.scheduler = Scheduler(cfg, self.mgr)
+        retained = cfg.max_retained_tokens
+        retained = cfg.kv_tokens // 4 if retained is None else retained
+        states = self.recurrent.component if self.recurrent is not None else None
+        self.retention = Retention(self.cache, retained, cfg.kv_tokens // 2, states=states)
+        self.scheduler.relieve = self.retention.relieve
         if self.recurrent is not None:
             rec = self.recurrent
             self.scheduler.on_admit = lambda r: rec.admitted(r, self.cache)
@@ -255,11 +261,19 @@ class Engine:
             k += 1
         if k == 0 or k == len(messages):
             return MarkedIds(ids)
-        alone = self.tokenizer.apply_chat_template(list(messages[:k]))  # type: ignore[arg-type]
+        n = self.rendered_prefix(messages[:k], ids)
+        return MarkedIds(ids, (n,) if 0 < n < len(ids) else ())
+
+    def rendered_prefix(self, messages: list[dict], ids: Sequence[int]) -> int:
+        """How far ``ids`` (a chat's rendering) agrees with the rendering of ``messages``
+        alone (its first messages, the last one possibly cut short): where they end in
+        it, the template's own tokens after them included. The tokenizer only: safe off
+        the engine's thread."""
+        alone = self.tokenizer.apply_chat_template(list(messages))  # type: ignore[arg-type]
         n = 0
         while n < min(len(alone), len(ids)) and alone[n] == ids[n]:
             n += 1
-        return MarkedIds(ids, (n,) if 0 < n < len(ids) else ())
+        return n
 
     def add_request(
         self,
@@ -269,6 +283,7 @@ class Engine:
         extra_key: Any = None,
         chat: bool = True,
         group: Any = None,
+        cache: CacheSpec | None = None,
     ) -> Any:
         """Queue a request; returns its id (``rid``, or a fresh number).
 
@@ -279,6 +294,8 @@ class Engine:
                 namespaces never share cached tokens.
             group: the request it is one of ``n`` choices of: the scheduler runs at most
                 half its slots for one group at a time (`radixkv.engine.scheduler`).
+            cache: what it asks of the prompt cache (`CacheSpec`: prefixes to retain,
+                a limit on what is cached, no lookup); positions lie in the prompt.
 
         Raises:
             ValueError: an empty prompt, bad token ids, a duplicate ``rid``, or a request
@@ -296,6 +313,8 @@ class Engine:
         if any(isinstance(b, bool) or not isinstance(b, int) or not 0 < b <= len(ids)
                for b in marks):  # fmt: skip
             raise ValueError(f"boundaries must be positions in (0, {len(ids)}], got {marks!r}")
+        spec = self._check_spec(cache, len(ids))
+        marks = tuple(sorted({*marks, *(p for p, _ in spec.retain if p < len(ids))}))
         order = next(self._order)
         rid = order if rid is None else rid
         if rid in self.requests:
@@ -313,12 +332,33 @@ class Engine:
             order=order,
             group=group,
             arrival=time.perf_counter(),
-            boundaries=tuple(marks),
+            boundaries=marks,
+            cache_limit=spec.limit,
+            cache_read=spec.read,
+            retain=spec.retain,
+            cache_spec=cache is not None,
         )
         self.scheduler.add(req)  # raises for a request that can never fit
         self.requests[rid] = req
         self.counters.prompt_tokens += len(ids)
         return rid
+
+    @staticmethod
+    def _check_spec(cache: CacheSpec | None, n: int) -> CacheSpec:
+        if cache is None:
+            return CacheSpec()
+        if not isinstance(cache, CacheSpec):
+            raise TypeError(f"cache must be a CacheSpec, got {type(cache).__name__}")
+        for pos, ttl in cache.retain:
+            if isinstance(pos, bool) or not isinstance(pos, int) or not 0 < pos <= n:
+                raise ValueError(f"cache.retain: positions must lie in (0, {n}], got {pos!r}")
+            if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl > 0:
+                raise ValueError(f"cache.retain: seconds must be positive, got {ttl!r}")
+        if cache.limit is not None and (
+            isinstance(cache.limit, bool) or not isinstance(cache.limit, int) or cache.limit < 0
+        ):
+            raise ValueError(f"cache.limit must be an int >= 0, got {cache.limit!r}")  # fmt: skip
+        return cache
 
     def abort(self, rid: Any) -> bool:
         """Drop request ``rid`` at any stage (waiting, prefilling, decoding) and free its
@@ -348,7 +388,9 @@ class Engine:
         return 1.0 - a.available_size() / a.size
 
     def flush_cache(self) -> int:
-        """Drop every cached token no running request holds; returns how many."""
+        """Drop every cached token no running request holds, retained ones too; returns
+        how many."""
+        self.retention.release_all()
         n = self.cache.evict(self.cache.evictable_size())
         self.mgr.evicted_tokens += n
         self._flush_events()
@@ -358,6 +400,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Schedule, run the model, process the sampled tokens; what each request
         produced this step."""
+        self.retention.expire()
         plan = self.scheduler.schedule()
         snaps = self.recurrent.snapshots(plan) if self.recurrent is not None else []
         logits = self.runner.forward(plan, self.mgr.req_pool, snaps) if plan else None
@@ -408,7 +451,20 @@ class Engine:
                 rec.attach(r, self.cache, r.cache_protected_len)
             for r in finished:
                 rec.attach(r, self.cache, r.num_tokens)
+        if finished:
+            self._retain([r for r in finished if r.cache_spec], outputs)
         return outputs
+
+    def _retain(self, reqs: list[EngineReq], outputs: list[StepOutput]) -> None:
+        """Pin the prefixes finished requests asked to retain; their last outputs say
+        how many prompt tokens that added (``cache_write_tokens``)."""
+        last = {out.rid: out for out in outputs}
+        for r in reqs:
+            kept = 0
+            for pos, ttl in r.retain:
+                key = RadixKey(r.token_array()[:pos], r.extra_key)
+                kept = max(kept, self.retention.pin(key, ttl))
+            last[r.rid].cache_write_tokens = max(0, kept - max(r.prompt_cached, 0))
 
     def _save_to_tiers(self, r: EngineReq) -> None:
         if self.tier is not None:
@@ -418,6 +474,7 @@ class Engine:
 
     def _check(self) -> None:
         self.mgr.check_memory()
+        self.retention.check()
         self.cache.check_integrity()
         if self.recurrent is not None:
             self.recurrent.check(self.scheduler.running)

@@ -146,11 +146,15 @@ def usage(lasts: Sequence[StepOutput]) -> dict[str, Any]:
     counted once (the choices share it), every choice's completion."""
     first = lasts[0]
     done = sum(out.output_tokens for out in lasts)
+    details: dict[str, int] = {"cached_tokens": first.cached_tokens}
+    written = [out.cache_write_tokens for out in lasts if out.cache_write_tokens is not None]
+    if written:  # it asked for prompt caching (a CacheSpec): what it wrote
+        details["cache_write_tokens"] = max(written)
     return {
         "prompt_tokens": first.prompt_tokens,
         "completion_tokens": done,
         "total_tokens": first.prompt_tokens + done,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 

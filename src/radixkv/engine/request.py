@@ -113,6 +113,26 @@ class MarkedIds(list):
         self.boundaries = tuple(boundaries)
 
 
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a request asks of the prompt cache (OpenAI's prompt-caching fields, as
+    `radixkv.server` reads them).
+
+    Attributes:
+        retain: (prompt position, seconds) pairs: keep the prefix up to that position
+            cached at least that long after the request (`radixkv.retention`); on a
+            recurrent model each position is also a checkpoint boundary.
+        limit: cache only the first ``limit`` tokens (``None``: all; OpenAI's
+            ``mode: "explicit"``: up to the last breakpoint).
+        read: False: match nothing (``explicit`` without a breakpoint: the request does
+            not use the prompt cache).
+    """
+
+    retain: tuple[tuple[int, float], ...] = ()
+    limit: int | None = None
+    read: bool = True
+
+
 @dataclass(eq=False)
 class EngineReq(Req):
     """A request with its sampling state, timings and decoded text."""
@@ -141,6 +161,8 @@ class EngineReq(Req):
     boundaries: tuple[int, ...] = ()  # positions worth a checkpoint (MarkedIds)
     snap_plan: list[tuple[int, str]] = field(default_factory=list)
     snap_rows: list[tuple[int, int, str]] = field(default_factory=list)
+    retain: tuple[tuple[int, float], ...] = ()  # CacheSpec.retain
+    cache_spec: bool = False  # it came with a CacheSpec: report cache_write_tokens
 
     @property
     def finished(self) -> bool:
@@ -164,6 +186,9 @@ class StepOutput:
         prompt_tokens, cached_tokens, output_tokens: counts so far.
         logprobs: with ``SamplingParams.logprobs``, one ``(logprob, top alternatives)``
             per token of ``token_ids``.
+        cache_write_tokens: for a request with a `CacheSpec`, in its last output: prompt
+            tokens it added to what the cache retains (its longest retained prefix less
+            what it found cached).
     """
 
     rid: Any
@@ -174,6 +199,7 @@ class StepOutput:
     cached_tokens: int
     output_tokens: int
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    cache_write_tokens: int | None = None  # with a CacheSpec, once finished: tokens retained
 
     @property
     def finished(self) -> bool:

@@ -19,7 +19,9 @@ clients wait (a request of 128 choices once held 31 of 32 slots for 65 s).
 
 Progress: a request is admitted only if it fits the pool alone (``add`` refuses one
 that never can), and preemption always picks the newest request, so the oldest running
-request always advances and no request is preempted forever.
+request always advances and no request is preempted forever. Retained prefixes
+(`radixkv.retention`) never block that: they are released (``relieve``) before a decode
+preempts, and when a request alone cannot be admitted or get its chunk's slots.
 
 Owns: the waiting and running queues, admission, the batch plan, preemption, and the one
 fit check. Must not touch: the model, outputs.
@@ -73,6 +75,9 @@ class Scheduler:
         # (preempted, aborted): recurrent models copy and free states there
         self.on_admit: Callable[[EngineReq], None] | None = None
         self.on_leave: Callable[[EngineReq], None] | None = None
+        # frees retained prefixes to make at least n more tokens evictable (returns how
+        # many it made): called when a request cannot run otherwise (radixkv.retention)
+        self.relieve: Callable[[int], int] | None = None
 
     def max_tokens(self) -> int:
         """The most tokens (prompt + output) one request may need: it must fit the
@@ -123,11 +128,11 @@ class Scheduler:
         lpm = cfg.schedule_policy == "lpm"
         if self.prefetch is not None:
             for r in self.waiting:
-                if r.prompt_cached < 0 and not r.prefetched:
+                if r.prompt_cached < 0 and not r.prefetched and r.cache_read:
                     r.prefetched = True
                     self.prefetch(r)
         key = {id(r): RadixKey(r.token_array(), r.extra_key) for r in self.waiting}
-        hits = {id(r): cache.match_len(key[id(r)]) for r in self.waiting}
+        hits = {id(r): cache.match_len(key[id(r)]) if r.cache_read else 0 for r in self.waiting}
         order = list(self.waiting)
         if lpm:
             order.sort(key=lambda r: (-hits[id(r)], r.order))
@@ -148,6 +153,8 @@ class Scheduler:
                     continue  # its prefix is being computed by another request: wait a step
                 in_flight.insert(key[id(r)])
             need = r.num_tokens - hits[id(r)] + mgr.allocator.page_size
+            if need > mgr.available_tokens() and not self.running and self.relieve is not None:
+                self.relieve(need - mgr.available_tokens())  # retention never blocks it
             if need > mgr.available_tokens() or not mgr.admit(r):
                 break
             if self.on_admit is not None:
@@ -196,6 +203,10 @@ class Scheduler:
             if n <= 0:
                 continue
             slots = self.mgr.allocate(r, n)
+            # retained prefixes yield before a decode preempts, or a chunk alone waits
+            alone = len(self.running) == 1
+            if slots is None and (not prefill or alone) and self.relieve and self.relieve(n):
+                slots = self.mgr.allocate(r, n)
             while slots is None and not prefill:
                 victims = [q for q in self.running if q is not r]
                 if not victims:

@@ -117,6 +117,7 @@ class StateCheckpoints(TreeComponent):
         self._lru: list[tuple[int, int]] = []  # (tick, slot), lazily invalidated
         self.evictions = 0  # checkpoints evicted to stay within max_states
         self.hits = 0  # matches served from a checkpoint
+        self.protected: dict[int, int] = {}  # slot -> protections (never evicted)
 
     # --- reading ------------------------------------------------------------------------
     def _of(self, node: TreeNode) -> tuple[Checkpoint, ...]:
@@ -258,8 +259,28 @@ class StateCheckpoints(TreeComponent):
         return len(node.children) == 1
 
     # --- eviction -----------------------------------------------------------------------
+    def protect(self, node: TreeNode) -> int | None:
+        """Keep the checkpoint at ``node``'s end from eviction (a retained prefix,
+        `radixkv.retention`) until `unprotect`; returns its slot, or None when there is
+        none or half of ``max_states`` is protected already (the rest must turn over)."""
+        slot = self.at(node)
+        if slot is None or (slot not in self.protected
+                            and len(self.protected) >= self.max_states // 2):  # fmt: skip
+            return None
+        self.protected[slot] = self.protected.get(slot, 0) + 1
+        return slot
+
+    def unprotect(self, slot: int) -> None:
+        """Undo one `protect` of ``slot`` (gone already: nothing to do)."""
+        left = self.protected.get(slot, 0) - 1
+        if left > 0:
+            self.protected[slot] = left
+        else:
+            self.protected.pop(slot, None)
+
     def evict(self, n: int, keep: int | None = None) -> int:
-        """Evict ``n`` checkpoints by the policy (never slot ``keep``); returns how many."""
+        """Evict ``n`` checkpoints by the policy (never slot ``keep`` nor a protected
+        one); returns how many."""
         if self.policy == "utility":
             victims = self._lowest_utility(n, keep)
         else:
@@ -269,7 +290,7 @@ class StateCheckpoints(TreeComponent):
                 c = self.held.get(slot)
                 if c is None or c.tick != tick:  # a stale entry
                     continue
-                if slot == keep:
+                if slot == keep or slot in self.protected:
                     kept.append((tick, slot))
                     continue
                 victims.append(c)
@@ -279,7 +300,7 @@ class StateCheckpoints(TreeComponent):
         return len(victims)
 
     def _lowest_utility(self, n: int, keep: int | None) -> list[Checkpoint]:
-        cands = [c for s, c in self.held.items() if s != keep]
+        cands = [c for s, c in self.held.items() if s != keep and s not in self.protected]
         if not cands:
             return []
         ticks = [c.tick for c in cands]
@@ -308,6 +329,7 @@ class StateCheckpoints(TreeComponent):
         i = self.index
         for c in victims:
             del self.held[c.slot]
+            self.protected.pop(c.slot, None)
             node = c.node
             node.ext[i] = tuple(x for x in node.ext[i] if x is not c) or None  # type: ignore[index]
         self.release(torch.tensor([c.slot for c in victims], dtype=torch.int64))
@@ -350,6 +372,7 @@ class StateCheckpoints(TreeComponent):
             self.release(torch.tensor(list(self.held), dtype=torch.int64))
         self.held.clear()
         self._lru.clear()
+        self.protected.clear()
 
     def check_node(self, node: TreeNode, parent: TreeNode) -> None:
         page = self.cache.page_size
@@ -365,6 +388,10 @@ class StateCheckpoints(TreeComponent):
     def check(self, nodes: set[int]) -> None:
         if len(self.held) > self.max_states:
             raise AssertionError(f"{len(self.held)} checkpoints, at most {self.max_states}")
+        if not self.protected.keys() <= self.held.keys():
+            raise AssertionError(
+                f"protected slots not held: {self.protected.keys() - self.held.keys()}"
+            )
         for c in self.held.values():
             if id(c.node) not in nodes:
                 raise AssertionError(f"checkpoint slot {c.slot} sits on a node not in the tree")
