@@ -705,3 +705,22 @@ def test_the_router_passes_prompt_cache_key_and_keeps_it_together(fleet):
     assert len(seen) == 1
     metrics = httpx.get(f"{router.url}/metrics").text
     assert "radixkv_router:prompt_cache_key_requests_total 5.0" in metrics
+
+
+def test_the_router_passes_the_prompt_caching_fields_through(fleet):
+    """Retention, explicit mode and breakpoints are the worker's to honour: the router
+    forwards them, and the worker's answer (and its refusals) come back unchanged."""
+    router, _ = fleet
+    r = complete(router.url, "retain this preamble, please " * 4,
+                 prompt_cache_options={"mode": "implicit", "ttl": "30m"},
+                 prompt_cache_retention="24h")  # fmt: skip
+    assert r.status_code == 200, r.text
+    details = r.json()["usage"]["prompt_tokens_details"]
+    assert details["cache_write_tokens"] > 0
+    part = {"type": "text", "text": "system", "prompt_cache_breakpoint": {"mode": "explicit"}}
+    body = {"messages": [{"role": "system", "content": [part]},
+                         {"role": "user", "content": "hi"}], "max_tokens": 1}  # fmt: skip
+    r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cache_write_tokens"]
+    r = complete(router.url, "x", prompt_cache_options={"mode": "never"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_options"

@@ -185,6 +185,8 @@ def test_prompt_cache_key_is_counted_and_checked(server):
 
 HONOURED = {  # field -> the test above (or the base suite) that shows its effect
     "prompt_cache_key": test_prompt_cache_key_is_counted_and_checked,
+    "prompt_cache_options": "test_prompt_cache.py: retention, explicit mode, breakpoints",
+    "prompt_cache_retention": "test_prompt_cache.py: 24h survives a flood",
     "frequency_penalty": test_presence_and_frequency_penalties,
     "presence_penalty": test_presence_and_frequency_penalties,
     "logit_bias": test_logit_bias_steers_the_tokens,
@@ -211,7 +213,7 @@ SAMPLES = {
     "metadata": {"k": "v"}, "modalities": ["text", "audio"], "model": "random",
     "moderation": {"mode": "strict"}, "n": 2, "parallel_tool_calls": True,
     "prediction": {"type": "content", "content": "x"}, "presence_penalty": 0.5,
-    "prompt_cache_key": "k", "prompt_cache_options": {"mode": "x"},
+    "prompt_cache_key": "k", "prompt_cache_options": {"mode": "explicit", "ttl": "30m"},
     "prompt_cache_retention": "24h", "reasoning_effort": "low",
     "response_format": {"type": "json_object"}, "safety_identifier": "s", "seed": 1,
     "service_tier": "flex", "stop": ["\n"], "store": True,

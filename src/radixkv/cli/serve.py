@@ -48,6 +48,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="recurrent-state checkpoints the prefix cache holds (Qwen3.5) [64]",
     )  # fmt: skip
     serve.add_argument(
+        "--max-retained-tokens", type=number(int, 0, "a non-negative integer"), default=None,
+        help="prompt-cache retention (prompt_cache_options, prompt_cache_retention, "
+        "breakpoints): tokens one cache_salt keeps retained; 0: off [a quarter of --kv-tokens]",
+    )  # fmt: skip
+    serve.add_argument(
         "--max-running", type=positive_int, default=32, help="requests running at once [32]"
     )
     serve.add_argument(
@@ -167,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
             check_memory=args.check_memory, storage=args.storage, host_tokens=args.host_tokens,
             write_policy=args.write_policy, storage_secret=args.storage_secret,
             storage_max_bytes=args.storage_max_bytes, max_checkpoints=args.max_checkpoints,
+            max_retained_tokens=args.max_retained_tokens,
         )  # fmt: skip
         access = Access.for_bind(
             args.host, api_key=args.api_key, admin_key=args.admin_key,

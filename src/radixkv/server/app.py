@@ -37,9 +37,10 @@ from starlette.requests import ClientDisconnect
 
 from radixkv.engine.async_engine import AsyncEngine, EngineDead, QueueFull, merge_choices
 from radixkv.engine.output import choice_sampling, usage
-from radixkv.engine.request import SamplingParams, StepOutput
+from radixkv.engine.request import CacheSpec, SamplingParams, StepOutput
 from radixkv.engine.scheduler import DoesNotFit
 from radixkv.engine.tokenizer import tokenizer_fingerprint
+from radixkv.server import prompt_cache
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
     MAX_CACHE_KEY,
@@ -56,6 +57,10 @@ from radixkv.web.access import Access, AccessMiddleware
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # when the request names none
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id, as ASCII digits
 RETRY_AFTER_S = 1
+
+
+# a request's prompt: its token ids, and what it asks of the prompt cache (if anything)
+Prompt = tuple[list[int], CacheSpec | None]
 
 
 def _validation_error(e: ValidationError) -> ApiError:
@@ -205,7 +210,7 @@ class Api:
             raise ApiError(400, "the prompt is empty", "messages" if chat else "prompt")
         return ids
 
-    def completion_ids(self, req: CompletionRequest) -> list[int]:
+    def completion_ids(self, req: CompletionRequest) -> Prompt:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -213,9 +218,10 @@ class Api:
             prompt = prompt[0]
         if not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
-        return self._encode(prompt, chat=False)
+        ids = self._encode(prompt, chat=False)
+        return ids, prompt_cache.cache_spec(req, len(ids), [])
 
-    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, req: ChatCompletionRequest) -> Prompt:
         if not req.messages:
             raise ApiError(400, "messages must not be empty", "messages")
         for i, m in enumerate(req.messages):
@@ -224,8 +230,11 @@ class Api:
                                "supported by this server", "messages")  # fmt: skip
             if m.content is None:
                 raise ApiError(400, f"messages[{i}]: content is missing", "messages")
+        cuts = prompt_cache.breakpoints(req)  # refuses too many before rendering
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return self._encode(messages, chat=True)  # marked at the system message's end
+        ids = self._encode(messages, chat=True)  # marked at the system message's end
+        marks = prompt_cache.positions(self.engine, req, ids, cuts)
+        return ids, prompt_cache.cache_spec(req, len(ids), marks)
 
     # --- running ----------------------------------------------------------------------------
     async def first(self, outputs: AsyncIterator[StepOutput]) -> StepOutput:
@@ -265,7 +274,13 @@ class Api:
                 yield out
 
     async def start_all(
-        self, ids: list[int], sampling: SamplingParams, n: int, salt: str | None, arrival: float
+        self,
+        ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+        salt: str | None,
+        arrival: float,
+        cache: CacheSpec | None = None,
     ) -> list[tuple[StepOutput, AsyncIterator[StepOutput]]]:
         """Submit the ``n`` choices as one group (choice ``i`` seeded ``seed + i``; they
         share the prompt's KV through the cache; they count as ``n`` against the queue,
@@ -273,7 +288,7 @@ class Api:
         output. A refusal of any aborts those started. Returns (first output, the rest)
         per choice."""
         samplings: list[SamplingParams | None] = [choice_sampling(sampling, i) for i in range(n)]
-        submitted = await self.aeng.submit_choices(ids, samplings, salt, chat=False)
+        submitted = await self.aeng.submit_choices(ids, samplings, salt, chat=False, cache=cache)
         outputs = [self.timed(o, arrival) for o in submitted]
         runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]] = []
         try:
@@ -407,16 +422,17 @@ def build_app(
         request: Request,
         arrival: float,
         kind: str,
-        ids: list[int],
+        prompt: Prompt,
         req: Any,
         max_tokens: int | None,
         chunk: Callable[[int, StepOutput, bool], dict],
         final: Callable[[list[Choice]], dict],
     ) -> Response:
+        ids, spec = prompt
         sampling = api._sampling(req, ids, max_tokens, kind)
         if req.prompt_cache_key is not None:
             api.metrics.cache_keys.inc()
-        runs = await api.start_all(ids, sampling, req.n, req.cache_salt, arrival)
+        runs = await api.start_all(ids, sampling, req.n, req.cache_salt, arrival, spec)
         if not req.stream:
             done = await _collect_or_abort(request, runs)
             if done is None:  # the client went away; its choices were aborted
@@ -442,8 +458,8 @@ def build_app(
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def prepare(
-        request: Request, model: type[BaseModel], to_ids: Callable[[Any], list[int]]
-    ) -> tuple[Any, list[int]]:
+        request: Request, model: type[BaseModel], to_ids: Callable[[Any], Prompt]
+    ) -> tuple[Any, Prompt]:
         """The validated request and its prompt's token ids. Parsing, templating and
         tokenizing run off the event loop: a large prompt delays only its own answer,
         never /health or other clients. A client that leaves before its body arrived
@@ -454,7 +470,7 @@ def build_app(
             raise ApiError(400, "the client went away before its body arrived",
                            code="client_disconnected") from None  # fmt: skip
 
-        def run() -> tuple[Any, list[int]]:
+        def run() -> tuple[Any, Prompt]:
             req = _parse(body, model)
             api._check_common(req)
             return req, to_ids(req)
@@ -464,7 +480,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        req, ids = await prepare(request, CompletionRequest, api.completion_ids)
+        req, prompt = await prepare(request, CompletionRequest, api.completion_ids)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "object": "text_completion", "created": created, "model": model_name}
         want_lps = req.logprobs is not None
@@ -486,12 +502,13 @@ def build_app(
                 choices.append(choice(i, text, last.finish_reason, out_ids, lps))
             return {**head, "choices": choices, "usage": api.usage([d[1] for d in done])}
 
-        return await serve(request, arrival, "completion", ids, req, req.max_tokens, chunk, final)
+        max_tokens = req.max_tokens
+        return await serve(request, arrival, "completion", prompt, req, max_tokens, chunk, final)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        req, ids = await prepare(request, ChatCompletionRequest, api.chat_ids)
+        req, prompt = await prepare(request, ChatCompletionRequest, api.chat_ids)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "created": created, "model": model_name}
         want_lps = bool(req.logprobs)
@@ -516,7 +533,7 @@ def build_app(
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
-        return await serve(request, arrival, "chat", ids, req, max_tokens, chunk, final)
+        return await serve(request, arrival, "chat", prompt, req, max_tokens, chunk, final)
 
     def card() -> dict:
         engine = aeng.engine

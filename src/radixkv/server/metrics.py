@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import FINISH_REASONS
+from radixkv.retention import REASONS
 
 # seconds; fine at the low end (a tiny model's steps are milliseconds)
 LATENCY_BUCKETS = (
@@ -63,6 +64,13 @@ class EngineCollector(Collector):
              "(running requests and cached prefixes)", e.kv_usage()),
             (GaugeMetricFamily, "prefix_cache_tokens", "Tokens held by the prefix cache",
              e.cache.total_size()),
+            (GaugeMetricFamily, "prompt_cache_retained_tokens", "Tokens of prefixes retained "
+             "on request (prompt_cache_options, prompt_cache_retention, breakpoints)",
+             e.retention.total),
+            (GaugeMetricFamily, "prompt_cache_retained_prefixes", "Prefixes retained on "
+             "request", len(e.retention.pins)),
+            (CounterMetricFamily, "prompt_cache_retain_refused", "Prefixes asked for but not "
+             "retained (over the quota alone, or not cached)", e.retention.refused),
         ]  # fmt: skip
         rec = e.recurrent
         if rec is not None:  # a model with recurrent layers: its state checkpoints
@@ -123,6 +131,14 @@ class EngineCollector(Collector):
         for reason in FINISH_REASONS:
             done.add_metric([self.model_name, reason], e.counters.finished.get(reason, 0))
         yield done
+        released = CounterMetricFamily(
+            "radixkv:prompt_cache_retain_released", "Retained prefixes released, by reason "
+            "(expired, quota, pressure: a request needed the room, flush)",
+            labels=["model_name", "reason"],
+        )  # fmt: skip
+        for reason in REASONS:
+            released.add_metric([self.model_name, reason], e.retention.released[reason])
+        yield released
 
 
 class ServerMetrics:

@@ -41,13 +41,33 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "store": (False,),
     "service_tier": ("auto", "default"),
     "safety_identifier": (),
-    "prompt_cache_options": (),
-    "prompt_cache_retention": (),
     "moderation": (),
     "echo": (False,),
     "best_of": (1,),
     "suffix": (),
 }
+
+
+# OpenAI's prompt caching (radixkv.retention keeps a retained prefix for its lifetime)
+TTL_SECONDS = {"30m": 1800.0, "12h": 43200.0, "24h": 86400.0}
+MAX_BREAKPOINTS = 4  # explicit breakpoints a request may write (OpenAI's limit)
+
+
+class PromptCacheOptions(BaseModel):
+    """``prompt_cache_options``: ``mode`` implicit (cache as always, and retain the
+    prompt) or explicit (cache only up to the last breakpoint); ``ttl`` how long."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: Literal["30m"] = "30m"
+
+
+class PromptCacheBreakpoint(BaseModel):
+    """A content block's ``prompt_cache_breakpoint``: retain the prefix ending with it."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -75,8 +95,10 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # OpenAI's prompt caching: requests sharing a key should reach the same cache (the
-    # router keeps them on one worker; counted here)
+    # router keeps them on one worker; counted here); retention and explicit caching
     prompt_cache_key: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # refused unless a value in REFUSED (checked by the server)
     response_format: Any = None
     tools: Any = None
@@ -94,8 +116,6 @@ class _Sampling(BaseModel):
     store: Any = None
     service_tier: Any = None
     safety_identifier: Any = None
-    prompt_cache_options: Any = None
-    prompt_cache_retention: Any = None
     moderation: Any = None
     echo: Any = None
     best_of: Any = None
@@ -119,6 +139,7 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
 class ChatMessage(BaseModel):
