@@ -344,12 +344,19 @@ class LifecycleMachine(RuleBasedStateMachine):
         for j, slot in enumerate(slots.tolist()):
             self.content[slot] = self.fingerprint(req, start + j)
 
-    @rule(prompt=prompts, ns=st.sampled_from([None, "a"]), copies=st.integers(1, 2))
-    def arrive(self, prompt, ns, copies):
+    @rule(
+        prompt=prompts,
+        ns=st.sampled_from([None, "a"]),
+        copies=st.integers(1, 2),
+        limit=st.one_of(st.none(), st.integers(0, 24)),  # explicit prompt caching
+        read=st.sampled_from([True, True, False]),  # False: it does not use the cache
+    )
+    def arrive(self, prompt, ns, copies, limit=None, read=True):
         for _ in range(copies):  # two copies: identical prompts in the same step
             self.rid += 1
-            req = Req(self.rid, list(prompt), extra_key=ns)
+            req = Req(self.rid, list(prompt), extra_key=ns, cache_limit=limit, cache_read=read)
             if self.m.admit(req):
+                assert read or req.cached_len == 0
                 self.check_row(req)
                 self.reqs.append(req)
 
