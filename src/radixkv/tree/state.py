@@ -145,7 +145,7 @@ class StateCheckpoints(TreeComponent):
     # --- matching -----------------------------------------------------------------------
     def match_limit(self, path: list[TreeNode], partial: TreeNode | None, units: int) -> int:
         """Units from the root up to the deepest checkpoint within the match."""
-        off = sum(len(n) for n in path)
+        off = sum(map(len, path))
         if partial is not None:
             best = max((c.offset for c in self._of(partial) if c.offset <= units), default=0)
             if best:
@@ -196,9 +196,14 @@ class StateCheckpoints(TreeComponent):
                 c.tick = next(self._clock)
                 heapq.heappush(self._lru, (c.tick, c.slot))
                 return False
-        flops = self.prefill_flops(self._depth_at(node, offset))
+        # the compute it saves: only the utility policy reads it (an O(depth) walk)
+        flops = (
+            self.prefill_flops(self._depth_at(node, offset)) if self.policy == "utility" else 0.0
+        )
         c = Checkpoint(node, offset, slot, next(self._clock), flops, kind)
-        node.ext[self.index] = tuple(sorted((*cps, c), key=lambda x: x.offset))  # type: ignore[index]
+        node.ext[self.index] = (  # type: ignore[index]
+            tuple(sorted((*cps, c), key=lambda x: x.offset)) if cps else (c,)
+        )
         self.held[slot] = c
         heapq.heappush(self._lru, (c.tick, slot))
         if len(self._lru) > 2 * len(self.held) + 64:  # compact the lazy entries
