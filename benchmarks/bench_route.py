@@ -5,10 +5,11 @@ multi-turn chats, once per router and workload, repeated ``--runs`` times.
     python benchmarks/bench_route.py [--runs 2 --workloads chats,system,pressure]
 
 Workloads: ``chats`` (multi-turn, nothing shared between conversations), ``system`` (the
-same with one shared system prompt), ``pressure`` (each replica's KV pool about a quarter
-of the working set, so caches churn and a router that does not hear evictions goes
-stale). Routers: every radixkv policy, and SGLang's router (``sglang-router``,
-``cache_aware``) when ``../shared/peers/setup.sh router`` has built it (``--peer``).
+same with one shared system prompt), ``pressure`` and ``tight`` (each replica's KV pool
+about 75% and 40% of its share of the working set, so caches churn and a router that
+does not hear evictions goes stale). Routers: every radixkv policy, and SGLang's router
+(``sglang-router``, ``cache_aware``) when ``../shared/peers/setup.sh router`` has built
+it (``--peer``).
 
 Between routers every replica's cache is flushed (the router hears it as events) and a
 new router starts, so each starts cold. Reported: the replicas' prefix-cache hit rate and
@@ -38,7 +39,10 @@ WORKER = ["--model", "random", "--page-size", "16", "--max-running", "16",
           "--admin-key", "bench-admin"]  # fmt: skip
 KV_TOKENS = 65536  # per replica; the pressure workload's is a quarter of its working set
 PEER = Path.home() / ".cache" / "radixkv-peers" / "router" / "bin" / "python"
-WORKLOADS = ("chats", "system", "pressure")
+WORKLOADS = ("chats", "system", "pressure", "tight")
+# each replica's KV pool as a share of its part of the working set (1/replicas of it):
+# "pressure" about three quarters, "tight" about 40%; the others have plenty
+POOL_SHARE = {"pressure": 0.75, "tight": 0.4}
 ADMIN = {"Authorization": "Bearer bench-admin"}  # /flush_cache is an admin endpoint
 POLICIES = ("round_robin", "least_load", "approx", "kv")
 
@@ -259,7 +263,9 @@ def main() -> None:
         print(f"no SGLang router at {args.peer}: ../shared/peers/setup.sh router builds it")
     rows = []
     for workload in args.workloads.split(","):
-        kv_tokens = KV_TOKENS if workload != "pressure" else working_set_tokens(args) // 4
+        kv_tokens = KV_TOKENS
+        if workload in POOL_SHARE:
+            kv_tokens = int(working_set_tokens(args) / args.replicas * POOL_SHARE[workload])
         kv_tokens = max(2048, kv_tokens // 16 * 16)
         ports = [free_port_pair() for _ in range(args.replicas)]
         flags = [*WORKER, "--kv-tokens", str(kv_tokens)]

@@ -123,7 +123,7 @@ def test_lru_and_utility_eviction_choose_differently():
 
 
 def test_a_protected_checkpoint_is_never_evicted_and_at_most_half_are():
-    cache, state, pool = hybrid(max_states=4)
+    cache, state, _pool = hybrid(max_states=4)
     nodes = [cache.insert_node(K(*seq(10 * i, 8))).last_node for i in range(4)]
     for slot, node in enumerate(nodes):
         state.add(node, slot)
