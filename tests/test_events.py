@@ -278,6 +278,39 @@ def test_a_batch_that_does_not_encode_is_dropped_and_the_stream_goes_on(caplog):
         pub.close()
 
 
+def test_a_late_joiner_replays_all_of_a_buffer_larger_than_one_answer(monkeypatch):
+    """One replay answer holds at most REPLAY_MAX_BYTES from the oldest batch on; a late
+    joiner that stopped at the first answer kept a busy worker's oldest pages and never
+    heard they were evicted (a restarted router then routed to pages long gone)."""
+    from radixkv import events as ev
+
+    monkeypatch.setattr(ev, "REPLAY_MAX_BYTES", 4_000)
+    port = free_port_pair()
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 1000)
+    index = KvIndex(4)
+    sub = None
+    try:
+        sink = EventCollector()
+        cache = RadixCache(4, event_sink=sink)
+        for i in range(40):  # ~40 KB of stores, then every page evicted
+            cache.insert(RadixKey([1000 + i] * 64))
+            pub.publish(sink.drain())
+        cache.evict(cache.evictable_size())
+        pub.publish(sink.drain())
+        time.sleep(0.2)
+        sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
+        time.sleep(0.3)  # the SUB connection settles
+        cache.insert(RadixKey([7] * 8))
+        pub.publish(sink.drain())
+        assert wait_for(lambda: sub.last_seq == 41)
+        assert sub.lost == 0 and sub.replayed == 41
+        assert index_pages(index, "w") == tree_pages(cache)  # the live page, nothing stale
+    finally:
+        if sub is not None:
+            sub.close()
+        pub.close()
+
+
 def test_batches_beyond_the_replay_buffer_are_counted_lost():
     port = free_port_pair()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 2)

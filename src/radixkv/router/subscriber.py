@@ -170,31 +170,44 @@ class EventSubscriber:
         self.last_seq = -1
 
     def _catch_up(self, upto: int) -> None:
-        """Replay batches ``last_seq + 1 .. upto - 1``; what cannot be had is lost."""
-        want = self.last_seq + 1
-        if self._replay is not None:
-            self._replay.send_multipart((b"", want.to_bytes(SEQ_BYTES, "big")))
-            while self._replay.poll(REPLAY_TIMEOUT_MS):
-                frames: list[Any] = self._replay.recv_multipart()
-                if len(frames) != 4 or len(frames[2]) != SEQ_BYTES:
-                    continue
-                _, _, seq_bytes, payload = frames
-                if seq_bytes == END_SEQ:
-                    break
-                seq = int.from_bytes(seq_bytes, "big")
-                if self.last_seq < seq < upto:
-                    self.lost += seq - self.last_seq - 1
-                    self.last_seq = seq
-                    try:
-                        self._deliver(payload)
-                    except Exception as e:
-                        self._failed(getattr(e, "kind", type(e).__name__), e)
-                    self.replayed += 1
+        """Replay batches ``last_seq + 1 .. upto - 1``; what cannot be had is lost.
+
+        One replay answer holds at most the publisher's `REPLAY_MAX_BYTES`, from the
+        oldest batch asked for on, so this asks again from where it got to until it is
+        caught up or an answer brings nothing new (taking only the first answer once left
+        a late joiner with a busy worker's oldest pages and none of their removals)."""
+        while self._replay is not None and self.last_seq < upto - 1:
+            before = self.last_seq
+            self._replay_once(upto)
+            if self.last_seq == before:
+                break
         missing = upto - self.last_seq - 1
         if missing > 0:
             self.lost += missing
             log.warning("worker %s: %d event batches lost", self.worker, missing)
             self.last_seq = upto - 1
+
+    def _replay_once(self, upto: int) -> None:
+        """One replay request from ``last_seq + 1``: deliver what it answers below
+        ``upto``, counting the batches it skips (gone from the worker's buffer) lost."""
+        assert self._replay is not None
+        self._replay.send_multipart((b"", (self.last_seq + 1).to_bytes(SEQ_BYTES, "big")))
+        while self._replay.poll(REPLAY_TIMEOUT_MS):
+            frames: list[Any] = self._replay.recv_multipart()
+            if len(frames) != 4 or len(frames[2]) != SEQ_BYTES:
+                continue
+            _, _, seq_bytes, payload = frames
+            if seq_bytes == END_SEQ:
+                break
+            seq = int.from_bytes(seq_bytes, "big")
+            if self.last_seq < seq < upto:
+                self.lost += seq - self.last_seq - 1
+                self.last_seq = seq
+                try:
+                    self._deliver(payload)
+                except Exception as e:
+                    self._failed(getattr(e, "kind", type(e).__name__), e)
+                self.replayed += 1
 
 
 class _Bad(ValueError):
