@@ -311,6 +311,35 @@ def test_a_late_joiner_replays_all_of_a_buffer_larger_than_one_answer(monkeypatc
         pub.close()
 
 
+def test_a_worker_is_untrusted_while_its_replay_runs():
+    """A late joiner's index passes through the worker's past (pages stored long ago,
+    then their removals): a router routing on it mid-replay sent requests to pages long
+    gone, so the worker is marked untrusted until the replay is applied."""
+    port = free_port_pair()
+    pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 100)
+    seen: list = []
+    sub = None
+    try:
+        for i in range(5):
+            pub.publish(KVEventBatch(0, [BlockStored([i], None, [i], 1)]))
+        time.sleep(0.2)
+
+        def apply(worker, batch):
+            seen.append(("batch", batch.events[0].block_hashes[0]))
+
+        sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, apply,
+                              lambda worker, stale: seen.append(("stale", stale)))  # fmt: skip
+        time.sleep(0.3)
+        pub.publish(KVEventBatch(0, [BlockStored([9], None, [9], 1)]))
+        assert wait_for(lambda: sub.last_seq == 5)
+        replayed = [("batch", i) for i in range(5)]
+        assert seen == [("stale", True), *replayed, ("stale", False), ("batch", 9)]
+    finally:
+        if sub is not None:
+            sub.close()
+        pub.close()
+
+
 def test_batches_beyond_the_replay_buffer_are_counted_lost():
     port = free_port_pair()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 2)

@@ -2,8 +2,12 @@
 
 A SUB socket receives ``(topic, seq, payload)``; when a sequence number skips ahead,
 the missed batches are asked for on the worker's replay socket (DEALER to its ROUTER,
-vLLM's protocol) and applied in order before the new one. A batch that cannot be
-recovered (the replay buffer no longer has it) is counted as lost.
+vLLM's protocol; again from where an answer stopped, until caught up) and applied in
+order before the new one. While that replay runs the worker's entries are marked
+untrusted (``on_stale``): the index then holds a past state of the worker (pages stored
+long ago, their removals not yet replayed), and a router that routed on it sent requests
+to pages long gone. A batch that cannot be recovered (the replay buffer no longer has it)
+is counted as lost.
 
 Trust (the stream may come from a buggy worker, or anyone who can publish on its
 address): every message is decoded and applied inside one guard, so none can stop the
@@ -127,7 +131,17 @@ class EventSubscriber:
             self._start_over()
             self.restarts += 1
         if seq > self.last_seq + 1:  # a gap, or joining late: replay from there
-            self._catch_up(seq)
+            # while the replay runs the index holds a past state of the worker (a late
+            # joiner replays pages stored long ago before their removals): the router
+            # must not route on it, so the worker's entries are untrusted until done
+            hide = not self.stale and self._on_stale is not None
+            if hide:
+                self._on_stale(self.worker, True)  # type: ignore[misc]
+            try:
+                self._catch_up(seq)
+            finally:
+                if hide and not self.stale:
+                    self._on_stale(self.worker, False)  # type: ignore[misc]
         self.last_seq = seq  # a batch that fails below is not asked for again
         self._deliver(payload)
 
