@@ -24,6 +24,7 @@ import sys
 from array import array
 
 import torch
+from recorder_prompts import random_prompt
 from sglang.srt import runtime_context
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -90,16 +91,7 @@ def record(seed: int, page: int, n_ops: int, late: bool) -> dict:
     prompts: list[list[int]] = []
 
     def prompt() -> list[int]:
-        if prompts and rng.random() < 0.15:  # the same prompt again
-            return list(rng.choice(prompts))
-        if prompts and rng.random() < 0.7:  # share a prefix with an earlier prompt
-            base = rng.choice(prompts)
-            cut = rng.randint(0, len(base))
-            toks = base[:cut] + [rng.randint(0, 3) for _ in range(rng.randint(1, 12))]
-        else:
-            toks = [rng.randint(0, 3) for _ in range(rng.randint(1, 24))]
-        toks = toks[: len(toks) - len(toks) % page]
-        return toks
+        return random_prompt(rng, prompts, page, 12, 24)
 
     ops = []
     slot = 0

@@ -29,6 +29,7 @@ import sys
 from array import array
 
 import torch
+from recorder_prompts import random_prompt
 from sglang.srt import runtime_context
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -101,15 +102,7 @@ def record(seed: int, page: int, window: int, n_ops: int) -> dict:
     prompts: list[list[int]] = []
 
     def prompt() -> list[int]:
-        if prompts and rng.random() < 0.15:  # the same prompt again
-            return list(rng.choice(prompts))
-        if prompts and rng.random() < 0.7:  # share a prefix with an earlier prompt
-            base = rng.choice(prompts)
-            cut = rng.randint(0, len(base))
-            toks = base[:cut] + [rng.randint(0, 3) for _ in range(rng.randint(1, 16))]
-        else:
-            toks = [rng.randint(0, 3) for _ in range(rng.randint(1, 32))]
-        return toks[: len(toks) - len(toks) % page]
+        return random_prompt(rng, prompts, page, 16, 32)
 
     ops: list[dict] = []
     last_obs: list = []
