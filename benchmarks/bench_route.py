@@ -7,7 +7,9 @@ multi-turn chats, once per router and workload, repeated ``--runs`` times.
 Workloads: ``chats`` (multi-turn, nothing shared between conversations), ``system`` (the
 same with one shared system prompt), ``pressure`` and ``tight`` (each replica's KV pool
 about 75% and 40% of its share of the working set, so caches churn and a router that
-does not hear evictions goes stale). Routers: every radixkv policy, and SGLang's router
+does not hear evictions goes stale), ``keys`` (tenants, each with its own prefix and
+``prompt_cache_key``: a radixkv router keeps a key on one worker). Routers: every radixkv
+policy, and SGLang's router
 (``sglang-router``, ``cache_aware``) when ``../shared/peers/setup.sh router`` has built
 it (``--peer``).
 
@@ -39,7 +41,7 @@ WORKER = ["--model", "random", "--page-size", "16", "--max-running", "16",
           "--admin-key", "bench-admin"]  # fmt: skip
 KV_TOKENS = 65536  # per replica; the pressure workload's is a quarter of its working set
 PEER = Path.home() / ".cache" / "radixkv-peers" / "router" / "bin" / "python"
-WORKLOADS = ("chats", "system", "pressure", "tight")
+WORKLOADS = ("chats", "system", "pressure", "tight", "keys")
 # each replica's KV pool as a share of its part of the working set (1/replicas of it):
 # "pressure" about three quarters, "tight" about 40%; the others have plenty
 POOL_SHARE = {"pressure": 0.75, "tight": 0.4}
@@ -158,13 +160,23 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
     proc = PeerRouter(args.peer, urls) if peer else start_router(specs, router, args.kv_weight, log)
     try:
         before = {u: worker_totals(u) for u in urls}
-        cfg = BenchConfig(
-            url=proc.url, workload="multi-turn", conversations=args.conversations,
-            turns=args.turns, first_words=args.first_words, message_words=args.message_words,
-            max_tokens=args.max_tokens, num_prompts=args.conversations * args.turns,
-            max_concurrency=args.concurrency, time_limit=900, model=model,
-            shared_system_words=args.system_words if workload == "system" else 0,
-        )  # fmt: skip
+        if workload == "keys":  # tenants, each with its own prompt_cache_key and prefix
+            cfg = BenchConfig(
+                url=proc.url, workload="shared-prefix", groups=args.tenants,
+                prompts_per_group=args.turns * 2, system_words=args.first_words,
+                question_words=args.message_words, max_tokens=args.max_tokens,
+                num_prompts=args.tenants * args.turns * 2, max_concurrency=args.concurrency,
+                time_limit=900, model=model, cache_keys=True,
+            )  # fmt: skip
+        else:
+            cfg = BenchConfig(
+                url=proc.url, workload="multi-turn", conversations=args.conversations,
+                turns=args.turns, first_words=args.first_words,
+                message_words=args.message_words, max_tokens=args.max_tokens,
+                num_prompts=args.conversations * args.turns, max_concurrency=args.concurrency,
+                time_limit=900, model=model,
+                shared_system_words=args.system_words if workload == "system" else 0,
+            )  # fmt: skip
         reused = {} if peer else router_totals(proc.url)
         rss_before = rss_mb(proc.proc.pid)
         watch = None if peer or log is None else StateLog(proc.url, log.with_suffix(".jsonl"))
@@ -195,6 +207,8 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
         "ttft_p90_s": rep["ttft_s"]["p90"],
         "imbalance": max(served) / mean if mean else 1.0,
         "per_worker": served,
+        # keys: per tenant, how many workers its requests went to (a radixkv router's)
+        "workers_per_key": sorted(len(v) for v in rep.get("key_workers", {}).values()),
         "duration_s": rep["duration_s"],
         "router_rss_mb": [rss_before, rss_after],  # before and after the run
         # reuse decomposed (the router's tokens): available, captured, delivered
@@ -214,11 +228,13 @@ def show(row: dict) -> None:
         if row["fleet_available_rate"] is not None
         else ""
     )
+    per_key = row.get("workers_per_key")
+    keys = f"workers per key {per_key}  " if per_key else ""
     print(
         f"{row['workload']:<9}{row['router']:<20} hit {row['hit_rate']:.3f}  prefill "
         f"{row['prefill_tokens']:>8,.0f}  TTFT p50 {row['ttft_p50_s'] * 1e3:6.0f} ms  p90 "
         f"{row['ttft_p90_s'] * 1e3:6.0f} ms  imbalance {row['imbalance']:.2f} "
-        f"{[int(x) for x in row['per_worker']]}  {decomposed}  "
+        f"{[int(x) for x in row['per_worker']]}  {decomposed}  {keys}"
         f"({row['completed']} ok, {row['failed']} failed, {row['duration_s']:.1f} s, router "
         f"RSS {row['router_rss_mb'][0]:.0f} -> {row['router_rss_mb'][1]:.0f} MB)",
         flush=True,
@@ -235,6 +251,9 @@ def main() -> None:
     p.add_argument("--system-words", type=int, default=120,
                    help="the shared system prompt of the 'system' workload [120]")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--tenants", type=int, default=12,
+                   help="the 'keys' workload's tenants, each with its own prefix and "
+                   "prompt_cache_key [12]")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--kv-weight", type=float, help="the kv router's weight [its default]")
     p.add_argument("--policies", default=",".join(POLICIES))

@@ -694,6 +694,29 @@ def test_a_prompt_cache_key_keeps_a_tenant_on_one_worker_and_spills_under_load(p
     assert routing.key_spills == sum(t.key_spilled for t in held) > 0
 
 
+def test_under_kv_a_cold_tenant_goes_to_its_keys_worker_though_it_is_busier():
+    """The key's worker had a one-block edge in the kv cost, which one request in flight
+    there outweighed: a cold tenant's first request went to an idle worker, its claim
+    pulled the next ones after it, and the key's worker pulled others back (in a burst
+    of 24 tenants most landed on 2-3 workers). Within the load bound the key decides,
+    unless another worker holds a longer prefix of the request."""
+    from radixkv.router import core
+
+    routing = core.RoutingCore("kv")
+    for name in ("a", "b", "c"):
+        routing.add(name)
+    home, _ = policies.key_home(["a", "b", "c"], "tenant-9", None, {})
+    busy = [routing.assign(home, list(range(1000, 1800))) for _ in range(2)]  # 2 in flight
+    prompt = list(range(5000, 5900))
+    first = routing.choose(prompt, None, 8, cache_key="tenant-9")
+    again = routing.choose(prompt[:880] + [1, 2, 3], None, 8, cache_key="tenant-9")
+    assert first.worker.name == again.worker.name == home
+    plain = routing.choose(list(range(7000, 7900)), None, 8)  # no key: the load decides
+    assert plain.worker.name != home
+    for t in (*busy, first, again, plain):
+        t.release()
+
+
 def test_the_router_passes_prompt_cache_key_and_keeps_it_together(fleet):
     router, _ = fleet
     seen = set()

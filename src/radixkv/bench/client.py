@@ -157,6 +157,8 @@ class BenchConfig:
         model: the model id to send (default: the server's first model).
         endpoint: ``completions`` or ``chat``.
         api_key: sent as ``Authorization: Bearer`` (a server started with ``--api-key``).
+        cache_keys: shared-prefix: each group is a tenant that sends its own
+            ``prompt_cache_key`` (``tenant-<group>``).
 
     The built-in workloads' prompt sizes left at their defaults are shrunk to fit the
     server's ``max_model_len`` (`fit_to_server`); sizes given explicitly that cannot fit
@@ -184,6 +186,7 @@ class BenchConfig:
     model: str | None = None
     endpoint: str = "completions"
     api_key: str | None = None
+    cache_keys: bool = False
 
     def __post_init__(self) -> None:
         check_loopback(self.url)
@@ -307,6 +310,7 @@ class Item:
     max_tokens: int
     conversation: int = -1  # multi-turn: requests of one conversation run in order
     turn: int = 0
+    cache_key: str | None = None  # its prompt_cache_key (a tenant's)
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -316,8 +320,16 @@ def _words(rng: random.Random, n: int) -> str:
 def shared_prefix_items(cfg: BenchConfig) -> list[Item]:
     rng = random.Random(cfg.seed)
     systems = [f"You are assistant {g}. {_words(rng, cfg.system_words)}" for g in range(cfg.groups)]
+
+    def key(g: int) -> str | None:
+        return f"tenant-{g}" if cfg.cache_keys else None
+
     items = [
-        Item(f"{systems[g]}\nQuestion {g}.{i}: {_words(rng, cfg.question_words)}?", cfg.max_tokens)
+        Item(
+            f"{systems[g]}\nQuestion {g}.{i}: {_words(rng, cfg.question_words)}?",
+            cfg.max_tokens,
+            cache_key=key(g),
+        )
         for g in range(cfg.groups)
         for i in range(cfg.prompts_per_group)
     ]
@@ -386,6 +398,8 @@ ITEMS: dict[str, Callable[[BenchConfig], list[Item]]] = {
 @dataclass
 class Result:
     ok: bool
+    worker: str = ""  # the worker a radixkv router sent it to (x-radixkv-worker)
+    cache_key: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
@@ -397,7 +411,12 @@ class Result:
 
 
 async def send(
-    http: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: Any, max_tokens: int
+    http: httpx.AsyncClient,
+    cfg: BenchConfig,
+    model: str,
+    prompt: Any,
+    max_tokens: int,
+    cache_key: str | None = None,
 ) -> Result:
     chat = cfg.endpoint == "chat" or isinstance(prompt, list)
     body: dict[str, Any] = {
@@ -414,14 +433,17 @@ async def send(
         )
     else:
         body["prompt"] = prompt
+    if cache_key is not None:
+        body["prompt_cache_key"] = cache_key
     path = "/v1/chat/completions" if chat else "/v1/completions"
     start = time.perf_counter()
     last = None
-    res = Result(ok=False)
+    res = Result(ok=False, cache_key=cache_key)
     parts = []
     done = False  # a stream is whole only when it ends with [DONE]
     try:
         async with http.stream("POST", cfg.url.rstrip("/") + path, json=body) as r:
+            res.worker = r.headers.get("x-radixkv-worker", "")
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
@@ -519,7 +541,7 @@ async def run_bench(
                 history = histories.setdefault(item.conversation, system)
                 prompt = [*history, {"role": "user", "content": item.prompt}]
             async with gate:
-                res = await send(http, cfg, model, prompt, item.max_tokens)
+                res = await send(http, cfg, model, prompt, item.max_tokens, item.cache_key)
             results[i] = res
             if item.conversation >= 0:
                 histories[item.conversation] = [*prompt, {"role": "assistant", "content": res.text}]
@@ -598,6 +620,11 @@ def report(
         "itl_s": percentiles([x for r in ok for x in r.itl]),
         "e2e_s": percentiles([r.e2e for r in ok]),
         "outputs": [r.text for r in results],
+        # per prompt_cache_key: the workers its requests went to (a radixkv router's)
+        "key_workers": {
+            k: sorted({r.worker for r in ok if r.cache_key == k and r.worker})
+            for k in sorted({r.cache_key for r in ok if r.cache_key is not None})
+        },
     }
 
 

@@ -65,6 +65,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     b.add_argument("--shared-system-words", type=number(int, 0, "a non-negative integer"),
                    default=0, help="multi-turn: one system message of this many words opens "
                    "every conversation [0: none]")  # fmt: skip
+    b.add_argument("--cache-keys", action="store_true",
+                   help="shared-prefix: each group sends its own prompt_cache_key "
+                   "(tenant-<group>)")  # fmt: skip
     b.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     b.add_argument("--model", help="model id to send [the server's]")
     b.add_argument("--seed", type=number(int, 0, "a non-negative integer"), default=0)

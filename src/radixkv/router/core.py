@@ -202,9 +202,12 @@ class RoutingCore:
         ``cache_key`` (OpenAI's ``prompt_cache_key``): requests with the same key (in
         the same salt: a key never crosses a salt) go to the key's worker
         (`policies.key_home`, spilling past it when it is loaded beyond the bound). The
-        key adds to the prefix match: under ``kv`` that worker counts as holding the
-        longest prefix any worker holds, so a request that continues a conversation
-        cached elsewhere still weighs where its prefix is."""
+        key adds to the prefix match: under ``kv`` the key's worker takes the request
+        unless another worker holds a longer prefix of it; then the cost decides, with
+        the key's worker counted as holding the longest prefix any worker holds (a
+        request that continues a conversation cached elsewhere still weighs where its
+        prefix is). Leaving it to the cost alone scattered a cold tenant by load: its
+        worker's one-block edge never outweighed a request in flight there."""
         alive = [w for w in self.workers.values() if w.alive] or list(self.workers.values())
         if not alive:
             raise LookupError("the router has no worker")
@@ -229,8 +232,8 @@ class RoutingCore:
             self.key_spills += spilled
             if self.policy == "kv":  # the longest prefix anywhere, and ties go home
                 overlap = {**overlap, home: max(overlap.values(), default=0) + 1}
-        if home is not None and self.policy != "kv":
-            w = home
+        if home is not None and (self.policy != "kv" or held[home] >= max(held.values())):
+            w = home  # under kv: unless another worker holds a longer prefix of it
         elif self.policy == "round_robin":
             w = policies.round_robin(alive, next(self._turn))
         elif self.policy == "least_load":
