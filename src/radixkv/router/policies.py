@@ -32,8 +32,12 @@ KV_OVERLAP_WEIGHT = 16.0
 # runs); at 1/4 it stays (0.997x in 3 of 3) and balance holds (imbalance <= 1.29).
 KV_QUEUE_SHARE = 0.25
 # prompt_cache_key: a key's worker takes it while its load is within this many times the
-# fleet's mean (Mirrokni, Thorup, Zadimoghaddam: consistent hashing with bounded loads)
-KEY_LOAD_SLACK = 1.25
+# fleet's mean (Mirrokni, Thorup, Zadimoghaddam: consistent hashing with bounded loads).
+# A spill recomputes the tenant's prefix elsewhere, so the bound is looser than the usual
+# 1.25: 24 tenants in a burst over 3 replicas, 16 at a time (bench_route.py keys, 2 runs)
+# got hit 0.65-0.66 with 18-20 tenants spread over 2-3 workers at 1.25, and 0.70-0.72
+# with half of them on one worker at 2.0, TTFT p90 no worse, imbalance 1.17-1.21.
+KEY_LOAD_SLACK = 2.0
 # ... and always while it has fewer than this many in flight (an engine runs several at
 # once: a tenant's short burst stays on its worker)
 KEY_MIN_BOUND = 4
