@@ -1,11 +1,19 @@
 """Running an ASGI app with uvicorn the way radixkv's servers do: on SIGINT/SIGTERM a hook
 first (abort what is in flight), then a graceful stop that exits 0.
 
+Before serving, everything allocated at start (imports, torch, the model, the
+tokenizer) moves to the garbage collector's permanent generation (``gc.freeze``): a full
+collection while serving then scans only what serving made. Measured on `radixkv route`
+under bench_route's 48 chats x 16 concurrent: its full collections took 135-163 ms each
+(every request in flight stalled that long), 8 ms frozen; all collections of the run
+together 420 ms, then 94 ms.
+
 Owns: the uvicorn server object and its signal handling. Must not touch: the app.
 """
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 GRACEFUL_TIMEOUT_S = 5  # at most this long for open connections after the aborts
@@ -26,6 +34,10 @@ def uvicorn_server(app: Any, host: str, port: int, log_level: str, on_exit: Any 
     )
 
     class Server(uvicorn.Server):
+        def run(self, sockets: Any = None) -> None:
+            gc.freeze()  # what start made is never garbage: full collections skip it
+            super().run(sockets)
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             if on_exit is not None:
                 on_exit()
