@@ -54,6 +54,23 @@ def test_a_pin_holds_until_its_deadline_and_asking_again_extends_it():
     cache.check_integrity()
 
 
+def test_a_hit_that_uses_a_retained_prefix_whole_renews_it():
+    cache, clock = tree(list(range(10))), Clock()
+    ret = Retention(cache, 100, 100, clock)
+    ret.pin(K(range(6)), 10)  # until 10
+    clock.now = 8
+    short = cache.match_prefix(K(range(4))).last_node  # uses only part of it
+    assert ret.hit(short) == 0
+    long = cache.match_prefix(K(range(9))).last_node  # runs through it: a use
+    assert ret.hit(long) == 1  # until 18
+    clock.now = 12
+    assert ret.expire() == 0
+    clock.now = 18
+    assert ret.expire() == 1 and not ret.pins
+    assert ret.hit(long) == 0  # nothing retained: nothing to renew
+    ret.check()
+
+
 def test_quotas_release_the_least_recently_asked_for_first():
     prompts = [[i] * 8 for i in range(1, 5)]
     cache, clock = RadixCache(1), Clock()
@@ -114,6 +131,22 @@ def test_a_retained_prefix_survives_a_flood_that_evicts_everything_else():
         again = run(engine, system + [4, 5, 6])
         assert again.cached_tokens == (64 if retained else 0)
         assert engine.retention.total == (64 if retained else 0)
+
+
+def test_a_request_whose_hit_uses_a_retained_prefix_renews_it():
+    engine = Engine(CFG, kv_tokens=256, check_memory=True)
+    clock = Clock()
+    engine.retention.clock = clock
+    system = list(range(100, 164))
+    run(engine, system + [1, 2, 3], CacheSpec(retain=((64, 100.0),)))  # until 100
+    clock.now = 90
+    assert run(engine, system + [4, 5, 6]).cached_tokens == 64  # a use: until 190
+    clock.now = 150
+    run(engine, [9] * 8)  # a step: expire() runs
+    assert engine.retention.total == 64
+    clock.now = 191
+    run(engine, [9] * 8)
+    assert engine.retention.total == 0 and engine.retention.released["expired"] == 1
 
 
 def test_an_explicit_limit_caches_only_up_to_it_and_no_read_finds_nothing():

@@ -3,7 +3,8 @@
 ``prompt_cache_breakpoint``).
 
 A retained prefix is a lock on the tree node where it ends, held until a deadline; a
-request that asks for the same prefix again moves the deadline (never earlier). While
+request that asks for the same prefix again, or whose cache hit uses it whole (`hit`),
+moves the deadline (never earlier): a prefix lives its lifetime from its last use. While
 locked the prefix is never evicted, whatever else floods the cache. The lock goes:
 
 * at the deadline (`expire`, called once per engine step);
@@ -49,7 +50,8 @@ class Pin:
     tokens: int
     namespace: str | None
     deadline: float
-    asked: float  # when a request last asked for it
+    asked: float  # when a request last asked for it, or used it whole
+    ttl: float = 0.0  # the longest lifetime asked for it: a use renews that much
     slot: int | None = None  # the recurrent-state checkpoint it protects, if any
 
 
@@ -102,6 +104,7 @@ class Retention:
         pin = self.pins.get(id(node)) if n else None
         if pin is not None:
             pin.deadline, pin.asked = max(pin.deadline, now + ttl), now
+            pin.ttl = max(pin.ttl, ttl)
             if pin.slot is None and self.states is not None:
                 pin.slot = self.states.protect(node)
             return n
@@ -114,11 +117,27 @@ class Retention:
             self._release(self._oldest(None, any_ns=True), "quota")
         self.cache.inc_lock_ref(node)
         slot = self.states.protect(node) if self.states is not None else None
-        self.pins[id(node)] = Pin(node, n, ns, now + ttl, now, slot)
+        self.pins[id(node)] = Pin(node, n, ns, now + ttl, now, ttl, slot)
         self.used[ns] += n
         self.total += n
         self._next = min(self._next, now + ttl)
         return n
+
+    def hit(self, node: TreeNode) -> int:
+        """A request's cache hit ended at ``node``: every retained prefix it used whole
+        (pinned at ``node`` or above it) lives its lifetime again from now. Returns how
+        many. O(depth), and nothing while no prefix is retained."""
+        if not self.pins:
+            return 0
+        now, renewed = self.clock(), 0
+        x: TreeNode | None = node
+        while x is not None and x is not self.cache.root:
+            pin = self.pins.get(id(x))
+            if pin is not None:
+                pin.deadline, pin.asked = max(pin.deadline, now + pin.ttl), now
+                renewed += 1
+            x = x.parent
+        return renewed
 
     def expire(self) -> int:
         """Release the pins whose deadline passed; returns how many."""

@@ -163,10 +163,9 @@ class Engine:
         states = self.recurrent.component if self.recurrent is not None else None
         self.retention = Retention(self.cache, retained, cfg.kv_tokens // 2, states=states)
         self.scheduler.relieve = self.retention.relieve
+        self.scheduler.on_admit = self._admitted
         if self.recurrent is not None:
-            rec = self.recurrent
-            self.scheduler.on_admit = lambda r: rec.admitted(r, self.cache)
-            self.scheduler.on_leave = rec.release
+            self.scheduler.on_leave = self.recurrent.release
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.outputs = OutputProcessor(self.tokenizer)
         self.counters = EngineCounters()
@@ -180,6 +179,14 @@ class Engine:
         if cfg.storage is not None or cfg.host_tokens:
             self.tier = build_tiers(cfg, memory, self.model_identity())
             self.scheduler.prefetch = self._prefetch
+
+    def _admitted(self, r: EngineReq) -> None:
+        """A request was just admitted: a recurrent model copies its state; a retained
+        prefix its hit used whole lives on from now."""
+        if self.recurrent is not None:
+            self.recurrent.admitted(r, self.cache)
+        if r.last_node is not None:
+            self.retention.hit(r.last_node)
 
     def model_identity(self) -> bytes:
         """16 bytes naming what this engine's KV means (weights, config, dtype, page
