@@ -17,14 +17,12 @@ ping-pong extra buffer SGLang's MambaComponent requires page_size 1.
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
 import sys
 from array import array
 
 import torch
-from recorder_prompts import random_prompt
+from recorder_common import random_prompt, write_fixture
 from sglang.srt import runtime_context
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -160,11 +158,7 @@ def record(seed: int, page: int, n_ops: int, late: bool) -> dict:
 
 def main(out: str) -> None:
     seqs = [record(seed, 1, 120, late=seed % 2 == 0) for seed in range(60)]
-    doc = dict(sglang="0.5.23", cache="UnifiedRadixCache(FULL, MAMBA), rust core", seqs=seqs)
-    with open(out, "wb") as f:
-        f.write(gzip.compress(json.dumps(doc, separators=(",", ":")).encode()))
-    n = sum(len(s["ops"]) for s in seqs)
-    print(f"{len(seqs)} sequences, {n} operations -> {out}")
+    write_fixture(out, "UnifiedRadixCache(FULL, MAMBA), rust core", seqs)
 
 
 if __name__ == "__main__":

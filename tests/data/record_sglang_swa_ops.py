@@ -22,14 +22,12 @@ full-attention prefix (``match_full_device_prefix``) and the window tombstones a
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
 import sys
 from array import array
 
 import torch
-from recorder_prompts import random_prompt
+from recorder_common import random_prompt, write_fixture
 from sglang.srt import runtime_context
 from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
@@ -148,11 +146,7 @@ def record(seed: int, page: int, window: int, n_ops: int) -> dict:
 def main(out: str) -> None:
     seqs = [record(seed, 1, 2 + seed % 4, 150) for seed in range(60)]  # windows 2 to 5
     seqs += [record(seed, 2, 3 + seed % 4, 150) for seed in range(60, 80)]  # 3: not a page
-    doc = dict(sglang="0.5.23", cache="UnifiedRadixCache(FULL, SWA), rust core", seqs=seqs)
-    with open(out, "wb") as f:
-        f.write(gzip.compress(json.dumps(doc, separators=(",", ":")).encode()))
-    n = sum(len(s["ops"]) for s in seqs)
-    print(f"{len(seqs)} sequences, {n} operations -> {out}")
+    write_fixture(out, "UnifiedRadixCache(FULL, SWA), rust core", seqs)
 
 
 if __name__ == "__main__":

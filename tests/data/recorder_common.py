@@ -1,8 +1,11 @@
-"""Random prompts for the SGLang recorders (record_sglang_hybrid_ops.py,
-record_sglang_swa_ops.py): over a 4-token vocabulary, so they share prefixes often."""
+"""What the SGLang recorders (record_sglang_hybrid_ops.py, record_sglang_swa_ops.py)
+share: random prompts over a 4-token vocabulary (so they share prefixes often), and the
+fixture file they write."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import random
 
 
@@ -20,3 +23,12 @@ def random_prompt(
     else:
         toks = [rng.randint(0, 3) for _ in range(rng.randint(1, fresh))]
     return toks[: len(toks) - len(toks) % page]
+
+
+def write_fixture(out: str, cache: str, seqs: list[dict]) -> None:
+    """The recorded sequences as gzipped JSON, with what recorded them."""
+    doc = dict(sglang="0.5.23", cache=cache, seqs=seqs)
+    with open(out, "wb") as f:
+        f.write(gzip.compress(json.dumps(doc, separators=(",", ":")).encode()))
+    n = sum(len(s["ops"]) for s in seqs)
+    print(f"{len(seqs)} sequences, {n} operations -> {out}")
