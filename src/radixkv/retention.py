@@ -181,11 +181,20 @@ class Retention:
         self._next = min((q.deadline for q in self.pins.values()), default=float("inf"))
 
     def check(self) -> None:
-        """The counts add up and every pin holds a lock on a node of the cache."""
-        assert self.total == sum(p.tokens for p in self.pins.values()) == sum(self.used.values())
+        """The counts add up and every pin holds a lock on a node of the cache.
+
+        Raises:
+            AssertionError: naming what does not hold (raised, so ``-O`` keeps it).
+        """
+        pinned = sum(p.tokens for p in self.pins.values())
+        if not self.total == pinned == sum(self.used.values()):
+            raise AssertionError(f"retained {self.total}, pins hold {pinned}, "
+                                 f"namespaces {sum(self.used.values())}")  # fmt: skip
         for p in self.pins.values():
-            assert not p.node.evicted and p.node.lock_ref > 0, f"pin on node {p.node.id}"
-            assert self.used[p.namespace] <= self.max_tokens
+            if p.node.evicted or p.node.lock_ref <= 0:
+                raise AssertionError(f"pin on node {p.node.id}: evicted or unlocked")
+            if self.used[p.namespace] > self.max_tokens:
+                raise AssertionError(f"namespace {p.namespace!r} over its quota")
 
 
 __all__ = ["REASONS", "Pin", "Retention"]

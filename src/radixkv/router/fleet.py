@@ -252,8 +252,9 @@ class Router:
                              "after the first byte (the client got an error event)",
                              ["worker"], registry=r)  # fmt: skip
         self.m_stale = Gauge("radixkv_router:worker_events_stale", "1 while the worker's "
-                             "event stream keeps failing (its index entries are not "
-                             "trusted)", ["worker"], registry=r)  # fmt: skip
+                             "index entries are not trusted: its event stream keeps "
+                             "failing, or its replay is being applied", ["worker"],
+                             registry=r)  # fmt: skip
         r.register(_EventFailures(self))
 
     @property

@@ -79,7 +79,7 @@ def cache_spec(req: Any, n: int, marks: list[tuple[int, str | None]]) -> CacheSp
         if retention == "24h":
             retain = [(p, max(t, TTL_SECONDS["24h"])) for p, t in retain]
         return CacheSpec(retain=tuple(retain), limit=max(p for p, _ in retain))
-    retain = retain[-IMPLICIT_EXPLICIT:] if retain else []
+    retain = retain[-IMPLICIT_EXPLICIT:]
     if opts is not None or retention == "24h":
         retain.append((n, ttl))
     if retention == "24h":  # at least a day, whatever else asked for less
