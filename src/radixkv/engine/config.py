@@ -45,7 +45,8 @@ class EngineConfig:
         max_retained_tokens: prompt-cache retention (`radixkv.retention`): the most
             tokens one namespace (a ``cache_salt``) keeps retained on request; ``None``:
             a quarter of ``kv_tokens``; 0: retention off. All namespaces together keep
-            at most half of ``kv_tokens``.
+            at most this or a quarter of ``kv_tokens``, whichever is more (a client can
+            choose many salts).
         storage_secret: a secret shared by the engines of one store: every page carries
             a MAC under it and a page whose MAC fails is a counted miss. ``None``:
             ``RADIXKV_STORAGE_SECRET`` from the environment, if set.

@@ -161,7 +161,10 @@ class Engine:
         retained = cfg.max_retained_tokens
         retained = cfg.kv_tokens // 4 if retained is None else retained
         states = self.recurrent.component if self.recurrent is not None else None
-        self.retention = Retention(self.cache, retained, cfg.kv_tokens // 2, states=states)
+        # all namespaces together: salts are the client's to choose, so a client rotating
+        # them reaches this, not the per-namespace quota
+        total = max(retained, cfg.kv_tokens // 4)
+        self.retention = Retention(self.cache, retained, total, states=states)
         self.scheduler.relieve = self.retention.relieve
         self.scheduler.on_admit = self._admitted
         if self.recurrent is not None:

@@ -62,7 +62,9 @@ UTILITY_ALPHA = 1.0  # Marconi's weight of efficiency against recency
 
 
 class Checkpoint:
-    """One snapshot: where it sits, its slot, when it was last used, what it saves."""
+    """One snapshot: where it sits, its slot, when it was last used, what it saves
+    (``flops``: computed for the ``utility`` policy only, which reads it; 0.0 under
+    ``lru``)."""
 
     __slots__ = ("flops", "kind", "node", "offset", "slot", "tick")
 
