@@ -127,6 +127,28 @@ def test_two_workers_and_removal():
         index.validate("c", KVEventBatch(0, [BlockStored([1], None, [1, 2, 3], 3)]))
 
 
+def test_a_recurrent_workers_checkpoint_blocks_stand_alone():
+    """A recurrent worker's events store one block per checkpoint, its parent never told
+    (`radixkv.engine.recurrent`): its overlap is the deepest page of the request whose
+    hash it holds. A full-attention worker's is the run from the root: the same block
+    with an unknown parent is skipped."""
+    from radixkv.blockhash import event_hashes
+
+    index = KvIndex(2)
+    index.sparse.add("r")
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    h = event_hashes(ids, None, 2, 4)
+    index.apply("r", KVEventBatch(0, [BlockStored([h[2]], h[1], [5, 6], 2)]))
+    index.apply("p", KVEventBatch(0, [BlockStored([h[0]], None, [1, 2], 2),
+                                      BlockStored([h[2]], h[1], [5, 6], 2)]))  # fmt: skip
+    assert index.overlap([*ids, 9]) == {"r": 3, "p": 1}
+    assert index.overlap([1, 2, 3, 4, 5, 0]) == {"p": 1}  # page 3 differs: no checkpoint
+    assert index.overlap(ids, salt_tag("t"), "t") == {}  # another namespace
+    index.apply("r", KVEventBatch(0, [BlockRemoved([h[2]])]))
+    assert index.overlap(ids) == {"p": 1}
+    index.check()
+
+
 def test_a_run_whose_parent_is_unknown_is_skipped_and_counted():
     index = KvIndex(2)
     index.apply("a", KVEventBatch(0, [BlockStored([5], 4, [1, 2], 2)]))

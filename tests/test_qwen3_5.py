@@ -6,6 +6,8 @@ the cache on and off through chunked prefill, preemption and sampling."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from test_families import greedy
@@ -132,9 +134,49 @@ def test_cache_on_and_off_agree_under_preemption_and_sampling(folder):
 def test_what_recurrent_models_do_not_run_yet_is_refused(folder):
     with pytest.raises(ValueError, match="host_tokens"):
         Engine(str(folder), host_tokens=64)
-    engine = Engine(str(folder))
-    with pytest.raises(ValueError, match="KV events"):
-        engine.publish_kv_events(lambda batch: None)
+
+
+@pytest.mark.parametrize("tokens", [True, False])
+def test_kv_events_advertise_exactly_the_prefixes_it_serves(folder, tokens):
+    """A prefix is servable only up to a checkpoint: the events (through the wire) tell
+    one block per checkpoint, an index of them credits each prompt with the deepest one
+    it passes, and that is what the engine then serves, prompt after prompt, while
+    checkpoints beyond ``max_checkpoints`` are evicted and removed (with token ids, and
+    hash-only in a salted namespace)."""
+    from radixkv.engine.request import SamplingParams
+    from radixkv.events import decode_batch, encode_batch, salt_tag
+    from radixkv.router.index import KvIndex
+
+    batches: list = []
+    engine = Engine(str(folder), page_size=16, chunk_size=64, max_checkpoints=3,
+                    check_memory=True)  # fmt: skip
+    engine.publish_kv_events(batches.append, salt_key=b"fleet key", tokens=tokens)
+    index = KvIndex(16)
+    index.sparse.add("w")
+    salt = "tenant-a"
+    tag = salt_tag(salt, b"fleet key")
+    shared = rand(400, 1)
+    served, predicted = [], []
+    for i, cut in enumerate((300, 300, 300, 350, 120, 300, 390, 120, 350)):
+        prompt = shared[:cut] + rand(9 + i, 20 + i)
+        predicted.append(16 * index.overlap(prompt, tag, salt).get("w", 0))
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True),
+                                 extra_key=salt, chat=False)  # fmt: skip
+        while engine.requests:
+            for out in engine.step():
+                if out.rid == rid and out.finished:
+                    served.append(out.cached_tokens)
+        for batch in batches:
+            batch = decode_batch(encode_batch(batch))
+            index.validate("w", batch)
+            index.apply("w", batch)
+        batches.clear()
+        index.check()
+        assert index.num_blocks("w") == len(engine.recurrent.component.held)
+    assert served == predicted
+    # the third sharer starts at the branch point; later that checkpoint is evicted (and
+    # removed from the index), so the same prefix gets only an earlier one
+    assert served[2] == 288 and 0 < served[5] < 288 and engine.recurrent.component.evictions
 
 
 def test_served_with_the_openai_client(folder):
@@ -175,6 +217,64 @@ def test_served_with_the_openai_client(folder):
     held = re.search(r"radixkv:state_checkpoints\{[^}]*\} ([0-9.]+)", text)
     size = re.search(r"radixkv:state_checkpoint_bytes\{[^}]*\} ([0-9.e+]+)", text)
     assert held and 0 < float(held.group(1)) <= 8 and size and float(size.group(1)) > 0
+
+
+def test_a_hybrid_fleet_routes_on_what_its_workers_can_serve(folder):
+    """Two `radixkv serve` workers on the Qwen3.5 folder publish their checkpoints as KV
+    events, `radixkv route --policy kv` indexes them; four interleaved multi-turn
+    conversations: what routing captured (the index's prefix on the chosen worker) is
+    within 5% of what the engines delivered (their ``cached_tokens``), each
+    conversation's later turns hit, and no worker is credited past a checkpoint."""
+    import httpx
+
+    from radixkv.web.process import ServerProcess, free_port_pair
+
+    def counter(url: str, name: str) -> float:
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith(f"{name} ") or line.startswith(f"{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    ports = [free_port_pair() for _ in range(2)]
+    args = ["--model", str(folder), "--page-size", "16", "--kv-tokens", "8192",
+            "--max-checkpoints", "32"]  # fmt: skip
+    workers = [ServerProcess(*args, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=90)
+               for p in ports]  # fmt: skip
+    specs = [a for w, p in zip(workers, ports, strict=True)
+             for a in ("--worker", f"{w.url},tcp://127.0.0.1:{p}")]  # fmt: skip
+    router = ServerProcess("--model", str(folder), "--policy", "kv", *specs,
+                           command="route", timeout=90)  # fmt: skip
+    try:
+
+        def settle() -> None:  # bounded: the index holds what the workers hold
+            deadline = time.monotonic() + 30
+            while True:
+                rows = httpx.get(f"{router.url}/route/state").json()["workers"]
+                state = {w["url"]: w["indexed_blocks"] for w in rows}
+                held = {w.url: counter(w.url, "radixkv:state_checkpoints") for w in workers}
+                if all(state[u] == held[u] for u in held):
+                    return
+                assert time.monotonic() < deadline, (state, held)
+                time.sleep(0.05)
+
+        talks = [f"Conversation {c}: tell me about the number {c * 37}. " * 3 for c in range(4)]
+        cached: list[list[int]] = [[] for _ in talks]
+        for turn in range(4):
+            for c in range(len(talks)):
+                body = {"prompt": talks[c], "max_tokens": 3, "temperature": 0}
+                r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                cached[c].append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+                talks[c] += f" Reply {turn}: noted. Next question, number {turn}? " * 2
+                settle()
+        captured = counter(router.url, "radixkv_router:routing_captured_tokens_total")
+        delivered = counter(router.url, "radixkv_router:engine_delivered_tokens_total")
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+    assert all(x[0] == 0 and all(n > 0 for n in x[1:]) for x in cached), cached
+    assert delivered > 0 and abs(captured - delivered) <= 0.05 * delivered, (captured, delivered)
 
 
 @pytest.mark.parametrize("page", [1, 16])

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from radixkv.cli import main
+from radixkv.key import RadixKey
 from radixkv.router import policies
 from radixkv.router.proxy import WorkerSpec
 from radixkv.sim.replicas import ROUTERS, pooled_bound, simulate_replicas
@@ -609,6 +610,24 @@ def test_a_routed_prompt_counts_as_cached_only_until_the_worker_could_have_repor
     now[0] += core.EVENTS_GRACE_S + 0.001  # past the grace period of every claim
     # the index (empty: the worker reported nothing, e.g. it evicted at once) decides
     assert routing.choose(tokens).prefill == len(tokens) // 4
+
+
+def test_a_recurrent_workers_claim_holds_only_through_the_prompts_end():
+    """A recurrent worker serves a routed prompt's prefix only from the checkpoint at its
+    end: a prompt that continues it is claimed to its last whole page, one that leaves
+    it midway not at all (a full-attention worker shares every page up to there)."""
+    from radixkv.router import core
+
+    routing = core.RoutingCore("kv", clock=lambda: 0.0)
+    recurrent, plain = routing.add("r"), routing.add("p")
+    recurrent.checkpoints = True
+    routing.index.block_size = 4
+    first = list(range(1, 39))  # 38 tokens: the checkpoint at 36
+    for w in (recurrent, plain):
+        w.claims.append([1.0, RadixKey(first)])
+    longer, other = RadixKey([*first, 50, 51]), RadixKey([*first[:30], 99, 98, 97])
+    assert recurrent.claimed(longer, 0.0, 4) == 36 and plain.claimed(longer, 0.0, 4) == 38
+    assert recurrent.claimed(other, 0.0, 4) == 0 and plain.claimed(other, 0.0, 4) == 30
 
 
 def test_a_ticket_releases_its_load_exactly_once_on_every_path():

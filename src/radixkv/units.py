@@ -10,6 +10,11 @@ def div_ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def align_down(n: int, page: int) -> int:
+    """``n`` rounded down to a whole number of pages."""
+    return n - n % page
+
+
 def align_up(n: int, page: int) -> int:
     """``n`` rounded up to a whole number of pages."""
     return div_ceil(n, page) * page

@@ -223,14 +223,16 @@ class Engine:
         request (the cache must be empty). ``salt_key`` keys the namespace tags;
         ``tokens=False`` publishes block hashes only; ``arrays`` hands token ids
         and block hashes over as arrays, for a ``publish`` that only encodes them
-        (`radixkv.events.EventCollector`)."""
+        (`radixkv.events.EventCollector`). On a recurrent model a prefix is servable
+        only up to a checkpoint, so the events tell one block per checkpoint
+        (`radixkv.engine.recurrent`), never the pages between."""
         from radixkv.events import EventCollector
 
-        if self.recurrent is not None:
-            raise ValueError("KV events: a recurrent model's pages are servable only up to "
-                             "a checkpoint, which the events do not carry yet")  # fmt: skip
         collector = EventCollector(salt_key, tokens, arrays)
-        self.cache.set_event_sink(collector)
+        if self.recurrent is not None:
+            self.recurrent.publish(collector)
+        else:
+            self.cache.set_event_sink(collector)
         self._events = (collector, publish)
 
     def _flush_events(self) -> None:

@@ -20,6 +20,12 @@ request-table row (``0 .. max_running - 1``) and the checkpoints in the rows aft
     freeing     a checkpoint the tree evicts (with its node, or beyond ``max_states``)
                 gives its row back; a preempted or aborted request's pending snapshots
                 too
+    events      with a KV event sink (`publish`), each checkpoint is one stored block:
+                the page that ends at it, with its chained hash and its true parent
+                hash, removed when the checkpoint goes. Only servable prefixes are
+                advertised: a page past the last checkpoint is no hit here, so the
+                pages between checkpoints are never told (a router credits the deepest
+                block it holds, not the run before it; the worker's card says so)
 
 Invariant (`check`): every checkpoint row is free, held by one checkpoint, or pending in
 one running request's ``snap_rows``.
@@ -34,6 +40,7 @@ from typing import Any
 
 import torch
 
+from radixkv.blockhash import event_hashes
 from radixkv.key import RadixKey
 from radixkv.tree import RadixCache
 from radixkv.tree.state import StateCheckpoints
@@ -49,10 +56,39 @@ class RecurrentStates:
         self.states = model.make_states(max_running + self.rows)
         self.free_rows = list(range(self.first + self.rows - 1, self.first - 1, -1))
         self.component = StateCheckpoints(max_states, self)
+        self.sink: Any = None  # a KV event sink (`publish`)
+        self.published: dict[int, int] = {}  # checkpoint row -> its block hash, told
+
+    def publish(self, sink: Any) -> None:
+        """Tell ``sink`` (`radixkv.tree.CacheEventSink`) of every checkpoint from now
+        on, as one stored block each (see the module docstring). Before any checkpoint
+        is held."""
+        if self.component.held:
+            raise ValueError("KV events must be on before the first checkpoint")
+        self.sink = sink
 
     # the component's allocator: evicted checkpoints give their rows back
     def free(self, slots: torch.Tensor) -> None:
-        self.free_rows.extend(int(s) for s in slots)
+        rows = [int(s) for s in slots]
+        self.free_rows.extend(rows)
+        if self.sink is not None:
+            gone = [self.published.pop(r) for r in rows if r in self.published]
+            if gone:
+                self.sink.removed(gone)
+
+    def _tell_stored(self, row: int, key: RadixKey, page: int) -> None:
+        """The checkpoint in ``row`` ends ``key`` (page-aligned): one stored block."""
+        tokens, pages = key.token_ids, len(key) // page
+        if getattr(self.sink, "strong_hashes", False):  # hash-only events: BLAKE2b
+            from radixkv.tree import chain_hashes
+
+            chain = chain_hashes(tokens, key.extra_key, page, pages)[-2:]
+            hashes = [int.from_bytes(h[:8], "big") for h in chain]
+        else:
+            hashes = event_hashes(tokens, key.extra_key, page, pages)[-2:]
+        parent = hashes[0] if len(hashes) == 2 else None
+        self.published[row] = hashes[-1]
+        self.sink.stored([hashes[-1]], parent, list(tokens[-page:]), page, key.extra_key)
 
     def _take(self) -> int | None:
         return self.free_rows.pop() if self.free_rows else None
@@ -115,6 +151,8 @@ class RecurrentStates:
             node = cache.insert_node(key).last_node
             if not self.component.add(node, row, kind=kind):
                 self.free_rows.append(row)
+            elif self.sink is not None:
+                self._tell_stored(row, key, cache.page_size)
         r.snap_rows = keep
 
     def release(self, r: Any) -> None:
@@ -130,3 +168,5 @@ class RecurrentStates:
         every = sorted(self.free_rows + pending + held)
         if every != list(range(self.first, self.first + self.rows)):
             raise AssertionError("checkpoint rows are lost or held twice")
+        if self.sink is not None and self.published.keys() != self.component.held.keys():
+            raise AssertionError("the checkpoints told as KV events are not those held")

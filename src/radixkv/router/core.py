@@ -46,6 +46,7 @@ from radixkv.key import RadixKey
 from radixkv.router import policies
 from radixkv.router.index import KvIndex
 from radixkv.tree import RadixCache
+from radixkv.units import align_down
 
 APPROX_TREE_TOKENS = 1 << 22  # per worker; the oldest routed prompts are evicted beyond
 # kv: a routed prompt counts as cached on its worker for this long, until the worker's
@@ -67,16 +68,23 @@ class WorkerLoad:
     queued_blocks: int = 0  # prefill blocks of requests sent here, not answered yet
     routed: RadixCache = field(default_factory=lambda: RadixCache(page_size=1))
     claims: deque = field(default_factory=deque)  # [expiry, RadixKey] of recent routes
+    checkpoints: bool = False  # recurrent: it serves a prefix only up to a checkpoint
 
-    def claimed(self, key: RadixKey, now: float) -> int:
+    def claimed(self, key: RadixKey, now: float, page: int = 1) -> int:
         """Tokens of ``key`` shared with a prompt routed here whose pages the worker's
-        events may not have reported yet."""
+        events may not have reported yet. A worker with ``checkpoints`` serves only
+        from the one at such a prompt's end (its last whole page): ``key`` must go
+        through it."""
         while self.claims and self.claims[0][0] < now:
             self.claims.popleft()
         best = 0
         for expiry, k in self.claims:
             if expiry >= now and k.extra_key == key.extra_key:
-                best = max(best, k.match(key))
+                shared = k.match(key)
+                if self.checkpoints:
+                    end = align_down(len(k), page)
+                    shared = end if shared >= end else 0
+                best = max(best, shared)
         return best
 
 
@@ -221,7 +229,7 @@ class RoutingCore:
         overlap, claim, now = held, None, self.clock()
         key = RadixKey(tokens, salt)
         if self.policy == "kv":
-            overlap = {w: max(held[w], w.claimed(key, now) // size) for w in alive}
+            overlap = {w: max(held[w], w.claimed(key, now, size) // size) for w in alive}
         home, spilled, known = None, False, overlap
         if cache_key is not None:
             names = {x.name: x for x in alive}

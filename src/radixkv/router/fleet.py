@@ -317,9 +317,16 @@ class Router:
         if card is not None:
             self.cards[spec.url] = card
         w = Worker(spec, self.core.add(spec.url))
-        blocks = radixkv_info(self.cards.get(spec.url)).get("kv_blocks")
+        info = radixkv_info(self.cards.get(spec.url))
+        blocks = info.get("kv_blocks")
         if isinstance(blocks, int) and blocks > 0:  # a worker never holds more than its pool
             self.core.index.max_blocks[spec.url] = blocks
+        # a recurrent model's events name its checkpoints, each block alone
+        w.load.checkpoints = info.get("events") == "checkpoints"
+        if w.load.checkpoints:
+            self.core.index.sparse.add(spec.url)
+        else:
+            self.core.index.sparse.discard(spec.url)
         self.workers.append(w)
         self.m_alive.labels(w.url).set(1)
         self._subscribe(w)

@@ -15,6 +15,13 @@ alike.
 ``overlap(token_ids)`` walks the request's whole pages from the root and returns, per
 worker, how many leading pages it holds: O(pages + workers matched).
 
+Workers with recurrent layers (``sparse``: their cards say ``"events": "checkpoints"``)
+serve a prefix only up to a state checkpoint, so their events store one block per
+checkpoint, never the pages between (`radixkv.engine.recurrent`): such a block stands
+alone, its parent is not told. Their blocks are keyed by hash (``("fast", hash)`` for
+the event chain of `radixkv.blockhash`, ``("hash", hash)`` for hash-only events), and a
+worker's overlap is the deepest page of the request whose hash it holds, not a run.
+
 Trust: a batch is checked whole before any of it is applied (`KvIndex.validate`): the
 block size must be the worker's (the fleet's, from the workers' ``/v1/models`` cards,
 never set by an event), token ids must fit the blocks, hashes and namespaces must be
@@ -44,6 +51,7 @@ SHARED_FANOUT = 4  # continuations that make a page the end of a shared prefix
 MAX_BATCH_BLOCKS = 1 << 16  # blocks one batch may store or remove (a step stores far fewer)
 DEFAULT_MAX_BLOCKS = 1 << 22  # blocks a worker whose card does not say may hold
 _PLAIN = (int, str, bytes)  # what a block hash or a namespace tag may be
+_HASH_KINDS = ("hash", "fast")  # keys of pages known by hash alone
 
 
 class BadBatch(ValueError):
@@ -75,6 +83,8 @@ class KvIndex:
         self._fanout: Counter[int] = Counter()  # id -> interned pages continuing it
         self.unknown_parents = 0  # stored runs whose parent hash the index never saw
         self.hash_keyed = False  # some worker publishes hashes only
+        self.sparse: set[Hashable] = set()  # workers whose blocks are checkpoints
+        self._sparse_kinds: set[str] = set()  # key kinds sparse workers have stored
 
     # --- events -------------------------------------------------------------------------
     def validate(self, worker: Hashable, batch: KVEventBatch) -> None:
@@ -156,6 +166,9 @@ class KvIndex:
 
     def _stored(self, worker: Hashable, e: BlockStored) -> None:
         size = e.block_size
+        if worker in self.sparse:  # checkpoints: each block alone, keyed by its hash
+            self._stored_hashes(worker, e, "fast" if e.token_ids else "hash")
+            return
         if not e.token_ids and e.block_hashes:  # hashes only: keyed by the hash itself
             self._stored_hashes(worker, e)
             return
@@ -185,11 +198,14 @@ class KvIndex:
                 self.holders.setdefault(pid, set()).add(worker)
             parent = pid
 
-    def _stored_hashes(self, worker: Hashable, e: BlockStored) -> None:
-        self.hash_keyed = True
+    def _stored_hashes(self, worker: Hashable, e: BlockStored, kind: str = "hash") -> None:
+        if worker in self.sparse:
+            self._sparse_kinds.add(kind)
+        else:
+            self.hash_keyed = True
         blocks = self._blocks.setdefault(worker, {})
         for block_hash in e.block_hashes:
-            pid = self._intern(("hash", block_hash))
+            pid = self._intern((kind, block_hash))
             if blocks.get(block_hash) != pid:
                 blocks[block_hash] = pid
                 self._refs.setdefault(worker, Counter())[pid] += 1
@@ -201,7 +217,7 @@ class KvIndex:
             pid = self._ids[key] = self._next_id
             self._keys[pid] = key
             self._next_id += 1
-            if key[0] != "hash":
+            if key[0] not in _HASH_KINDS:
                 self._fanout[key[0]] += 1
         return pid
 
@@ -210,7 +226,7 @@ class KvIndex:
         del self.holders[pid]
         key = self._keys.pop(pid)
         del self._ids[key]
-        if key[0] != "hash":
+        if key[0] not in _HASH_KINDS:
             self._fanout[key[0]] -= 1
             if not self._fanout[key[0]]:
                 del self._fanout[key[0]]
@@ -285,7 +301,27 @@ class KvIndex:
             if self._fanout.get(pid, 0) >= SHARED_FANOUT:
                 shared = i + 1
             parent = pid
+        if self._sparse_kinds:
+            self._sparse_lookup(token_ids, salt, out)
         return out, shared
+
+    def _sparse_lookup(self, token_ids: Sequence[int], salt: Any, out: dict) -> None:
+        """Checkpoint workers' overlaps into ``out``: per worker, the deepest page of the
+        request whose hash it holds."""
+        size = self.block_size or 1
+        pages = len(token_ids) // size
+        for kind in sorted(self._sparse_kinds):
+            if kind == "fast":
+                from radixkv.blockhash import event_hashes
+
+                hashes = event_hashes(list(token_ids), salt, size, pages)
+            else:
+                hashes = self._request_hashes(token_ids, salt)
+            for i, h in enumerate(hashes):
+                pid = self._ids.get((kind, h))
+                for w in self.holders.get(pid, ()) if pid is not None else ():
+                    if w in self.sparse:
+                        out[w] = max(out.get(w, 0), i + 1)
 
     def _request_hashes(self, token_ids: Sequence[int], salt: Any) -> list[int]:
         """The 64-bit block hashes a radixkv worker gives the request's whole pages."""
@@ -307,5 +343,5 @@ class KvIndex:
         assert want == self.holders, "KvIndex: holders disagree with the workers' blocks"
         assert set(self._keys) == set(self.holders), "KvIndex: an id interned but not held"
         assert all(self._ids[k] == pid for pid, k in self._keys.items()), "KvIndex: keys"
-        fanout = Counter(k[0] for k in self._keys.values() if k[0] != "hash")
+        fanout = Counter(k[0] for k in self._keys.values() if k[0] not in _HASH_KINDS)
         assert fanout == self._fanout, "KvIndex: fan-out counts disagree with the keys"

@@ -548,6 +548,9 @@ def build_app(
                 "page_size": engine.cache.page_size,
                 # the most pages its KV pool holds: a router never believes it holds more
                 "kv_blocks": engine.mgr.allocator.size // engine.cache.page_size,
+                # what its KV events' blocks are: pages (each with the run before it), or
+                # a recurrent model's checkpoints (each alone: a servable prefix's end)
+                "events": "pages" if engine.recurrent is None else "checkpoints",
                 "tokenizer": tokenizer_fingerprint(engine.tokenizer),
                 # weights, config, dtype, page size and tokenizer as 32 hex digits:
                 # workers with equal ones compute the same KV for the same tokens
