@@ -131,9 +131,104 @@ def test_cache_on_and_off_agree_under_preemption_and_sampling(folder):
         assert outs[0] == outs[1]
 
 
-def test_what_recurrent_models_do_not_run_yet_is_refused(folder):
-    with pytest.raises(ValueError, match="host_tokens"):
-        Engine(str(folder), host_tokens=64)
+@pytest.mark.parametrize("tier", ["host", "store"])
+def test_checkpoints_go_down_the_tiers_and_come_back(folder, reference, tier, tmp_path):
+    """KV pages alone are no hit on a recurrent model: the tiers keep the checkpoints too.
+    Two requests leave a branch point at 288; then everything leaves the device (into
+    the host pool), or a second engine starts on the same store: the third request
+    starts from that checkpoint, with transformers' output."""
+    shared = rand(300, 1)
+    prompts = [shared + rand(20, 10 + i) for i in range(3)]
+    kw = {"page_size": 16, "chunk_size": 64, "check_memory": True}
+    if tier == "host":
+        engine = Engine(str(folder), host_tokens=4096, **kw)
+    else:
+        engine = Engine(str(folder), storage=f"file://{tmp_path}/store", **kw)
+    for p in prompts[:2]:
+        engine.generate([p], max_new_tokens=4, chat=False, ignore_eos=True)
+    if tier == "host":
+        engine.flush_cache()
+        assert engine.cache.total_size() == 0 and len(engine.recurrent.tiers.host) == 3
+    else:
+        engine.tier.flush()
+        # each checkpoint as it was made: two prompts' ends and the branch point
+        assert engine.recurrent.tiers.written == len(engine.recurrent.component.held) == 3
+        engine = Engine(str(folder), storage=f"file://{tmp_path}/store", **kw)
+    res = engine.generate([prompts[2]], max_new_tokens=8, chat=False, ignore_eos=True)
+    assert res.stats.cached_tokens == 288 and engine.recurrent.tiers.loaded == 1
+    assert res.outputs[0].token_ids == greedy(reference, prompts[2], 8)
+
+
+def test_two_processes_share_a_checkpoint_through_redis(folder):
+    """The first process makes a branch point; a second process, on the same Redis,
+    starts its first request from it (state and KV from the store), with the first's
+    output."""
+    import json
+    import subprocess
+    import sys
+
+    import redis
+
+    url = "redis://127.0.0.1:6379/15"
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    client.flushdb()
+    shared = rand(300, 1)
+    prompts = [shared + rand(20, 10 + i) for i in range(3)]
+    script = (
+        "import json, sys\n"
+        "from radixkv.engine.engine import Engine\n"
+        f"e = Engine({str(folder)!r}, page_size=16, chunk_size=64, storage={url!r})\n"
+        "prompts = json.loads(sys.argv[1])\n"
+        "out = [e.generate([p], max_new_tokens=6, chat=False, ignore_eos=True) for p in prompts]\n"
+        "e.tier.flush()\n"
+        "print(json.dumps([[o.outputs[0].token_ids, o.stats.cached_tokens] for o in out]))\n"
+    )
+
+    def run(ps: list) -> list:
+        done = subprocess.run([sys.executable, "-c", script, json.dumps(ps)],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        return json.loads(done.stdout)
+
+    try:
+        first = run(prompts)
+        second = run(prompts[2:])
+    finally:
+        client.flushdb()
+    assert [c for _, c in first] == [0, 0, 288]
+    assert second == [first[2]]  # 288 from the store, the same tokens
+
+
+def test_a_bad_state_in_the_store_is_refused_and_written_again(folder, reference, tmp_path):
+    """A stored state whose bytes changed fails its check: the request recomputes (the
+    right output), the bad value is counted and written again, and the next engine on
+    the store starts from it. Without the storage secret's MAC it is refused too."""
+    shared = rand(300, 1)
+    prompts = [shared + rand(20, 10 + i) for i in range(3)]
+    url = f"file://{tmp_path}/store"
+    kw = {"page_size": 16, "chunk_size": 64, "check_memory": True, "storage": url}
+    first = Engine(str(folder), **kw)
+    for p in prompts[:2]:
+        first.generate([p], max_new_tokens=4, chat=False, ignore_eos=True)
+    first.tier.flush()
+    store = first.tier.store
+    states = [k for k, _ in first.recurrent.tiers.keys.values()]
+    assert len(states) == 3 and all(store.get(states))
+    for k in states:  # one flipped byte in every state's payload
+        value = bytearray(store.get([k])[0])
+        value[200] ^= 1
+        store.set([k], [bytes(value)])
+    second = Engine(str(folder), **kw)
+    res = second.generate([prompts[2]], max_new_tokens=8, chat=False, ignore_eos=True)
+    assert res.stats.cached_tokens == 0 and second.recurrent.tiers.bad >= 1
+    assert res.outputs[0].token_ids == greedy(reference, prompts[2], 8)
+    second.generate([prompts[1]], max_new_tokens=4, chat=False, ignore_eos=True)
+    second.tier.flush()  # the branch point at 288 is made again, and written again
+    third = Engine(str(folder), **kw)
+    assert third.generate([prompts[2]], max_new_tokens=2, chat=False,
+                          ignore_eos=True).stats.cached_tokens == 288  # fmt: skip
+    keyed = Engine(str(folder), storage_secret="fleet secret", **kw)
+    got = keyed.generate([prompts[2]], max_new_tokens=2, chat=False, ignore_eos=True)
+    assert got.stats.cached_tokens == 0 and keyed.recurrent.tiers.bad >= 1
 
 
 @pytest.mark.parametrize("tokens", [True, False])
@@ -180,10 +275,11 @@ def test_kv_events_advertise_exactly_the_prefixes_it_serves(folder, tokens):
 
 
 def test_served_with_the_openai_client(folder):
-    """`radixkv serve` on the Qwen3.5 folder, the official client: three completions
-    sharing a 300-character prefix (a byte per token), the third served 288 tokens from
-    the cache; two chats sharing a system message, the second served it from the cache;
-    /metrics shows the checkpoints and their bytes."""
+    """`radixkv serve` on the Qwen3.5 folder (with a host tier), the official client:
+    three completions sharing a 300-character prefix (a byte per token), the third
+    served 288 tokens from the cache; two chats sharing a system message, the second
+    served it from the cache; /metrics shows the checkpoints, their bytes and the
+    state tiers."""
     import re
 
     import httpx
@@ -192,7 +288,7 @@ def test_served_with_the_openai_client(folder):
     from radixkv.web.process import ServerProcess
 
     args = ["--model", str(folder), "--page-size", "16", "--kv-tokens", "4096",
-            "--max-checkpoints", "8", "--check-memory"]  # fmt: skip
+            "--max-checkpoints", "8", "--check-memory", "--host-tokens", "1024"]  # fmt: skip
     with ServerProcess(*args, timeout=90) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
@@ -217,6 +313,8 @@ def test_served_with_the_openai_client(folder):
     held = re.search(r"radixkv:state_checkpoints\{[^}]*\} ([0-9.]+)", text)
     size = re.search(r"radixkv:state_checkpoint_bytes\{[^}]*\} ([0-9.e+]+)", text)
     assert held and 0 < float(held.group(1)) <= 8 and size and float(size.group(1)) > 0
+    assert re.search(r"radixkv:state_checkpoints_loaded_total\{[^}]*\} 0", text)
+    assert re.search(r"radixkv:host_state_checkpoints\{[^}]*\} ", text)
 
 
 def test_a_hybrid_fleet_routes_on_what_its_workers_can_serve(folder):

@@ -81,6 +81,8 @@ def test_store_backends(kind, tmp_path, shared_redis):
     assert store.exists_prefix(keys) == 3
     assert store.exists_prefix(keys[1:]) == 2
     assert store.get(keys[:4]) == [b"a", b"bb", b"ccc", None]
+    assert store.exists([keys[4], keys[2], keys[3], keys[0]]) == [False, True, False, True]
+    assert store.exists([]) == []
 
 
 @pytest.mark.parametrize("kind", ["memory", "file", "redis"])

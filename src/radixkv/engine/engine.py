@@ -144,10 +144,6 @@ class Engine:
         self.recurrent: RecurrentStates | None = None
         components: tuple = ()
         if getattr(self.config, "recurrent", False):
-            if cfg.storage is not None or cfg.host_tokens:
-                arch = self.config.architecture
-                raise ValueError("storage and host_tokens: the tiers do not store recurrent "
-                                 f"states yet, so {arch} runs without them")  # fmt: skip
             self.recurrent = RecurrentStates(self.model, cfg.max_running, cfg.max_checkpoints)
             components = (self.recurrent.component,)
             log.info("recurrent states: %d rows of %.2f MiB (%d requests, %d checkpoints "
@@ -182,6 +178,12 @@ class Engine:
         if cfg.storage is not None or cfg.host_tokens:
             self.tier = build_tiers(cfg, memory, self.model_identity())
             self.scheduler.prefetch = self._prefetch
+            if self.recurrent is not None:  # its checkpoints go down the tiers too
+                from radixkv.storage.states import StateTiers
+
+                host_states = cfg.max_checkpoints if cfg.host_tokens else 0
+                self.recurrent.tiers = StateTiers(self.tier, self.recurrent, self.cache,
+                                                  host_states)  # fmt: skip
 
     def _admitted(self, r: EngineReq) -> None:
         """A request was just admitted: a recurrent model copies its state; a retained
@@ -209,7 +211,10 @@ class Engine:
             return slots
 
         usable = len(r.input_ids) - 1  # the last prompt token is always computed
-        self.tier.load(r.token_array(), r.extra_key, usable, alloc)
+        if self.recurrent is not None and self.recurrent.tiers is not None:
+            self.recurrent.tiers.load(r.token_array(), r.extra_key, usable, alloc)
+        else:
+            self.tier.load(r.token_array(), r.extra_key, usable, alloc)
 
     def publish_kv_events(
         self,
@@ -492,6 +497,8 @@ class Engine:
             self.recurrent.check(self.scheduler.running)
         if self.tier is not None:
             self.tier.check()
+            if self.recurrent is not None and self.recurrent.tiers is not None:
+                self.recurrent.tiers.check()
 
     def _finish(self, r: EngineReq, reason: str) -> None:
         r.finish_reason = reason

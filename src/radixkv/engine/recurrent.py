@@ -20,6 +20,9 @@ request-table row (``0 .. max_running - 1``) and the checkpoints in the rows aft
     freeing     a checkpoint the tree evicts (with its node, or beyond ``max_states``)
                 gives its row back; a preempted or aborted request's pending snapshots
                 too
+    tiers       with a host pool or a shared store (`radixkv.storage.states`), each
+                checkpoint goes down the tiers as its KV does, and one found there
+                before admission comes back as a checkpoint (`adopt`)
     events      with a KV event sink (`publish`), each checkpoint is one stored block:
                 the page that ends at it, with its chained hash and its true parent
                 hash, removed when the checkpoint goes. Only servable prefixes are
@@ -58,6 +61,8 @@ class RecurrentStates:
         self.component = StateCheckpoints(max_states, self)
         self.sink: Any = None  # a KV event sink (`publish`)
         self.published: dict[int, int] = {}  # checkpoint row -> its block hash, told
+        self.tiers: Any = None  # host pool and store of states (radixkv.storage.states)
+        self.row_size = self.states.nbytes_per_row()
 
     def publish(self, sink: Any) -> None:
         """Tell ``sink`` (`radixkv.tree.CacheEventSink`) of every checkpoint from now
@@ -70,11 +75,44 @@ class RecurrentStates:
     # the component's allocator: evicted checkpoints give their rows back
     def free(self, slots: torch.Tensor) -> None:
         rows = [int(s) for s in slots]
+        if self.tiers is not None:  # before the rows are reused: they go down a tier
+            self.tiers.evicted(rows)
         self.free_rows.extend(rows)
         if self.sink is not None:
             gone = [self.published.pop(r) for r in rows if r in self.published]
             if gone:
                 self.sink.removed(gone)
+
+    def row_bytes(self, row: int) -> bytes:
+        """A row's states (every recurrent layer's conv, then SSM), as bytes."""
+        s = self.states
+        flat = torch.cat((s.conv[:, row].reshape(-1), s.ssm[:, row].reshape(-1)))
+        return flat.cpu().numpy().tobytes()
+
+    def adopt(self, key: RadixKey, data: bytes, cache: RadixCache) -> bool:
+        """Make ``data`` (`row_bytes` of a state after ``key``, from a lower tier) the
+        checkpoint at the end of ``key``, which the tree holds. False: no free row, or
+        one is there already."""
+        row = self._take()
+        if row is None:
+            return False
+        s = self.states
+        flat = torch.frombuffer(bytearray(data), dtype=s.conv.dtype).to(s.conv.device)
+        n = s.conv[:, row].numel()
+        s.conv[:, row].copy_(flat[:n].view_as(s.conv[:, row]))
+        s.ssm[:, row].copy_(flat[n:].view_as(s.ssm[:, row]))
+        node = cache.insert_node(key).last_node
+        if not self.component.add(node, row, kind="end"):
+            self.free_rows.append(row)
+            return False
+        self._added(row, key, cache.page_size)
+        return True
+
+    def _added(self, row: int, key: RadixKey, page: int) -> None:
+        if self.sink is not None:
+            self._tell_stored(row, key, page)
+        if self.tiers is not None:
+            self.tiers.added(row, key)
 
     def _tell_stored(self, row: int, key: RadixKey, page: int) -> None:
         """The checkpoint in ``row`` ends ``key`` (page-aligned): one stored block."""
@@ -151,8 +189,8 @@ class RecurrentStates:
             node = cache.insert_node(key).last_node
             if not self.component.add(node, row, kind=kind):
                 self.free_rows.append(row)
-            elif self.sink is not None:
-                self._tell_stored(row, key, cache.page_size)
+            else:
+                self._added(row, key, cache.page_size)
         r.snap_rows = keep
 
     def release(self, r: Any) -> None:

@@ -87,6 +87,16 @@ class EngineCollector(Collector):
                 (CounterMetricFamily, "state_checkpoints_evicted", "Checkpoints evicted to "
                  "stay within max_checkpoints", comp.evictions),
             ]  # fmt: skip
+            st_tiers = rec.tiers
+            if st_tiers is not None:
+                values += [
+                    (CounterMetricFamily, "state_checkpoints_loaded", "Checkpoints brought "
+                     "back from the host tier or the shared store", st_tiers.loaded),
+                    (GaugeMetricFamily, "host_state_checkpoints", "Checkpoints held by the "
+                     "host tier", len(st_tiers.host)),
+                    (CounterMetricFamily, "state_checkpoints_bad", "Stored checkpoints "
+                     "refused: corrupt or unauthenticated", st_tiers.bad),
+                ]  # fmt: skip
         tier = e.tier
         if tier is not None:
             st = tier.stats

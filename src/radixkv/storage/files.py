@@ -134,6 +134,13 @@ class FileStore(_SoftStore):
 
         return self._call("exists", run, 0)
 
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        def run() -> list[bool]:
+            self._open()
+            return [(self._regular(k) or -1) >= 0 for k in keys]
+
+        return self._call("exists", run, [False] * len(keys))
+
     def _read(self, key: bytes, limit: int | None) -> bytes | None:
         """A page file's bytes (``b""`` for something that is not a page: a link, a FIFO,
         a device, one over ``limit`` bytes); ``None`` when there is none."""

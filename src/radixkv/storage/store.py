@@ -65,6 +65,7 @@ class PageStore(Protocol):
     stats: StoreStats
 
     def exists_prefix(self, keys: list[bytes]) -> int: ...
+    def exists(self, keys: list[bytes]) -> list[bool]: ...  # each key, in one round trip
     def get(self, keys: list[bytes]) -> list[bytes | None]: ...
     def set(self, keys: list[bytes], values: list[bytes]) -> int: ...
 
@@ -87,6 +88,9 @@ class MemoryStore:
         while n < len(keys) and keys[n] in self.data:
             n += 1
         return n
+
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        return [k in self.data for k in keys]
 
     def get(self, keys: list[bytes]) -> list[bytes | None]:
         return [self.data.get(k) for k in keys]
@@ -178,6 +182,18 @@ class RedisStore(_SoftStore):
             return n
 
         return self._call("exists", run, 0)
+
+    def exists(self, keys: list[bytes]) -> list[bool]:
+        if not keys:
+            return []
+
+        def run() -> list[bool]:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            return [bool(x) for x in pipe.execute()]
+
+        return self._call("exists", run, [False] * len(keys))
 
     def get(self, keys: list[bytes]) -> list[bytes | None]:
         if not keys:

@@ -276,7 +276,7 @@ class KVTiers:
         p = self.page
         key = RadixKey(tokens, ns)
         n_pages = usable // p
-        hit = self.cache.match_prefix(key[: n_pages * p])
+        hit = self.cache.match_prefix(key[: n_pages * p], full=True)  # the KV, whatever else
         have = hit.prefix_len // p
         if have >= n_pages:
             return 0
@@ -380,6 +380,13 @@ class KVTiers:
             return
         cpu = pages.to("cpu").contiguous().numpy()
         values = [self.codec.encode(h, cpu[i].tobytes()) for i, h in enumerate(hashes)]
+        self.queue_values(keys, values)
+
+    def queue_values(self, keys: list[bytes], values: list[bytes]) -> None:
+        """Queue encoded values for the writer (KV pages, or another kind that shares
+        the store: `radixkv.storage.states`); dropped and counted when the queue is full."""
+        if self.store is None:
+            return
         with self._lock:  # the marks this write answers: those made before it was queued
             marks = [self._rewrite.get(k) for k in keys]
         try:
@@ -389,6 +396,21 @@ class KVTiers:
             return
         for k in keys:
             self._remember(k)
+
+    def knows(self, key: bytes) -> bool:
+        """The store has ``key``, as far as this tier knows (and no read found it bad)."""
+        if key not in self._known:
+            return False
+        with self._lock:
+            return key not in self._rewrite
+
+    def remember(self, key: bytes) -> None:
+        """The store has ``key`` (another kind of entry's, `radixkv.storage.states`)."""
+        self._remember(key)
+
+    def mark_rewrite(self, key: bytes) -> None:
+        """A read found ``key``'s value bad: write it again when it is made."""
+        self._mark_rewrite(key)
 
     def _mark_rewrite(self, key: bytes) -> None:
         self._known.pop(key, None)

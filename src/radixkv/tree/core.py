@@ -351,7 +351,7 @@ class RadixCache(ComponentHost, Eviction):
             self._push(lower)
 
     # --- public operations -------------------------------------------------------------
-    def match_prefix(self, key: RadixKey, split: bool = True) -> MatchResult:
+    def match_prefix(self, key: RadixKey, split: bool = True, full: bool = False) -> MatchResult:
         """Find the longest cached prefix of ``key``.
 
         Args:
@@ -360,14 +360,18 @@ class RadixCache(ComponentHost, Eviction):
                 ``last_node`` is exact, and recency/hit counts are refreshed along the
                 path. When False the lookup is read-only: nothing is split or touched,
                 and ``last_node`` is the deepest node lying wholly inside the match.
+            full: the full-attention KV's match, before components cut it (a tier
+                that loads KV below it: only the KV, not a component, is there).
 
         Returns:
             `MatchResult` (indices, last_node, prefix_len).
         """
-        parts, last, n = self.match_parts(key, split)
+        parts, last, n = self.match_parts(key, split, full)
         return MatchResult(bytes_to_tensor(parts), last, n)
 
-    def match_parts(self, key: RadixKey, split: bool = True) -> tuple[list[bytes], TreeNode, int]:
+    def match_parts(
+        self, key: RadixKey, split: bool = True, full: bool = False
+    ) -> tuple[list[bytes], TreeNode, int]:
         """`match_prefix` without building the tensor: the matched slot indices as packed
         int64 ``bytes`` chunks (one per node on the path, in order; read-only), the last
         node and the prefix length. For callers that copy the slots somewhere anyway (a
@@ -377,7 +381,7 @@ class RadixCache(ComponentHost, Eviction):
         if self.disable:
             return [], self.root, 0
         path, off, partial, m = self._descend(units, n, ns)
-        if self._limiters:
+        if self._limiters and not as_bool(full, "full"):
             path, off, partial, m = self._limit(path, off, partial, m)
         parts = [node._value for node in path]
         if not split:

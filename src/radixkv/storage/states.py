@@ -1,0 +1,178 @@
+"""`StateTiers`: a recurrent model's state checkpoints below the device, in a host pool
+and the shared store, beside the KV pages of `radixkv.storage.tier`.
+
+A cached prefix helps a recurrent layer only from a checkpoint of its state
+(`radixkv.engine.recurrent`), so the KV pages of a prefix alone are no hit on such a
+model: the tiers keep the checkpoints too.
+
+    key      the KV page key of the page a checkpoint ends (model identity + the page's
+             chained hash, which names its whole prefix and namespace) + ``b"S"``
+    value    the checkpoint's row (every recurrent layer's conv and SSM / DeltaNet state)
+             in the page format (`PageCodec`: header, CRC, and a MAC with a storage
+             secret) under a state variant of the identity that names the row layout,
+             so a state is never read as a KV page, nor one model's state as another's
+    write    ``write_through`` (and ``_selective``): each checkpoint when it is made;
+             ``write_back``: when it leaves the last tier above the store
+    host     ``host_states`` checkpoints the device evicted, least recently used first
+             (exclusive, as the KV's host pool: one loaded back leaves it)
+    load     before admission: the deepest page of the prompt, beyond what the device
+             can serve, whose state the host pool or the store holds; the prompt's KV is
+             brought up to there (`KVTiers.load`), then the state into a checkpoint row,
+             and it becomes a checkpoint of the tree, so the request starts from it.
+             A state whose KV is not all there, or that fails its checks, is not used.
+
+Invariants (``check``): every held row's key is known; the host pool holds at most
+``host_states`` values, each of a row's size.
+
+Owns: the state keys, the host pool of states, what states go to the store. Must not
+touch: the tree's structure (it inserts through the engine's `RecurrentStates`), the KV
+pages (`KVTiers`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Any
+
+from radixkv.key import RadixKey
+from radixkv.storage.page import PageCodec, PageError
+from radixkv.tree import chain_hashes
+
+STATE_SUFFIX = b"S"  # a state's key: its page's key + this
+STATE_LAYOUT = "row[conv[layer][channel][kernel-1]][ssm[layer][head][key][value]]"
+
+
+def state_identity(identity: bytes) -> bytes:
+    """The identity states are stored under: the model's, and the row layout."""
+    h = hashlib.blake2b(identity + STATE_LAYOUT.encode(), digest_size=16, person=b"rkv-states")
+    return h.digest()
+
+
+class StateTiers:
+    """Host pool and store for state checkpoints (see the module docstring).
+
+    Args:
+        tiers: the engine's `KVTiers` (its store, writer, keys and policy).
+        rows: the engine's `RecurrentStates` (``row_size``, ``row_bytes``, ``adopt``).
+        cache: the engine's radix tree.
+        host_states: checkpoints the host pool keeps (0: none).
+    """
+
+    def __init__(self, tiers: Any, rows: Any, cache: Any, host_states: int = 0) -> None:
+        if host_states < 0:
+            raise ValueError(f"host_states must be >= 0, got {host_states}")
+        self.tiers, self.rows, self.cache = tiers, rows, cache
+        self.host_states = host_states
+        self.codec = PageCodec(state_identity(tiers.prefix), tiers.codec.secret)
+        self.host: OrderedDict[bytes, bytes] = OrderedDict()  # key -> row bytes, LRU first
+        self.keys: dict[int, tuple[bytes, bytes]] = {}  # row -> (key, page hash)
+        self.loaded = 0  # checkpoints brought back (host or store)
+        self.host_loaded = 0
+        self.bad = 0  # store values that failed their checks
+        self.written = 0  # queued for the store
+
+    def _hash(self, key: RadixKey) -> bytes:
+        page = self.tiers.page
+        return chain_hashes(key.token_ids, key.extra_key, page, len(key) // page)[-1]
+
+    # --- the device makes and evicts checkpoints ----------------------------------------
+    def added(self, row: int, key: RadixKey) -> None:
+        """Row ``row`` became the checkpoint that ends ``key`` (page-aligned)."""
+        h = self._hash(key)
+        k = self.tiers.prefix + h + STATE_SUFFIX
+        self.keys[row] = (k, h)
+        tiers = self.tiers
+        if tiers.store is not None and tiers.write_policy != "write_back" and not tiers.knows(k):
+            self._write(k, h, self.rows.row_bytes(row))
+
+    def _write(self, k: bytes, h: bytes, data: bytes) -> None:
+        self.tiers.queue_values([k], [self.codec.encode(h, data)])
+        self.written += 1
+
+    def evicted(self, rows: list[int]) -> None:
+        """These rows' checkpoints left the device (their contents are still there)."""
+        tiers = self.tiers
+        back = tiers.store is not None and tiers.write_policy == "write_back"
+        for row in rows:
+            entry = self.keys.pop(row, None)
+            if entry is None:
+                continue
+            k, h = entry
+            if self.host_states:
+                self.host[k] = self.rows.row_bytes(row)
+                self.host.move_to_end(k)
+                while len(self.host) > self.host_states:
+                    old, data = self.host.popitem(last=False)
+                    if back and not tiers.knows(old):
+                        self._write(old, old[len(tiers.prefix) : -1], data)
+            elif back and not tiers.knows(k):
+                self._write(k, h, self.rows.row_bytes(row))
+
+    # --- a request arrives --------------------------------------------------------------
+    def load(self, tokens: Any, ns: Any, usable: int, alloc: Any) -> int:
+        """Bring the deepest checkpoint of ``tokens[:usable]`` the device lacks (and the
+        KV up to it) from the host pool or the store. Returns KV tokens loaded."""
+        tiers, page, cache = self.tiers, self.tiers.page, self.cache
+        key = RadixKey(tokens, ns)
+        n_pages = usable // page
+        have = cache.match_len(key[: n_pages * page]) // page  # what the device serves
+        if have >= n_pages:
+            return 0
+        hashes = tiers.page_hashes(tokens, ns, n_pages)
+        keys = [tiers.prefix + h + STATE_SUFFIX for h in hashes]
+        best = max((j for j in range(have, n_pages) if keys[j] in self.host), default=-1)
+        deeper = list(range(max(best, have - 1) + 1, n_pages))
+        if tiers.store is not None and deeper:
+            found = tiers.store.exists([keys[j] for j in deeper])
+            for j in reversed([j for j, ok in zip(deeper, found, strict=True) if ok]):
+                data = self._read(keys[j], hashes[j])
+                if data is not None:
+                    return self._adopt(key, j, data, tokens, ns, alloc, host=False)
+        if best >= 0:
+            return self._adopt(key, best, self.host[keys[best]], tokens, ns, alloc, host=True)
+        return 0
+
+    def _read(self, k: bytes, h: bytes) -> bytes | None:
+        value = self.tiers.store.get([k])[0]
+        if value is None:
+            return None
+        try:
+            data = bytes(self.codec.decode(h, value))
+            if len(data) != self.rows.row_size:
+                raise PageError("corrupt")
+            return data
+        except PageError:
+            self.bad += 1
+            self.tiers.mark_rewrite(k)
+            return None
+
+    def _adopt(
+        self, key: RadixKey, j: int, data: bytes, tokens: Any, ns: Any, alloc: Any, host: bool
+    ) -> int:  # fmt: skip
+        """Page ``j``'s state: its KV up to there, then the checkpoint."""
+        end = (j + 1) * self.tiers.page
+        got = self.tiers.load(tokens, ns, end, alloc)
+        if self.cache.match_len(key[:end], full=True) < end:
+            return got  # the KV is not all there: the state is no use without it
+        k = self.tiers.prefix + self._hash(key[:end]) + STATE_SUFFIX
+        if not host:
+            self.tiers.remember(k)  # the store has it: adopting it writes nothing
+        if self.rows.adopt(key[:end], data, self.cache):
+            self.loaded += 1
+            if host:
+                self.host_loaded += 1
+                self.host.pop(k, None)
+        return got
+
+    def check(self) -> None:
+        """Raises AssertionError (see the module docstring)."""
+        if len(self.host) > self.host_states:
+            raise AssertionError(f"{len(self.host)} host states, at most {self.host_states}")
+        if any(len(v) != self.rows.row_size for v in self.host.values()):
+            raise AssertionError("a host state is not a row's size")
+        if not self.keys.keys() <= self.rows.component.held.keys():
+            raise AssertionError("a state key names a row that holds no checkpoint")
+
+
+__all__ = ["STATE_LAYOUT", "StateTiers", "state_identity"]
