@@ -207,10 +207,10 @@ def _chunked(q, k, v, g, beta, state, size: int = CHUNK):  # type: ignore[no-unt
     q, k, v = (x.reshape(h, m, size, x.shape[-1]) for x in (q, k, v))
     c = g.reshape(h, m, size).cumsum(-1)  # [H, C, n]
     b = beta.reshape(h, m, size)
-    lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-    system = torch.eye(size, device=q.device) + b[..., None] * ((k @ k.transpose(-1, -2)) *
-                                                                 decay).tril(-1)  # fmt: skip
+    # D (0 above the diagonal: those differences' exp may overflow, tril_ drops them)
+    decay = (c[..., :, None] - c[..., None, :]).exp_().tril_()
+    # A = I + strict lower part of this: the solve reads neither diagonal nor upper part
+    system = (k @ k.transpose(-1, -2)).mul_(decay).mul_(b[..., None])
     ec = c.exp()[..., None]
     both = torch.linalg.solve_triangular(
         system, torch.cat([b[..., None] * v, b[..., None] * ec * k], dim=-1),
@@ -218,14 +218,19 @@ def _chunked(q, k, v, g, beta, state, size: int = CHUNK):  # type: ignore[no-unt
     )  # fmt: skip
     u_v, w = both[..., : v.shape[-1]], both[..., v.shape[-1] :]
     qk = (q @ k.transpose(-1, -2)) * decay
-    qe = q * ec
-    kt = k * (c[..., -1:] - c).exp()[..., None]
-    carry = c[..., -1].exp()[..., None, None]  # [H, C, 1, 1]
-    out = torch.empty_like(v)
+    ktt = (k * (c[..., -1:] - c).exp()[..., None]).transpose(-1, -2)
+    # with u = u_v - w S (S: the state at the chunk's start), everything but S is known
+    # for every chunk at once: o = (qe - qk w) S + qk u_v, and the next state is
+    # S' = (exp(c_n) I - kt^T w) S + kt^T u_v; only that product runs chunk by chunk
+    read = q * ec - qk @ w  # [H, C, n, dk]
+    eye = torch.eye(k.shape[-1], device=k.device)
+    step = c[..., -1].exp()[..., None, None] * eye - ktt @ w  # [H, C, dk, dk]
+    write = ktt @ u_v  # [H, C, dk, dv]
+    starts = torch.empty(h, m, *state.shape[1:], dtype=state.dtype, device=state.device)
     for i in range(m):
-        u = u_v[:, i] - w[:, i] @ state
-        out[:, i] = qe[:, i] @ state + qk[:, i] @ u
-        state = carry[:, i] * state + kt[:, i].transpose(-1, -2) @ u
+        starts[:, i] = state
+        state = step[:, i] @ state + write[:, i]
+    out = read @ starts + qk @ u_v
     return out.reshape(h, m * size, -1)[:, :t], state
 
 
