@@ -173,6 +173,14 @@ def run_full_only(reqs: list[list[int]]) -> tuple[float, int, int]:
 
 
 def run_vllm(reqs: list[list[int]]) -> tuple[float, int, int]:
+    t0 = time.perf_counter()  # hashing is part of vLLM's request path: it is timed
+    hits = vllm_hits(reqs, VLLM_BLOCK)
+    return time.perf_counter() - t0, sum(hits), 0
+
+
+def vllm_hits(reqs: list[list[int]], b: int) -> list[int]:
+    """Each request's cached tokens in vLLM's align mode with ``b``-token blocks, the
+    requests one after another (each freed when done: its blocks stay cached)."""
     import torch
     import vllm.utils.hashing as hashing
     from vllm.sampling_params import SamplingParams
@@ -186,7 +194,6 @@ def run_vllm(reqs: list[list[int]]) -> tuple[float, int, int]:
     )
     from vllm.v1.request import Request
 
-    b = VLLM_BLOCK
     hash_fn = hashing.sha256  # vLLM's default prefix-caching hash
     kv_cache_utils.init_none_hash(hash_fn)
     full = FullAttentionSpec(block_size=b, num_kv_heads=1, head_size=64, dtype=torch.float16)
@@ -199,13 +206,12 @@ def run_vllm(reqs: list[list[int]]) -> tuple[float, int, int]:
     assert type(mgr.coordinator).__name__ == "HybridKVCacheCoordinator"
     hasher = kv_cache_utils.get_request_block_hasher(b, hash_fn)
     params = SamplingParams(max_tokens=1)
-    hits = 0
-    t0 = time.perf_counter()  # hashing is part of vLLM's request path: it is timed
+    hits = []
     for i, toks in enumerate(reqs):
         req = Request(str(i), toks, params, None, block_hasher=hasher)
         mgr.new_step_starts()
         blocks, hit, *_ = mgr.get_computed_blocks(req)
-        hits += hit
+        hits.append(hit)
         aligned = len(toks) - len(toks) % b
         chunks = [(aligned - hit, hit, blocks)] if aligned > hit else []
         if len(toks) > max(aligned, hit):
@@ -218,7 +224,7 @@ def run_vllm(reqs: list[list[int]]) -> tuple[float, int, int]:
                 raise RuntimeError(f"vLLM refused request {i}'s chunk {j}")
             req.num_computed_tokens += chunk[0] + (chunk[1] if len(chunk) > 1 else 0)
         mgr.free(req)
-    return time.perf_counter() - t0, hits, 0
+    return hits
 
 
 def measure(impl: str, repeats: int) -> list[dict]:
@@ -240,7 +246,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--impl", choices=("radixkv", "sglang", "vllm"), help=argparse.SUPPRESS)
+    # vLLM's cached tokens per request for the requests in a JSON file (bench_hybrid_engine)
+    p.add_argument("--vllm-hits", nargs=2, metavar=("FILE", "BLOCK"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.vllm_hits:
+        reqs = json.loads(Path(args.vllm_hits[0]).read_text())
+        print(json.dumps(vllm_hits(reqs, int(args.vllm_hits[1]))))
+        return
     if args.impl:  # one side, in its own venv: print JSON
         print(json.dumps(measure(args.impl, args.repeats)))
         return

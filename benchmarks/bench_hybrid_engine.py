@@ -3,7 +3,13 @@ random, written by transformers' own ``save_pretrained``:
 
 1. TTFT with the prefix cache on ÷ off, requests sharing a 2,000-token prefix, against
    the same ratio for a full-attention model of the same size (Llama) in the same run;
-2. prefill and decode tokens/s against transformers' ``generate`` on the same weights.
+2. prefill and decode tokens/s against transformers' ``generate`` on the same weights;
+3. cached tokens per request on the same prompts: the engine on the Qwen3.5 model against
+   vLLM 0.33's own KV cache manager in ``--mamba-cache-mode align`` (a FullAttentionSpec
+   group and a MambaSpec group, driven as in ``bench_hybrid.py``, in the vLLM peer's venv:
+   ``../shared/peers/setup.sh vllm``; skipped without it), with the block a real
+   Qwen3.5-4B gets (528 tokens, `radixkv.sim.hybrid`) and with 16-token blocks, the
+   finest grid align mode allows.
 
     python benchmarks/bench_hybrid_engine.py [--prefix 2000 --requests 6 --repeats 3]
 
@@ -84,13 +90,97 @@ def speed(folder: Path, prompt: list[int], new: int) -> dict[str, float]:
     return out
 
 
+def scenarios(g: torch.Generator) -> dict[str, list[list[int]]]:
+    """Prompt sets, each run one request after another on a fresh cache."""
+
+    def r(n: int) -> list[int]:
+        return torch.randint(3, 384, (n,), generator=g).tolist()
+
+    from radixkv.engine.request import MarkedIds
+
+    shared, system = r(300), r(600)
+    chats = [system + r(40) for _ in range(8)]
+    out = {
+        "3 prompts sharing 300 tokens": [shared + r(24) for _ in range(3)],
+        "8 chats, one 600-token system message": chats,
+        # as the chat endpoint renders them: the system message's end is a boundary
+        "the same 8 chats, the system message's end marked": [
+            MarkedIds(c, boundaries=(600,)) for c in chats
+        ],
+    }
+    talks, convs = [], [r(200) for _ in range(3)]
+    for _ in range(5):
+        for c in range(3):
+            talks.append(list(convs[c]))
+            convs[c] += r(150)  # the turn's answer and the next question
+    out["3 conversations x 5 turns, +150 tokens a turn"] = talks
+    return out
+
+
+def engine_hits(folder: Path, reqs: list[list[int]]) -> list[int]:
+    from radixkv.engine.engine import Engine
+
+    engine = Engine(str(folder), page_size=16, chunk_size=512, kv_tokens=32768,
+                    max_context_len=4096)  # fmt: skip
+    return [engine.generate([p], max_new_tokens=4, chat=False, ignore_eos=True)
+            .stats.cached_tokens for p in reqs]  # fmt: skip
+
+
+def vllm_hits(reqs: list[list[int]], block: int) -> list[int] | None:
+    """vLLM's cached tokens per request, run in its peer's venv (None: no peer)."""
+    import json
+    import os
+    import subprocess
+
+    python = Path.home() / ".cache" / "radixkv-peers" / "vllm" / "bin" / "python"
+    if not python.exists():
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(reqs, f)
+        f.flush()
+        cmd = [str(python), str(Path(__file__).with_name("bench_hybrid.py")), "--vllm-hits",
+               f.name, str(block)]  # fmt: skip
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode:
+        raise SystemExit(f"the vLLM side failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare_vllm(folder: Path) -> None:
+    from radixkv.sim.hybrid import PRESETS
+
+    big = PRESETS["qwen3.5-4b"].vllm_block()
+    print(f"Cached tokens per request, same prompts: radixkv (Qwen3.5, page 16) against "
+          f"vLLM align (blocks of {big} as for Qwen3.5-4B, and of 16):")  # fmt: skip
+    for name, reqs in scenarios(torch.Generator().manual_seed(1)).items():
+        ours = engine_hits(folder, reqs)
+        rows = [("radixkv", ours)]
+        for block in (big, 16):
+            theirs = vllm_hits([list(x) for x in reqs], block)
+            rows.append((f"vLLM b={block}", theirs))
+        prompt = sum(map(len, reqs))
+        print(f"  {name} ({prompt:,} prompt tokens)")
+        for label, hits in rows:
+            if hits is None:
+                print(f"    {label:12s} skipped: no vLLM peer (../shared/peers/setup.sh vllm)")
+                continue
+            print(f"    {label:12s} total {sum(hits):6,} ({sum(hits) / prompt:5.1%})  "
+                  f"per request {hits}")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prefix", type=int, default=2000)
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new", type=int, default=32)
+    p.add_argument("--only-vllm", action="store_true", help="only the comparison with vLLM")
     args = p.parse_args()
+    if args.only_vllm:
+        with tempfile.TemporaryDirectory() as tmp:
+            compare_vllm(write_models(Path(tmp))["qwen3_5"])
+        return
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(3, 384, (args.prefix,), generator=g).tolist()
     prompts = [prefix + torch.randint(3, 384, (24,), generator=g).tolist()
@@ -114,6 +204,7 @@ def main() -> None:
             ours, ref = best[f"radixkv {phase}"], best[f"transformers {phase}"]
             print(f"  {phase:8s} radixkv {ours:9,.0f}  transformers {ref:9,.0f}  "
                   f"ratio {ours / ref:5.2f}x")  # fmt: skip
+        compare_vllm(folders["qwen3_5"])
 
 
 if __name__ == "__main__":

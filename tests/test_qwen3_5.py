@@ -414,13 +414,21 @@ def test_a_retained_breakpoint_is_a_checkpoint_and_outlives_a_flood(folder, refe
     assert res.outputs[0].token_ids == greedy(reference, ids, 4)
 
 
-def test_boundaries_are_checked(folder):
+def test_boundaries_are_checked_and_kept_by_generate(folder):
+    """Marked ids keep their marks through `generate` (it dropped them once): the
+    second prompt sharing a marked 100-token head starts from it (page 1)."""
     from radixkv.engine.request import MarkedIds
 
     engine = Engine(str(folder))
     with pytest.raises(ValueError, match="boundaries"):
         engine.add_request(MarkedIds([5, 6, 7], (4,)), chat=False)
     assert not engine.requests
+    with pytest.raises(ValueError, match="boundaries"):
+        engine.generate([MarkedIds([5, 6, 7], (4,))], chat=False)
+    head = rand(100, 21)
+    hits = [engine.generate([MarkedIds(head + rand(30, 22 + i), (100,))], max_new_tokens=2,
+                            chat=False).stats.cached_tokens for i in range(2)]  # fmt: skip
+    assert hits == [0, 100]
 
 
 def test_the_demo_runs_a_qwen3_5_folder(folder, capsys):

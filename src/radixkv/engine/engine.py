@@ -266,7 +266,8 @@ class Engine:
             ids.append(t)
         if any(not 0 <= t < self.config.vocab_size for t in ids):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
-        return ids
+        marks = getattr(prompt, "boundaries", ())
+        return MarkedIds(ids, marks) if marks else ids  # ids marked stay marked
 
     def chat_boundaries(self, messages: list[dict], ids: list[int]) -> MarkedIds:
         """``ids`` (the messages' rendering) marked at the end of the leading system
