@@ -431,6 +431,29 @@ def test_boundaries_are_checked_and_kept_by_generate(folder):
     assert hits == [0, 100]
 
 
+def test_checkpoint_every_hits_a_shared_prefix_from_the_second_request(folder, reference):
+    """Without a boundary, a prefix two requests share is a hit only from the third (the
+    second saves the branch point); with ``checkpoint_every`` the first one's prefill
+    leaves states on that grid, so the second starts from the last one inside the
+    prefix, with transformers' output. Set on a model without recurrent layers, or off
+    the page grid, it is refused, naming it."""
+    head = rand(200, 31)
+    prompts = [head + rand(30, 32 + i) for i in range(2)]
+    hits = {}
+    for every in (0, 64):
+        engine = Engine(str(folder), page_size=16, chunk_size=64, checkpoint_every=every,
+                        check_memory=True)  # fmt: skip
+        runs = [engine.generate([p], max_new_tokens=4, chat=False, ignore_eos=True)
+                for p in prompts]  # fmt: skip
+        hits[every] = [r.stats.cached_tokens for r in runs]
+        assert runs[1].outputs[0].token_ids == greedy(reference, prompts[1], 4)
+    assert hits == {0: [0, 0], 64: [0, 192]}
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        Engine(str(folder), page_size=16, checkpoint_every=40)
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        Engine("random", checkpoint_every=64)
+
+
 def test_the_demo_runs_a_qwen3_5_folder(folder, capsys):
     """`radixkv demo --model FOLDER`: both workloads, cache off and on, identical greedy
     outputs, and the system-prompt workload served mostly from the cache."""

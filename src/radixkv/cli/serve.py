@@ -48,6 +48,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="recurrent-state checkpoints the prefix cache holds (Qwen3.5) [64]",
     )  # fmt: skip
     serve.add_argument(
+        "--checkpoint-every", type=number(int, 0, "a non-negative integer"), default=0,
+        help="recurrent models also checkpoint every N tokens of a prefill, a multiple of "
+        "--page-size (0: only at prompt ends, branch points and boundaries) [0]",
+    )  # fmt: skip
+    serve.add_argument(
         "--max-retained-tokens", type=number(int, 0, "a non-negative integer"), default=None,
         help="prompt-cache retention (prompt_cache_options, prompt_cache_retention, "
         "breakpoints): tokens one cache_salt keeps retained; 0: off [a quarter of --kv-tokens]",
@@ -172,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
             check_memory=args.check_memory, storage=args.storage, host_tokens=args.host_tokens,
             write_policy=args.write_policy, storage_secret=args.storage_secret,
             storage_max_bytes=args.storage_max_bytes, max_checkpoints=args.max_checkpoints,
+            checkpoint_every=args.checkpoint_every,
             max_retained_tokens=args.max_retained_tokens,
         )  # fmt: skip
         access = Access.for_bind(

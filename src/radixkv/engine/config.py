@@ -42,6 +42,10 @@ class EngineConfig:
         max_checkpoints: recurrent-state checkpoints the prefix cache holds at most
             (Qwen3.5 and other models with recurrent layers: each is one state of every
             recurrent layer; the least recently used goes first).
+        checkpoint_every: also checkpoint every this many tokens of a long prefill (a
+            multiple of ``page_size``; 0: never), so a prefix shared by requests that
+            go on past it hits from the second request, before any branch point is
+            known (vLLM's align mode keeps a state on such a grid, of its block size).
         max_retained_tokens: prompt-cache retention (`radixkv.retention`): the most
             tokens one namespace (a ``cache_salt``) keeps retained on request; ``None``:
             a quarter of ``kv_tokens``; 0: retention off. All namespaces together keep
@@ -70,6 +74,7 @@ class EngineConfig:
     storage_secret: str | None = None
     storage_max_bytes: int | None = None  # a file store's size cap (LRU by mtime)
     max_checkpoints: int = 64  # recurrent-state checkpoints held (models with them)
+    checkpoint_every: int = 0  # tokens; recurrent models also checkpoint on this grid
     max_retained_tokens: int | None = None  # per namespace; None: kv_tokens // 4
 
     def __post_init__(self) -> None:
@@ -91,6 +96,10 @@ class EngineConfig:
                 f"kv_tokens must hold at least two pages of {self.page_size} tokens, "
                 f"got {self.kv_tokens}"
             )
+        as_count(self.checkpoint_every, "checkpoint_every")
+        if self.checkpoint_every % self.page_size:
+            raise ValueError(f"checkpoint_every must be a multiple of page_size "
+                             f"({self.page_size}), got {self.checkpoint_every}")  # fmt: skip
         if self.max_retained_tokens is not None:
             as_count(self.max_retained_tokens, "max_retained_tokens")
         as_bool(self.prefix_cache, "prefix_cache")

@@ -143,8 +143,12 @@ class Engine:
         self.config: ModelConfig = self.model.config
         self.recurrent: RecurrentStates | None = None
         components: tuple = ()
+        if cfg.checkpoint_every and not getattr(self.config, "recurrent", False):
+            raise ValueError(f"checkpoint_every: {self.config.architecture} has no recurrent "
+                             "layers to checkpoint")  # fmt: skip
         if getattr(self.config, "recurrent", False):
-            self.recurrent = RecurrentStates(self.model, cfg.max_running, cfg.max_checkpoints)
+            self.recurrent = RecurrentStates(self.model, cfg.max_running, cfg.max_checkpoints,
+                                             cfg.checkpoint_every // cfg.page_size)  # fmt: skip
             components = (self.recurrent.component,)
             log.info("recurrent states: %d rows of %.2f MiB (%d requests, %d checkpoints "
                      "+ spares), KV for %d of %d layers", cfg.max_running + self.recurrent.rows,

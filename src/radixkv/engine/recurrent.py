@@ -53,12 +53,14 @@ class RecurrentStates:
     """See the module docstring. ``model`` has ``make_states(rows)``; ``max_states``
     checkpoints at most are held."""
 
-    def __init__(self, model: Any, max_running: int, max_states: int) -> None:
+    def __init__(
+        self, model: Any, max_running: int, max_states: int, every_pages: int = 0
+    ) -> None:
         self.first = max_running  # checkpoint rows start here
         self.rows = max_states + max_running  # spare rows for pending snapshots
         self.states = model.make_states(max_running + self.rows)
         self.free_rows = list(range(self.first + self.rows - 1, self.first - 1, -1))
-        self.component = StateCheckpoints(max_states, self)
+        self.component = StateCheckpoints(max_states, self, every_pages=every_pages)
         self.sink: Any = None  # a KV event sink (`publish`)
         self.published: dict[int, int] = {}  # checkpoint row -> its block hash, told
         self.tiers: Any = None  # host pool and store of states (radixkv.storage.states)
