@@ -53,9 +53,7 @@ class RecurrentStates:
     """See the module docstring. ``model`` has ``make_states(rows)``; ``max_states``
     checkpoints at most are held."""
 
-    def __init__(
-        self, model: Any, max_running: int, max_states: int, every_pages: int = 0
-    ) -> None:
+    def __init__(self, model: Any, max_running: int, max_states: int, every_pages: int = 0) -> None:
         self.first = max_running  # checkpoint rows start here
         self.rows = max_states + max_running  # spare rows for pending snapshots
         self.states = model.make_states(max_running + self.rows)
