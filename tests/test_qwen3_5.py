@@ -75,6 +75,44 @@ def test_logits_equal_transformers_chunked_and_token_by_token(folder, reference)
         torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)
 
 
+def test_logits_equal_transformers_when_sequences_decode_as_one_batch(folder, reference):
+    """Three sequences prefilled apart, then steps of one token each in one batch (the
+    DeltaNet layers' batched decode), and a one-token prompt starting in such a batch:
+    every sequence's logits equal transformers' on it alone, to 1e-4."""
+    from radixkv.engine.models.base import ForwardBatch
+    from radixkv.engine.weights import load_hf_folder
+    from radixkv.memory import KVPool
+
+    ours = load_hf_folder(folder)
+    ours.make_states(4)
+    c = ours.config
+    pool = KVPool(c.kv_layers, c.num_key_value_heads, c.head_dim, 512, torch.float32,
+                  torch.device("cpu"))  # fmt: skip
+    seqs = [torch.tensor(rand(n, 50 + n)) for n in (40, 70, 9)] + [torch.tensor([23])]
+    total = [len(x) + 4 for x in seqs]
+    slots = torch.randperm(512)[: sum(total)].split(total)
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    for i, x in enumerate(seqs[:3]):  # prefill the first three, each alone
+        n = len(x) - 4
+        batch = ForwardBatch(x[:n], torch.arange(n), slots[i][:n], [n], [slots[i][:n]], [i])
+        got[i].append(ours(batch, pool, all_logits=True))
+    for step in range(4):  # then one token each, together; the fourth joins at step 0
+        pos = [len(x) - 4 + step if i < 3 else step for i, x in enumerate(seqs)]
+        live = [i for i in range(4) if pos[i] < len(seqs[i])]
+        batch = ForwardBatch(
+            torch.stack([seqs[i][pos[i]] for i in live]), torch.tensor([pos[i] for i in live]),
+            torch.stack([slots[i][pos[i]] for i in live]), [1] * len(live),
+            [slots[i][: pos[i] + 1] for i in live], live,
+        )  # fmt: skip
+        out = ours(batch, pool, all_logits=True)
+        for j, i in enumerate(live):
+            got[i].append(out[j : j + 1])
+    with torch.no_grad():
+        for i, x in enumerate(seqs):
+            want = reference(x[None]).logits[0]
+            torch.testing.assert_close(torch.cat(got[i]), want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("page", [1, 16])
 def test_token_for_token_and_the_third_sharer_hits(folder, reference, page):
     """A 300-token shared prefix: the first request checkpoints its prompt's and its
@@ -92,6 +130,17 @@ def test_token_for_token_and_the_third_sharer_hits(folder, reference, page):
     assert hits[2] >= 256 and hits[2] == 300 - 300 % page
     kinds = sorted(c.kind for c in engine.recurrent.component.held.values())
     assert "branch" in kinds and "end" in kinds
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_a_batch_decodes_together_token_for_token(folder, reference, page):
+    """Prompts of different lengths (one of a single token) run at once: their decode
+    steps go through the DeltaNet layers as one batch, each still transformers'."""
+    engine = Engine(str(folder), page_size=page, chunk_size=64, check_memory=True)
+    prompts = [rand(70, 41), [17], rand(33, 42), rand(130, 43)]
+    res = engine.generate(prompts, max_new_tokens=10, chat=False, ignore_eos=True)
+    for p, out in zip(prompts, res.outputs, strict=True):
+        assert out.token_ids == greedy(reference, p, 10)
 
 
 def test_a_hit_copies_the_state_never_lends_it(folder):

@@ -262,6 +262,9 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
+        if not batch.snapshots and all(n == 1 for n in batch.extend_lens):
+            o = self._decode(mixed, g, beta, weight, batch, states).to(x.dtype)
+            return self.out_proj(self.norm(o, z).reshape(x.shape[0], -1))
         outs, start = [], 0
         snaps: dict[int, list[tuple[int, int]]] = {}
         for i, offset, dst in batch.snapshots:
@@ -300,6 +303,31 @@ class GatedDeltaNet(nn.Module):
             start += n
         o = self.norm(torch.cat(outs), z)
         return self.out_proj(o.reshape(x.shape[0], -1))
+
+
+    def _decode(self, mixed, g, beta, weight, batch: ForwardBatch, states: States):  # type: ignore[no-untyped-def]
+        """One new token for every sequence, all at once (the loop above would run each
+        alone): the conv over the last K inputs, then one step of the delta rule, on the
+        sequences' rows gathered and written back. ``[B, nv, dv]``."""
+        rows = torch.tensor(batch.state_slots, device=mixed.device)
+        conv, ssm = states.conv[self.index, rows], states.ssm[self.index, rows].float()
+        fresh = [i for i, first in enumerate(batch.first_positions) if first == 0]
+        if fresh:  # a one-token prompt: its states start from zero
+            conv[fresh] = 0
+            ssm[fresh] = 0
+        seq = torch.cat([conv, mixed.to(conv.dtype)[:, :, None]], dim=2)  # [B, C, K]
+        states.conv[self.index, rows] = seq[:, :, 1:]
+        y = F.silu((seq * weight).sum(-1)).to(mixed.dtype)  # the conv's last output
+        q, k, v = torch.split(y, self.split, dim=-1)
+        b, rep = y.shape[0], self.nv // self.nk
+        q = _l2(q.view(b, self.nk, self.dk).float()).repeat_interleave(rep, 1) * self.dk**-0.5
+        k = _l2(k.view(b, self.nk, self.dk).float()).repeat_interleave(rep, 1)
+        v = v.view(b, self.nv, self.dv).float()
+        ssm = ssm * g.exp()[:, :, None, None]
+        err = v - torch.einsum("bhkv,bhk->bhv", ssm, k)
+        ssm = ssm + k[..., None] * (beta.float()[..., None] * err)[:, :, None, :]
+        states.ssm[self.index, rows] = ssm.to(states.ssm.dtype)
+        return torch.einsum("bhkv,bhk->bhv", ssm, q)
 
 
 class GatedAttention(nn.Module):
