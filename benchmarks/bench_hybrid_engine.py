@@ -4,7 +4,8 @@ random, written by transformers' own ``save_pretrained``:
 1. TTFT with the prefix cache on ÷ off, requests sharing a 2,000-token prefix, against
    the same ratio for a full-attention model of the same size (Llama) in the same run;
 2. prefill and decode tokens/s against transformers' ``generate`` on the same weights;
-3. cached tokens per request on the same prompts: the engine on the Qwen3.5 model against
+3. output tokens/s with 32 requests at once, against transformers' batched ``generate``;
+4. cached tokens per request on the same prompts: the engine on the Qwen3.5 model against
    vLLM 0.33's own KV cache manager in ``--mamba-cache-mode align`` (a FullAttentionSpec
    group and a MambaSpec group, driven as in ``bench_hybrid.py``, in the vLLM peer's venv:
    ``../shared/peers/setup.sh vllm``; skipped without it), with the block a real
@@ -93,6 +94,35 @@ def speed(folder: Path, prompt: list[int], new: int, repeats: int) -> dict[str, 
         out[f"{name} prefill"] = len(prompt) / best[name, 1]
         out[f"{name} decode"] = (new - 1) / max(best[name, new] - best[name, 1], 1e-9)
     return out
+
+
+def batch_speed(folder: Path, n: int, prompt_len: int, new: int, repeats: int) -> dict:
+    """Output tok/s with ``n`` requests at once (prompts of one length, so transformers'
+    batched ``generate`` needs no padding), best of ``repeats``."""
+    import transformers
+
+    from radixkv.engine.engine import Engine
+
+    g = torch.Generator().manual_seed(2)
+    prompts = torch.randint(3, 384, (n, prompt_len), generator=g)
+    engine = Engine(str(folder), prefix_cache=False, chunk_size=4096, kv_tokens=65536,
+                    max_running=n, max_context_len=4096)  # fmt: skip
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    runs = {
+        "radixkv": lambda: engine.generate(prompts.tolist(), max_new_tokens=new, chat=False,
+                                           ignore_eos=True),
+        "transformers": lambda: ref.generate(prompts, attention_mask=torch.ones_like(prompts),
+                                             max_new_tokens=new, min_new_tokens=new,
+                                             do_sample=False),
+    }  # fmt: skip
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                run()
+                best[name] = min(best.get(name, 1e9), time.perf_counter() - t0)
+    return {name: n * new / t for name, t in best.items()}
 
 
 def scenarios(g: torch.Generator) -> dict[str, list[list[int]]]:
@@ -206,6 +236,11 @@ def main() -> None:
             ours, ref = best[f"radixkv {phase}"], best[f"transformers {phase}"]
             print(f"  {phase:8s} radixkv {ours:9,.0f}  transformers {ref:9,.0f}  "
                   f"ratio {ours / ref:5.2f}x")  # fmt: skip
+        rates = batch_speed(folders["qwen3_5"], 32, 200, 64, args.repeats)
+        print(f"Qwen3.5, 32 requests at once, 200-token prompts, 64 new tokens (output tok/s, "
+              f"prefill included, best of {args.repeats}): radixkv {rates['radixkv']:,.0f}  "
+              f"transformers {rates['transformers']:,.0f}  "
+              f"ratio {rates['radixkv'] / rates['transformers']:.2f}x")  # fmt: skip
         compare_vllm(folders["qwen3_5"])
 
 

@@ -160,3 +160,29 @@ def test_logits_equal_transformers(tmp_path, arch, config):
         batch = ForwardBatch(ids[a:b], torch.arange(a, b), slots[a:b], [b - a], [slots[:b]])
         got.append(ours(batch, pool, all_logits=True))
     torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_decode_attention_in_one_batch_equals_each_sequence_alone(window):
+    """One new token per sequence, the contexts of different lengths (one shorter than
+    the window): the padded single pass (`_attend_decode`) gives each sequence what
+    attending alone gives, grouped-query heads and a custom scale included."""
+    from radixkv.engine.models.base import ForwardBatch, attend
+
+    torch.manual_seed(0)
+    pool_k, pool_v = torch.randn(200, 2, 8), torch.randn(200, 2, 8)
+
+    def read(slots):
+        return pool_k[slots], pool_v[slots]
+
+    lens = [9, 3, 12, 7]
+    slots = [torch.randperm(200)[:n] for n in lens]
+    q = torch.randn(len(lens), 4, 8)
+    batch = ForwardBatch(torch.zeros(4, dtype=torch.long), torch.tensor([n - 1 for n in lens]),
+                         torch.stack([s[-1] for s in slots]), [1] * 4, slots, [0, 1, 2, 3])  # fmt: skip
+    together = attend(q, batch, read, window, scale=0.3)
+    for i, n in enumerate(lens):
+        one = ForwardBatch(batch.input_ids[i : i + 1], batch.positions[i : i + 1],
+                           batch.out_slots[i : i + 1], [1], [slots[i]], [i])  # fmt: skip
+        alone = attend(q[i : i + 1], one, read, window, scale=0.3)
+        torch.testing.assert_close(together[i : i + 1], alone, atol=1e-6, rtol=1e-6)

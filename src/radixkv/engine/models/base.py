@@ -183,6 +183,11 @@ def attend(
     included) when ``window``; ``scale`` defaults to ``hd ** -0.5``. Returns
     ``[T, nh * hd]``."""
     nh, hd = q.shape[1], q.shape[2]
+    lens = [len(slots) for slots in batch.kv_slots]
+    if len(lens) > 1 and all(n == 1 for n in batch.extend_lens) and (
+        max(lens) * len(lens) <= 2 * sum(lens)
+    ):  # decode steps of similar lengths: one padded pass instead of one per sequence
+        return _attend_decode(q, batch, keys_values, lens, window, scale)
     outs, start = [], 0
     for n, slots in zip(batch.extend_lens, batch.kv_slots, strict=True):
         keys, values = keys_values(slots)
@@ -208,3 +213,30 @@ def attend(
         outs.append(out[0].transpose(0, 1).reshape(n, nh * hd))
         start += n
     return torch.cat(outs)
+
+
+def _attend_decode(
+    q: torch.Tensor, batch: ForwardBatch, keys_values: Any, lens: list[int], window: int,
+    scale: float | None,
+) -> torch.Tensor:  # fmt: skip
+    """`attend` for one new token per sequence: every sequence's context gathered at
+    once, padded to the longest (the padding masked out), one attention call."""
+    b, nh, hd = q.shape
+    longest = max(lens)
+    idx = torch.zeros(b, longest, dtype=torch.int64, device=q.device)
+    for i, slots in enumerate(batch.kv_slots):
+        idx[i, : lens[i]] = slots
+    keys, values = keys_values(idx.view(-1))
+    nkv = keys.shape[1]
+    k = keys.to(q.dtype).view(b, longest, nkv, hd).transpose(1, 2)  # [B, nkv, S, hd]
+    v = values.to(q.dtype).view(b, longest, nkv, hd).transpose(1, 2)
+    at = torch.arange(longest, device=q.device)[None, :]
+    end = torch.tensor(lens, device=q.device)[:, None]
+    mask = at < end  # the query sits at its sequence's last position
+    if window:
+        mask &= at >= end - window
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=nh != nkv,
+    )  # fmt: skip
+    return out.reshape(b, nh * hd)
