@@ -178,10 +178,12 @@ def test_decode_attention_in_one_batch_equals_each_sequence_alone(window):
     lens = [9, 3, 12, 7]
     slots = [torch.randperm(200)[:n] for n in lens]
     q = torch.randn(len(lens), 4, 8)
-    batch = ForwardBatch(torch.zeros(4, dtype=torch.long), torch.tensor([n - 1 for n in lens]),
-                         torch.stack([s[-1] for s in slots]), [1] * 4, slots, [0, 1, 2, 3])  # fmt: skip
+    last = torch.stack([s[-1] for s in slots])
+    positions = torch.tensor([n - 1 for n in lens])
+    batch = ForwardBatch(torch.zeros(4, dtype=torch.long), positions, last, [1] * 4, slots,
+                         [0, 1, 2, 3])  # fmt: skip
     together = attend(q, batch, read, window, scale=0.3)
-    for i, n in enumerate(lens):
+    for i in range(len(lens)):
         one = ForwardBatch(batch.input_ids[i : i + 1], batch.positions[i : i + 1],
                            batch.out_slots[i : i + 1], [1], [slots[i]], [i])  # fmt: skip
         alone = attend(q[i : i + 1], one, read, window, scale=0.3)
