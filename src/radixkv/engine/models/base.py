@@ -184,8 +184,10 @@ def attend(
     ``[T, nh * hd]``."""
     nh, hd = q.shape[1], q.shape[2]
     lens = [len(slots) for slots in batch.kv_slots]
-    if len(lens) > 1 and all(n == 1 for n in batch.extend_lens) and (
-        max(lens) * len(lens) <= 2 * sum(lens)
+    if (
+        len(lens) > 1
+        and all(n == 1 for n in batch.extend_lens)
+        and (max(lens) * len(lens) <= 2 * sum(lens))
     ):  # decode steps of similar lengths: one padded pass instead of one per sequence
         return _attend_decode(q, batch, keys_values, lens, window, scale)
     outs, start = [], 0

@@ -304,7 +304,6 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(torch.cat(outs), z)
         return self.out_proj(o.reshape(x.shape[0], -1))
 
-
     def _decode(self, mixed, g, beta, weight, batch: ForwardBatch, states: States):  # type: ignore[no-untyped-def]
         """One new token for every sequence, all at once (the loop above would run each
         alone): the conv over the last K inputs, then one step of the delta rule, on the
