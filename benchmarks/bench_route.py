@@ -36,7 +36,8 @@ from radixkv.bench.client import BenchConfig, run_bench
 from radixkv.web.process import ServerProcess, free_port, free_port_pair, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORKER = ["--model", "random", "--page-size", "16", "--max-running", "16",
+MODEL = ["--model", "random"]  # the replicas' and routers' model (--hybrid: a Qwen3.5 folder)
+WORKER = ["--page-size", "16", "--max-running", "16",
           "--max-context-len", "8192", "--chunk-size", "2048",
           "--admin-key", "bench-admin"]  # fmt: skip
 KV_TOKENS = 65536  # per replica; the pressure workload's is a quarter of its working set
@@ -47,6 +48,23 @@ WORKLOADS = ("chats", "system", "pressure", "tight", "keys")
 POOL_SHARE = {"pressure": 0.75, "tight": 0.4}
 ADMIN = {"Authorization": "Bearer bench-admin"}  # /flush_cache is an admin endpoint
 POLICIES = ("round_robin", "least_load", "approx", "kv")
+
+
+def write_hybrid(path: Path) -> Path:
+    """A tiny random ``Qwen3_5ForCausalLM`` folder (kept between runs)."""
+    if not (path / "config.json").exists():
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        conf = transformers.Qwen3_5TextConfig(
+            vocab_size=384, hidden_size=64, intermediate_size=176, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            max_position_embeddings=16384,
+        )  # fmt: skip
+        transformers.Qwen3_5ForCausalLM(conf).save_pretrained(path)
+    return path
 
 
 def worker_totals(url: str) -> dict[str, float]:
@@ -91,7 +109,7 @@ def start_router(
     if weight is not None:
         args += ["--kv-weight", str(weight)]
     err = None if log is None else log.open("a")  # its warnings: workers out and back
-    return ServerProcess("--model", "random", "--policy", policy, *args, command="route",
+    return ServerProcess(*MODEL, "--policy", policy, *args, command="route",
                          stderr=err)  # fmt: skip
 
 
@@ -265,6 +283,9 @@ def main() -> None:
         default=Path(os.environ.get("SGLANG_ROUTER_PYTHON", PEER)),
         help="the sglang-router environment's python [~/.cache/radixkv-peers/router]",
     )
+    p.add_argument("--hybrid", action="store_true",
+                   help="replicas on a tiny random Qwen3.5 (recurrent state checkpoints: "
+                   "their KV events name checkpoints only)")  # fmt: skip
     p.add_argument("--json", default=str(RESULTS / "route.json"))
     p.add_argument("--logs", type=Path, help="a folder for the radixkv routers' stderr")
     p.add_argument("--soak", type=int, default=0,
@@ -275,6 +296,8 @@ def main() -> None:
     # one another at random, and whichever runs first answers first (a router that
     # watches queues then rightly favours it: the imbalance measured is the machine's)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.hybrid:  # a tiny random Qwen3.5 (Gated DeltaNet + attention), as transformers writes it
+        MODEL[1] = str(write_hybrid(RESULTS / "qwen3_5-tiny"))
     routers = args.policies.split(",")
     if args.peer.exists():
         routers.append("sglang:cache_aware")
@@ -287,14 +310,15 @@ def main() -> None:
             kv_tokens = int(working_set_tokens(args) / args.replicas * POOL_SHARE[workload])
         kv_tokens = max(2048, kv_tokens // 16 * 16)
         ports = [free_port_pair() for _ in range(args.replicas)]
-        flags = [*WORKER, "--kv-tokens", str(kv_tokens)]
+        flags = [*MODEL, *WORKER, "--kv-tokens", str(kv_tokens)]
         workers = [ServerProcess(*flags, "--kv-events", f"tcp://127.0.0.1:{q}") for q in ports]
         specs = [f"{w.url},tcp://127.0.0.1:{q}" for w, q in zip(workers, ports, strict=True)]
+        name = httpx.get(f"{workers[0].url}/v1/models").json()["data"][0]["id"]
         print(f"{workload}: {args.replicas} replicas of {kv_tokens:,} KV tokens", flush=True)
         try:
             for run in range(args.runs):
                 for router in routers:
-                    row = run_one(args, workload, router, workers, specs, "random")
+                    row = run_one(args, workload, router, workers, specs, name)
                     row["run"], row["kv_tokens"] = run, kv_tokens
                     rows.append(row)
                     show(row)
@@ -313,7 +337,7 @@ def soak(args: argparse.Namespace) -> dict:
     (4,096 KV tokens each): the router's memory must follow what the fleet holds, not
     grow with what it was told (the finding: +9 KB a request, no plateau)."""
     ports = [free_port_pair() for _ in range(2)]
-    flags = [*WORKER, "--kv-tokens", "4096"]
+    flags = [*MODEL, *WORKER, "--kv-tokens", "4096"]
     workers = [ServerProcess(*flags, "--kv-events", f"tcp://127.0.0.1:{q}") for q in ports]
     specs = [f"{w.url},tcp://127.0.0.1:{q}" for w, q in zip(workers, ports, strict=True)]
     router = start_router(specs, "kv", args.kv_weight)
