@@ -165,8 +165,9 @@ def test_logits_equal_transformers(tmp_path, arch, config):
 @pytest.mark.parametrize("window", [0, 5])
 def test_decode_attention_in_one_batch_equals_each_sequence_alone(window):
     """One new token per sequence, the contexts of different lengths (one shorter than
-    the window): the padded single pass (`_attend_decode`) gives each sequence what
-    attending alone gives, grouped-query heads and a custom scale included."""
+    the window), and a prefill chunk among them: the padded single pass for the one-token
+    steps (`_attend_decode`) and the chunk's own give each sequence what attending alone
+    gives, grouped-query heads and a custom scale included."""
     from radixkv.engine.models.base import ForwardBatch, attend
 
     torch.manual_seed(0)
@@ -175,16 +176,18 @@ def test_decode_attention_in_one_batch_equals_each_sequence_alone(window):
     def read(slots):
         return pool_k[slots], pool_v[slots]
 
-    lens = [9, 3, 12, 7]
+    lens, new = [9, 3, 12, 10, 7], [1, 1, 1, 4, 1]  # a 4-token prefill chunk among them
     slots = [torch.randperm(200)[:n] for n in lens]
-    q = torch.randn(len(lens), 4, 8)
-    last = torch.stack([s[-1] for s in slots])
-    positions = torch.tensor([n - 1 for n in lens])
-    batch = ForwardBatch(torch.zeros(4, dtype=torch.long), positions, last, [1] * 4, slots,
-                         [0, 1, 2, 3])  # fmt: skip
+    q = torch.randn(sum(new), 4, 8)
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(lens, new, strict=True)])
+    out_slots = torch.cat([s[-n:] for s, n in zip(slots, new, strict=True)])
+    batch = ForwardBatch(torch.zeros(sum(new), dtype=torch.long), positions, out_slots, new,
+                         slots, list(range(5)))  # fmt: skip
     together = attend(q, batch, read, window, scale=0.3)
-    for i in range(len(lens)):
-        one = ForwardBatch(batch.input_ids[i : i + 1], batch.positions[i : i + 1],
-                           batch.out_slots[i : i + 1], [1], [slots[i]], [i])  # fmt: skip
-        alone = attend(q[i : i + 1], one, read, window, scale=0.3)
-        torch.testing.assert_close(together[i : i + 1], alone, atol=1e-6, rtol=1e-6)
+    at = 0
+    for i, n in enumerate(new):
+        one = ForwardBatch(batch.input_ids[at : at + n], positions[at : at + n],
+                           out_slots[at : at + n], [n], [slots[i]], [i])  # fmt: skip
+        alone = attend(q[at : at + n], one, read, window, scale=0.3)
+        torch.testing.assert_close(together[at : at + n], alone, atol=1e-6, rtol=1e-6)
+        at += n

@@ -77,38 +77,49 @@ def test_logits_equal_transformers_chunked_and_token_by_token(folder, reference)
 
 def test_logits_equal_transformers_when_sequences_decode_as_one_batch(folder, reference):
     """Three sequences prefilled apart, then steps of one token each in one batch (the
-    DeltaNet layers' batched decode), and a one-token prompt starting in such a batch:
-    every sequence's logits equal transformers' on it alone, to 1e-4."""
+    DeltaNet layers' batched decode), a one-token prompt starting in such a batch, and
+    a five-token prefill chunk mixed in with them: every sequence's logits equal
+    transformers' on it alone, to 1e-4."""
     from radixkv.engine.models.base import ForwardBatch
     from radixkv.engine.weights import load_hf_folder
     from radixkv.memory import KVPool
 
     ours = load_hf_folder(folder)
-    ours.make_states(4)
+    ours.make_states(5)
     c = ours.config
     pool = KVPool(c.kv_layers, c.num_key_value_heads, c.head_dim, 512, torch.float32,
                   torch.device("cpu"))  # fmt: skip
-    seqs = [torch.tensor(rand(n, 50 + n)) for n in (40, 70, 9)] + [torch.tensor([23])]
-    total = [len(x) + 4 for x in seqs]
-    slots = torch.randperm(512)[: sum(total)].split(total)
+    seqs = [torch.tensor(rand(n, 50 + n)) for n in (40, 70, 9)]
+    seqs += [torch.tensor([23]), torch.tensor(rand(8, 77))]
+    slots = torch.randperm(512)[: sum(map(len, seqs))].split([len(x) for x in seqs])
     got: list[list[torch.Tensor]] = [[] for _ in seqs]
-    for i, x in enumerate(seqs[:3]):  # prefill the first three, each alone
-        n = len(x) - 4
-        batch = ForwardBatch(x[:n], torch.arange(n), slots[i][:n], [n], [slots[i][:n]], [i])
-        got[i].append(ours(batch, pool, all_logits=True))
-    for step in range(4):  # then one token each, together; the fourth joins at step 0
-        pos = [len(x) - 4 + step if i < 3 else step for i, x in enumerate(seqs)]
-        live = [i for i in range(4) if pos[i] < len(seqs[i])]
+    done = [0] * len(seqs)
+
+    def step(plan: dict[int, int]) -> None:  # sequence -> new tokens this step
+        live = list(plan)
+        pos = [torch.arange(done[i], done[i] + plan[i]) for i in live]
         batch = ForwardBatch(
-            torch.stack([seqs[i][pos[i]] for i in live]), torch.tensor([pos[i] for i in live]),
-            torch.stack([slots[i][pos[i]] for i in live]), [1] * len(live),
-            [slots[i][: pos[i] + 1] for i in live], live,
+            torch.cat([seqs[i][p] for i, p in zip(live, pos, strict=True)]), torch.cat(pos),
+            torch.cat([slots[i][p] for i, p in zip(live, pos, strict=True)]),
+            [plan[i] for i in live], [slots[i][: done[i] + plan[i]] for i in live], live,
         )  # fmt: skip
         out = ours(batch, pool, all_logits=True)
-        for j, i in enumerate(live):
-            got[i].append(out[j : j + 1])
+        at = 0
+        for i in live:
+            got[i].append(out[at : at + plan[i]])
+            at += plan[i]
+            done[i] += plan[i]
+
+    for i in range(3):  # prefill the first three, each alone
+        step({i: len(seqs[i]) - 4})
+    step({0: 1, 1: 1, 2: 1, 3: 1})  # decodes, and a one-token prompt
+    step({0: 1, 1: 1, 4: 5, 2: 1})  # decodes with a prefill chunk among them
+    step({0: 1, 1: 1, 2: 1, 4: 1})
+    step({0: 1, 1: 1, 2: 1, 4: 1})
+    step({4: 1})
     with torch.no_grad():
         for i, x in enumerate(seqs):
+            assert done[i] == len(x)
             want = reference(x[None]).logits[0]
             torch.testing.assert_close(torch.cat(got[i]), want, atol=1e-4, rtol=1e-4)
 

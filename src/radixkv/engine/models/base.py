@@ -11,6 +11,7 @@ pass (training knobs, bookkeeping), or refused with an error naming it
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,15 +184,21 @@ def attend(
     included) when ``window``; ``scale`` defaults to ``hd ** -0.5``. Returns
     ``[T, nh * hd]``."""
     nh, hd = q.shape[1], q.shape[2]
-    lens = [len(slots) for slots in batch.kv_slots]
-    if (
-        len(lens) > 1
-        and all(n == 1 for n in batch.extend_lens)
-        and (max(lens) * len(lens) <= 2 * sum(lens))
-    ):  # decode steps of similar lengths: one padded pass instead of one per sequence
-        return _attend_decode(q, batch, keys_values, lens, window, scale)
-    outs, start = [], 0
-    for n, slots in zip(batch.extend_lens, batch.kv_slots, strict=True):
+    out = torch.empty(q.shape[0], nh * hd, dtype=q.dtype, device=q.device)
+    offsets = [0, *itertools.accumulate(batch.extend_lens)]
+    # one-token steps (decodes) of similar context lengths: one padded pass for all
+    single = [i for i, n in enumerate(batch.extend_lens) if n == 1]
+    lens = [len(batch.kv_slots[i]) for i in single]
+    together = len(single) > 1 and max(lens) * len(lens) <= 2 * sum(lens)
+    if together:
+        at = torch.tensor([offsets[i] for i in single], device=q.device)
+        slots = [batch.kv_slots[i] for i in single]
+        out[at] = _attend_decode(q[at], slots, keys_values, lens, window, scale)
+    done = set(single) if together else set()
+    for i, (n, slots) in enumerate(zip(batch.extend_lens, batch.kv_slots, strict=True)):
+        if i in done:
+            continue
+        start = offsets[i]
         keys, values = keys_values(slots)
         s = keys.shape[0]
         group = nh // keys.shape[1]
@@ -201,7 +208,7 @@ def attend(
         ki = keys.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1).contiguous()[None]
         vi = values.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1).contiguous()[None]
         if n == s and not 0 < window < s:  # a whole causal prefill: the fast kernel
-            out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
         else:
             ahead = (
                 torch.arange(n, device=q.device)[:, None]
@@ -211,22 +218,21 @@ def attend(
             mask = ahead >= 0
             if window:
                 mask &= ahead < window
-            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
-        outs.append(out[0].transpose(0, 1).reshape(n, nh * hd))
-        start += n
-    return torch.cat(outs)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        out[start : start + n] = o[0].transpose(0, 1).reshape(n, nh * hd)
+    return out
 
 
 def _attend_decode(
-    q: torch.Tensor, batch: ForwardBatch, keys_values: Any, lens: list[int], window: int,
-    scale: float | None,
+    q: torch.Tensor, kv_slots: list[torch.Tensor], keys_values: Any, lens: list[int],
+    window: int, scale: float | None,
 ) -> torch.Tensor:  # fmt: skip
     """`attend` for one new token per sequence: every sequence's context gathered at
     once, padded to the longest (the padding masked out), one attention call."""
     b, nh, hd = q.shape
     longest = max(lens)
     idx = torch.zeros(b, longest, dtype=torch.int64, device=q.device)
-    for i, slots in enumerate(batch.kv_slots):
+    for i, slots in enumerate(kv_slots):
         idx[i, : lens[i]] = slots
     keys, values = keys_values(idx.view(-1))
     nkv = keys.shape[1]

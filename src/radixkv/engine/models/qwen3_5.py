@@ -34,6 +34,7 @@ Must not touch: the KV pool's layout (it reads and writes by slot), the cache.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -262,15 +263,24 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, K]
-        if not batch.snapshots and all(n == 1 for n in batch.extend_lens):
-            o = self._decode(mixed, g, beta, weight, batch, states).to(x.dtype)
-            return self.out_proj(self.norm(o, z).reshape(x.shape[0], -1))
-        outs, start = [], 0
+        out = torch.empty(x.shape[0], self.nv, self.dv, dtype=x.dtype, device=x.device)
         snaps: dict[int, list[tuple[int, int]]] = {}
         for i, offset, dst in batch.snapshots:
             snaps.setdefault(i, []).append((offset, dst))
-        for i, (n, row, first) in enumerate(zip(batch.extend_lens, batch.state_slots,
-                                                batch.first_positions, strict=True)):  # fmt: skip
+        lens, firsts = batch.extend_lens, batch.first_positions
+        offsets = [0, *itertools.accumulate(lens)]
+        # one-token steps (decodes) run together; the others (prefill chunks) one by one
+        single = [i for i, n in enumerate(lens) if n == 1 and i not in snaps]
+        if len(single) > 1 or len(single) == len(lens):
+            at = torch.tensor([offsets[i] for i in single], device=x.device)
+            rows = [batch.state_slots[i] for i in single]
+            out[at] = self._decode(mixed[at], g[at], beta[at], weight, rows,
+                                   [firsts[i] for i in single], states).to(x.dtype)  # fmt: skip
+        batched = set(single) if len(single) > 1 or len(single) == len(lens) else set()
+        for i, (n, row, first) in enumerate(zip(lens, batch.state_slots, firsts, strict=True)):
+            if i in batched:
+                continue
+            start = offsets[i]
             conv, ssm = states.conv[self.index, row], states.ssm[self.index, row]
             if first == 0:
                 conv.zero_()
@@ -299,18 +309,19 @@ class GatedDeltaNet(nn.Module):
                     states.ssm[self.index, dst].copy_(state)
                     states.conv[self.index, dst].copy_(seq[:, b : b + self.kernel - 1])
             ssm.copy_(state)
-            outs.append(torch.cat(parts, dim=1).transpose(0, 1).to(x.dtype))
-            start += n
-        o = self.norm(torch.cat(outs), z)
+            out[start : start + n] = torch.cat(parts, dim=1).transpose(0, 1)
+        o = self.norm(out, z)
         return self.out_proj(o.reshape(x.shape[0], -1))
 
-    def _decode(self, mixed, g, beta, weight, batch: ForwardBatch, states: States):  # type: ignore[no-untyped-def]
-        """One new token for every sequence, all at once (the loop above would run each
-        alone): the conv over the last K inputs, then one step of the delta rule, on the
-        sequences' rows gathered and written back. ``[B, nv, dv]``."""
-        rows = torch.tensor(batch.state_slots, device=mixed.device)
+    def _decode(self, mixed, g, beta, weight, slots: list[int], firsts: list[int],
+                states: States):  # type: ignore[no-untyped-def]  # fmt: skip
+        """One new token for each of several sequences (state rows ``slots``), all at
+        once (the loop above would run each alone): the conv over the last K inputs,
+        then one step of the delta rule, on the rows gathered and written back.
+        ``[B, nv, dv]``."""
+        rows = torch.tensor(slots, device=mixed.device)
         conv, ssm = states.conv[self.index, rows], states.ssm[self.index, rows].float()
-        fresh = [i for i, first in enumerate(batch.first_positions) if first == 0]
+        fresh = [i for i, first in enumerate(firsts) if first == 0]
         if fresh:  # a one-token prompt: its states start from zero
             conv[fresh] = 0
             ssm[fresh] = 0
