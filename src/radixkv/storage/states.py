@@ -128,9 +128,9 @@ class StateTiers:
             for j in reversed([j for j, ok in zip(deeper, found, strict=True) if ok]):
                 data = self._read(keys[j], hashes[j])
                 if data is not None:
-                    return self._adopt(key, j, data, tokens, ns, alloc, host=False)
+                    return self._adopt(key, j, data, hashes, alloc, host=False)
         if best >= 0:
-            return self._adopt(key, best, self.host[keys[best]], tokens, ns, alloc, host=True)
+            return self._adopt(key, best, self.host[keys[best]], hashes, alloc, host=True)
         return 0
 
     def _read(self, k: bytes, h: bytes) -> bytes | None:
@@ -148,14 +148,15 @@ class StateTiers:
             return None
 
     def _adopt(
-        self, key: RadixKey, j: int, data: bytes, tokens: Any, ns: Any, alloc: Any, host: bool
+        self, key: RadixKey, j: int, data: bytes, hashes: list[bytes], alloc: Any, host: bool
     ) -> int:  # fmt: skip
-        """Page ``j``'s state: its KV up to there, then the checkpoint."""
+        """Page ``j``'s state (``hashes``: the prompt's page hashes): its KV up to
+        there, then the checkpoint."""
         end = (j + 1) * self.tiers.page
-        got = self.tiers.load(tokens, ns, end, alloc)
+        got = self.tiers.load(key.token_ids, key.extra_key, end, alloc, hashes)
         if self.cache.match_len(key[:end], full=True) < end:
             return got  # the KV is not all there: the state is no use without it
-        k = self.tiers.prefix + self._hash(key[:end]) + STATE_SUFFIX
+        k = self.tiers.prefix + hashes[j] + STATE_SUFFIX
         if not host:
             self.tiers.remember(k)  # the store has it: adopting it writes nothing
         if self.rows.adopt(key[:end], data, self.cache):

@@ -269,10 +269,13 @@ class KVTiers:
         return page
 
     # --- promotion (a request arrives) --------------------------------------------------
-    def load(self, tokens: Any, ns: Any, usable: int, alloc: Any) -> int:
+    def load(
+        self, tokens: Any, ns: Any, usable: int, alloc: Any, hashes: list[bytes] | None = None
+    ) -> int:
         """Bring the pages of ``tokens[:usable]`` that the device lacks, from the host
         pool then the store, into the pool and the tree. ``alloc(n)`` gives ``n`` slots
-        or ``None``. Returns tokens loaded."""
+        or ``None``; ``hashes``: the pages' `page_hashes`, when the caller has them.
+        Returns tokens loaded."""
         p = self.page
         key = RadixKey(tokens, ns)
         n_pages = usable // p
@@ -282,16 +285,17 @@ class KVTiers:
             return 0
         self.cache.inc_lock_ref(hit.last_node)  # allocating below may evict: not this
         try:
-            return self._load_after(key, tokens, ns, have, n_pages, hit.indices, alloc)
+            if hashes is None or len(hashes) < n_pages:
+                hashes = self.page_hashes(tokens, ns, n_pages)
+            return self._load_after(key, hashes[:n_pages], have, n_pages, hit.indices, alloc)
         finally:
             self.cache.dec_lock_ref(hit.last_node)
 
     def _load_after(
-        self, key: RadixKey, tokens: Any, ns: Any, have: int, n_pages: int,
+        self, key: RadixKey, hashes: list[bytes], have: int, n_pages: int,
         device: torch.Tensor, alloc: Any,
     ) -> int:  # fmt: skip
         p = self.page
-        hashes = self.page_hashes(tokens, ns, n_pages)
         keys = [self._key(h) for h in hashes]
         host = []
         j = have
