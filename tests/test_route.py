@@ -620,14 +620,19 @@ def test_a_recurrent_workers_claim_holds_only_through_the_prompts_end():
 
     routing = core.RoutingCore("kv", clock=lambda: 0.0)
     recurrent, plain = routing.add("r"), routing.add("p")
-    recurrent.checkpoints = True
     routing.index.block_size = 4
     first = list(range(1, 39))  # 38 tokens: the checkpoint at 36
     for w in (recurrent, plain):
         w.claims.append([1.0, RadixKey(first)])
     longer, other = RadixKey([*first, 50, 51]), RadixKey([*first[:30], 99, 98, 97])
-    assert recurrent.claimed(longer, 0.0, 4) == 36 and plain.claimed(longer, 0.0, 4) == 38
-    assert recurrent.claimed(other, 0.0, 4) == 0 and plain.claimed(other, 0.0, 4) == 30
+    assert recurrent.claimed(longer, 0.0, 4) == 36 and plain.claimed(longer, 0.0) == 38
+    assert recurrent.claimed(other, 0.0, 4) == 0 and plain.claimed(other, 0.0) == 30
+    # the routing core treats the workers its index knows as recurrent so: the prompt
+    # that leaves the claimed one midway counts nothing as claimed on "r"
+    plain.claims.clear()
+    routing.index.sparse.add("r")
+    ticket = routing.choose(list(other.token_ids), max_tokens=1)
+    assert ticket.prefill == len(other) // 4
 
 
 def test_a_ticket_releases_its_load_exactly_once_on_every_path():

@@ -68,21 +68,20 @@ class WorkerLoad:
     queued_blocks: int = 0  # prefill blocks of requests sent here, not answered yet
     routed: RadixCache = field(default_factory=lambda: RadixCache(page_size=1))
     claims: deque = field(default_factory=deque)  # [expiry, RadixKey] of recent routes
-    checkpoints: bool = False  # recurrent: it serves a prefix only up to a checkpoint
 
-    def claimed(self, key: RadixKey, now: float, page: int = 1) -> int:
+    def claimed(self, key: RadixKey, now: float, checkpoint_page: int = 0) -> int:
         """Tokens of ``key`` shared with a prompt routed here whose pages the worker's
-        events may not have reported yet. A worker with ``checkpoints`` serves only
-        from the one at such a prompt's end (its last whole page): ``key`` must go
-        through it."""
+        events may not have reported yet. With ``checkpoint_page`` (its page size: a
+        recurrent worker, `KvIndex.sparse`) the worker serves only from the checkpoint
+        at such a prompt's end (its last whole page): ``key`` must go through it."""
         while self.claims and self.claims[0][0] < now:
             self.claims.popleft()
         best = 0
         for expiry, k in self.claims:
             if expiry >= now and k.extra_key == key.extra_key:
                 shared = k.match(key)
-                if self.checkpoints:
-                    end = align_down(len(k), page)
+                if checkpoint_page:
+                    end = align_down(len(k), checkpoint_page)
                     shared = end if shared >= end else 0
                 best = max(best, shared)
         return best
@@ -229,7 +228,9 @@ class RoutingCore:
         overlap, claim, now = held, None, self.clock()
         key = RadixKey(tokens, salt)
         if self.policy == "kv":
-            overlap = {w: max(held[w], w.claimed(key, now, size) // size) for w in alive}
+            sparse = self.index.sparse
+            overlap = {w: max(held[w], w.claimed(key, now, size if w.name in sparse else 0)
+                              // size) for w in alive}  # fmt: skip
         home, spilled, known = None, False, overlap
         if cache_key is not None:
             names = {x.name: x for x in alive}

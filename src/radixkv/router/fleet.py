@@ -322,8 +322,7 @@ class Router:
         if isinstance(blocks, int) and blocks > 0:  # a worker never holds more than its pool
             self.core.index.max_blocks[spec.url] = blocks
         # a recurrent model's events name its checkpoints, each block alone
-        w.load.checkpoints = info.get("events") == "checkpoints"
-        if w.load.checkpoints:
+        if info.get("events") == "checkpoints":
             self.core.index.sparse.add(spec.url)
         else:
             self.core.index.sparse.discard(spec.url)
