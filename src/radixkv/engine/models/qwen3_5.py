@@ -177,15 +177,22 @@ def _l2(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
+def _step(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
+    """One token of the gated delta rule, over any leading dims: ``q, k``: ``[..., dk]``;
+    ``v``: ``[..., dv]``; ``g, beta``: ``[...]``; ``state``: ``[..., dk, dv]``. Returns
+    (``[..., dv]``, the next state)."""
+    state = state * g.exp()[..., None, None]
+    err = v - torch.einsum("...kv,...k->...v", state, k)
+    state = state + k[..., None] * (beta[..., None] * err)[..., None, :]
+    return torch.einsum("...kv,...k->...v", state, q), state
+
+
 def _recurrent(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
     """The recurrence token by token. ``q, k``: ``[H, T, dk]``; ``v``: ``[H, T, dv]``;
     ``g, beta``: ``[H, T]``; ``state``: ``[H, dk, dv]``. Returns (``[H, T, dv]``, state)."""
     out = torch.empty_like(v)
     for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[:, None, None]
-        err = v[:, t] - torch.einsum("hkv,hk->hv", state, k[:, t])
-        state = state + k[:, t, :, None] * (beta[:, t, None] * err)[:, None, :]
-        out[:, t] = torch.einsum("hkv,hk->hv", state, q[:, t])
+        out[:, t], state = _step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
     return out, state
 
 
@@ -271,12 +278,14 @@ class GatedDeltaNet(nn.Module):
         offsets = [0, *itertools.accumulate(lens)]
         # one-token steps (decodes) run together; the others (prefill chunks) one by one
         single = [i for i, n in enumerate(lens) if n == 1 and i not in snaps]
-        if len(single) > 1 or len(single) == len(lens):
+        if not (len(single) > 1 or len(single) == len(lens)):
+            single = []  # a lone decode among prefill chunks runs with them
+        if single:
             at = torch.tensor([offsets[i] for i in single], device=x.device)
             rows = [batch.state_slots[i] for i in single]
             out[at] = self._decode(mixed[at], g[at], beta[at], weight, rows,
                                    [firsts[i] for i in single], states).to(x.dtype)  # fmt: skip
-        batched = set(single) if len(single) > 1 or len(single) == len(lens) else set()
+        batched = set(single)
         for i, (n, row, first) in enumerate(zip(lens, batch.state_slots, firsts, strict=True)):
             if i in batched:
                 continue
@@ -288,11 +297,7 @@ class GatedDeltaNet(nn.Module):
             seq = torch.cat([conv, mixed[start : start + n].T.to(conv.dtype)], dim=1)
             conv.copy_(seq[:, -(self.kernel - 1) :])
             y = F.silu(F.conv1d(seq[None], weight[:, None, :], groups=self.conv_dim)[0]).T
-            q, k, v = torch.split(y.to(x.dtype), self.split, dim=-1)
-            rep = self.nv // self.nk
-            q = _l2(q.view(n, self.nk, self.dk).float()).repeat_interleave(rep, 1) * self.dk**-0.5
-            k = _l2(k.view(n, self.nk, self.dk).float()).repeat_interleave(rep, 1)
-            v = v.view(n, self.nv, self.dv).float()
+            q, k, v = self._heads(y.to(x.dtype))
             gs, bs = g[start : start + n].T, beta[start : start + n].float().T
             q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
             state, a, parts = ssm.float(), 0, []
@@ -328,16 +333,19 @@ class GatedDeltaNet(nn.Module):
         seq = torch.cat([conv, mixed.to(conv.dtype)[:, :, None]], dim=2)  # [B, C, K]
         states.conv[self.index, rows] = seq[:, :, 1:]
         y = F.silu((seq * weight).sum(-1)).to(mixed.dtype)  # the conv's last output
-        q, k, v = torch.split(y, self.split, dim=-1)
-        b, rep = y.shape[0], self.nv // self.nk
-        q = _l2(q.view(b, self.nk, self.dk).float()).repeat_interleave(rep, 1) * self.dk**-0.5
-        k = _l2(k.view(b, self.nk, self.dk).float()).repeat_interleave(rep, 1)
-        v = v.view(b, self.nv, self.dv).float()
-        ssm = ssm * g.exp()[:, :, None, None]
-        err = v - torch.einsum("bhkv,bhk->bhv", ssm, k)
-        ssm = ssm + k[..., None] * (beta.float()[..., None] * err)[:, :, None, :]
+        out, ssm = _step(*self._heads(y), g, beta.float(), ssm)
         states.ssm[self.index, rows] = ssm.to(states.ssm.dtype)
-        return torch.einsum("bhkv,bhk->bhv", ssm, q)
+        return out
+
+    def _heads(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output ``[T, conv_dim]`` as float ``q, k`` (L2-normed, the key heads
+        repeated over the value heads, ``q`` scaled) ``[T, nv, dk]`` and ``v``
+        ``[T, nv, dv]``."""
+        q, k, v = torch.split(y, self.split, dim=-1)
+        n, rep = y.shape[0], self.nv // self.nk
+        q = _l2(q.view(n, self.nk, self.dk).float()).repeat_interleave(rep, 1) * self.dk**-0.5
+        k = _l2(k.view(n, self.nk, self.dk).float()).repeat_interleave(rep, 1)
+        return q, k, v.view(n, self.nv, self.dv).float()
 
 
 class GatedAttention(nn.Module):
