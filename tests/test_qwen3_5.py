@@ -258,6 +258,28 @@ def test_two_processes_share_a_checkpoint_through_redis(folder):
     assert second == [first[2]]  # 288 from the store, the same tokens
 
 
+def test_a_huge_value_planted_under_a_state_key_is_refused_unread(folder, tmp_path):
+    """Whoever can write to the store can put 16 MiB under a state's key: it is a bad
+    state of that prompt (counted, recomputed, written again), never read whole."""
+    shared = rand(300, 1)
+    prompts = [shared + rand(20, 10 + i) for i in range(3)]
+    kw = {"page_size": 16, "chunk_size": 64, "storage": f"file://{tmp_path}/store"}
+    first = Engine(str(folder), **kw)
+    for p in prompts[:2]:
+        first.generate([p], max_new_tokens=4, chat=False, ignore_eos=True)
+    first.tier.flush()
+    keys = [k for k, _ in first.recurrent.tiers.keys.values()]
+    first.tier.store.set(keys, [b"\0" * (16 << 20)] * len(keys))
+    second = Engine(str(folder), **kw)
+
+    def whole(keys):  # a read of whole values: what a planted huge one must never get
+        raise AssertionError(f"read whole: {len(keys)} values")
+
+    second.tier.store.get = whole
+    res = second.generate([prompts[2]], max_new_tokens=2, chat=False, ignore_eos=True)
+    assert res.stats.cached_tokens == 0 and second.recurrent.tiers.bad >= 1
+
+
 def test_a_bad_state_in_the_store_is_refused_and_written_again(folder, reference, tmp_path):
     """A stored state whose bytes changed fails its check: the request recomputes (the
     right output), the bad value is counted and written again, and the next engine on

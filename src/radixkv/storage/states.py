@@ -134,14 +134,27 @@ class StateTiers:
         return 0
 
     def _read(self, k: bytes, h: bytes) -> bytes | None:
-        value = self.tiers.store.get([k])[0]
-        if value is None:
+        """The state stored at ``k``, checked; read only when its size is a state's
+        (`PageStore.get_into`: a value of another size, a huge one planted there
+        included, is refused unread)."""
+        payload, header, mac = bytearray(self.rows.row_size), bytearray(), bytearray()
+
+        def parts(_: int, length: int) -> list[memoryview] | None:
+            nonlocal header, mac
+            split = self.codec.value_parts(length, len(payload))
+            if split is None:
+                return None
+            header, mac = bytearray(split[0]), bytearray(split[1])
+            return [memoryview(header), memoryview(payload), memoryview(mac)]
+
+        got = self.tiers.store.get_into([k], parts)[0]
+        if got is None:
             return None
         try:
-            data = bytes(self.codec.decode(h, value))
-            if len(data) != self.rows.row_size:
+            if not got:
                 raise PageError("corrupt")
-            return data
+            self.codec.check(h, memoryview(header), memoryview(payload), memoryview(mac))
+            return bytes(payload)
         except PageError:
             self.bad += 1
             self.tiers.mark_rewrite(k)
