@@ -302,12 +302,14 @@ class KvIndex:
                 shared = i + 1
             parent = pid
         if self._sparse_kinds:
-            self._sparse_lookup(token_ids, salt, out)
+            self._sparse_lookup(token_ids, salt, out, hashes)
         return out, shared
 
-    def _sparse_lookup(self, token_ids: Sequence[int], salt: Any, out: dict) -> None:
+    def _sparse_lookup(
+        self, token_ids: Sequence[int], salt: Any, out: dict, strong: list[int] | None
+    ) -> None:
         """Checkpoint workers' overlaps into ``out``: per worker, the deepest page of the
-        request whose hash it holds."""
+        request whose hash it holds (``strong``: its BLAKE2b hashes, when computed)."""
         size = self.block_size or 1
         pages = len(token_ids) // size
         for kind in sorted(self._sparse_kinds):
@@ -316,7 +318,7 @@ class KvIndex:
 
                 hashes = event_hashes(list(token_ids), salt, size, pages)
             else:
-                hashes = self._request_hashes(token_ids, salt)
+                hashes = strong if strong is not None else self._request_hashes(token_ids, salt)
             for i, h in enumerate(hashes):
                 pid = self._ids.get((kind, h))
                 for w in self.holders.get(pid, ()) if pid is not None else ():
