@@ -20,14 +20,20 @@ The contract (besides `radixkv.tree.component`'s):
   it needs: window KV beyond every useful end's window is freed (``allocator.free``) as
   soon as the tree changes so (an insert, a merge that makes a leaf end an inner
   position, an eviction, a lock released). With ``retain="all"`` (SGLang's unified
-  cache) a node keeps all its window KV until `evict` tombstones it.
+  cache) a node keeps all its window KV until `evict` tombstones it. A lock end is a
+  useful end, so the window before it that the tree holds stays while the lock does
+  (a running request reads it).
 * **Matching** (``match_limit``): a match may end only where the window KV of its last
   ``window`` units (or of everything from the root, when shorter) is present.
 * **Inserting** (``inserted``): the caller hands the window slots of its key (one per
-  unit, ``extras={"window": slots}``); the tree takes those of the new units and, in the
-  part that was cached already, those it lacks where a window needs them (a tombstone
-  recovered), as far as it keeps them. ``taken`` then says which of the caller's slots
-  the tree owns; the caller frees the others (duplicates, or not needed).
+  unit, ``extras={"window": slots}``; ``-1`` where it has none: a request keeps only
+  its last window); the tree takes those of the new units and, in the part that was
+  cached already, those it lacks where a window needs them (a tombstone recovered), as
+  far as it keeps them and as far back as the caller's slots run without a hole.
+  ``taken`` then says which of the caller's slots the tree owns; the caller frees the
+  others (duplicates, or not needed).
+* **Detaching** (`RadixCache.detach_leaf`, undoing an insert): the leaf's window slots
+  are not freed but handed back, as its full slots are (``returned``).
 * **Pressure** (`evict`): frees window KV of unlocked nodes, least recently used first,
   whatever their windows need (their matches then end earlier); `drop` frees one node's,
   for a caller with an order of its own. Validator and recovery equal SGLang's
@@ -89,6 +95,7 @@ class WindowKV(TreeComponent):
             raise TypeError("allocator must have a free(slots) method")
         self.window, self.allocator, self.retain = window, allocator, retain
         self.taken: np.ndarray = np.zeros(0, dtype=bool)  # of the last insert's slots
+        self.returned = torch.empty(0, dtype=torch.int64)  # the last detached leaf's
         self.held = 0  # window units the tree holds
         self._freed: list[bytes] = []  # slots let go in the current operation
         self._head: tuple[TreeNode, bytes] | None = None  # a merged leaf, its parent's slots
@@ -113,6 +120,31 @@ class WindowKV(TreeComponent):
         if w is None or not w.slots:
             return torch.empty(0, dtype=torch.int64)
         return torch.frombuffer(bytearray(w.slots), dtype=torch.int64)
+
+    def tail_slots(self, node: TreeNode, units: int) -> torch.Tensor:
+        """The window slots of the last ``units`` units ending at ``node``'s end, walking
+        up (what a match ending there serves).
+
+        Raises:
+            ValueError: some of those units have no window KV (a match may not end there).
+        """
+        if units <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        parts: list[bytes] = []
+        left, x = units, node
+        while left > 0 and x is not None and x is not self.cache.root:
+            w = self._w(x)
+            have = len(w.slots) >> 3 if w is not None else 0
+            take = min(left, len(x))
+            if have < take:
+                raise ValueError(f"WindowKV.tail_slots: node {x.id} lacks window KV "
+                                 f"({have} of {take} units)")  # fmt: skip
+            parts.append(w.slots[(have - take) << 3 :])  # type: ignore[union-attr]
+            left -= take
+            x = x.parent
+        if left > 0:
+            raise ValueError(f"WindowKV.tail_slots: the path holds fewer than {units} units")
+        return torch.frombuffer(bytearray(b"".join(reversed(parts))), dtype=torch.int64)
 
     def held_units(self) -> int:
         """Window units the tree holds (counted as they come and go)."""
@@ -205,10 +237,14 @@ class WindowKV(TreeComponent):
         if leaf is not None:
             w = leaf.ext[self.index] = _Win()  # type: ignore[index]
             prior = head[1] if head is not None and head[0] is leaf else _NONE
-            if given is not None:  # the new units are covered, and what came before
-                w.slots = prior + given[start:n].tobytes()
-                self.taken[start:n] = True
-                self.held += n - start
+            first = start if given is None else start + _run_start(given[start:n])
+            if first < n:  # the new units the caller has slots for, up to its end
+                joins = first == start  # what came before joins the covered tail
+                w.slots = (prior if joins else _NONE) + given[first:n].tobytes()  # type: ignore[index]
+                self.taken[first:n] = True
+                self.held += n - first
+                if not joins:
+                    self._freed.append(prior)
             else:  # the merged leaf's old covered tail is no tail any more
                 self._freed.append(prior)
         self._reach_up(leaf if leaf is not None else (path[-1] if path else None))
@@ -233,9 +269,11 @@ class WindowKV(TreeComponent):
             w.slots = w.slots[cut:]
         elif have < need and given is not None:
             lo, hi = end - need, end - have  # the absolute units to take
-            w.slots = given[lo:hi].tobytes() + w.slots
-            self.taken[lo:hi] = True
-            self.held += hi - lo
+            lo += _run_start(given[lo:hi])  # only the run up to the covered tail
+            if lo < hi:
+                w.slots = given[lo:hi].tobytes() + w.slots
+                self.taken[lo:hi] = True
+                self.held += hi - lo
 
     def _reach_up(self, node: TreeNode | None) -> list[TreeNode]:
         """Recompute reach from ``node`` up while it changes (always ``node`` itself and
@@ -314,9 +352,12 @@ class WindowKV(TreeComponent):
         self._flush()
 
     def detach(self, node: TreeNode) -> None:
+        # handed back to the caller with the leaf's full slots (``returned``), not freed
         w = self._w(node)
-        if w is not None:
-            self._freed.append(w.slots)
+        got = w.slots if w is not None else _NONE
+        self.held -= len(got) >> 3
+        self.returned = (torch.frombuffer(bytearray(got), dtype=torch.int64) if got
+                         else torch.empty(0, dtype=torch.int64))  # fmt: skip
         node.ext[self.index] = None  # type: ignore[index]
 
     def detached(self, node: TreeNode, parent: TreeNode) -> None:
@@ -352,6 +393,39 @@ class WindowKV(TreeComponent):
             if freed >= units:
                 break
             freed += self._drop(node)
+        self._flush()
+        return freed
+
+    def _spare(self, node: TreeNode) -> int:
+        """Covered units of ``node`` that no useful end needs."""
+        w = self._w(node)
+        return max(0, (len(w.slots) >> 3) - min(len(node), w.reach)) if w is not None else 0
+
+    def evictable_units(self) -> int:
+        """Window units `evict_spare` and `evict` can free now: all of an unlocked node's,
+        the spare of a locked one's. O(nodes)."""
+        return sum(self._spare(n) if n.lock_ref else self.covered(n)
+                   for n in self.cache.iter_nodes())  # fmt: skip
+
+    def evict_spare(self, units: int) -> int:
+        """Free window KV that no useful end needs (what ``retain="ends"`` would not
+        hold), least recently used first, locked nodes included (a lock end is a useful
+        end, so what its request reads stays), until at least ``units`` are freed or
+        none is left; returns how many. Every servable match end stays servable: an
+        engine under pressure calls this before `evict` (``retain="all"``: windows are
+        kept while the pool has room, and the spare ones go first)."""
+        cands = [n for n in self.cache.iter_nodes() if self._spare(n)]
+        cands.sort(key=lambda n: (n.last_access, n.id))
+        freed = 0
+        for node in cands:
+            if freed >= units:
+                break
+            w = self._w(node)
+            assert w is not None
+            cut = self._spare(node)
+            self._freed.append(w.slots[: cut << 3])
+            w.slots = w.slots[cut << 3 :]
+            freed += cut
         self._flush()
         return freed
 
@@ -398,6 +472,13 @@ class WindowKV(TreeComponent):
         held = sum(self.covered(n) for n in self.cache.iter_nodes())
         if held != self.held:
             raise AssertionError(f"{held} window units held, counted {self.held}")
+
+
+def _run_start(given: np.ndarray) -> int:
+    """Where the last run of real slots (``>= 0``) in ``given`` starts: a tail the
+    caller can hand over whole (``len(given)`` when its last entry is a hole)."""
+    holes = np.flatnonzero(given < 0)
+    return int(holes[-1]) + 1 if len(holes) else 0
 
 
 __all__ = ["RETAIN", "WindowKV"]
