@@ -18,6 +18,14 @@ A scheduler step uses the batched forms: `CacheManager.allocate_batch` (one allo
 and one row-table write for every chunk and decode of the step), then
 `cache_unfinished_batch` and `cache_finished_batch` (one free call each).
 
+With sliding-window layers whose KV lives in a slot space of its own (``window``: a
+`radixkv.window_slots.WindowSlots` beside a `WindowKV` in the tree) every step above
+does the same for a request's window slots: the match copies the tree's last window,
+allocation gives window slots too (after trimming what the request no longer needs),
+an insert offers the request's own window slots and locks its new end before
+releasing the old one (so the window on the request's path stays while it reads it),
+and the request's ``boundaries`` become marked ends that keep their window.
+
 The accounting identity, checked by `CacheManager.check_memory` after any step:
 
     available + evictable + protected + private + reserved_tail == pool size
@@ -44,7 +52,8 @@ import torch
 from radixkv.key import RadixKey, check_namespace
 from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.tree import RadixCache, TreeNode
-from radixkv.units import align_up, div_ceil
+from radixkv.units import align_down, align_up, div_ceil
+from radixkv.window_slots import WindowSlots
 
 
 @dataclass(eq=False)
@@ -66,6 +75,9 @@ class Req:
             (OpenAI's explicit prompt caching: only up to the last breakpoint).
         cache_read: False: it matches nothing at arrival (a request that does not use
             the prompt cache).
+        boundaries: positions worth caching a prefix at (the end of a chat's system
+            message): with window KV the tree keeps a window there; a recurrent model
+            checkpoints its state there (`radixkv.engine.recurrent`).
     """
 
     rid: Any
@@ -79,6 +91,7 @@ class Req:
     last_node: TreeNode | None = None
     cache_limit: int | None = None
     cache_read: bool = True
+    boundaries: tuple[int, ...] = ()
     _tokens: array | None = field(default=None, init=False, repr=False)
 
     @property
@@ -121,18 +134,29 @@ class CacheManager:
             slots there), and its page size the allocator's.
         allocator: the slot allocator.
         req_pool: the request-to-token table.
+        window: the window slots of a model with sliding-window layers in a slot space of
+            their own (its `WindowKV` must be one of ``cache``'s components).
     """
 
     def __init__(
-        self, cache: RadixCache, allocator: TokenToKVPoolAllocator, req_pool: ReqToTokenPool
-    ) -> None:
+        self, cache: RadixCache, allocator: TokenToKVPoolAllocator, req_pool: ReqToTokenPool,
+        window: WindowSlots | None = None,
+    ) -> None:  # fmt: skip
         if cache.allocator is not allocator and not cache.disable:
             raise ValueError("cache.allocator must be the allocator, so evictions free slots")
         if cache.page_size != allocator.page_size:
             raise ValueError(
                 f"page sizes differ: cache {cache.page_size} != allocator {allocator.page_size}"
             )
+        if window is not None:
+            if getattr(window.component, "cache", None) is not cache:
+                raise ValueError("window: its WindowKV is not a component of the cache")
+            if window.page != cache.page_size or cache.is_eagle:
+                raise ValueError("window: needs the cache's page size and no EAGLE view")
+            if window.table.shape != req_pool._np.shape:
+                raise ValueError("window: its table must have the request table's shape")
         self.cache, self.allocator, self.req_pool = cache, allocator, req_pool
+        self.window = window
         self.running: dict[int, Req] = {}  # row -> request
         self.evicted_tokens = 0  # evicted to make room, since the start
 
@@ -200,6 +224,8 @@ class CacheManager:
             self.req_pool.free(row)  # nothing else changed yet (a split is harmless)
             raise
         self.cache.inc_lock_ref(last)
+        if self.window is not None:
+            self.window.admit(row, last, hit)
         req.row, req.last_node = row, last
         req.kv_len = req.cache_protected_len = req.cached_len = hit
         self.running[row] = req
@@ -235,14 +261,22 @@ class CacheManager:
         last = -1
         if req.kv_len % p and req.kv_len > req.cache_protected_len:
             last = self.req_pool.slot_at(req.row, req.kv_len - 1)
-        slots = self.allocator.alloc_extend(last, n)
-        if slots is None:
-            room = align_up(req.kv_len, p) - req.kv_len if last >= 0 else 0
-            need = align_up(n - room, p) - self.allocator.available_size()
-            self.evicted_tokens += self.cache.evict(max(need, 0))
+        at = np.array([req.row]), np.array([req.kv_len]), np.array([n])
+        if self.window is not None and self._alloc_window(*at, [req]) is None:
+            return None
+        try:
             slots = self.allocator.alloc_extend(last, n)
             if slots is None:
-                return None
+                room = align_up(req.kv_len, p) - req.kv_len if last >= 0 else 0
+                need = align_up(n - room, p) - self.allocator.available_size()
+                self.evicted_tokens += self.cache.evict(max(need, 0))
+                slots = self.allocator.alloc_extend(last, n)
+        except BaseException:
+            self._unalloc_window(*at)
+            raise
+        if slots is None:
+            self._unalloc_window(*at)
+            return None
         self.req_pool.write(req.row, req.kv_len, slots)
         req.kv_len = end
         return slots
@@ -288,19 +322,41 @@ class CacheManager:
         if p > 1:  # a partial page of the request's own continues; the tree's never does
             own = (kv % p != 0) & (kv > np.array(protected))
             last[own] = self.req_pool._np[rows[own], kv[own] - 1]
-        slots = self.allocator.alloc_extend_batch(last, n)
-        if slots is None:
-            room = np.where(last >= 0, (p - kv % p) % p, 0)
-            pages = div_ceil(np.maximum(n - room, 0), p)
-            need = int(pages.sum()) * p - self.allocator.available_size()
-            self.evicted_tokens += self.cache.evict(max(need, 0))
+        if self.window is not None and self._alloc_window(rows, kv, n, reqs) is None:
+            return None
+        try:
             slots = self.allocator.alloc_extend_batch(last, n)
             if slots is None:
-                return None
+                room = np.where(last >= 0, (p - kv % p) % p, 0)
+                pages = div_ceil(np.maximum(n - room, 0), p)
+                need = int(pages.sum()) * p - self.allocator.available_size()
+                self.evicted_tokens += self.cache.evict(max(need, 0))
+                slots = self.allocator.alloc_extend_batch(last, n)
+        except BaseException:
+            self._unalloc_window(rows, kv, n)
+            raise
+        if slots is None:
+            self._unalloc_window(rows, kv, n)
+            return None
         self.req_pool.write_batch(rows, kv, n, slots)
         for req, k in zip(reqs, counts, strict=True):
             req.kv_len += k
         return slots
+
+    def _alloc_window(
+        self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray, reqs: Sequence[Req]
+    ) -> torch.Tensor | None:
+        """Trim the requests' windows (what no read or insert needs goes), then give
+        window slots for their next tokens (`WindowSlots`)."""
+        win = self.window
+        assert win is not None
+        for req in reqs:
+            win.trim(req.row, req.kv_len)
+        return win.alloc(rows, kv, np.asarray(counts, dtype=np.int64))
+
+    def _unalloc_window(self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray) -> None:
+        if self.window is not None:  # the full slots could not be had: undo the window's
+            self.window.unalloc(rows, kv, np.asarray(counts, dtype=np.int64))
 
     # --- caching ----------------------------------------------------------------------------
     def _insert_computed(self, req: Req, key: RadixKey | None = None) -> int:
@@ -311,7 +367,9 @@ class CacheManager:
         The lock on the old last node is released *before* the insert, so a tree that
         merges chains extends that node instead of hanging a new child under it (nothing
         else runs in between: the lock is taken again on the new last node, or on the
-        old one if the insert fails).
+        old one if the insert fails). With window KV it is released *after* the new end
+        is locked instead: the window slots the request reads on its path stay locked
+        throughout (`radixkv.window_slots`).
 
         The one call that can fail after the insert is freeing the duplicates; it runs
         before the row changes, and a failure undoes the insert (the units it added go
@@ -323,16 +381,24 @@ class CacheManager:
             return req.cache_protected_len
         old = req.last_node
         assert old is not None
-        self.cache.dec_lock_ref(old)
+        win = self.window
+        early = win is None  # with window KV the old end stays locked (see the docstring)
+        if early:
+            self.cache.dec_lock_ref(old)
+        extras = {"window": win.offer(req.row, len(key))} if win is not None else None
         try:
             had, last = self.cache.insert_node(
                 key,
                 self._slots(req, 0, len(key)),
                 slots_checked=True,  # the allocator's
+                extras=extras,
             )
         except BaseException:
-            self.cache.inc_lock_ref(old)  # the insert validates before it changes anything
+            if early:
+                self.cache.inc_lock_ref(old)  # the insert validates before it changes anything
             raise
+        if win is not None:
+            win.took(req.row)
         if had > req.cache_protected_len:  # another request cached some of it first
             # the tree went past `old` before this insert, so `old` was not merged away
             try:
@@ -340,18 +406,38 @@ class CacheManager:
             except BaseException:
                 if had < stored:
                     self.cache.detach_leaf(last, stored - had)
-                self.cache.inc_lock_ref(old)
+                    if win is not None:
+                        win.handed_back(req.row, stored)
+                if early:
+                    self.cache.inc_lock_ref(old)
                 raise
             self.req_pool.write(req.row, 0, self.cache.path_values(last))
         self.cache.inc_lock_ref(last)
+        if not early:
+            self.cache.dec_lock_ref(old)
         req.last_node, req.cache_protected_len = last, stored
         return stored
+
+    def _insert_marked(self, req: Req, key: RadixKey | None = None) -> None:
+        """`_insert_computed`, first up to each of the request's boundaries it computed
+        since the last insert, marking the end there so the tree keeps a window at it
+        (a chat's system message: the next request sharing it hits)."""
+        win = self.window
+        key = self._cacheable_key(req) if key is None else key
+        if win is not None and req.boundaries:
+            p = self.cache.page_size
+            for b in sorted({align_down(b, p) for b in req.boundaries}):
+                if req.cache_protected_len < b <= len(key):
+                    self._insert_computed(req, key[:b])
+                    assert req.last_node is not None
+                    win.component.mark(req.last_node)
+        self._insert_computed(req, key)
 
     def cache_unfinished_req(self, req: Req) -> None:
         """After a prefill chunk: hand the computed whole pages to the tree, re-point the
         row at the tree's slots and move the lock to the new last node."""
         self._require_admitted(req, "cache_unfinished_req")
-        self._insert_computed(req)
+        self._insert_marked(req)
 
     def cache_finished_req(self, req: Req) -> None:
         """The request is done: cache prompt + output, free duplicates and the unaligned
@@ -361,11 +447,10 @@ class CacheManager:
         stored = max(self.cache.cacheable_len(key), req.cache_protected_len)
         if req.kv_len > stored:  # the unaligned tail first: if this raises, nothing changed
             self.allocator.free(self._slots(req, stored, req.kv_len).copy())
-        try:
-            self._insert_computed(req, key)
-        except BaseException:
-            req.kv_len = min(req.kv_len, stored)  # it no longer owns the freed tail
-            raise
+            if self.window is not None:
+                self.window.free_tail(req.row, stored)
+            req.kv_len = stored  # it no longer owns the freed tail
+        self._insert_marked(req, key)
         self._release(req)
 
     def cache_unfinished_batch(self, reqs: Sequence[Req]) -> None:
@@ -375,7 +460,7 @@ class CacheManager:
             self._require_admitted(req, "cache_unfinished_batch")
         with self.allocator.free_group():
             for req in reqs:
-                self._insert_computed(req)
+                self._insert_marked(req)
 
     def cache_finished_batch(self, reqs: Sequence[Req]) -> None:
         """`cache_finished_req` for every request of a step; tails and duplicates go to
@@ -397,6 +482,8 @@ class CacheManager:
 
     def _release(self, req: Req) -> None:
         assert req.last_node is not None
+        if self.window is not None:
+            self.window.release(req.row)
         self.cache.dec_lock_ref(req.last_node)
         self.req_pool.free(req.row)
         del self.running[req.row]
@@ -444,6 +531,8 @@ class CacheManager:
         )
         assert total == alloc.size, f"check_memory: sizes add to {total} != {alloc.size}"
         assert alloc.handed_out_size() == len(tree) + private_n, "handed-out count is off"
+        if self.window is not None:
+            self.window.check(self.running)
         for r in self.running.values():
             protected = self._slots(r, 0, r.cache_protected_len)
             assert r.last_node is not None and r.last_node.lock_ref > 0, "a request lost its lock"

@@ -395,6 +395,10 @@ class KVPool:
         num_layers, num_kv_heads, head_dim: the model's attention shape.
         size: slots (match the allocator's ``size``).
         dtype, device: storage of the tensors.
+        window_layers: layers whose KV lives in a slot space of its own, of
+            ``window_size`` slots (sliding-window layers whose out-of-window KV is freed:
+            `radixkv.window_slots`); a layer is read and written by the slots of its
+            space.
     """
 
     def __init__(
@@ -405,6 +409,8 @@ class KVPool:
         size: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        window_layers: tuple[int, ...] = (),
+        window_size: int = 0,
     ) -> None:
         for name, v in (
             ("num_layers", num_layers),
@@ -414,15 +420,35 @@ class KVPool:
         ):
             if _check_count(v, name) == 0:
                 raise ValueError(f"{name} must be > 0")
-        shape = (size, num_kv_heads, head_dim)
+        window_layers = tuple(sorted(set(window_layers)))
+        if any(not 0 <= i < num_layers for i in window_layers):
+            raise ValueError(f"window_layers must lie in [0, {num_layers}), got {window_layers}")
+        if window_layers and _check_count(window_size, "window_size") == 0:
+            raise ValueError("window_size must be > 0 when there are window_layers")
         self.num_layers, self.size = num_layers, size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.window_layers, self.window_size = window_layers, window_size if window_layers else 0
+        sizes = [window_size if i in window_layers else size for i in range(num_layers)]
+        self.k = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype, device=device)
+                  for n in sizes]  # fmt: skip
+        self.v = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype, device=device)
+                  for n in sizes]  # fmt: skip
+
+    def _layer_bytes(self) -> int:
+        t = self.k[0]
+        return 2 * t.shape[1] * t.shape[2] * t.element_size()
 
     def bytes_per_token(self) -> int:
-        """KV bytes one token occupies across all layers."""
-        t = self.k[0]
-        return 2 * self.num_layers * t.shape[1] * t.shape[2] * t.element_size()
+        """KV bytes one token's full slot occupies, across the layers of that space (all
+        layers but ``window_layers``)."""
+        return (self.num_layers - len(self.window_layers)) * self._layer_bytes()
+
+    def window_bytes_per_token(self) -> int:
+        """KV bytes one window slot occupies, across ``window_layers``."""
+        return len(self.window_layers) * self._layer_bytes()
+
+    def nbytes(self) -> int:
+        """Bytes of every K and V tensor."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` (``[n, heads, dim]``) of layer ``layer`` at ``slots``."""

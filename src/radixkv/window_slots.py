@@ -1,0 +1,234 @@
+"""`WindowSlots`: running requests' sliding-window KV slots, beside their full-attention
+ones: the second slot space of a model with sliding-window layers (SGLang's SWA pool).
+
+A sliding layer attends to its last ``window`` tokens only, so a request needs window KV
+for those alone, and the tree (`radixkv.tree.window.WindowKV`) keeps it only where a match
+can end. Row ``r`` of ``table`` holds request ``r``'s window slots by position, ``-1``
+where it has none; ``own`` says which of them the request owns (the others are the
+tree's, on the request's locked path).
+
+    admission   the match ends where the tree holds the window before it: those slots
+                (its last ``span`` positions) go to the row, as the tree's
+    allocation  first the request gives up its own slots behind
+                ``align_down(kv_len, page) - span`` (`trim`): no read and no later
+                insert needs them; then a window slot for every new token, its own;
+                when short, window KV is evicted from the tree (tombstones)
+    insert      the request offers its own slots with the key (`offer`, ``-1``
+                elsewhere); those the tree takes (`took`) are the tree's from then on
+    leaving     it frees everything it still owns (`release`)
+
+Frees go through the component (``WindowKV.release``), which never raises: a free that
+fails stays pending and is retried, so no lifecycle step is left half done by one.
+
+Invariants (`check`): every window slot is free, held by the tree, owned by one row, or
+pending in a failed free;
+for every position a running request's next step reads (its last ``window - 1``) it has
+a slot of its own or the tree's slot at that position on its path.
+
+Why the reads stay valid. A position a request reads lies at or after
+``kv_len - window + 1``, so after ``cache_protected_len - span``: within the last
+``span`` units before its lock end. A lock end is a useful end, so the tree keeps the
+window it holds there, and evicts no window KV of a locked node. The request holds a
+lock from admission until it leaves, and an insert locks the new end before it releases
+the old one (`radixkv.lifecycle`), so the tree's slots it reads are always within a
+locked end's window. The request frees its own slots only behind
+``align_down(kv_len) - span``: behind everything it reads and everything an insert asks
+of it (the last ``span`` units before the key's end, and the chunk just computed,
+offered before the next trim).
+
+Owns: the window row table and which of its slots each request owns. Must not touch:
+the full KV, the tree's structure, scheduling.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from radixkv.memory import TokenToKVPoolAllocator, _runs
+from radixkv.tree.window import WindowKV
+from radixkv.units import align_down, align_up, div_ceil
+
+
+class WindowSlots:
+    """The window slots of the request table's rows (see the module docstring).
+
+    Args:
+        component: the tree's `WindowKV`; its allocator must be ``allocator``.
+        allocator: the window slot space.
+        max_reqs, max_context_len: the request table's shape.
+        window: the longest window of the model's sliding layers (what a step reads).
+    """
+
+    def __init__(
+        self, component: WindowKV, allocator: TokenToKVPoolAllocator, max_reqs: int,
+        max_context_len: int, window: int,
+    ) -> None:  # fmt: skip
+        if component.allocator is not allocator:
+            raise ValueError("the WindowKV component must free into the window allocator")
+        if window > component.window:
+            raise ValueError(f"window {window} is longer than the tree keeps "
+                             f"({component.window})")  # fmt: skip
+        self.component, self.allocator, self.window = component, allocator, window
+        self.page = allocator.page_size
+        self.span = align_up(component.window, self.page)  # what the tree keeps at an end
+        self.table = np.full((max_reqs, max_context_len), -1, dtype=np.int64)
+        self.own = np.zeros((max_reqs, max_context_len), dtype=bool)
+        self.kept = np.zeros(max_reqs, dtype=np.int64)  # no slot of the row lies before it
+        self.evicted = 0  # window units evicted from the tree to make room
+
+    def peak(self, chunk: int) -> int:
+        """The most window slots one request holds while it computes ``chunk`` tokens:
+        the window before its lock end (the tree's), its own last window and partial
+        page, and the chunk's pages."""
+        return 2 * self.span + 2 * self.page + align_up(chunk, self.page)
+
+    def available(self, at_least: int) -> int:
+        """Window slots that can be had now: free, plus (counted only when fewer than
+        ``at_least`` are free) what evicting the tree's window KV frees."""
+        free = self.allocator.available_size()
+        return free if free >= at_least else free + self.component.evictable_units()
+
+    # --- a request's row --------------------------------------------------------------
+    def admit(self, row: int, node: object, hit: int) -> None:
+        """The match ends at ``node`` after ``hit`` units: its last window's slots (the
+        tree's) go to the row."""
+        lo = max(0, hit - self.span)
+        self.table[row, lo:hit] = self.component.tail_slots(node, hit - lo).numpy()  # type: ignore[arg-type]
+        self.kept[row] = lo
+
+    def _free(self, slots: np.ndarray) -> None:
+        """Hand slots back through the component, which never raises: a free that
+        fails stays pending and is retried (`radixkv.tree.component`)."""
+        if len(slots):
+            self.component.release(torch.from_numpy(slots.copy()))
+
+    def trim(self, row: int, kv_len: int) -> None:
+        """Free the row's own slots behind ``align_down(kv_len) - span``."""
+        lo, upto = int(self.kept[row]), align_down(kv_len, self.page) - self.span
+        if upto <= lo:
+            return
+        self._free(self.table[row, lo:upto][self.own[row, lo:upto]])
+        self.table[row, lo:upto] = -1
+        self.own[row, lo:upto] = False
+        self.kept[row] = upto
+
+    def free_tail(self, row: int, start: int) -> None:
+        """Free the row's own slots from ``start`` on (a finished request's unaligned
+        tail, which the tree never takes)."""
+        self._free(self.table[row, start:][self.own[row, start:]])
+        self.table[row, start:] = -1
+        self.own[row, start:] = False
+
+    def alloc(self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray) -> torch.Tensor | None:
+        """Window slots for the next ``counts[i]`` tokens of row ``rows[i]`` (at
+        ``kv[i]``), one allocator call; evicts the tree's window KV when short.
+        ``None`` (nothing changed but evictions): short even then."""
+        p = self.page
+        last = np.full(len(rows), -1, dtype=np.int64)
+        if p > 1:  # a row's partial page is always its own (the tree takes whole pages)
+            part = kv % p != 0
+            last[part] = self.table[rows[part], kv[part] - 1]
+        slots = self.allocator.alloc_extend_batch(last, counts)
+        if slots is None:
+            room = np.where(last >= 0, (p - kv % p) % p, 0)
+            pages = int(div_ceil(np.maximum(counts - room, 0), p).sum())
+            short = pages * p - self.allocator.available_size()
+            spare = self.component.evict_spare(short)  # no match loses an end for these
+            self.evicted += spare + self.component.evict(max(short - spare, 0))
+            slots = self.allocator.alloc_extend_batch(last, counts)
+            if slots is None:
+                return None
+        at = np.repeat(rows, counts), _runs(kv, counts)
+        self.table[at] = slots.numpy(force=True)
+        self.own[at] = True
+        return slots
+
+    def unalloc(self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray) -> None:
+        """Undo `alloc` (the full slots of the same tokens could not be had)."""
+        at = np.repeat(rows, counts), _runs(kv, counts)
+        self._free(self.table[at])
+        self.table[at] = -1
+        self.own[at] = False
+
+    def offer(self, row: int, n: int) -> np.ndarray:
+        """The row's own slots of its first ``n`` positions, ``-1`` elsewhere (an
+        insert's ``extras["window"]``)."""
+        given = self.table[row, :n].copy()
+        given[~self.own[row, :n]] = -1
+        return given
+
+    def took(self, row: int) -> None:
+        """After an insert with `offer`: what the tree took is its own."""
+        taken = self.component.taken  # one entry per unit the insert stored
+        self.own[row, : len(taken)] &= ~taken
+
+    def handed_back(self, row: int, end: int) -> None:
+        """After `RadixCache.detach_leaf` undid an insert ending at ``end``: the leaf's
+        window slots (``component.returned``) are the row's own again."""
+        back = self.component.returned.numpy()
+        lo = end - len(back)
+        if not np.array_equal(self.table[row, lo:end], back):
+            raise AssertionError("a detached leaf's window slots are not the row's")
+        self.own[row, lo:end] = True
+
+    def release(self, row: int) -> None:
+        """The request leaves: free what it owns, clear its row."""
+        self.free_tail(row, int(self.kept[row]))
+        self.kept[row] = 0
+
+    # --- the invariants ---------------------------------------------------------------
+    def check(self, running: dict) -> None:
+        """Check the invariants of the module docstring for ``running`` (row ->
+        request). Raises ``AssertionError`` naming what is wrong."""
+        comp, alloc = self.component, self.allocator
+        alloc.check()
+        tree = [comp.slots(n).numpy() for n in comp.cache.iter_nodes()]
+        mine = []
+        for row, r in running.items():
+            lo = int(self.kept[row])
+            if self.own[row, :lo].any() or self.own[row, r.kv_len :].any():
+                raise AssertionError(f"request {r.rid!r} owns window slots outside "
+                                     f"[{lo}, {r.kv_len})")  # fmt: skip
+            mine.append(self.table[row][self.own[row]])
+            self._check_reads(r)
+        pending = [t.numpy() for t in comp.__dict__.get("pending", [])]
+        every = np.concatenate([*tree, *mine, *pending, alloc.free_slots()])
+        owners = np.bincount(every, minlength=alloc.size)
+        if len(owners) > alloc.size or (every < 0).any():
+            raise AssertionError("a window slot index outside the pool is in use")
+        if (owners > 1).any():
+            raise AssertionError(f"window slot {np.flatnonzero(owners > 1)[0]} is owned twice")
+        if (owners == 0).any():
+            raise AssertionError(f"window slot {np.flatnonzero(owners == 0)[0]} is leaked")
+        if sum(len(t) for t in tree) != comp.held_units():
+            raise AssertionError("the tree's window units disagree with its count")
+
+    def _check_reads(self, r: object) -> None:
+        """Every position ``r``'s next step reads has a slot: its own, or the tree's at
+        that position of its locked path."""
+        row, kv, cp = r.row, r.kv_len, r.cache_protected_len  # type: ignore[attr-defined]
+        lo = max(0, kv - self.window + 1)
+        if lo >= kv:
+            return
+        tree = np.full(kv - lo, -1, dtype=np.int64)  # the tree's slots there, by position
+        node, end = r.last_node, cp  # type: ignore[attr-defined]
+        while node is not None and node is not self.component.cache.root and end > lo:
+            s = self.component.slots(node).numpy()
+            a, b = max(end - len(s), lo), min(end, kv)
+            if a < b:
+                tree[a - lo : b - lo] = s[a - (end - len(s)) : b - (end - len(s))]
+            end -= len(node)
+            node = node.parent
+        have, own = self.table[row, lo:kv], self.own[row, lo:kv]
+        bad = ~own & ((have < 0) | (have != tree) | (np.arange(lo, kv) >= cp))
+        if bad.any():
+            q = lo + int(np.flatnonzero(bad)[0])
+            rid = r.rid  # type: ignore[attr-defined]
+            raise AssertionError(
+                f"request {rid!r} reads position {q} from window slot "
+                f"{have[q - lo]}, which is neither its own nor its path's"
+            )
+
+
+__all__ = ["WindowSlots"]

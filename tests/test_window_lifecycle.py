@@ -1,0 +1,331 @@
+"""The request lifecycle with sliding-window KV in a slot space of its own
+(`radixkv.window_slots`): a request keeps only its last window, the tree only the windows
+a match can end at, and what a request reads is always what it computed.
+
+The fuzzer fingerprints every computed full and window slot with the tokens its KV
+depends on; after every operation (some with a call failing midway) each running
+request's row and the window positions its next step reads must hold its own tokens'
+fingerprints, and `check_memory` must find every slot of both spaces owned once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_lifecycle import InjectedFault, inject_fault
+
+from radixkv import RadixCache, RadixKey
+from radixkv.lifecycle import CacheManager, Req
+from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.tree.window import WindowKV
+from radixkv.window_slots import WindowSlots
+
+
+def make(window=4, size=256, wsize=64, page=1, max_reqs=4, max_len=96, policy="lru",
+         mode="merge", retain="ends"):  # fmt: skip
+    alloc = TokenToKVPoolAllocator(size, page)
+    walloc = TokenToKVPoolAllocator(wsize, page)
+    comp = WindowKV(window, walloc, retain)
+    cache = RadixCache(page, policy, alloc, eviction_mode=mode, components=(comp,))
+    slots = WindowSlots(comp, walloc, max_reqs, max_len, window)
+    return CacheManager(cache, alloc, ReqToTokenPool(max_reqs, max_len), slots)
+
+
+def serve(m: CacheManager, ids: list[int], chunk: int = 8, out: int = 0, **kw) -> Req:
+    req = Req(object(), list(ids), **kw)
+    assert m.admit(req)
+    while req.kv_len < len(req.input_ids):
+        assert m.allocate(req, min(chunk, len(req.input_ids) - req.kv_len)) is not None
+        m.cache_unfinished_req(req)
+        m.check_memory()
+    for t in range(out):
+        req.output_ids.append(t)
+        assert m.allocate(req, 1) is not None
+        m.check_memory()
+    m.cache_finished_req(req)
+    m.check_memory()
+    return req
+
+
+def seq(start, n):
+    return list(range(start, start + n))
+
+
+def test_a_request_keeps_its_last_window_and_the_tree_the_ends():
+    m = make(window=4)
+    win = m.window
+    req = Req(1, seq(10, 60))
+    assert m.admit(req)
+    most = 0
+    while req.kv_len < 60:
+        assert m.allocate(req, min(8, 60 - req.kv_len)) is not None
+        most = max(most, int(win.own[req.row].sum()))
+        m.cache_unfinished_req(req)
+        m.check_memory()
+    for t in range(30):  # decode well past the window
+        req.output_ids.append(t)
+        assert m.allocate(req, 1) is not None
+        most = max(most, int(win.own[req.row].sum()))
+        m.check_memory()
+    assert most <= win.peak(8)  # never the whole context
+    m.cache_finished_req(req)
+    m.check_memory()
+    assert m.cache.total_size() == 90 and win.component.held_units() == 4  # one window
+    assert win.allocator.available_size() == win.allocator.size - 4
+    again = Req(2, seq(10, 60) + list(range(30)) + [7])
+    assert m.admit(again) and again.cached_len == 90  # the leaf's end is servable
+    m.abort(again)
+    inside = Req(3, seq(10, 40) + [500])
+    assert m.admit(inside) and inside.cached_len == 0  # no window inside: recomputed
+    m.abort(inside)
+    m.check_memory()
+
+
+def test_the_second_sharer_supplies_the_branch_window_and_the_third_hits():
+    m = make(window=4)
+    serve(m, seq(0, 30) + seq(100, 10))
+    second = serve(m, seq(0, 30) + seq(200, 10))
+    assert second.cached_len == 0  # the branch point at 30 had no window yet
+    third = serve(m, seq(0, 30) + seq(300, 10))
+    assert third.cached_len == 30
+
+
+def test_a_boundary_keeps_its_window_so_the_second_request_hits():
+    m = make(window=4)
+    serve(m, seq(0, 24) + seq(100, 20), boundaries=(24,))  # a system message's end
+    second = serve(m, seq(0, 24) + seq(200, 20))
+    assert second.cached_len == 24
+    plain = make(window=4)
+    serve(plain, seq(0, 24) + seq(100, 20))
+    assert serve(plain, seq(0, 24) + seq(200, 20)).cached_len == 0
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_window_pressure_tombstones_the_tree_not_the_running(page):
+    """A small window pool: requests' allocations evict the tree's windows (its
+    matches end earlier), never what a running request reads."""
+    m = make(window=4, wsize=32, page=page)
+    for i in range(7):
+        serve(m, seq(1000 * i, 32))
+    assert m.window.component.held_units() <= 28
+    a, b = Req("a", seq(0, 50)), Req("b", seq(7000, 50))
+    assert m.admit(a) and m.admit(b)
+    while a.kv_len < 50:
+        for r in (a, b):
+            assert m.allocate(r, min(4, 50 - r.kv_len)) is not None
+            m.cache_unfinished_req(r)
+            m.check_memory()
+    assert m.window.evicted > 0
+    hits = [m.cache.match_len(RadixKey(seq(1000 * i, 32))) for i in range(7)]
+    assert 0 in hits and 32 in hits  # the least recent lost their windows, not all
+
+
+def test_the_engine_way_keeps_windows_while_there_is_room_and_frees_the_spare_first():
+    """``retain="all"`` (what the engine runs): the second sharer already hits at the
+    branch point; under pressure the windows no end needs go before any end's."""
+    m = make(window=4, wsize=64, retain="all")
+    serve(m, seq(0, 30) + seq(100, 10))
+    assert serve(m, seq(0, 30) + seq(200, 10)).cached_len == 30  # "ends": only the third
+    comp = m.window.component
+    held = comp.held_units()
+    assert comp.evict_spare(10**6) == held - 3 * 4  # the two leaves' and the branch's windows
+    for tail in (100, 200, 300):  # every end still serves
+        assert m.cache.match_len(RadixKey(seq(0, 30) + seq(tail, 10))) >= 30
+    assert m.cache.match_len(RadixKey(seq(0, 30) + seq(100, 10))) == 40
+    m.check_memory()
+
+
+def test_bad_window_wiring_is_refused():
+    alloc, walloc = TokenToKVPoolAllocator(32), TokenToKVPoolAllocator(16)
+    comp = WindowKV(4, walloc)
+    with pytest.raises(ValueError, match="window allocator"):
+        WindowSlots(comp, alloc, 2, 16, 4)
+    with pytest.raises(ValueError, match="longer"):
+        WindowSlots(comp, walloc, 2, 16, 8)
+    slots = WindowSlots(comp, walloc, 2, 16, 4)
+    with pytest.raises(ValueError, match="not a component"):
+        CacheManager(RadixCache(1, allocator=alloc), alloc, ReqToTokenPool(2, 16), slots)
+    cache = RadixCache(1, allocator=alloc, components=(comp,))
+    with pytest.raises(ValueError, match="shape"):
+        CacheManager(cache, alloc, ReqToTokenPool(3, 16), slots)
+
+
+# --- the fuzzer --------------------------------------------------------------------------------
+STEMS = [[], seq(5, 12), seq(5, 6) + seq(40, 10)]
+prompts = st.builds(
+    lambda stem, suffix: STEMS[stem] + suffix,
+    st.integers(0, len(STEMS) - 1),
+    st.lists(st.integers(0, 2), max_size=14),
+).filter(len)
+SITES = ["alloc_extend", "alloc_extend_batch", "free", "match_parts", "insert_node"]
+
+
+class WindowLifecycleMachine(RuleBasedStateMachine):
+    @initialize(
+        page=st.sampled_from([1, 2, 4]),
+        window=st.integers(1, 7),
+        pages=st.integers(6, 16),
+        wpages=st.integers(5, 12),
+        mode=st.sampled_from(["merge", "precise", "leaf"]),
+        retain=st.sampled_from(["ends", "all"]),
+    )
+    def setup(self, page, window, pages, wpages, mode, retain="ends"):
+        wsize = max(wpages * page, 4 * (window + 3 * page) + 8)  # every request's peak fits
+        self.m = make(window, pages * page * 4, wsize, page, 4, 64, "lru", mode, retain)
+        self.full: dict[int, tuple] = {}  # slot -> fingerprint of the KV it holds
+        self.win: dict[int, tuple] = {}
+        self.reqs: list[Req] = []
+        self.rid = 0
+
+    def fp(self, req: Req, i: int) -> tuple:
+        return tuple(req.all_ids[: i + 1])
+
+    def check_req(self, req: Req) -> None:
+        row = self.m.req_pool.read(req.row, 0, req.kv_len).tolist()
+        for i, slot in enumerate(row):
+            assert self.full.get(slot) == self.fp(req, i), f"full slot {slot} at {i}"
+        w = self.m.window
+        for i in range(max(0, req.kv_len - w.window + 1), req.kv_len):
+            slot = int(w.table[req.row, i])
+            assert self.win.get(slot) == self.fp(req, i), f"window slot {slot} at {i}"
+
+    def compute(self, req: Req, slots: torch.Tensor) -> None:
+        start = req.kv_len - len(slots)
+        wrow = self.m.window.table[req.row]
+        for j, slot in enumerate(slots.tolist()):
+            self.full[slot] = self.win[int(wrow[start + j])] = self.fp(req, start + j)
+
+    @rule(prompt=prompts, marks=st.lists(st.integers(1, 20), max_size=2))
+    def arrive(self, prompt, marks):
+        self.rid += 1
+        req = Req(self.rid, list(prompt), boundaries=tuple(marks))
+        if self.m.admit(req):
+            self.check_req(req)
+            self.reqs.append(req)
+
+    @precondition(lambda self: self.reqs)
+    @rule(chunk=st.integers(1, 9), data=st.data())
+    def step_all(self, chunk, data):
+        batch, counts = [], []
+        for req in self.reqs:
+            if req.kv_len < len(req.input_ids):
+                counts.append(min(chunk, len(req.input_ids) - req.kv_len))
+            elif req.num_tokens < 44:
+                if req.kv_len == req.num_tokens:
+                    req.output_ids.append(data.draw(st.integers(0, 2)))
+                counts.append(req.num_tokens - req.kv_len)
+            else:
+                continue
+            batch.append(req)
+        slots = self.m.allocate_batch(batch, counts)
+        if slots is None:  # short: preempt the newest
+            self.m.abort(self.reqs.pop())
+            return
+        for req, part in zip(batch, torch.split(slots, counts), strict=True):
+            self.compute(req, part)
+        self.m.cache_unfinished_batch(batch)
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def step_one(self, data):
+        req = data.draw(st.sampled_from(self.reqs))
+        if req.kv_len < len(req.input_ids):
+            n = min(5, len(req.input_ids) - req.kv_len)
+        elif req.num_tokens < 44:
+            req.output_ids.append(data.draw(st.integers(0, 2)))
+            n = 1
+        else:
+            return
+        slots = self.m.allocate(req, n)
+        if slots is None:
+            self.m.abort(req)
+            self.reqs.remove(req)
+            return
+        self.compute(req, slots)
+        self.m.cache_unfinished_req(req)
+
+    @precondition(lambda self: self.reqs)
+    @rule()
+    def finish_all(self):
+        done = [r for r in self.reqs if r.kv_len >= len(r.input_ids) and r.kv_len == r.num_tokens]
+        self.m.cache_finished_batch(done)
+        self.reqs = [r for r in self.reqs if r.admitted]
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def abort(self, data):
+        req = data.draw(st.sampled_from(self.reqs))
+        self.m.abort(req)
+        self.reqs.remove(req)
+
+    @rule(n=st.integers(1, 30), window=st.booleans())
+    def evict(self, n, window):
+        if window:
+            self.m.window.component.evict(n)
+        else:
+            self.m.cache.evict(n)
+
+    @rule(
+        data=st.data(),
+        site=st.sampled_from(SITES),
+        space=st.sampled_from(["full", "window"]),
+        op=st.sampled_from(["arrive", "step_all", "step_one", "finish_all", "abort"]),
+        after=st.integers(0, 2),
+    )
+    def fault(self, data, site, space, op, after):
+        """An operation while a call it makes raises midway: nothing leaks, and every
+        request still reads its own KV."""
+        if site in ("match_parts", "insert_node"):
+            target = self.m.cache
+        else:
+            target = self.m.allocator if space == "full" else self.m.window.allocator
+        with inject_fault(target, site, after):
+            try:
+                if op == "arrive":
+                    self.arrive(data.draw(prompts), [])
+                elif op == "finish_all":
+                    self.finish_all()
+                elif op == "step_all" and self.reqs:
+                    self.step_all(3, data)
+                elif self.reqs:
+                    getattr(self, op)(data)
+            except InjectedFault:
+                pass
+        self.reqs = [r for r in self.reqs if r.admitted]
+        self.m.window.component.flush()  # a failed window free is retried
+
+    @invariant()
+    def exact(self):
+        if hasattr(self, "m"):
+            self.m.check_memory()
+            self.m.cache.check_integrity()
+            for r in self.reqs:
+                self.check_req(r)
+
+
+WindowLifecycleMachine.TestCase.settings = settings(
+    max_examples=120,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestWindowLifecycleMachine = WindowLifecycleMachine.TestCase
+
+
+def test_the_fingerprint_check_catches_a_stale_window_read():
+    """The machine's read check is not vacuous: a row pointing at a slot another
+    request computed fails it."""
+    machine = WindowLifecycleMachine()
+    machine.setup(page=1, window=4, pages=8, wpages=8, mode="merge", retain="ends")
+    machine.arrive(seq(5, 12), [])
+    machine.step_all(12, None)
+    req = machine.reqs[0]
+    w = machine.m.window
+    w.table[req.row, req.kv_len - 1] = np.int64(next(iter(set(machine.win) - {
+        int(w.table[req.row, req.kv_len - 1])}), 0))  # fmt: skip
+    with pytest.raises(AssertionError):
+        machine.check_req(req)
