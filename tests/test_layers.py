@@ -17,6 +17,7 @@ FORBIDDEN = {
     "blockhash": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
     "memory": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
     "lifecycle": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
+    "window_slots": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
     "retention": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
     "events": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
     "storage": ("engine", "server", "router", "sim", "cli", "web", "bench"),

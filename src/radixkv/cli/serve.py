@@ -53,6 +53,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--page-size (0: only at prompt ends, branch points and boundaries) [0]",
     )  # fmt: skip
     serve.add_argument(
+        "--window-tokens", type=number(int, 0, "a non-negative integer"), default=None,
+        help="the sliding-window layers' own KV pool (Gemma 3, Mistral, Qwen with sliding "
+        "layers): running requests keep only their last window, the cache the windows a "
+        "match can end at; 0: keep them in the full pool [sized at start; 0 with "
+        "--kv-events or tiers]",
+    )  # fmt: skip
+    serve.add_argument(
         "--max-retained-tokens", type=number(int, 0, "a non-negative integer"), default=None,
         help="prompt-cache retention (prompt_cache_options, prompt_cache_retention, "
         "breakpoints): tokens one cache_salt keeps retained; 0: off [a quarter of --kv-tokens]",
@@ -179,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
             storage_max_bytes=args.storage_max_bytes, max_checkpoints=args.max_checkpoints,
             checkpoint_every=args.checkpoint_every,
             max_retained_tokens=args.max_retained_tokens,
+            # KV events advertise whole pages: the sliding layers keep theirs unless asked
+            window_tokens=0 if args.kv_events and args.window_tokens is None
+            else args.window_tokens,
         )  # fmt: skip
         access = Access.for_bind(
             args.host, api_key=args.api_key, admin_key=args.admin_key,
@@ -192,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
         args.log_level, args.kv_events, args.kv_events_replay, access, args.kv_events_key,
         args.kv_events_mode == "tokens",
     )  # fmt: skip
+    if args.kv_events and args.window_tokens:
+        raise CliError("--window-tokens: KV events advertise whole pages, and with the "
+                       "sliding layers' KV apart a page is servable only where a window "
+                       "is kept; use --window-tokens 0 with --kv-events")  # fmt: skip
     if args.kv_events:
         problem = exposure_problem(args.kv_events, args.kv_events_replay, args.kv_events_insecure)
         if problem:
@@ -208,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
     where = f"http://{args.host}:{args.port}/v1"
     print(f"radixkv serve: {name} ({aeng.engine.model_name}) on {where} (Ctrl-C stops)",
           file=sys.stderr, flush=True)  # fmt: skip
+    for line in aeng.engine.memory_summary():
+        print(f"  {line}", file=sys.stderr, flush=True)
     server.run()
     if not server.started:
         raise CliError(f"--port: could not listen on {args.host}:{args.port}")

@@ -51,6 +51,17 @@ class EngineConfig:
             a quarter of ``kv_tokens``; 0: retention off. All namespaces together keep
             at most this or a quarter of ``kv_tokens``, whichever is more (a client can
             choose many salts).
+        window_tokens: the sliding-window layers' KV pool in tokens, on a model that has
+            them (Gemma 3, Mistral, Qwen with ``use_sliding_window``): their KV lives in
+            a slot space of its own, a running request keeps only its last window and
+            the prefix cache only the windows a match can end at
+            (`radixkv.window_slots`). ``None``: sized at start (a quarter of
+            ``kv_tokens``, at least every running request's last window and one
+            chunk, at most ``kv_tokens``; kept in the full pool when even that is less
+            than one request needs, or with host / store tiers, which store whole
+            pages); 0: keep the sliding layers' KV in the full pool, unfreed. A pool
+            too small for every running request's window costs preemptions, not
+            progress (`radixkv.engine.scheduler`).
         storage_secret: a secret shared by the engines of one store: every page carries
             a MAC under it and a page whose MAC fails is a counted miss. ``None``:
             ``RADIXKV_STORAGE_SECRET`` from the environment, if set.
@@ -76,6 +87,7 @@ class EngineConfig:
     max_checkpoints: int = 64  # recurrent-state checkpoints held (models with them)
     checkpoint_every: int = 0  # tokens; recurrent models also checkpoint on this grid
     max_retained_tokens: int | None = None  # per namespace; None: kv_tokens // 4
+    window_tokens: int | None = None  # sliding layers' own pool; None: sized at start
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -102,6 +114,11 @@ class EngineConfig:
                              f"({self.page_size}), got {self.checkpoint_every}")  # fmt: skip
         if self.max_retained_tokens is not None:
             as_count(self.max_retained_tokens, "max_retained_tokens")
+        if self.window_tokens is not None:
+            as_count(self.window_tokens, "window_tokens")
+            if self.window_tokens and (self.storage is not None or self.host_tokens):
+                raise ValueError("window_tokens: host and store tiers keep whole pages "
+                                 "of every layer; use 0 (or None) with them")  # fmt: skip
         as_bool(self.prefix_cache, "prefix_cache")
         as_bool(self.check_memory, "check_memory")
         as_count(self.seed, "seed")

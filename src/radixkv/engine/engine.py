@@ -150,13 +150,12 @@ class Engine:
             self.recurrent = RecurrentStates(self.model, cfg.max_running, cfg.max_checkpoints,
                                              cfg.checkpoint_every // cfg.page_size)  # fmt: skip
             components = (self.recurrent.component,)
-            log.info("recurrent states: %d rows of %.2f MiB (%d requests, %d checkpoints "
-                     "+ spares), KV for %d of %d layers", cfg.max_running + self.recurrent.rows,
-                     self.recurrent.states.nbytes_per_row() / 2**20, cfg.max_running,
-                     cfg.max_checkpoints, self.config.kv_layers,
-                     self.config.num_hidden_layers)  # fmt: skip
         memory = build_memory(cfg, self.config, self.device, components)
         self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
+        self.window = memory.window  # the sliding layers' own slot space, if any
+        self.why_not_window = memory.why_not_window
+        for line in self.memory_summary():
+            log.info("%s", line)
         self.scheduler = Scheduler(cfg, self.mgr)
         retained = cfg.max_retained_tokens
         retained = cfg.kv_tokens // 4 if retained is None else retained
@@ -169,7 +168,7 @@ class Engine:
         self.scheduler.on_admit = self._admitted
         if self.recurrent is not None:
             self.scheduler.on_leave = self.recurrent.release
-        self.runner = ModelRunner(self.model, self.kv, self.device)
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.window)
         self.outputs = OutputProcessor(self.tokenizer)
         self.counters = EngineCounters()
         self.requests: dict[Any, EngineReq] = {}  # unfinished requests by id
@@ -188,6 +187,31 @@ class Engine:
                 host_states = cfg.max_checkpoints if cfg.host_tokens else 0
                 self.recurrent.tiers = StateTiers(self.tier, self.recurrent, self.cache,
                                                   host_states)  # fmt: skip
+
+    def memory_summary(self) -> list[str]:
+        """The pools as sized at start, one line each: full-attention KV, the sliding
+        layers' window KV, recurrent states (what ``radixkv serve`` prints)."""
+        mib = 2**-20
+        kv, a = self.kv, self.mgr.allocator
+        full_layers = kv.num_layers - len(kv.window_layers)
+        lines = [f"full-attention KV: {a.size:,} tokens x {full_layers} layers = "
+                 f"{a.size * kv.bytes_per_token() * mib:,.1f} MiB"]  # fmt: skip
+        if self.window is not None:
+            w = self.window
+            lines.append(f"sliding-window KV: {w.allocator.size:,} tokens x "
+                         f"{len(kv.window_layers)} layers = "
+                         f"{w.allocator.size * kv.window_bytes_per_token() * mib:,.1f} MiB "
+                         f"(window {w.window}: a running request keeps its last window; "
+                         f"cached windows stay while there is room, those no match end "
+                         f"needs go first)")  # fmt: skip
+        elif self.why_not_window:
+            lines.append(f"sliding-window KV: in the full pool ({self.why_not_window})")
+        if self.recurrent is not None:
+            rec = self.recurrent
+            rows = self.engine_config.max_running + rec.rows
+            lines.append(f"recurrent states: {rows} rows x {rec.row_size * mib:.2f} MiB = "
+                         f"{rows * rec.row_size * mib:,.1f} MiB")  # fmt: skip
+        return lines
 
     def _admitted(self, r: EngineReq) -> None:
         """A request was just admitted: a recurrent model copies its state; a retained
@@ -237,6 +261,11 @@ class Engine:
         (`radixkv.engine.recurrent`), never the pages between."""
         from radixkv.events import EventCollector
 
+        if self.window is not None:
+            raise ValueError("KV events advertise whole pages, but this engine frees the "
+                             "sliding layers' KV outside the windows it keeps (a page is "
+                             "servable only where a window is): use window_tokens=0 "
+                             "(serve --window-tokens 0) with KV events")  # fmt: skip
         collector = EventCollector(salt_key, tokens, arrays)
         if self.recurrent is not None:
             self.recurrent.publish(collector)
@@ -260,7 +289,7 @@ class Engine:
             return self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
             ids = self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
-            if self.recurrent is None:  # only checkpoints use the marks: skip a render
+            if self.recurrent is None and self.window is None:  # only they use the marks
                 return ids
             return self.chat_boundaries(prompt, ids)  # type: ignore[arg-type]
         ids = []

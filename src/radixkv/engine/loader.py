@@ -30,6 +30,9 @@ from radixkv.engine.weights import load_hf_folder, random_model
 from radixkv.lifecycle import CacheManager
 from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.tree import RadixCache
+from radixkv.tree.window import WindowKV
+from radixkv.units import align_down, align_up
+from radixkv.window_slots import WindowSlots
 
 log = logging.getLogger("radixkv.engine")
 
@@ -83,6 +86,56 @@ class Memory:
     cache: RadixCache
     kv: KVPool
     mgr: CacheManager
+    window: WindowSlots | None = None  # the sliding layers' own slot space, if any
+    why_not_window: str = ""  # why a model with sliding layers keeps them in the full pool
+
+
+@dataclass
+class WindowPlan:
+    """Where a model's sliding-window layers keep their KV."""
+
+    layers: tuple[int, ...] = ()  # the sliding layers whose KV lives apart (none: kept whole)
+    window: int = 0  # their longest window
+    tokens: int = 0  # the window pool's size
+    why_not: str = ""  # why sliding layers stay in the full pool, when they do
+
+
+def plan_windows(cfg: EngineConfig, mc: ModelConfig) -> WindowPlan:
+    """Whether (and how large) a window slot space for the sliding layers
+    (`EngineConfig.window_tokens`).
+
+    Raises:
+        ValueError: an explicit ``window_tokens`` too small for one request's window and
+            chunk, or asked for a model without sliding layers' KV to free.
+    """
+    windows = tuple(getattr(mc, "windows", ()) or ())
+    layers = tuple(i for i, w in enumerate(windows) if w)
+    asked = cfg.window_tokens
+    if not layers or max(windows) >= cfg.max_context_len:
+        if asked:
+            raise ValueError(f"window_tokens: {mc.architecture} has no sliding-window layer "
+                             f"shorter than max_context_len={cfg.max_context_len}")  # fmt: skip
+        return WindowPlan()
+    if asked == 0:
+        return WindowPlan(why_not="window_tokens=0")
+    if asked is None and (cfg.storage is not None or cfg.host_tokens):
+        return WindowPlan(why_not="host / store tiers keep whole pages of every layer")
+    window, p = max(windows), cfg.page_size
+    span, chunk = align_up(window, p), align_up(cfg.chunk_size, p)
+    peak = 2 * span + 2 * p + chunk  # one request's windows, partial page and chunk (alone)
+    size = asked
+    if size is None:  # one request computing a chunk, and every other one's last window
+        every = peak + (cfg.max_running - 1) * (span + p)
+        size = min(cfg.kv_tokens, max(cfg.kv_tokens // 4, every))
+    size = align_down(size, p)
+    if size < peak:
+        if asked is not None:
+            raise ValueError(f"window_tokens must hold one request's window and chunk "
+                             f"(window {window}, chunk_size {cfg.chunk_size}, page "
+                             f"{p}): at least {peak}, got {asked}")  # fmt: skip
+        return WindowPlan(why_not=f"kv_tokens={cfg.kv_tokens} is less than one request's "
+                                  f"window and chunk ({peak})")  # fmt: skip
+    return WindowPlan(layers, window, size)
 
 
 def build_memory(
@@ -90,8 +143,16 @@ def build_memory(
 ) -> Memory:
     """Pools sized by ``cfg`` for a model of config ``mc``, and the cache. The engine
     locks every node it keeps right after matching or inserting it, so it opts in to
-    chain merging (LRU) and precise eviction (see `radixkv.tree`)."""
+    chain merging (LRU) and precise eviction (see `radixkv.tree`). Sliding-window layers
+    get a slot space of their own, as `plan_windows` decides."""
     allocator = TokenToKVPoolAllocator(cfg.kv_tokens, cfg.page_size, device=device)
+    plan = plan_windows(cfg, mc)
+    walloc = wkv = None
+    if plan.layers:
+        walloc = TokenToKVPoolAllocator(plan.tokens, cfg.page_size, device=device)
+        # windows stay while the pool has room; under pressure the spare go first
+        wkv = WindowKV(plan.window, walloc, retain="all")
+        components = (*components, wkv)
     cache = RadixCache(
         cfg.page_size,
         cfg.eviction_policy,
@@ -103,10 +164,13 @@ def build_memory(
     req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=device)
     kv = KVPool(
         getattr(mc, "kv_layers", mc.num_hidden_layers), mc.num_key_value_heads, mc.head_dim,
-        allocator.size, cfg.dtype,
-        device,
+        allocator.size, cfg.dtype, device, plan.layers, plan.tokens,
     )  # fmt: skip
-    return Memory(allocator, cache, kv, CacheManager(cache, allocator, req_pool))
+    window = None
+    if wkv is not None and walloc is not None:
+        window = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, plan.window)
+    mgr = CacheManager(cache, allocator, req_pool, window)
+    return Memory(allocator, cache, kv, mgr, window, plan.why_not)
 
 
 def model_identity(
@@ -135,4 +199,12 @@ def build_tiers(cfg: EngineConfig, memory: Memory, identity: bytes) -> Any:
     )  # fmt: skip
 
 
-__all__ = ["Memory", "build_memory", "build_tiers", "load_model", "load_tokenizer"]
+__all__ = [
+    "Memory",
+    "WindowPlan",
+    "build_memory",
+    "build_tiers",
+    "load_model",
+    "load_tokenizer",
+    "plan_windows",
+]

@@ -12,13 +12,18 @@ import torch
 from radixkv.engine.models.base import ForwardBatch
 from radixkv.engine.request import EngineReq
 from radixkv.memory import KVPool, ReqToTokenPool
+from radixkv.window_slots import WindowSlots
 
 
 class ModelRunner:
-    """Runs the model over a ragged batch whose KV lives in ``kv`` by slot."""
+    """Runs the model over a ragged batch whose KV lives in ``kv`` by slot (the sliding
+    layers' by the slots of ``window``, when they live apart)."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVPool, device: torch.device) -> None:
-        self.model, self.kv, self.device = model, kv, device
+    def __init__(
+        self, model: torch.nn.Module, kv: KVPool, device: torch.device,
+        window: WindowSlots | None = None,
+    ) -> None:  # fmt: skip
+        self.model, self.kv, self.device, self.window = model, kv, device, window
 
     def forward(
         self,
@@ -48,7 +53,26 @@ class ModelRunner:
             [r.row for r, _ in plan],
             list(snapshots),
         )
+        if self.window is not None:
+            batch.window = self._window_batch(plan, batch)
         return self.model(batch, self.kv)  # the model runs under inference_mode
+
+    def _window_batch(self, plan: list[tuple[EngineReq, int]], batch: ForwardBatch) -> ForwardBatch:
+        """The batch in the window slot space: each sequence's window slots from the
+        first key its first new token sees (``window - 1`` back) to its end."""
+        win = self.window
+        assert win is not None
+        out, ctx = [], []
+        for r, n in plan:
+            start = r.kv_len - n
+            lo = max(0, start - win.window + 1)
+            slots = torch.from_numpy(win.table[r.row, lo : r.kv_len])
+            if self.device.type != "cpu":
+                slots = slots.to(self.device)
+            ctx.append(slots)
+            out.append(slots[start - lo :])
+        return ForwardBatch(batch.input_ids, batch.positions, torch.cat(out), batch.extend_lens,
+                            ctx, batch.state_slots)  # fmt: skip
 
     @staticmethod
     def sample(r: EngineReq, logits: torch.Tensor) -> int:

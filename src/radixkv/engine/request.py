@@ -157,8 +157,8 @@ class EngineReq(Req):
     # per output token (with sampling.logprobs): (its logprob, [(token, logprob), ...])
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     # recurrent models (radixkv.engine.recurrent): positions to snapshot the state at
-    # during the prefill with why each, and the snapshots taken but not yet in the tree
-    boundaries: tuple[int, ...] = ()  # positions worth a checkpoint (MarkedIds)
+    # during the prefill with why each (Req.boundaries among them), and the snapshots
+    # taken but not yet in the tree
     snap_plan: list[tuple[int, str]] = field(default_factory=list)
     snap_rows: list[tuple[int, int, str]] = field(default_factory=list)
     retain: tuple[tuple[int, float], ...] = ()  # CacheSpec.retain

@@ -19,9 +19,12 @@ clients wait (a request of 128 choices once held 31 of 32 slots for 65 s).
 
 Progress: a request is admitted only if it fits the pool alone (``add`` refuses one
 that never can), and preemption always picks the newest request, so the oldest running
-request always advances and no request is preempted forever. Retained prefixes
-(`radixkv.retention`) never block that: they are released (``relieve``) before a decode
-preempts, and when a request alone cannot be admitted or get its chunk's slots.
+request always advances and no request is preempted forever. When no request can run
+at all (every prefill chunk waits for memory the others hold, as in a window pool
+smaller than every running request's windows: `radixkv.window_slots`), the newest
+yields too. Retained prefixes (`radixkv.retention`) never block that: they are released
+(``relieve``) before a decode preempts, and when a request alone cannot be admitted or
+get its chunk's slots.
 
 Owns: the waiting and running queues, admission, the batch plan, preemption, and the one
 fit check. Must not touch: the model, outputs.
@@ -78,6 +81,7 @@ class Scheduler:
         # frees retained prefixes to make at least n more tokens evictable (returns how
         # many it made): called when a request cannot run otherwise (radixkv.retention)
         self.relieve: Callable[[int], int] | None = None
+        self._window_reserved = 0  # window slots this step's admissions reserved
 
     def max_tokens(self) -> int:
         """The most tokens (prompt + output) one request may need: it must fit the
@@ -141,6 +145,7 @@ class Scheduler:
                 if r.prefilling:
                     in_flight.insert(RadixKey(r.token_array(), r.extra_key)[: len(r.input_ids)])
         admitted = []
+        self._window_reserved = 0
         cap = max(1, int(cfg.max_running * GROUP_SHARE))
         groups = Counter(r.group for r in self.running if r.group is not None)
         for r in order:
@@ -155,7 +160,9 @@ class Scheduler:
             need = r.num_tokens - hits[id(r)] + mgr.allocator.page_size
             if need > mgr.available_tokens() and not self.running and self.relieve is not None:
                 self.relieve(need - mgr.available_tokens())  # retention never blocks it
-            if need > mgr.available_tokens() or not mgr.admit(r):
+            if need > mgr.available_tokens() or not self._window_room(r, hits[id(r)]):
+                break
+            if not mgr.admit(r):
                 break
             if self.on_admit is not None:
                 self.on_admit(r)
@@ -170,6 +177,21 @@ class Scheduler:
         if admitted:
             gone = {id(r) for r in admitted}
             self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+
+    def _window_room(self, r: EngineReq, hit: int) -> bool:
+        """With the sliding layers' KV apart (`radixkv.window_slots`): the window pool
+        has room for the request's window and first chunk besides what this step's
+        earlier admissions reserved (so requests admitted together cannot starve each
+        other's windows). Reserves it."""
+        win = self.mgr.window
+        if win is None:
+            return True
+        need = win.peak(min(r.num_tokens - hit, self.config.chunk_size))
+        reserved = self._window_reserved
+        if need + reserved > win.available(need + reserved):
+            return False
+        self._window_reserved = reserved + need
+        return True
 
     def _plan(self) -> Plan:
         budget = self.config.chunk_size
@@ -221,6 +243,11 @@ class Scheduler:
             if prefill:
                 budget -= n
             plan.append((r, n))
+        if not plan and len(self.running) > 1:
+            # every chunk waits for memory the others hold: the newest yields, so the
+            # oldest runs (alone at worst, where it always fits)
+            self.preempt(max(self.running, key=lambda q: q.order))
+            return self._plan()
         return plan
 
     # --- moving requests ------------------------------------------------------------------

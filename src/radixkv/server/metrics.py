@@ -72,6 +72,23 @@ class EngineCollector(Collector):
             (CounterMetricFamily, "prompt_cache_retain_refused", "Prefixes asked for but not "
              "retained (over the quota alone, or not cached)", e.retention.refused),
         ]  # fmt: skip
+        full_bytes = e.cache.total_size() * e.kv.bytes_per_token()
+        values.append((GaugeMetricFamily, "prefix_cache_kv_bytes", "Bytes of full-attention "
+                       "KV held by the prefix cache", full_bytes))  # fmt: skip
+        win = e.window
+        if win is not None:  # sliding layers with their own slot space
+            held = win.component.held_units()
+            values += [
+                (GaugeMetricFamily, "prefix_cache_window_tokens", "Tokens of sliding-window "
+                 "KV held by the prefix cache", held),
+                (GaugeMetricFamily, "prefix_cache_window_bytes", "Bytes of sliding-window KV "
+                 "held by the prefix cache", held * e.kv.window_bytes_per_token()),
+                (GaugeMetricFamily, "window_kv_usage_perc", "Fraction of the sliding-window "
+                 "KV pool in use (running requests and cached windows)",
+                 1.0 - win.allocator.available_size() / win.allocator.size),
+                (CounterMetricFamily, "window_kv_evicted_tokens", "Sliding-window KV tokens "
+                 "the cache freed to make room (its matches end earlier there)", win.evicted),
+            ]  # fmt: skip
         rec = e.recurrent
         if rec is not None:  # a model with recurrent layers: its state checkpoints
             comp = rec.component
@@ -80,8 +97,6 @@ class EngineCollector(Collector):
                  "the prefix cache", len(comp.held)),
                 (GaugeMetricFamily, "state_checkpoint_bytes", "Bytes of the recurrent-state "
                  "checkpoints held", len(comp.held) * rec.states.nbytes_per_row()),
-                (GaugeMetricFamily, "prefix_cache_kv_bytes", "Bytes of full-attention KV held "
-                 "by the prefix cache", e.cache.total_size() * e.kv.bytes_per_token()),
                 (CounterMetricFamily, "state_checkpoint_hits", "Requests started from a "
                  "checkpoint's state", comp.hits),
                 (CounterMetricFamily, "state_checkpoints_evicted", "Checkpoints evicted to "

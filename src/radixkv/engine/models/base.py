@@ -100,6 +100,11 @@ class ForwardBatch:
             recurrent layers; the request table's row).
         snapshots: ``(sequence, new tokens, row)``: copy that sequence's recurrent
             state after that many of its new tokens to that row, during the pass.
+        window: the same tokens in the sliding layers' slot space, when their KV lives
+            apart (`radixkv.window_slots`): ``out_slots`` there, and per sequence the
+            window slots of only its last context tokens a new token can see (its
+            window less one, and the new ones), ``kv_slots[i]`` ending at the same
+            position; ``None``: every layer uses the slots above.
     """
 
     input_ids: torch.Tensor
@@ -109,6 +114,12 @@ class ForwardBatch:
     kv_slots: list[torch.Tensor]
     state_slots: list[int] = field(default_factory=list)
     snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    window: ForwardBatch | None = None
+
+    def for_layer(self, window: int) -> ForwardBatch:
+        """The batch as a layer with sliding window ``window`` (0: full attention)
+        reads and writes its KV: the window view when sliding layers live apart."""
+        return self.window if window and self.window is not None else self
 
     @property
     def first_positions(self) -> list[int]:

@@ -7,8 +7,10 @@ optional final-logit soft-capping (attention-logit soft-capping is refused: tran
 Gemma 3 does not apply it). Parameter names follow transformers' ``Gemma3ForCausalLM``,
 so its state dicts load as they are.
 
-Window layers' KV outside the window stays in the pool (shared by the prefix cache as
-any KV); attention reads only the window.
+Window layers read and write their KV through ``ForwardBatch.for_layer``: in a slot space
+of their own when the engine frees their KV outside the window
+(`radixkv.window_slots`), else beside the global layers'; attention reads only the
+window either way.
 
 Owns: Gemma 3's hyper-parameters, layers and forward pass. Must not touch: the KV pool's
 layout (it reads and writes by slot), the cache.
@@ -180,9 +182,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.nkv, self.hd)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        pool.write(self.layer_id, batch.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
+        b = batch.for_layer(self.window)
+        pool.write(self.layer_id, b.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
         read = lambda slots: pool.read(self.layer_id, slots)  # noqa: E731
-        return self.o_proj(attend(q, batch, read, self.window, self.scale))
+        return self.o_proj(attend(q, b, read, self.window, self.scale))
 
 
 class DecoderLayer(nn.Module):

@@ -216,8 +216,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        pool.write(self.layer_id, batch.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
-        out = attend(q, batch, lambda slots: pool.read(self.layer_id, slots), self.window)
+        b = batch.for_layer(self.window)
+        pool.write(self.layer_id, b.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
+        out = attend(q, b, lambda slots: pool.read(self.layer_id, slots), self.window)
         return self.o_proj(out)
 
 

@@ -1,0 +1,172 @@
+"""The engine on models with sliding-window layers whose KV lives in a pool of its own
+(`radixkv.window_slots`): Gemma 3 (sliding and global layers) and Mistral (every layer
+sliding), from tiny random folders transformers writes. Outputs equal transformers' and
+an engine that keeps every window, under window-pool pressure, chunked prefill,
+preemption, sampling and ``n`` choices; a running request holds only its last window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_families import folder, greedy
+
+from radixkv.engine.engine import Engine, SamplingParams
+
+GEMMA = ("Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 10,
+                               "layer_types": ["sliding_attention", "full_attention"]})  # fmt: skip
+MISTRAL = ("MistralForCausalLM", {"sliding_window": 12})
+
+
+@pytest.fixture(scope="module", params=[GEMMA, MISTRAL], ids=["gemma3", "mistral"])
+def model(request, tmp_path_factory):
+    arch, config = request.param
+    return arch, folder(tmp_path_factory.mktemp(arch) / "ckpt", arch, **config)
+
+
+def prompts(n=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    stems = [torch.randint(3, 384, (k,), generator=g).tolist() for k in (40, 70)]
+    return [stems[i % 2] + torch.randint(3, 384, (5 + 7 * i,), generator=g).tolist()
+            for i in range(n)]  # fmt: skip
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_outputs_equal_keeping_every_window_under_pressure(model, page):
+    """A window pool barely larger than one request's window and chunk: windows are
+    evicted and requests preempted, and every token is what an engine that keeps all
+    window KV (and transformers) computes, greedy and seeded."""
+    arch, path = model
+    small = dict(page_size=page, chunk_size=16, max_running=4, kv_tokens=640, check_memory=True)
+    split = Engine(str(path), window_tokens=4 * 16 + 64 if page == 16 else 60, **small)
+    whole = Engine(str(path), window_tokens=0, **small)
+    assert split.window is not None and whole.window is None
+    ps = prompts()
+    for temperature in (0.0, 0.8):
+        a = split.generate(ps, max_new_tokens=20, temperature=temperature, chat=False,
+                           ignore_eos=True)  # fmt: skip
+        b = whole.generate(ps, max_new_tokens=20, temperature=temperature, chat=False,
+                           ignore_eos=True)  # fmt: skip
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert a.stats.cached_tokens > 0
+    assert split.window.evicted > 0  # the pool was short: cached windows gave way,
+    assert split.scheduler.preemptions > 0  # and requests waiting on windows yielded
+    import transformers
+
+    reference = getattr(transformers, arch).from_pretrained(path).eval()
+    last = split.generate(ps[:2], max_new_tokens=20, chat=False, ignore_eos=True)
+    for p, out in zip(ps[:2], last.outputs, strict=True):
+        assert out.token_ids == greedy(reference, p, 20)
+
+
+def test_a_running_request_holds_only_its_last_window(model):
+    _, path = model
+    engine = Engine(str(path), page_size=1, chunk_size=32, check_memory=True)
+    win = engine.window
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    rid = engine.add_request(list(range(3, 300)), params, chat=False)
+    req = engine.requests[rid]
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        if req.admitted:
+            most = max(most, int(win.own[req.row].sum()))
+    assert 0 < most <= win.peak(32) < 100  # not the 357 tokens of its context
+    # the cache keeps all of it while there is room, and frees the spare under pressure
+    comp = win.component
+    assert comp.held_units() >= 300
+    comp.evict_spare(10**6)
+    assert comp.held_units() == win.span  # one window: the end a match can use
+    again = engine.generate([list(range(3, 300)) + req.output_ids + [5]], max_new_tokens=2,
+                            chat=False)  # fmt: skip
+    assert again.outputs[0].cached_tokens == 356
+
+
+def test_n_choices_and_a_shared_prefix_in_one_batch(model):
+    _, path = model
+    split = Engine(str(path), page_size=16, chunk_size=24, check_memory=True)
+    whole = Engine(str(path), page_size=16, chunk_size=24, window_tokens=0)
+    ids = prompts(1)[0]
+    outs = []
+    for e in (split, whole):
+        rids = [e.add_request(ids, SamplingParams(max_new_tokens=16, temperature=1.0, seed=s,
+                                                  ignore_eos=True), group="g", chat=False)
+                for s in range(4)]  # fmt: skip
+        done: dict = {}
+        while e.has_unfinished():
+            for o in e.step():
+                done.setdefault(o.rid, []).extend(o.token_ids)
+        outs.append([done[r] for r in rids])
+    assert outs[0] == outs[1]
+
+
+def test_window_tokens_is_checked(model, tmp_path):
+    _, path = model
+    with pytest.raises(ValueError, match="window_tokens must hold one request's window"):
+        Engine(str(path), page_size=16, chunk_size=64, window_tokens=32)
+    with pytest.raises(ValueError, match="window_tokens: host and store tiers"):
+        Engine(str(path), host_tokens=256, window_tokens=512)
+    tiers = Engine(str(path), host_tokens=256)  # tiers keep whole pages: kept whole
+    assert tiers.window is None and "tiers" in tiers.memory_summary()[-1]
+    with pytest.raises(ValueError, match="window_tokens: LlamaForCausalLM has no sliding"):
+        Engine("random", window_tokens=512)
+    with pytest.raises(ValueError, match="window_tokens=0"):
+        Engine(str(path)).publish_kv_events(lambda batch: None)
+    Engine(str(path), window_tokens=0).publish_kv_events(lambda batch: None)
+
+
+def test_the_pools_are_sized_per_layer_type_and_said(model):
+    arch, path = model
+    engine = Engine(str(path), kv_tokens=4096, max_running=4, chunk_size=64)
+    lines = engine.memory_summary()
+    kv = engine.kv
+    full_layers = 0 if arch.startswith("Mistral") else 1
+    assert lines[0].startswith(f"full-attention KV: 4,096 tokens x {full_layers} layers")
+    assert lines[1].startswith("sliding-window KV: 1,024 tokens x")  # a quarter, by default
+    assert kv.k[kv.window_layers[0]].shape[0] == 1024
+    assert all(kv.k[i].shape[0] == 4096 for i in range(kv.num_layers) if i not in kv.window_layers)
+
+
+def test_served_with_the_openai_client(tmp_path):
+    """`radixkv serve` on a Gemma 3 folder, the official client: the pools' sizes are
+    printed at start, a chat sharing a long system message hits it, and /metrics shows
+    the window KV the cache holds; KV events with window freeing are refused."""
+    import re
+    import subprocess
+    import sys
+
+    import httpx
+    import openai
+
+    from radixkv.web.process import ServerProcess
+
+    arch, config = GEMMA
+    path = folder(tmp_path / "ckpt", arch, **config)
+    log = tmp_path / "stderr.txt"
+    args = ["--model", str(path), "--page-size", "16", "--kv-tokens", "4096",
+            "--window-tokens", "1024", "--check-memory"]  # fmt: skip
+    with log.open("w") as err, ServerProcess(*args, timeout=90, stderr=err) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        system = {"role": "system", "content": "Answer in one short sentence. " * 6}
+        cached = []
+        for question in ("A colour?", "A fruit?"):
+            out = client.chat.completions.create(
+                model=model, messages=[system, {"role": "user", "content": question}],
+                max_tokens=3, temperature=0,
+            )  # fmt: skip
+            cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        text = httpx.get(f"{srv.url}/metrics").text
+    assert cached[0] == 0 and cached[1] >= 160
+    printed = log.read_text()
+    assert "full-attention KV: 4,096 tokens x 1 layers" in printed
+    assert "sliding-window KV: 1,024 tokens x 1 layers" in printed
+    held = re.search(r"radixkv:prefix_cache_window_tokens\{[^}]*\} ([0-9.]+)", text)
+    size = re.search(r"radixkv:prefix_cache_window_bytes\{[^}]*\} ([0-9.e+]+)", text)
+    assert held and float(held.group(1)) > 0 and size and float(size.group(1)) > 0
+    assert re.search(r"radixkv:window_kv_usage_perc\{[^}]*\} ", text)
+    bad = subprocess.run(
+        [sys.executable, "-m", "radixkv.cli", "serve", "--model", str(path), "--kv-events",
+         "tcp://127.0.0.1:5999", "--window-tokens", "1024"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --window-tokens")
