@@ -1,4 +1,5 @@
-"""Shared test helpers: a recording allocator and a full snapshot of a cache's state."""
+"""Shared test helpers: a recording allocator, a full snapshot of a cache's state, a
+lifecycle fuzzer's step plan, chats through the official client."""
 
 from __future__ import annotations
 
@@ -76,3 +77,35 @@ def removed_values(before: dict, after: dict) -> Counter:
     """Slot indices of the pages that left the cache (which must only shrink)."""
     assert all(k in before and before[k] == v for k, v in after.items()), "cache gained entries"
     return Counter(v for k, vals in before.items() if k not in after for v in vals)
+
+
+def step_plan(reqs: list, chunk: int, draw: Any, longest: int) -> tuple[list, list[int]]:
+    """One engine-like step for a lifecycle fuzzer: each request prefills up to ``chunk``
+    tokens or, its prompt done and under ``longest`` tokens, decodes one (``draw()``
+    samples the token fed back). Returns (requests, counts) for ``allocate_batch``."""
+    batch, counts = [], []
+    for req in reqs:
+        if req.kv_len < len(req.input_ids):
+            counts.append(min(chunk, len(req.input_ids) - req.kv_len))
+        elif req.num_tokens < longest:
+            if req.kv_len == req.num_tokens:
+                req.output_ids.append(draw())
+            counts.append(req.num_tokens - req.kv_len)
+        else:
+            continue
+        batch.append(req)
+    return batch, counts
+
+
+def cached_chats(client: Any, model: str, system: str, questions: tuple[str, ...]) -> list[int]:
+    """Chats through the official ``openai`` client, one after another, sharing a system
+    message: each one's ``cached_tokens``."""
+    cached = []
+    for question in questions:
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "system", "content": system},
+                                   {"role": "user", "content": question}],
+            max_tokens=3, temperature=0,
+        )  # fmt: skip
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+    return cached

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from helpers import content
+from helpers import content, step_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -394,17 +394,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def step_all(self, data, chunk):
         """One engine step through the batched calls: every request prefills a chunk or
         decodes a token, all allocated at once, then cached at once."""
-        batch, counts = [], []
-        for req in self.reqs:
-            if req.kv_len < len(req.input_ids):
-                counts.append(min(chunk, len(req.input_ids) - req.kv_len))
-            elif len(req.all_ids) < 40:
-                if req.kv_len == req.num_tokens:
-                    req.output_ids.append(data.draw(st.integers(0, 2)))
-                counts.append(req.num_tokens - req.kv_len)
-            else:
-                continue
-            batch.append(req)
+        draw = lambda: data.draw(st.integers(0, 2))  # noqa: E731
+        batch, counts = step_plan(self.reqs, chunk, draw, 40)
         slots = self.m.allocate_batch(batch, counts)
         if slots is None:  # short for the whole batch: preempt the newest
             self.abort_req(self.reqs[-1])

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from helpers import cached_chats
 from test_families import greedy
 
 from radixkv.engine.engine import Engine
@@ -380,14 +381,8 @@ def test_served_with_the_openai_client(folder):
             out = client.completions.create(model=model, prompt=shared[:300] + question,
                                             max_tokens=4, temperature=0)  # fmt: skip
             cached.append(out.usage.prompt_tokens_details.cached_tokens)
-        system = {"role": "system", "content": "Answer in one short sentence. " * 6}
-        chats = []
-        for question in ("A colour?", "A fruit?"):
-            out = client.chat.completions.create(
-                model=model, messages=[system, {"role": "user", "content": question}],
-                max_tokens=3, temperature=0,
-            )  # fmt: skip
-            chats.append(out.usage.prompt_tokens_details.cached_tokens)
+        system = "Answer in one short sentence. " * 6
+        chats = cached_chats(client, model, system, ("A colour?", "A fruit?"))
         text = httpx.get(f"{srv.url}/metrics").text
     assert cached[0] == 0 and cached[2] == 288
     # the second chat starts from the checkpoint at the system message's end

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import cached_chats
 from test_families import folder, greedy
 
 from radixkv.engine.engine import Engine, SamplingParams
@@ -147,14 +148,8 @@ def test_served_with_the_openai_client(tmp_path):
     with log.open("w") as err, ServerProcess(*args, timeout=90, stderr=err) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
-        system = {"role": "system", "content": "Answer in one short sentence. " * 6}
-        cached = []
-        for question in ("A colour?", "A fruit?"):
-            out = client.chat.completions.create(
-                model=model, messages=[system, {"role": "user", "content": question}],
-                max_tokens=3, temperature=0,
-            )  # fmt: skip
-            cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        system = "Answer in one short sentence. " * 6
+        cached = cached_chats(client, model, system, ("A colour?", "A fruit?"))
         text = httpx.get(f"{srv.url}/metrics").text
     assert cached[0] == 0 and cached[1] >= 160
     printed = log.read_text()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import step_plan
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -210,17 +211,8 @@ class WindowLifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.reqs)
     @rule(chunk=st.integers(1, 9), data=st.data())
     def step_all(self, chunk, data):
-        batch, counts = [], []
-        for req in self.reqs:
-            if req.kv_len < len(req.input_ids):
-                counts.append(min(chunk, len(req.input_ids) - req.kv_len))
-            elif req.num_tokens < 44:
-                if req.kv_len == req.num_tokens:
-                    req.output_ids.append(data.draw(st.integers(0, 2)))
-                counts.append(req.num_tokens - req.kv_len)
-            else:
-                continue
-            batch.append(req)
+        draw = lambda: data.draw(st.integers(0, 2))  # noqa: E731
+        batch, counts = step_plan(self.reqs, chunk, draw, 44)
         slots = self.m.allocate_batch(batch, counts)
         if slots is None:  # short: preempt the newest
             self.m.abort(self.reqs.pop())

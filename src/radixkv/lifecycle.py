@@ -22,8 +22,8 @@ With sliding-window layers whose KV lives in a slot space of its own (``window``
 `radixkv.window_slots.WindowSlots` beside a `WindowKV` in the tree) every step above
 does the same for a request's window slots: the match copies the tree's last window,
 allocation gives window slots too (after trimming what the request no longer needs),
-an insert offers the request's own window slots and locks its new end before
-releasing the old one (so the window on the request's path stays while it reads it),
+an insert locks its new end before releasing the old one (so the window on the
+request's path stays while it reads it) and then offers the request's own window slots,
 and the request's ``boundaries`` become marked ends that keep their window.
 
 The accounting identity, checked by `CacheManager.check_memory` after any step:
@@ -368,8 +368,11 @@ class CacheManager:
         merges chains extends that node instead of hanging a new child under it (nothing
         else runs in between: the lock is taken again on the new last node, or on the
         old one if the insert fails). With window KV it is released *after* the new end
-        is locked instead: the window slots the request reads on its path stay locked
-        throughout (`radixkv.window_slots`).
+        is locked instead, so the window slots the request reads on its path stay
+        locked throughout, and the request's window slots are offered only then, by a
+        second insert of the (now cached and locked) key: whatever the tree takes of
+        them is on the request's locked path, and a failure before it leaves them all
+        the request's own (`radixkv.window_slots`).
 
         The one call that can fail after the insert is freeing the duplicates; it runs
         before the row changes, and a failure undoes the insert (the units it added go
@@ -385,20 +388,16 @@ class CacheManager:
         early = win is None  # with window KV the old end stays locked (see the docstring)
         if early:
             self.cache.dec_lock_ref(old)
-        extras = {"window": win.offer(req.row, len(key))} if win is not None else None
         try:
             had, last = self.cache.insert_node(
                 key,
                 self._slots(req, 0, len(key)),
                 slots_checked=True,  # the allocator's
-                extras=extras,
             )
         except BaseException:
             if early:
                 self.cache.inc_lock_ref(old)  # the insert validates before it changes anything
             raise
-        if win is not None:
-            win.took(req.row)
         if had > req.cache_protected_len:  # another request cached some of it first
             # the tree went past `old` before this insert, so `old` was not merged away
             try:
@@ -406,8 +405,6 @@ class CacheManager:
             except BaseException:
                 if had < stored:
                     self.cache.detach_leaf(last, stored - had)
-                    if win is not None:
-                        win.handed_back(req.row, stored)
                 if early:
                     self.cache.inc_lock_ref(old)
                 raise
@@ -416,6 +413,9 @@ class CacheManager:
         if not early:
             self.cache.dec_lock_ref(old)
         req.last_node, req.cache_protected_len = last, stored
+        if win is not None:  # the whole key is cached and locked: offer the window
+            self.cache.insert_node(key, extras={"window": win.offer(req.row, len(key))})
+            win.took(req.row)
         return stored
 
     def _insert_marked(self, req: Req, key: RadixKey | None = None) -> None:

@@ -13,8 +13,10 @@ tree's, on the request's locked path).
                 ``align_down(kv_len, page) - span`` (`trim`): no read and no later
                 insert needs them; then a window slot for every new token, its own;
                 when short, window KV is evicted from the tree (tombstones)
-    insert      the request offers its own slots with the key (`offer`, ``-1``
-                elsewhere); those the tree takes (`took`) are the tree's from then on
+    insert      once the full-attention insert is done and the request's lock is on
+                its new end, the request offers its own slots for the key (`offer`,
+                ``-1`` elsewhere); those the tree takes (`took`) are the tree's from
+                then on, on the request's locked path
     leaving     it frees everything it still owns (`release`)
 
 Frees go through the component (``WindowKV.release``), which never raises: a free that
@@ -162,15 +164,6 @@ class WindowSlots:
         """After an insert with `offer`: what the tree took is its own."""
         taken = self.component.taken  # one entry per unit the insert stored
         self.own[row, : len(taken)] &= ~taken
-
-    def handed_back(self, row: int, end: int) -> None:
-        """After `RadixCache.detach_leaf` undid an insert ending at ``end``: the leaf's
-        window slots (``component.returned``) are the row's own again."""
-        back = self.component.returned.numpy()
-        lo = end - len(back)
-        if not np.array_equal(self.table[row, lo:end], back):
-            raise AssertionError("a detached leaf's window slots are not the row's")
-        self.own[row, lo:end] = True
 
     def release(self, row: int) -> None:
         """The request leaves: free what it owns, clear its row."""

@@ -158,7 +158,9 @@ def build_memory(
         cfg.eviction_policy,
         allocator,
         disable=not cfg.prefix_cache,
-        eviction_mode="merge" if cfg.eviction_policy == "lru" else "precise",
+        # merging joins an insert to another request's finished leaf, whose window a
+        # windowed insert (full KV first) would drop: windowed caches do not merge
+        eviction_mode="merge" if cfg.eviction_policy == "lru" and not plan.layers else "precise",
         components=components,
     )
     req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=device)

@@ -32,8 +32,6 @@ The contract (besides `radixkv.tree.component`'s):
   far as it keeps them and as far back as the caller's slots run without a hole.
   ``taken`` then says which of the caller's slots the tree owns; the caller frees the
   others (duplicates, or not needed).
-* **Detaching** (`RadixCache.detach_leaf`, undoing an insert): the leaf's window slots
-  are not freed but handed back, as its full slots are (``returned``).
 * **Pressure** (`evict`): frees window KV of unlocked nodes, least recently used first,
   whatever their windows need (their matches then end earlier); `drop` frees one node's,
   for a caller with an order of its own. Validator and recovery equal SGLang's
@@ -95,7 +93,6 @@ class WindowKV(TreeComponent):
             raise TypeError("allocator must have a free(slots) method")
         self.window, self.allocator, self.retain = window, allocator, retain
         self.taken: np.ndarray = np.zeros(0, dtype=bool)  # of the last insert's slots
-        self.returned = torch.empty(0, dtype=torch.int64)  # the last detached leaf's
         self.held = 0  # window units the tree holds
         self._freed: list[bytes] = []  # slots let go in the current operation
         self._head: tuple[TreeNode, bytes] | None = None  # a merged leaf, its parent's slots
@@ -237,8 +234,8 @@ class WindowKV(TreeComponent):
         if leaf is not None:
             w = leaf.ext[self.index] = _Win()  # type: ignore[index]
             prior = head[1] if head is not None and head[0] is leaf else _NONE
-            first = start if given is None else start + _run_start(given[start:n])
-            if first < n:  # the new units the caller has slots for, up to its end
+            first = n if given is None else start + _run_start(given[start:n])
+            if given is not None and first < n:  # the new units it has slots for, to the end
                 joins = first == start  # what came before joins the covered tail
                 w.slots = (prior if joins else _NONE) + given[first:n].tobytes()  # type: ignore[index]
                 self.taken[first:n] = True
@@ -352,12 +349,9 @@ class WindowKV(TreeComponent):
         self._flush()
 
     def detach(self, node: TreeNode) -> None:
-        # handed back to the caller with the leaf's full slots (``returned``), not freed
         w = self._w(node)
-        got = w.slots if w is not None else _NONE
-        self.held -= len(got) >> 3
-        self.returned = (torch.frombuffer(bytearray(got), dtype=torch.int64) if got
-                         else torch.empty(0, dtype=torch.int64))  # fmt: skip
+        if w is not None:
+            self._freed.append(w.slots)
         node.ext[self.index] = None  # type: ignore[index]
 
     def detached(self, node: TreeNode, parent: TreeNode) -> None:
