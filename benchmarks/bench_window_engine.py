@@ -1,0 +1,116 @@
+"""Sliding-window KV in the engine, at equal KV bytes: a tiny random Gemma-3-like model
+(5 sliding layers : 1 global, written by transformers' own ``save_pretrained``) serving
+multi-turn chats that share system prompts, two ways in the same run:
+
+* **whole**: every layer's KV in one pool (``window_tokens=0``, what the engine did
+  before), ``K`` tokens of six layers;
+* **split**: the sliding layers' KV in a pool of its own (`radixkv.window_slots`), sized
+  so that both pools together take the same bytes: ``F`` full-attention tokens and
+  ``F / 4`` window tokens, ``F × 1 + F / 4 × 5 = K × 6`` layers' worth.
+
+Each round sends every conversation's next turn at once (its history, the engine's own
+previous answer, and a new user message). Reported per budget: the token hit rate, the
+cache's KV bytes per cached token at the end (full-attention KV plus the windows it
+holds, against six layers for every token), the wall time, and whether both ways gave
+the same tokens.
+
+    python benchmarks/bench_window_engine.py [--kv-tokens 3072,6144,24576] [--chats 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DIMS = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            query_pre_attn_scalar=16, max_position_embeddings=8192)  # fmt: skip
+
+
+def write_model(root: Path, window: int) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    conf = transformers.Gemma3TextConfig(**DIMS, sliding_window=window, layer_types=types)
+    transformers.Gemma3ForCausalLM(conf).save_pretrained(root / "gemma3")
+    return root / "gemma3"
+
+
+def run(folder: Path, kv_tokens: int, window_tokens: int, args: argparse.Namespace) -> dict:
+    from radixkv.engine.engine import Engine
+
+    engine = Engine(str(folder), page_size=16, chunk_size=512, max_running=16,
+                    kv_tokens=kv_tokens, window_tokens=window_tokens,
+                    max_context_len=4096)  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    systems = [torch.randint(3, 384, (args.system,), generator=g).tolist() for _ in range(4)]
+    history = [list(systems[i % 4]) for i in range(args.chats)]
+    prompt = cached = 0
+    outputs = []
+    t0 = time.perf_counter()
+    for _ in range(args.turns):
+        for h in history:
+            h.extend(torch.randint(3, 384, (args.user,), generator=g).tolist())
+        res = engine.generate(history, max_new_tokens=args.new, chat=False, ignore_eos=True)
+        prompt += res.stats.prompt_tokens
+        cached += res.stats.cached_tokens
+        for h, out in zip(history, res.outputs, strict=True):
+            h.extend(out.token_ids)
+            outputs.append(out.token_ids)
+    wall = time.perf_counter() - t0
+    kv, cache = engine.kv, engine.cache
+    held = cache.total_size() * kv.bytes_per_token()
+    if engine.window is not None:
+        held += engine.window.component.held_units() * kv.window_bytes_per_token()
+    every_layer = kv.num_layers * kv._layer_bytes()  # a token's KV in all six layers
+    return {
+        "hit": cached / prompt,
+        "bytes_per_token": held / max(cache.total_size(), 1) / every_layer,
+        "pool_bytes": kv.nbytes(),
+        "wall": wall,
+        "outputs": outputs,
+        "preemptions": engine.scheduler.preemptions,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kv-tokens", default="3072,6144,24576",
+                   help="the whole pool's tokens (K), one run per value")  # fmt: skip
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--chats", type=int, default=24)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--system", type=int, default=256)
+    p.add_argument("--user", type=int, default=48)
+    p.add_argument("--new", type=int, default=16)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_model(Path(tmp), args.window)
+        print(f"Gemma-3-like, 5 sliding (window {args.window}) : 1 global; {args.chats} chats "
+              f"x {args.turns} turns, 4 system prompts of {args.system} tokens, "
+              f"+{args.user} user and {args.new} output tokens a turn")  # fmt: skip
+        print(
+            "| KV pools | way | tokens | hit rate | cache bytes per cached token "
+            "(x six layers) | wall s | preemptions | same tokens |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for k in (int(x) for x in args.kv_tokens.split(",")):
+            full = k * 6 * 4 // 9 // 16 * 16  # F + 5F/4 = 6K
+            whole = run(folder, k, 0, args)
+            split = run(folder, full, full // 4, args)
+            same = whole["outputs"] == split["outputs"]
+            for name, r, pools in (("whole", whole, f"{k:,}"),
+                                   ("split", split, f"{full:,} + {full // 4:,}")):  # fmt: skip
+                mib = r["pool_bytes"] / 2**20
+                print(f"| {mib:.2f} MiB | {name} | {pools} | {r['hit']:.3f} | "
+                      f"{r['bytes_per_token']:.2f} | {r['wall']:.1f} | {r['preemptions']} | "
+                      f"{'yes' if same else 'NO'} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
