@@ -2,7 +2,9 @@
 random, written by transformers' own ``save_pretrained``:
 
 1. TTFT with the prefix cache on ÷ off, requests sharing a 2,000-token prefix, against
-   the same ratio for a full-attention model of the same size (Llama) in the same run;
+   the same ratio for a full-attention model of the same size (Llama) in the same run,
+   and for a Gemma-3-like one (sliding layers with a 512-token window, their KV in a
+   pool of its own: `radixkv.window_slots`);
 2. prefill and decode tokens/s against transformers' ``generate`` on the same weights;
 3. output tokens/s with 32 requests at once, against transformers' batched ``generate``;
 4. cached tokens per request on the same prompts: the engine on the Qwen3.5 model against
@@ -45,7 +47,10 @@ def write_models(root: Path) -> dict[str, Path]:
     transformers.Qwen3_5ForCausalLM(q).save_pretrained(root / "qwen3_5")
     lc = transformers.LlamaConfig(**DIMS, max_position_embeddings=8192)
     transformers.LlamaForCausalLM(lc).save_pretrained(root / "llama")
-    return {"qwen3_5": root / "qwen3_5", "llama": root / "llama"}
+    gc = transformers.Gemma3TextConfig(**DIMS, sliding_window=512, query_pre_attn_scalar=16,
+                                       max_position_embeddings=8192)  # fmt: skip
+    transformers.Gemma3ForCausalLM(gc).save_pretrained(root / "gemma3")
+    return {"qwen3_5": root / "qwen3_5", "llama": root / "llama", "gemma3": root / "gemma3"}
 
 
 def ttft(folder: Path, cache: bool, prompts: list[list[int]]) -> float:
@@ -211,6 +216,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--new", type=int, default=65)
     p.add_argument("--only-vllm", action="store_true", help="only the comparison with vLLM")
+    p.add_argument("--only-ttft", action="store_true", help="only the TTFT table")
     args = p.parse_args()
     if args.only_vllm:
         with tempfile.TemporaryDirectory() as tmp:
@@ -229,6 +235,8 @@ def main() -> None:
             off = min(ttft(folder, False, prompts) for _ in range(args.repeats))
             print(f"  {name:8s} cache on {on * 1e3:7.1f} ms  off {off * 1e3:7.1f} ms  "
                   f"off / on {off / on:5.1f}x")  # fmt: skip
+        if args.only_ttft:
+            return
         print(f"Qwen3.5 speed, {args.prefix:,}-token prompt, {args.new} new tokens "
               f"(tok/s, best of {args.repeats}):")  # fmt: skip
         best = speed(folders["qwen3_5"], prefix, args.new, args.repeats)

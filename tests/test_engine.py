@@ -201,6 +201,19 @@ def test_sampling_is_seeded_and_bad_arguments_are_refused():
         Engine(CFG, max_context_len=16).generate(["x" * 40], max_new_tokens=4)
     with pytest.raises(ValueError, match="token ids"):
         engine.generate([[10_000]])
+
+
+@pytest.mark.parametrize(
+    "ids", [[5, True], [5, 2.0], [5, "6"], [5, None], [-1, 5], [5, CFG.vocab_size], [2**70]]
+)
+def test_bad_token_ids_are_refused_and_change_nothing(ids):
+    engine = Engine(CFG)
+    engine.generate([[1, 2, 3, 4]], max_new_tokens=1)
+    before = engine.cache.total_size()
+    with pytest.raises(ValueError, match="token ids"):
+        engine.generate([[1, 2, 3, 4, 5], ids], max_new_tokens=1)
+    assert engine.cache.total_size() == before
+    assert engine.encode([0, CFG.vocab_size - 1]) == [0, CFG.vocab_size - 1]  # both ends in
     with pytest.raises(ValueError, match="empty"):
         engine.generate([[]])
 

@@ -292,12 +292,12 @@ class Engine:
             if self.recurrent is None and self.window is None:  # only they use the marks
                 return ids
             return self.chat_boundaries(prompt, ids)  # type: ignore[arg-type]
-        ids = []
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ValueError(f"token ids must be ints, got {t!r}")
-            ids.append(t)
-        if any(not 0 <= t < self.config.vocab_size for t in ids):
+        ids = list(prompt)
+        if not all(type(t) is int for t in ids):  # the common case checked at C speed
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"token ids must be ints, got {t!r}")
+        if ids and not (min(ids) >= 0 and max(ids) < self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         marks = getattr(prompt, "boundaries", ())
         return MarkedIds(ids, marks) if marks else ids  # ids marked stay marked
