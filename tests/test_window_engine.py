@@ -100,6 +100,33 @@ def test_n_choices_and_a_shared_prefix_in_one_batch(model):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("tier", ["host", "store"])
+def test_whole_pages_go_down_the_tiers_and_come_back(model, tier, tmp_path):
+    """With tiers the sliding layers keep every page (their KV is in each stored page):
+    after the device is flushed into the host pool, or in a second engine on the same
+    store, a prompt longer than the window starts from the tier, with transformers'
+    output."""
+    import transformers
+
+    arch, path = model
+    shared = prompts(1)[0][:40] + list(range(3, 60))  # 96 tokens: many windows
+    kw = {"page_size": 16, "chunk_size": 32, "check_memory": True}
+    store = {"storage": f"file://{tmp_path}/store"}
+    engine = Engine(str(path), **({"host_tokens": 1024} if tier == "host" else store), **kw)
+    assert engine.window is None
+    engine.generate([shared + [7, 8]], max_new_tokens=4, chat=False, ignore_eos=True)
+    if tier == "host":
+        engine.flush_cache()
+        assert engine.cache.total_size() == 0
+    else:
+        engine.tier.flush()
+        engine = Engine(str(path), **store, **kw)
+    res = engine.generate([shared + [9]], max_new_tokens=8, chat=False, ignore_eos=True)
+    assert res.stats.cached_tokens == 96
+    reference = getattr(transformers, arch).from_pretrained(path).eval()
+    assert res.outputs[0].token_ids == greedy(reference, shared + [9], 8)
+
+
 def test_window_tokens_is_checked(model, tmp_path):
     _, path = model
     with pytest.raises(ValueError, match="window_tokens must hold one request's window"):
