@@ -76,6 +76,36 @@ def test_logits_equal_transformers_chunked_and_token_by_token(folder, reference)
         torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(
+    ("n", "cuts"),
+    [(1, []), (1, [1]), (24, []), (24, [16]), (24, [0, 8, 24]), (150, [64, 128]),
+     (150, [37, 100]), (150, [3, 4, 149]), (7, [2, 5])],
+)  # fmt: skip
+def test_the_delta_rule_gives_the_state_at_every_cut(n, cuts):
+    """One chunked pass when the cuts lie on its chunk grid, segments when not: outputs
+    and the state after each cut equal the recurrence token by token."""
+    from radixkv.engine.models.qwen3_5 import GatedDeltaNet, _recurrent
+
+    g = torch.Generator().manual_seed(n + len(cuts))
+    q, k, v = (torch.randn(4, n, 8, generator=g) for _ in range(3))
+    k = k / k.norm(dim=-1, keepdim=True)
+    decay, beta = -torch.rand(4, n, generator=g) * 0.1, torch.rand(4, n, generator=g)
+    state = torch.randn(4, 8, 8, generator=g)
+    at = dict(GatedDeltaNet._delta_rule(q, k, v, decay, beta, state.clone(),
+                                        [(b, -1) for b in cuts]))  # fmt: skip
+    want, s = [], state
+    states = {0: state}
+    for t in range(n):
+        o, s = _recurrent(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1],
+                          decay[:, t : t + 1], beta[:, t : t + 1], s)  # fmt: skip
+        want.append(o)
+        states[t + 1] = s
+    torch.testing.assert_close(at.pop(-1), torch.cat(want, dim=1), atol=1e-4, rtol=1e-4)
+    assert sorted(at) == sorted({0, n, *cuts})
+    for b, got in at.items():
+        torch.testing.assert_close(got, states[b], atol=1e-4, rtol=1e-4)
+
+
 def test_logits_equal_transformers_when_sequences_decode_as_one_batch(folder, reference):
     """Three sequences prefilled apart, then steps of one token each in one batch (the
     DeltaNet layers' batched decode), a one-token prompt starting in such a batch, and
