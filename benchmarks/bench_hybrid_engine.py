@@ -6,7 +6,8 @@ random, written by transformers' own ``save_pretrained``:
    and for a Gemma-3-like one (sliding layers with a 512-token window, their KV in a
    pool of its own: `radixkv.window_slots`);
 2. prefill and decode tokens/s against transformers' ``generate`` on the same weights;
-3. output tokens/s with 32 requests at once, against transformers' batched ``generate``;
+3. output tokens/s with 32 requests at once, against transformers' batched ``generate``,
+   and the time of one step that prefills 16 chat turns after a hit;
 4. cached tokens per request on the same prompts: the engine on the Qwen3.5 model against
    vLLM 0.33's own KV cache manager in ``--mamba-cache-mode align`` (a FullAttentionSpec
    group and a MambaSpec group, driven as in ``bench_hybrid.py``, in the vLLM peer's venv:
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from radixkv.units import align_down
 
 DIMS = dict(vocab_size=384, hidden_size=64, intermediate_size=176, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
@@ -142,6 +145,27 @@ def batch_speed(folder: Path, n: int, prompt_len: int, new: int, repeats: int) -
                 run()
                 best[name] = min(best.get(name, 1e9), time.perf_counter() - t0)
     return {name: n * new / t for name, t in best.items()}
+
+
+def hits_in_one_step(folder: Path, prefix: list[int], n: int, repeats: int) -> float:
+    """Seconds for ``n`` requests that each add 24 tokens to a cached ``prefix``, admitted
+    and prefilled in one step (chat turns after a hit: the DeltaNet layers' prefill runs
+    them as one padded batch), best of ``repeats``."""
+    from radixkv.engine.engine import Engine
+
+    g = torch.Generator().manual_seed(3)
+    engine = Engine(str(folder), page_size=16, chunk_size=4096, kv_tokens=65536, max_running=n,
+                    max_context_len=4096)  # fmt: skip
+    tail = [[5] * 24, [6] * 24]  # two prompts leave the prefix: its end is a checkpoint
+    engine.generate([prefix + t for t in tail], max_new_tokens=1, chat=False, ignore_eos=True)
+    best = float("inf")
+    for _ in range(repeats):
+        prompts = [prefix + torch.randint(3, 384, (24,), generator=g).tolist() for _ in range(n)]
+        t0 = time.perf_counter()
+        res = engine.generate(prompts, max_new_tokens=1, chat=False, ignore_eos=True)
+        best = min(best, time.perf_counter() - t0)
+        assert res.stats.cached_tokens >= n * align_down(len(prefix), 16)
+    return best
 
 
 def scenarios(g: torch.Generator) -> dict[str, list[list[int]]]:
@@ -261,6 +285,9 @@ def main() -> None:
             ours, ref = best[f"radixkv {phase}"], best[f"transformers {phase}"]
             print(f"  {phase:8s} radixkv {ours:9,.0f}  transformers {ref:9,.0f}  "
                   f"ratio {ours / ref:5.2f}x")  # fmt: skip
+        took = hits_in_one_step(folders["qwen3_5"], prefix, 16, 2 * args.repeats)
+        print(f"Qwen3.5, 16 requests each adding 24 tokens to the cached {args.prefix:,}-token "
+              f"prefix, in one step: {took * 1e3:.1f} ms")  # fmt: skip
         rates = batch_speed(folders["qwen3_5"], 32, 200, 64, args.repeats)
         print(f"Qwen3.5, 32 requests at once, 200-token prompts, 64 new tokens (output tok/s, "
               f"prefill included, best of {args.repeats}): radixkv {rates['radixkv']:,.0f}  "

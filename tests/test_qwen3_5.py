@@ -155,6 +155,64 @@ def test_logits_equal_transformers_when_sequences_decode_as_one_batch(folder, re
             torch.testing.assert_close(torch.cat(got[i]), want, atol=1e-4, rtol=1e-4)
 
 
+def test_prompts_prefilled_in_one_batch_equal_each_alone(folder, reference):
+    """Prefill chunks of several prompts in one step go through the DeltaNet layers as
+    one padded batch (fresh ones and continued ones, with snapshots on the chunk grid;
+    one with a snapshot off it runs alone beside them): every position's logits equal
+    transformers' on each prompt alone, and every snapshot's state and conv inputs equal
+    those of the prompt prefilled alone."""
+    from radixkv.engine.models.base import ForwardBatch
+    from radixkv.engine.models.qwen3_5 import _prefill_groups
+    from radixkv.engine.weights import load_hf_folder
+    from radixkv.memory import KVPool
+
+    seqs = [torch.tensor(rand(n, 90 + n)) for n in (40, 70, 33, 64)]
+    slots = torch.randperm(512)[: sum(map(len, seqs))].split([len(x) for x in seqs])
+    plans = [  # per step: sequence -> (new tokens, [(offset, snapshot row)])
+        {0: (24, [(16, 4)]), 1: (48, [(40, 5), (48, 6)]), 2: (33, [(13, 7)]), 3: (40, [])},
+        {0: (16, [(8, 8)]), 1: (22, []), 3: (24, [(16, 9)])},
+    ]
+    assert _prefill_groups([0, 1, 2, 3], [24, 48, 33, 40], {2: [(13, 7)]}) == [[0, 1, 3], [2]]
+
+    def run(steps):
+        ours = load_hf_folder(folder)
+        ours.make_states(10)
+        c = ours.config
+        pool = KVPool(c.kv_layers, c.num_key_value_heads, c.head_dim, 512, torch.float32,
+                      torch.device("cpu"))  # fmt: skip
+        got: list[list[torch.Tensor]] = [[] for _ in seqs]
+        done = [0] * len(seqs)
+        for plan in steps:
+            live = list(plan)
+            pos = [torch.arange(done[i], done[i] + plan[i][0]) for i in live]
+            batch = ForwardBatch(
+                torch.cat([seqs[i][p] for i, p in zip(live, pos, strict=True)]), torch.cat(pos),
+                torch.cat([slots[i][p] for i, p in zip(live, pos, strict=True)]),
+                [plan[i][0] for i in live], [slots[i][: done[i] + plan[i][0]] for i in live],
+                live, [(j, off, row) for j, i in enumerate(live) for off, row in plan[i][1]],
+            )  # fmt: skip
+            with torch.no_grad():
+                out = ours(batch, pool, all_logits=True)
+            at = 0
+            for i in live:
+                got[i].append(out[at : at + plan[i][0]])
+                at += plan[i][0]
+                done[i] += plan[i][0]
+        return [torch.cat(x) for x in got], ours.states
+
+    together, states = run(plans)
+    alone, lone = run([{i: p} for plan in plans for i, p in plan.items()])
+    with torch.no_grad():
+        for i, x in enumerate(seqs):
+            want = reference(x[None]).logits[0]
+            torch.testing.assert_close(together[i], want, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(alone[i], want, atol=1e-4, rtol=1e-4)
+    for row in range(4, 10):
+        torch.testing.assert_close(states.ssm[:, row], lone.ssm[:, row], atol=1e-7, rtol=1e-4)
+        torch.testing.assert_close(states.conv[:, row], lone.conv[:, row])
+    assert states.ssm[:, 4:10].abs().sum(dim=(0, 2, 3, 4)).min() > 0  # every row written
+
+
 @pytest.mark.parametrize("page", [1, 16])
 def test_token_for_token_and_the_third_sharer_hits(folder, reference, page):
     """A 300-token shared prefix: the first request checkpoints its prompt's and its

@@ -35,6 +35,7 @@ Must not touch: the KV pool's layout (it reads and writes by slot), the cache.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -205,6 +206,29 @@ def chunk_size(tokens: int) -> int:
     return min(CHUNK, max(MIN_CHUNK, 1 << (tokens - 1).bit_length()))
 
 
+def _grid(tokens: int, cuts: Sequence[int]) -> int:
+    """The chunk size for a run of ``tokens`` with states wanted after ``cuts``: the
+    largest power of two up to `chunk_size` that divides every cut, at least
+    ``MIN_CHUNK`` (cuts off that grid need the run split)."""
+    size = chunk_size(tokens)
+    while size > MIN_CHUNK and any(c % size for c in cuts):
+        size //= 2
+    return size
+
+
+def _prefill_groups(seqs: list[int], lens: Sequence[int],
+                    snaps: dict[int, list[tuple[int, int]]]) -> list[list[int]]:  # fmt: skip
+    """Which prefill chunks run together (`GatedDeltaNet._prefill`): those longer than a
+    token whose snapshots lie on the ``MIN_CHUNK`` grid, while padding them to the
+    longest at most doubles the work (as decode attention's rule); every other one
+    alone."""
+    fit = [i for i in seqs if lens[i] > 1
+           and not any(0 < c < lens[i] and c % MIN_CHUNK for c, _ in snaps.get(i, ()))]  # fmt: skip
+    if len(fit) > 1 and max(lens[i] for i in fit) * len(fit) <= 2 * sum(lens[i] for i in fit):
+        return [fit] + [[i] for i in seqs if i not in fit]
+    return [[i] for i in seqs]
+
+
 def _chunked(q, k, v, g, beta, state, size: int | None = None):  # type: ignore[no-untyped-def]
     """The same recurrence, ``size`` tokens (default: `chunk_size`) at a time; returns
     (the output, the final state, the state at each chunk's start ``[H, C, dk, dv]``).
@@ -297,33 +321,67 @@ class GatedDeltaNet(nn.Module):
             rows = [batch.state_slots[i] for i in single]
             out[at] = self._decode(mixed[at], g[at], beta[at], weight, rows,
                                    [firsts[i] for i in single], states).to(x.dtype)  # fmt: skip
-        batched = set(single)
-        for i, (n, row, first) in enumerate(zip(lens, batch.state_slots, firsts, strict=True)):
-            if i in batched:
-                continue
-            start = offsets[i]
-            conv, ssm = states.conv[self.index, row], states.ssm[self.index, row]
-            if first == 0:
-                conv.zero_()
-                ssm.zero_()
-            seq = torch.cat([conv, mixed[start : start + n].T.to(conv.dtype)], dim=1)
-            conv.copy_(seq[:, -(self.kernel - 1) :])
-            y = F.silu(F.conv1d(seq[None], weight[:, None, :], groups=self.conv_dim)[0]).T
-            q, k, v = self._heads(y.to(x.dtype))
-            gs, bs = g[start : start + n].T, beta[start : start + n].float().T
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-            cuts = sorted(snaps.get(i, ()))
-            at = dict(self._delta_rule(q, k, v, gs, bs, ssm.float(), cuts))
-            out[start : start + n] = at.pop(-1).transpose(0, 1)
-            # each snapshot: the state after its offset, and the conv state (the K - 1
-            # inputs before that position), copied to its row (before the row's own
-            # state moves on: the state at 0 may be that row itself)
-            for b, dst in cuts:
-                states.ssm[self.index, dst].copy_(at[b])
-                states.conv[self.index, dst].copy_(seq[:, b : b + self.kernel - 1])
-            ssm.copy_(at[n])
+        rest = [i for i in range(len(lens)) if i not in set(single)]
+        for members in _prefill_groups(rest, lens, snaps):
+            self._prefill(members, batch, snaps, offsets, mixed, g, beta, weight, states, out)
         o = self.norm(out, z)
         return self.out_proj(o.reshape(x.shape[0], -1))
+
+    def _prefill(self, members: list[int], batch: ForwardBatch,
+                 snaps: dict[int, list[tuple[int, int]]], offsets: list[int], mixed, g, beta,
+                 weight, states: States, out: torch.Tensor) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+        """Prefill chunks of the sequences ``members`` (indices into the batch), padded at
+        the end to the longest and run together: the conv over each one's previous
+        inputs and its new ones, then the delta rule from its state row. Padding tokens
+        neither decay nor write (g = beta = 0), so each state after the padding is the
+        state after its own tokens. Writes ``out`` rows, each row's conv and state, and
+        the snapshots."""
+        lens = [batch.extend_lens[i] for i in members]
+        b, longest, k1 = len(members), max(lens), self.kernel - 1
+        rows = [batch.state_slots[i] for i in members]
+        at_rows = torch.tensor(rows, device=mixed.device)
+        conv, ssm = states.conv[self.index, at_rows], states.ssm[self.index, at_rows].float()
+        fresh = [j for j, i in enumerate(members) if batch.first_positions[i] == 0]
+        if fresh:  # a sequence's first chunk: its states start from zero
+            conv[fresh] = 0
+            ssm[fresh] = 0
+        new = torch.zeros(b, longest, self.conv_dim, dtype=mixed.dtype, device=mixed.device)
+        gs = torch.zeros(b, longest, self.nv, dtype=g.dtype, device=g.device)
+        bs = torch.zeros(b, longest, self.nv, dtype=torch.float32, device=g.device)
+        for j, (i, n) in enumerate(zip(members, lens, strict=True)):
+            part = slice(offsets[i], offsets[i] + n)
+            new[j, :n], gs[j, :n], bs[j, :n] = mixed[part], g[part], beta[part]
+        seq = torch.cat([conv, new.transpose(1, 2).to(conv.dtype)], dim=2)  # [B, C, K-1+N]
+        y = F.silu(F.conv1d(seq, weight[:, None, :], groups=self.conv_dim)).transpose(1, 2)
+        q, k, v = (t.view(b, longest, self.nv, -1).transpose(1, 2)  # [B, H, N, d]
+                   for t in self._heads(y.reshape(b * longest, -1).to(mixed.dtype)))  # fmt: skip
+        gs, bs = gs.transpose(1, 2), bs.transpose(1, 2)  # [B, H, N]
+        cuts = [sorted(snaps.get(i, ())) for i in members]
+        if b == 1:
+            ats = [dict(self._delta_rule(q[0], k[0], v[0], gs[0], bs[0], ssm[0], cuts[0]))]
+        else:
+            size = _grid(longest, [c for n, cs in zip(lens, cuts, strict=True)
+                                   for c, _ in cs if 0 < c < n])  # fmt: skip
+            flat = [t.flatten(0, 1) for t in (q, k, v, gs, bs, ssm)]  # B x H as one dim
+            o, final, starts = _chunked(*flat, size=size)
+            o, final = o.unflatten(0, (b, -1)), final.unflatten(0, (b, -1))
+            starts = starts.unflatten(0, (b, -1))  # [B, H, C, dk, dv]
+            ats = []
+            for j, n in enumerate(lens):
+                at = {0: ssm[j], n: final[j], -1: o[j, :, :n]}
+                at.update((c, starts[j, :, c // size]) for c, _ in cuts[j] if 0 < c < n)
+                ats.append(at)
+        for j, (i, n) in enumerate(zip(members, lens, strict=True)):
+            at = ats[j]
+            out[offsets[i] : offsets[i] + n] = at[-1].transpose(0, 1)
+            # each snapshot: the state after its offset, and the conv state (the K - 1
+            # inputs before that position), copied to its row (before the row's own
+            # state moves on)
+            for c, dst in cuts[j]:
+                states.ssm[self.index, dst].copy_(at[c])
+                states.conv[self.index, dst].copy_(seq[j, :, c : c + k1])
+            states.ssm[self.index, rows[j]] = at[n].to(states.ssm.dtype)
+            states.conv[self.index, rows[j]] = seq[j, :, n : n + k1]
 
     @staticmethod
     def _delta_rule(q, k, v, g, beta, state, cuts: list[tuple[int, int]]):  # type: ignore[no-untyped-def]  # fmt: skip
@@ -331,10 +389,9 @@ class GatedDeltaNet(nn.Module):
         ``state``: yields (offset, the state after it) for 0, each cut's offset and ``n``,
         then (-1, the output ``[H, n, dv]``). Cuts on a chunk grid (a page-aligned
         prompt's checkpoints) come from one chunked pass; others split it in segments."""
-        n, size = q.shape[1], chunk_size(q.shape[1])
+        n = q.shape[1]
         inner = [b for b, _ in cuts if 0 < b < n]
-        while size > MIN_CHUNK and any(b % size for b in inner):
-            size //= 2
+        size = _grid(n, inner)
         yield 0, state
         if n > 1 and not any(b % size for b in inner):
             out, final, starts = _chunked(q, k, v, g, beta, state, size)
