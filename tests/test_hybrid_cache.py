@@ -233,6 +233,51 @@ def test_window_pressure_tombstones_least_recent_first():
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_window_pressure_frees_in_the_order_a_sort_gives(seed):
+    """`evict` and `evict_spare` keep their order in heaps (no scan a call): after random
+    inserts, matches (which make nodes recent), locks and evictions, each frees exactly
+    what sorting every node by (last_access, id) and taking them in turn frees."""
+    import random
+
+    rng = random.Random(seed)
+    cache, win, pool = window_cache(4, retain="all")
+    stems = [seq(1000 * i, rng.randrange(2, 12)) for i in range(5)]
+    locked = []
+    for step in range(120):
+        toks = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+        op = rng.random()
+        if op < 0.45:
+            put(cache, win, pool, toks)
+        elif op < 0.7:
+            res = cache.match_prefix(K(*toks))
+            if rng.random() < 0.3:  # a running request: an old node or the match's end
+                nodes = [n for n in cache.iter_nodes() if n is not cache.root]
+                node = rng.choice(nodes) if rng.random() < 0.5 else res.last_node
+                if node is not cache.root:
+                    cache.inc_lock_ref(node)
+                    locked.append(node)
+        elif op < 0.8 and locked:
+            cache.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            spare = rng.random() < 0.5
+            units = rng.randrange(1, 12)
+            nodes = list(cache.iter_nodes())
+            before = {n.id: win.covered(n) for n in nodes}
+            cut = win._spare if spare else (lambda n: 0 if n.lock_ref else win.covered(n))
+            want, freed = dict(before), 0
+            for n in sorted(nodes, key=lambda n: (n.last_access, n.id)):
+                if freed >= units:
+                    break
+                if cut(n):
+                    freed += cut(n)
+                    want[n.id] -= cut(n)
+            got = win.evict_spare(units) if spare else win.evict(units)
+            assert got == freed
+            assert {n.id: win.covered(n) for n in nodes} == want, step
+        cache.check_integrity()
+
+
 def test_drop_tombstones_a_chosen_node_and_refuses_a_locked_one():
     cache, win, pool = window_cache(4, retain="all")
     put(cache, win, pool, seq(0, 8))

@@ -87,9 +87,12 @@ class WindowSlots:
 
     def available(self, at_least: int) -> int:
         """Window slots that can be had now: free, plus (counted only when fewer than
-        ``at_least`` are free) what evicting the tree's window KV frees."""
+        ``at_least`` are free, and only until there are ``at_least``) what evicting the
+        tree's window KV frees."""
         free = self.allocator.available_size()
-        return free if free >= at_least else free + self.component.evictable_units()
+        if free >= at_least:
+            return free
+        return free + self.component.evictable_units(enough=at_least - free)
 
     # --- a request's row --------------------------------------------------------------
     def admit(self, row: int, node: object, hit: int) -> None:

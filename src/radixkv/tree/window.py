@@ -47,6 +47,8 @@ tree's structure, the full KV, locks (it reads them).
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,6 +72,53 @@ class _Win:
 
     def __init__(self, slots: bytes = _NONE, reach: int = 0, mark: bool = False) -> None:
         self.slots, self.reach, self.mark = slots, reach, mark
+
+
+class _Order:
+    """Nodes least recently used first without a scan: one entry ``(last_access when
+    added, id, node)`` a node in a heap; an entry whose node was used since goes back
+    with its new time when it comes up, so the order is ``(last_access, id)``'s."""
+
+    __slots__ = ("heap", "ids")
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[int, int, TreeNode]] = []
+        self.ids: dict[int, TreeNode] = {}  # the nodes with an entry
+
+    def add(self, node: TreeNode) -> None:
+        if node.id not in self.ids:
+            self.ids[node.id] = node
+            heapq.heappush(self.heap, (node.last_access, node.id, node))
+
+    def oldest(self, keep: Callable[[TreeNode], bool]) -> Iterator[TreeNode]:
+        """The nodes that ``keep`` accepts, oldest first (the others lose their entry);
+        O(log n) a node looked at. Those yielded get an entry again when the caller is
+        done, if ``keep`` still accepts them."""
+        heap, seen = self.heap, []
+        try:
+            while heap:
+                at, nid, node = heap[0]
+                if not keep(node):
+                    heapq.heappop(heap)
+                    del self.ids[nid]
+                elif at != node.last_access:
+                    heapq.heapreplace(heap, (node.last_access, nid, node))
+                else:
+                    heapq.heappop(heap)
+                    del self.ids[nid]
+                    seen.append(node)
+                    yield node
+        finally:
+            for node in seen:
+                if keep(node):
+                    self.add(node)
+
+    def prune(self, keep: Callable[[TreeNode], bool], limit: int) -> None:
+        """Drop the entries of nodes ``keep`` rejects once there are over ``limit``."""
+        if len(self.heap) > limit:
+            self.heap = [e for e in self.heap if keep(e[2])]
+            heapq.heapify(self.heap)
+            self.ids = {e[1]: e[2] for e in self.heap}
 
 
 class WindowKV(TreeComponent):
@@ -97,6 +146,11 @@ class WindowKV(TreeComponent):
         self._freed: list[bytes] = []  # slots let go in the current operation
         self._head: tuple[TreeNode, bytes] | None = None  # a merged leaf, its parent's slots
         self._parents: list[TreeNode] = []  # the parents of the nodes an eviction removes
+        # pressure's orders: every node holding window KV is in ``_holders``; every one
+        # with spare (`_spare`) in ``_spares``: a node is added when it gains slots or its
+        # reach changes, the only ways to gain spare (a split or trim shortens a node's
+        # covered tail as much as its need); one found without is dropped
+        self._holders, self._spares = _Order(), _Order()
 
     def attach(self, cache: Any, index: int) -> None:
         super().attach(cache, index)
@@ -238,6 +292,7 @@ class WindowKV(TreeComponent):
             if given is not None and first < n:  # the new units it has slots for, to the end
                 joins = first == start  # what came before joins the covered tail
                 w.slots = (prior if joins else _NONE) + given[first:n].tobytes()  # type: ignore[index]
+                self._queue(leaf)
                 self.taken[first:n] = True
                 self.held += n - first
                 if not joins:
@@ -269,6 +324,7 @@ class WindowKV(TreeComponent):
             lo += _run_start(given[lo:hi])  # only the run up to the covered tail
             if lo < hi:
                 w.slots = given[lo:hi].tobytes() + w.slots
+                self._queue(node)
                 self.taken[lo:hi] = True
                 self.held += hi - lo
 
@@ -283,6 +339,8 @@ class WindowKV(TreeComponent):
             reach = self._reach(node)
             changed = reach != w.reach
             w.reach = reach
+            if changed:
+                self._spares.add(node)
             seen.append(node)
             if not changed and len(seen) > 1:
                 break
@@ -314,6 +372,8 @@ class WindowKV(TreeComponent):
         have = len(w.slots) >> 3
         up = max(have - tail, 0)  # covered units falling in the upper half
         upper.ext[self.index] = _Win(w.slots[: up << 3], max(w.reach - tail, 0))  # type: ignore[index]
+        if up:
+            self._queue(upper)
         # the mark stays with the lower half, whose end it is
         w.slots = w.slots[up << 3 :]
 
@@ -374,19 +434,35 @@ class WindowKV(TreeComponent):
                     self._freed.append(w.slots)
             self._flush()
         self._freed, self._head, self._parents = [], None, []
+        self._holders, self._spares = _Order(), _Order()
         self.held = 0
 
     # --- pressure -----------------------------------------------------------------------
+    def _queue(self, node: TreeNode) -> None:
+        """``node`` gained window slots: it holds some, and may have spare."""
+        self._holders.add(node)
+        self._spares.add(node)
+        limit = 2 * self.cache.num_nodes() + 64
+        self._holders.prune(self._holds, limit)
+        self._spares.prune(self._has_spare, limit)
+
+    def _holds(self, node: TreeNode) -> bool:
+        w = self._w(node)
+        return node.parent is not None and w is not None and bool(w.slots)
+
+    def _has_spare(self, node: TreeNode) -> bool:
+        return node.parent is not None and self._spare(node) > 0
+
     def evict(self, units: int) -> int:
         """Free the window KV of at least ``units`` units (when there are that many in
         unlocked nodes), whole nodes' tails, least recently used first."""
-        cands = [n for n in self.cache.iter_nodes() if not n.lock_ref and self.covered(n)]
-        cands.sort(key=lambda n: (n.last_access, n.id))
         freed = 0
-        for node in cands:
-            if freed >= units:
-                break
-            freed += self._drop(node)
+        if units > 0:
+            for node in self._holders.oldest(self._holds):
+                if not node.lock_ref:
+                    freed += self._drop(node)
+                    if freed >= units:
+                        break
         self._flush()
         return freed
 
@@ -395,11 +471,17 @@ class WindowKV(TreeComponent):
         w = self._w(node)
         return max(0, (len(w.slots) >> 3) - min(len(node), w.reach)) if w is not None else 0
 
-    def evictable_units(self) -> int:
+    def evictable_units(self, enough: int | None = None) -> int:
         """Window units `evict_spare` and `evict` can free now: all of an unlocked node's,
-        the spare of a locked one's. O(nodes)."""
-        return sum(self._spare(n) if n.lock_ref else self.covered(n)
-                   for n in self.cache.iter_nodes())  # fmt: skip
+        the spare of a locked one's; counted only up to ``enough`` when given (the scan
+        stops there). O(nodes holding window KV) at most."""
+        total = 0
+        for n in self._holders.ids.values():
+            if n.parent is not None:
+                total += self._spare(n) if n.lock_ref else self.covered(n)
+                if enough is not None and total >= enough:
+                    break
+        return total
 
     def evict_spare(self, units: int) -> int:
         """Free window KV that no useful end needs (what ``retain="ends"`` would not
@@ -408,18 +490,17 @@ class WindowKV(TreeComponent):
         none is left; returns how many. Every servable match end stays servable: an
         engine under pressure calls this before `evict` (``retain="all"``: windows are
         kept while the pool has room, and the spare ones go first)."""
-        cands = [n for n in self.cache.iter_nodes() if self._spare(n)]
-        cands.sort(key=lambda n: (n.last_access, n.id))
         freed = 0
-        for node in cands:
-            if freed >= units:
-                break
-            w = self._w(node)
-            assert w is not None
-            cut = self._spare(node)
-            self._freed.append(w.slots[: cut << 3])
-            w.slots = w.slots[cut << 3 :]
-            freed += cut
+        if units > 0:
+            for node in self._spares.oldest(self._has_spare):
+                w = self._w(node)
+                assert w is not None
+                cut = self._spare(node)
+                self._freed.append(w.slots[: cut << 3])
+                w.slots = w.slots[cut << 3 :]
+                freed += cut
+                if freed >= units:
+                    break
         self._flush()
         return freed
 
@@ -466,6 +547,13 @@ class WindowKV(TreeComponent):
         held = sum(self.covered(n) for n in self.cache.iter_nodes())
         if held != self.held:
             raise AssertionError(f"{held} window units held, counted {self.held}")
+        for n in self.cache.iter_nodes():
+            for order, has in ((self._holders, self.covered(n)), (self._spares, self._spare(n))):
+                if has and order.ids.get(n.id) is not n:
+                    raise AssertionError(f"node {n.id}: {has} window units outside an order")
+        for order in (self._holders, self._spares):
+            if sorted(order.ids) != sorted(e[1] for e in order.heap):
+                raise AssertionError("a pressure order's entries and its index disagree")
 
 
 def _run_start(given: np.ndarray) -> int:
