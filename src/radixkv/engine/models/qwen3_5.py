@@ -375,8 +375,7 @@ class GatedDeltaNet(nn.Module):
             at = ats[j]
             out[offsets[i] : offsets[i] + n] = at[-1].transpose(0, 1)
             # each snapshot: the state after its offset, and the conv state (the K - 1
-            # inputs before that position), copied to its row (before the row's own
-            # state moves on)
+            # inputs before that position), copied to its row
             for c, dst in cuts[j]:
                 states.ssm[self.index, dst].copy_(at[c])
                 states.conv[self.index, dst].copy_(seq[j, :, c : c + k1])
