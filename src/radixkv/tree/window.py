@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -95,8 +96,8 @@ class _Order:
 
     def oldest(self, keep: Callable[[TreeNode], bool]) -> Iterator[TreeNode]:
         """The nodes that ``keep`` accepts, oldest first (the others lose their entry);
-        O(log n) a node looked at. Those yielded get an entry again when the caller is
-        done, if ``keep`` still accepts them."""
+        O(log n) a node looked at. Those yielded get an entry again when the caller
+        closes it (`contextlib.closing`), if ``keep`` still accepts them."""
         heap, seen = self.heap, []
         try:
             while heap:
@@ -344,6 +345,7 @@ class WindowKV(TreeComponent):
             w.reach = reach
             if changed:
                 self._spares.add(node)
+                self._bound()
             seen.append(node)
             if not changed and len(seen) > 1:
                 break
@@ -445,6 +447,10 @@ class WindowKV(TreeComponent):
         """``node`` gained window slots: it holds some, and may have spare."""
         self._holders.add(node)
         self._spares.add(node)
+        self._bound()
+
+    def _bound(self) -> None:
+        """Keep each order's entries within twice the tree's nodes (dead ones pruned)."""
         limit = 2 * self.cache.num_nodes() + 64
         self._holders.prune(self._holds, limit)
         self._spares.prune(self._has_spare, limit)
@@ -461,11 +467,12 @@ class WindowKV(TreeComponent):
         unlocked nodes), whole nodes' tails, least recently used first."""
         freed = 0
         if units > 0:
-            for node in self._holders.oldest(self._holds):
-                if not node.lock_ref:
-                    freed += self._drop(node)
-                    if freed >= units:
-                        break
+            with closing(self._holders.oldest(self._holds)) as order:
+                for node in order:
+                    if not node.lock_ref:
+                        freed += self._drop(node)
+                        if freed >= units:
+                            break
         self._flush()
         return freed
 
@@ -495,15 +502,16 @@ class WindowKV(TreeComponent):
         kept while the pool has room, and the spare ones go first)."""
         freed = 0
         if units > 0:
-            for node in self._spares.oldest(self._has_spare):
-                w = self._w(node)
-                assert w is not None
-                cut = self._spare(node)
-                self._freed.append(w.slots[: cut << 3])
-                w.slots = w.slots[cut << 3 :]
-                freed += cut
-                if freed >= units:
-                    break
+            with closing(self._spares.oldest(self._has_spare)) as order:
+                for node in order:
+                    w = self._w(node)
+                    assert w is not None
+                    cut = self._spare(node)
+                    self._freed.append(w.slots[: cut << 3])
+                    w.slots = w.slots[cut << 3 :]
+                    freed += cut
+                    if freed >= units:
+                        break
         self._flush()
         return freed
 
