@@ -15,6 +15,11 @@ holds, against six layers for every token), the wall time, and whether both ways
 the same tokens.
 
     python benchmarks/bench_window_engine.py [--kv-tokens 3072,6144,24576] [--chats 24]
+
+Then the cost of the window component's pressure calls on a large tree (``--nodes``:
+prompts of 64 tokens behind 200 shared 32-token stems, page 16, window 64, windows kept
+as the engine keeps them, ``retain="all"``), against the full cache's own ``evict`` in
+the same run: ms per call, the first call and the next.
 """
 
 from __future__ import annotations
@@ -78,6 +83,42 @@ def run(folder: Path, kv_tokens: int, window_tokens: int, args: argparse.Namespa
     }
 
 
+def pressure_calls(prompts: int) -> dict[str, tuple[float, float]]:
+    """ms of the first and second call of each pressure operation on a windowed tree of
+    ``prompts`` prompts (see the module docstring)."""
+    import random
+    from array import array
+
+    from radixkv.key import RadixKey
+    from radixkv.memory import TokenToKVPoolAllocator
+    from radixkv.tree import RadixCache
+    from radixkv.tree.window import WindowKV
+
+    alloc, walloc = (TokenToKVPoolAllocator(prompts * 64 + 64, 16) for _ in range(2))
+    win = WindowKV(64, walloc, retain="all")
+    cache = RadixCache(16, "lru", alloc, eviction_mode="precise", components=(win,))
+    rng = random.Random(0)
+    stems = [[rng.randrange(1000) for _ in range(32)] for _ in range(200)]
+    for i in range(prompts):
+        key = RadixKey(array("q", stems[i % 200] + [rng.randrange(1000) for _ in range(32)]))
+        cache.insert_node(key, alloc.alloc(64), extras={"window": walloc.alloc(64)})
+    calls = {
+        "WindowKV.evictable_units (until 64)": lambda: win.evictable_units(64),
+        "WindowKV.evict_spare(16)": lambda: win.evict_spare(16),
+        "WindowKV.evict(16)": lambda: win.evict(16),
+        "RadixCache.evict(16) (full KV, the peer)": lambda: cache.evict(16),
+    }
+    out = {}
+    for name, call in calls.items():
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[name] = (times[0], times[1])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kv-tokens", default="3072,6144,24576",
@@ -88,6 +129,7 @@ def main() -> None:
     p.add_argument("--system", type=int, default=256)
     p.add_argument("--user", type=int, default=48)
     p.add_argument("--new", type=int, default=16)
+    p.add_argument("--nodes", type=int, default=20000, help="prompts in the pressure tree")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_model(Path(tmp), args.window)
@@ -110,6 +152,9 @@ def main() -> None:
                 print(f"| {mib:.2f} MiB | {name} | {pools} | {r['hit']:.3f} | "
                       f"{r['bytes_per_token']:.2f} | {r['wall']:.1f} | {r['preemptions']} | "
                       f"{'yes' if same else 'NO'} |")  # fmt: skip
+    print(f"\nPressure calls on a windowed tree of {args.nodes:,} prompts (ms, first / next):")
+    for name, (first, then) in pressure_calls(args.nodes).items():
+        print(f"  {name:42s} {first:8.2f} / {then:6.2f}")
 
 
 if __name__ == "__main__":
