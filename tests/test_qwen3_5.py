@@ -213,6 +213,48 @@ def test_prompts_prefilled_in_one_batch_equal_each_alone(folder, reference):
     assert states.ssm[:, 4:10].abs().sum(dim=(0, 2, 3, 4)).min() > 0  # every row written
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_weights_run_every_path(folder, reference, dtype):
+    """Weights in bfloat16 or float16 (``EngineConfig.dtype``), the recurrent states in
+    float32: two prompts prefilled together, then decoded together, give transformers'
+    float32 logits to half precision; the engine serves a shared prefix from the cache."""
+    from radixkv.engine.models.base import ForwardBatch
+    from radixkv.engine.weights import load_hf_folder
+    from radixkv.memory import KVPool
+
+    ours = load_hf_folder(folder, dtype)
+    ours.make_states(2)
+    c = ours.config
+    pool = KVPool(c.kv_layers, c.num_key_value_heads, c.head_dim, 128, dtype,
+                  torch.device("cpu"))  # fmt: skip
+    seqs = [torch.tensor(rand(n, 30 + n)) for n in (40, 33)]
+    slots = torch.randperm(128)[:73].split([40, 33])
+    heads = [len(x) - 1 for x in seqs]  # prefilled together, then one decode step each
+    with torch.no_grad():
+        pre = ours(ForwardBatch(
+            torch.cat([x[:n] for x, n in zip(seqs, heads, strict=True)]),
+            torch.cat([torch.arange(n) for n in heads]),
+            torch.cat([s[:n] for s, n in zip(slots, heads, strict=True)]),
+            heads, [s[:n] for s, n in zip(slots, heads, strict=True)], [0, 1],
+        ), pool, all_logits=True)  # fmt: skip
+        dec = ours(ForwardBatch(
+            torch.stack([x[n] for x, n in zip(seqs, heads, strict=True)]), torch.tensor(heads),
+            torch.stack([s[n] for s, n in zip(slots, heads, strict=True)]), [1, 1],
+            list(slots), [0, 1],
+        ), pool, all_logits=True)  # fmt: skip
+        at = 0
+        for i, x in enumerate(seqs):
+            want = reference(x[None]).logits[0]
+            got = torch.cat([pre[at : at + len(x) - 1], dec[i : i + 1]]).float()
+            at += len(x) - 1
+            torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    engine = Engine(str(folder), dtype=dtype, page_size=16, chunk_size=64)
+    shared = rand(64, 5)
+    runs = [engine.generate([shared + rand(9, 6 + i) for i in range(k)], max_new_tokens=4,
+                            chat=False, ignore_eos=True) for k in (2, 3)]  # fmt: skip
+    assert runs[1].stats.cached_tokens >= 3 * 64
+
+
 @pytest.mark.parametrize("page", [1, 16])
 def test_token_for_token_and_the_third_sharer_hits(folder, reference, page):
     """A 300-token shared prefix: the first request checkpoints its prompt's and its

@@ -352,7 +352,9 @@ class GatedDeltaNet(nn.Module):
             part = slice(offsets[i], offsets[i] + n)
             new[j, :n], gs[j, :n], bs[j, :n] = mixed[part], g[part], beta[part]
         seq = torch.cat([conv, new.transpose(1, 2).to(conv.dtype)], dim=2)  # [B, C, K-1+N]
-        y = F.silu(F.conv1d(seq, weight[:, None, :], groups=self.conv_dim)).transpose(1, 2)
+        # the conv runs in the states' dtype (float32), whatever the weights' dtype
+        y = F.silu(F.conv1d(seq, weight.to(seq.dtype)[:, None, :], groups=self.conv_dim))
+        y = y.transpose(1, 2)
         q, k, v = (t.view(b, longest, self.nv, -1).transpose(1, 2)  # [B, H, N, d]
                    for t in self._heads(y.reshape(b * longest, -1).to(mixed.dtype)))  # fmt: skip
         gs, bs = gs.transpose(1, 2), bs.transpose(1, 2)  # [B, H, N]
