@@ -217,7 +217,8 @@ def test_prompts_prefilled_in_one_batch_equal_each_alone(folder, reference):
 def test_half_precision_weights_run_every_path(folder, reference, dtype):
     """Weights in bfloat16 or float16 (``EngineConfig.dtype``), the recurrent states in
     float32: two prompts prefilled together, then decoded together, give transformers'
-    float32 logits to half precision; the engine serves a shared prefix from the cache."""
+    float32 logits to half precision (1e-2: they are ~0.12 std, bfloat16 is off 0.004);
+    the engine serves a shared prefix from the cache."""
     from radixkv.engine.models.base import ForwardBatch
     from radixkv.engine.weights import load_hf_folder
     from radixkv.memory import KVPool
@@ -247,7 +248,7 @@ def test_half_precision_weights_run_every_path(folder, reference, dtype):
             want = reference(x[None]).logits[0]
             got = torch.cat([pre[at : at + len(x) - 1], dec[i : i + 1]]).float()
             at += len(x) - 1
-            torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+            torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # bf16: off 0.004
     engine = Engine(str(folder), dtype=dtype, page_size=16, chunk_size=64)
     shared = rand(64, 5)
     runs = [engine.generate([shared + rand(9, 6 + i) for i in range(k)], max_new_tokens=4,
