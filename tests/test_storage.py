@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import redis
+import torch
 
 from radixkv.engine.engine import Engine
 from radixkv.storage import FileStore, MemoryStore, PageCodec, RedisStore, open_store
@@ -289,14 +290,16 @@ def test_a_storage_secret_refuses_pages_without_its_mac():
 
 
 # --- the engine ----------------------------------------------------------------------------
-@pytest.mark.parametrize("page", [1, 16])
-def test_pages_loaded_from_a_store_give_the_same_tokens_as_recomputing(page, tmp_path):
+@pytest.mark.parametrize(("page", "dtype"), [(1, torch.float32), (16, torch.float32),
+                                            (16, torch.bfloat16), (16, torch.float16)])  # fmt: skip
+def test_pages_loaded_from_a_store_give_the_same_tokens_as_recomputing(page, dtype, tmp_path):
+    """In every KV dtype (numpy has no bfloat16: pages go to the store as bytes)."""
     url = f"file://{tmp_path}/pages"
-    cold = run(engine(None, page))
-    first = engine(url, page)
+    cold = run(engine(None, page, dtype=dtype))
+    first = engine(url, page, dtype=dtype)
     assert run(first) == cold
     assert first.tier.stats.pages_written > 0
-    second = engine(url, page)  # another engine: an empty device cache
+    second = engine(url, page, dtype=dtype)  # another engine: an empty device cache
     out = second.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
     assert [o.token_ids for o in out.outputs] == cold
     assert second.tier.hit_tokens > 0 and out.outputs[0].cached_tokens > 100

@@ -382,7 +382,8 @@ class KVTiers:
     def _queue_write(self, keys: list[bytes], hashes: list[bytes], pages: torch.Tensor) -> None:
         if self.store is None:
             return
-        cpu = pages.to("cpu").contiguous().numpy()
+        # as bytes: numpy has no bfloat16
+        cpu = pages.to("cpu").contiguous().view(torch.uint8).numpy()
         values = [self.codec.encode(h, cpu[i].tobytes()) for i, h in enumerate(hashes)]
         self.queue_values(keys, values)
 
