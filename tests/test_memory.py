@@ -246,3 +246,19 @@ def test_freeing_whole_pages_takes_the_fast_path_and_still_refuses_bad_frees():
     a.free(x[8:])
     assert a.available_size() == 64
     a.check()
+
+
+def test_shortfall_is_what_alloc_extend_batch_lacks():
+    """`shortfall` says how many slots to free before the same batch extension fits:
+    the rest of a partial page costs nothing, each further page a page."""
+    a = TokenToKVPoolAllocator(64, 16)
+    first = a.alloc_extend_batch(np.array([-1, -1]), np.array([5, 16]))  # 1 + 1 pages
+    last = np.array([int(first[4]), int(first[20])])  # a partial page; a full one
+    taken = a.alloc(32)  # the last two free pages
+    assert a.available_size() == 0
+    assert a.shortfall(last, np.array([11, 0])) <= 0  # fills the partial page only
+    assert a.shortfall(last, np.array([12, 1])) == 32  # one page each beyond
+    assert a.alloc_extend_batch(last, np.array([12, 1])) is None
+    a.free(taken)
+    assert a.shortfall(last, np.array([12, 1])) == 0
+    assert a.alloc_extend_batch(last, np.array([12, 1])) is not None

@@ -52,7 +52,7 @@ import torch
 from radixkv.key import RadixKey, check_namespace
 from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.tree import RadixCache, TreeNode
-from radixkv.units import align_down, align_up, div_ceil
+from radixkv.units import align_down
 from radixkv.window_slots import WindowSlots
 
 
@@ -267,8 +267,7 @@ class CacheManager:
         try:
             slots = self.allocator.alloc_extend(last, n)
             if slots is None:
-                room = align_up(req.kv_len, p) - req.kv_len if last >= 0 else 0
-                need = align_up(n - room, p) - self.allocator.available_size()
+                need = self.allocator.shortfall(np.array([last]), np.array([n]))
                 self.evicted_tokens += self.cache.evict(max(need, 0))
                 slots = self.allocator.alloc_extend(last, n)
         except BaseException:
@@ -327,9 +326,7 @@ class CacheManager:
         try:
             slots = self.allocator.alloc_extend_batch(last, n)
             if slots is None:
-                room = np.where(last >= 0, (p - kv % p) % p, 0)
-                pages = div_ceil(np.maximum(n - room, 0), p)
-                need = int(pages.sum()) * p - self.allocator.available_size()
+                need = self.allocator.shortfall(last, n)
                 self.evicted_tokens += self.cache.evict(max(need, 0))
                 slots = self.allocator.alloc_extend_batch(last, n)
         except BaseException:

@@ -203,6 +203,23 @@ class TokenToKVPoolAllocator:
         slots = np.concatenate((tail, fresh)) if rest else tail
         return self._hand_out(slots, pages, last_slot // p, len(tail))
 
+    def _extension(
+        self, last: np.ndarray, n: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per request of a batch extension: whether it continues a partial page of
+        ``last``, the slots that fill that page, and the fresh pages the rest takes."""
+        p = self.page_size
+        ext = (last >= 0) & ((last + 1) % p != 0) if p > 1 else np.zeros(len(n), dtype=bool)
+        tail = np.minimum(np.where(ext, p - 1 - last % p, 0), n)
+        return ext, tail, div_ceil(n - tail, p)
+
+    def shortfall(self, last_slots: np.ndarray, counts: np.ndarray) -> int:
+        """Slots (whole pages) to free before `alloc_extend_batch` with these arguments
+        can succeed; 0 or less when it can now: what a caller evicts."""
+        last = np.asarray(last_slots, dtype=np.int64)
+        _, _, pages = self._extension(last, np.asarray(counts, dtype=np.int64))
+        return int(pages.sum()) * self.page_size - self.available_size()
+
     def alloc_extend_batch(self, last_slots: np.ndarray, counts: np.ndarray) -> torch.Tensor | None:
         """`alloc_extend` for a whole batch in one call (SGLang's batched ``alloc_extend``):
         request ``i`` gets ``counts[i]`` slots continuing ``last_slots[i]`` (-1: none),
@@ -224,7 +241,7 @@ class TokenToKVPoolAllocator:
         if len(n) and n.min() < 0:
             raise ValueError(f"alloc_extend_batch: counts must be >= 0, got {int(n.min())}")
         p = self.page_size
-        ext = (last >= 0) & ((last + 1) % p != 0) if p > 1 else np.zeros(len(n), dtype=bool)
+        ext, tail, pages = self._extension(last, n)  # tail: slots filling a partial page
         if ext.any():
             ends = last[ext]
             if ends.max() >= self.size or not self._owned[ends].all():
@@ -235,10 +252,7 @@ class TokenToKVPoolAllocator:
             pages_ext = np.sort(ends // p)
             if (pages_ext[1:] == pages_ext[:-1]).any():
                 raise ValueError("alloc_extend_batch: two requests extend the same page")
-        room = np.where(ext, p - 1 - last % p, 0)
-        tail = np.minimum(room, n)  # slots filling each request's partial page
         rest = n - tail
-        pages = div_ceil(rest, p)
         total_pages = int(pages.sum())
         if total_pages > self._num_free:
             return None

@@ -49,7 +49,7 @@ import torch
 
 from radixkv.memory import TokenToKVPoolAllocator, _runs
 from radixkv.tree.window import WindowKV
-from radixkv.units import align_down, align_up, div_ceil
+from radixkv.units import align_down, align_up
 
 
 class WindowSlots:
@@ -136,9 +136,7 @@ class WindowSlots:
             last[part] = self.table[rows[part], kv[part] - 1]
         slots = self.allocator.alloc_extend_batch(last, counts)
         if slots is None:
-            room = np.where(last >= 0, (p - kv % p) % p, 0)
-            pages = int(div_ceil(np.maximum(counts - room, 0), p).sum())
-            short = pages * p - self.allocator.available_size()
+            short = self.allocator.shortfall(last, counts)
             spare = self.component.evict_spare(short)  # no match loses an end for these
             self.evicted += spare + self.component.evict(max(short - spare, 0))
             slots = self.allocator.alloc_extend_batch(last, counts)
