@@ -246,24 +246,30 @@ def test_a_chunked_body_over_the_limit_gets_413_from_the_router():
 
 def test_n_choices_count_against_the_queue_and_share_the_slots():
     """n=128 choices were submitted one at a time, never waiting: they bypassed
-    --max-queue, and one request took 31 running slots for 65 s while others waited."""
+    --max-queue, and one request took 31 running slots for 65 s while others waited.
+    And a stream of more choices than the group's share of slots sent nothing until the
+    first choices had finished (it waited for every choice's first token)."""
     with ServerProcess(*WORKER, "--max-queue", "4", "--max-running", "4") as srv:
         body = {"model": "random", "prompt": "x", "n": 8, "max_tokens": 2}
         r = httpx.post(f"{srv.url}/v1/completions", timeout=60, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n"
         first_choice_done: list[float] = []
+        running = threading.Event()
 
         def big() -> None:  # 4 long choices, streamed: when does the first one end?
             body = {"model": "random", "prompt": "big shares nothing", "n": 4,
-                    "max_tokens": 300, "ignore_eos": True, "stream": True}  # fmt: skip
+                    "max_tokens": 480, "ignore_eos": True, "stream": True}  # fmt: skip
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
+                    running.set()
                     if '"finish_reason":"' in line and not first_choice_done:
                         first_choice_done.append(time.monotonic())
 
         t = threading.Thread(target=big)
         t.start()
-        time.sleep(0.5)  # the big request's choices are running
+        # the big request's choices are running (a token streamed): the small one comes
+        # ~480 decode steps before the first choice can end, not after a fixed sleep
+        assert running.wait(60)
         r = httpx.post(f"{srv.url}/v1/completions", timeout=120, json={
             "model": "random", "prompt": "small", "max_tokens": 2, "ignore_eos": True})  # fmt: skip
         small_done = time.monotonic()

@@ -298,18 +298,18 @@ class AsyncEngine:
 
 
 async def merge_choices(
-    runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]],
+    runs: list[tuple[StepOutput | None, AsyncIterator[StepOutput]]],
 ) -> AsyncIterator[tuple[int, StepOutput]]:
-    """The outputs of a request's ``n`` choices (each a first output and the rest) as
-    they come, tagged with the choice's index; closing this closes (aborts) every choice
-    still running."""
+    """The outputs of a request's ``n`` choices (each a first output already taken, or
+    None, and the rest) as they come, tagged with the choice's index; closing this
+    closes (aborts) every choice still running."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, first: StepOutput, outputs: AsyncIterator[StepOutput]) -> None:
+    async def pump(i: int, first: StepOutput | None, outputs: AsyncIterator[StepOutput]) -> None:
         try:
-            out = first
-            await queue.put((i, out))
             async with aclosing(outputs):
+                out = first if first is not None else await anext(outputs)
+                await queue.put((i, out))
                 while not out.finished:
                     out = await anext(outputs)
                     await queue.put((i, out))

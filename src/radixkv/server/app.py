@@ -281,24 +281,26 @@ class Api:
         salt: str | None,
         arrival: float,
         cache: CacheSpec | None = None,
-    ) -> list[tuple[StepOutput, AsyncIterator[StepOutput]]]:
+    ) -> list[tuple[StepOutput | None, AsyncIterator[StepOutput]]]:
         """Submit the ``n`` choices as one group (choice ``i`` seeded ``seed + i``; they
         share the prompt's KV through the cache; they count as ``n`` against the queue,
-        and hold at most their share of the running slots) and wait for each one's first
-        output. A refusal of any aborts those started. Returns (first output, the rest)
-        per choice."""
+        and hold at most their share of the running slots) and wait for the first
+        choice's first output. The group is taken or refused as a whole (a refusal is
+        every choice's first item), so that one output decides the response's status;
+        the other choices may still wait for a slot (a group holds at most its share),
+        and waiting for theirs too held a stream's first token back until the first
+        choices had finished. A refusal aborts them all. Returns (first output or None,
+        the rest) per choice."""
         samplings: list[SamplingParams | None] = [choice_sampling(sampling, i) for i in range(n)]
         submitted = await self.aeng.submit_choices(ids, samplings, salt, chat=False, cache=cache)
         outputs = [self.timed(o, arrival) for o in submitted]
-        runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]] = []
         try:
-            for o in outputs:
-                runs.append((await self.first(o), o))
+            first = await self.first(outputs[0])
         except BaseException:
             for o in outputs:
                 await o.aclose()  # type: ignore[attr-defined]
             raise
-        return runs
+        return [(first, outputs[0])] + [(None, o) for o in outputs[1:]]
 
     @staticmethod
     def usage(lasts: list[StepOutput]) -> dict[str, Any]:
@@ -351,15 +353,15 @@ Choice = tuple[str, StepOutput, list[int], list]
 
 
 async def _collect_or_abort(
-    request: Request, runs: list[tuple[StepOutput, AsyncIterator[StepOutput]]]
+    request: Request, runs: list[tuple[StepOutput | None, AsyncIterator[StepOutput]]]
 ) -> list[Choice] | None:
     """All outputs of a non-streamed request's choices; a client that disconnects first
     cancels them (each is aborted and its KV freed)."""
 
-    async def collect(first: StepOutput, outputs: AsyncIterator[StepOutput]) -> Choice:
-        text, last = [first.text], first
-        ids, lps = list(first.token_ids), list(first.logprobs or ())
+    async def collect(first: StepOutput | None, outputs: AsyncIterator[StepOutput]) -> Choice:
         async with aclosing(outputs):
+            last = first if first is not None else await anext(outputs)
+            text, ids, lps = [last.text], list(last.token_ids), list(last.logprobs or ())
             while not last.finished:
                 last = await anext(outputs)
                 text.append(last.text)
