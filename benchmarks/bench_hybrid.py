@@ -16,7 +16,9 @@ align mode allows a state on (a real Qwen3.5-4B gets 528), driven as its schedul
 a step per prefill chunk (``new_step_starts``), the first chunk ending on the block grid
 (where align mode keeps the state), then the rest; the finished request is freed (its
 blocks stay cached).
-Reported: µs per request (match + inserts, median of the repeats, GC on), cached tokens
+Reported: µs per request (match + inserts, median of the repeats, GC on; the requests'
+token lists are frozen out of the collector's walks, and each run starts after a
+collection, the same for every side), cached tokens
 (state hits, which must be equal: tests/test_sglang_hybrid_diff.py checks the same
 semantics operation by operation) and checkpoints held at the end; the last column is
 the same requests through radixkv's cache without components (a full-attention model's
@@ -26,6 +28,7 @@ match + insert), for the cost of the state component.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -65,8 +68,7 @@ def run_radixkv(reqs: list[list[int]]) -> tuple[float, int, int]:
     hits, slot = 0, 0
     t0 = time.perf_counter()
     for key in keys:
-        full = cache.match_len(key, full=True)
-        m = cache.match_prefix(key)
+        m, full = cache.match_with_full(key)  # the state hit and the branch point
         if m.prefix_len:
             state.used(m.last_node)  # the hit copies this state
         hits += m.prefix_len
@@ -233,11 +235,17 @@ def measure(impl: str, repeats: int) -> list[dict]:
     rows = []
     for w in WORKLOADS:
         reqs = requests(w)
+        # the requests' token lists (up to 2.6M references) are the harness's: frozen, so
+        # a full collection during a timed run walks only what the cache under test made
+        gc.collect()
+        gc.freeze()
         times, out = [], None
         for _ in range(repeats):
+            gc.collect()  # the previous run's tree goes now, not during the next run
             dt, hits, held = run(reqs)
             times.append(dt / len(reqs) * 1e6)
             out = (hits, held)
+        gc.unfreeze()
         rows.append(dict(workload=w, us=statistics.median(times), hits=out[0], held=out[1]))
     return rows
 

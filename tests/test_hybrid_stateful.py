@@ -135,12 +135,16 @@ class HybridMachine(RuleBasedStateMachine):
                     self.give_back(self.st, [slot])
         self.win.fail_next = self.st.fail_next = False
 
-    @rule(toks=tokens, lock=st.booleans())
-    def match(self, toks, lock):
+    @rule(toks=tokens, lock=st.booleans(), one_walk=st.booleans())
+    def match(self, toks, lock, one_walk):
         key = self.key(toks)
         full = self.cache.match_len(key, full=True)
         got = self.cache.match_len(key)
-        m = self.cache.match_prefix(key)
+        if one_walk:  # both lengths from one walk, as a hybrid admission asks
+            m, both_full = self.cache.match_with_full(key)
+            assert both_full == full
+        else:
+            m = self.cache.match_prefix(key)
         assert m.prefix_len == got <= full
         if got:
             node = m.last_node

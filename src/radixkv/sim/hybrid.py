@@ -252,8 +252,7 @@ class _Sim:
         units = req.units if outputs else req.units[:P]
         key = RadixKey(np.asarray(units, dtype=np.int64))
         prompt = key[: max(P - 1, 0) if P * self.unit > req.prompt_tokens - 1 else P]
-        full = self.cache.match_len(prompt, full=True)
-        m = self.cache.match_prefix(prompt)
+        m, full = self.cache.match_with_full(prompt)
         hit = m.prefix_len
         if hit and self.spec.recurrent_layers:
             self.state.used(m.last_node)

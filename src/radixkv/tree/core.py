@@ -366,8 +366,16 @@ class RadixCache(ComponentHost, Eviction):
         Returns:
             `MatchResult` (indices, last_node, prefix_len).
         """
-        parts, last, n = self.match_parts(key, split, full)
+        parts, last, n, _ = self._match(key, split, full)
         return MatchResult(bytes_to_tensor(parts), last, n)
+
+    def match_with_full(self, key: RadixKey, split: bool = True) -> tuple[MatchResult, int]:
+        """`match_prefix` (cut by the components) and the full-attention KV's match
+        length (`match_len` with ``full``) from one walk: a hybrid request's admission
+        needs both, where it starts and where it leaves the cached path (a branch
+        point). Returns ``(match, full_len)``; ``full_len >= match.prefix_len``."""
+        parts, last, n, full_len = self._match(key, split, False)
+        return MatchResult(bytes_to_tensor(parts), last, n), full_len
 
     def match_parts(
         self, key: RadixKey, split: bool = True, full: bool = False
@@ -376,18 +384,26 @@ class RadixCache(ComponentHost, Eviction):
         int64 ``bytes`` chunks (one per node on the path, in order; read-only), the last
         node and the prefix length. For callers that copy the slots somewhere anyway (a
         request's row) and so would pay for the tensor twice."""
+        parts, last, n, _ = self._match(key, split, full)
+        return parts, last, n
+
+    def _match(
+        self, key: RadixKey, split: bool, full: bool
+    ) -> tuple[list[bytes], TreeNode, int, int]:
+        """`match_parts`, and the full-attention match's length (before the cut)."""
         split = as_bool(split, "split")
         units, n, ns, _ = self._prepare(key)
         if self.disable:
-            return [], self.root, 0
+            return [], self.root, 0, 0
         path, off, partial, m = self._descend(units, n, ns)
+        full_len = off + m
         if self._limiters and not as_bool(full, "full"):
             path, off, partial, m = self._limit(path, off, partial, m)
         parts = [node._value for node in path]
         if not split:
             if partial is not None:
                 parts.append(partial._value[: m * TOKEN_BYTES])
-            return parts, path[-1] if path else self.root, off + m
+            return parts, path[-1] if path else self.root, off + m, full_len
         if partial is not None and m:
             upper = self._split(partial, m)
             path.append(upper)
@@ -397,8 +413,8 @@ class RadixCache(ComponentHost, Eviction):
             self._touch(path)
             if partial is not None and m and not self.precise:
                 self._touch_lower(partial)
-            return parts, path[-1], off
-        return parts, self.root, 0
+            return parts, path[-1], off, full_len
+        return parts, self.root, 0, full_len
 
     def match_len(self, key: RadixKey, full: bool = False) -> int:
         """Read-only hit length of ``key`` in units: no split, no recency change, no tensor.
