@@ -56,6 +56,7 @@ def run_radixkv(reqs: list[list[int]]) -> tuple[float, int, int]:
     import numpy as np
 
     from radixkv import RadixCache, RadixKey
+    from radixkv.tree.node import bytes_to_tensor
     from radixkv.tree.state import StateCheckpoints
 
     class Slots:
@@ -68,11 +69,12 @@ def run_radixkv(reqs: list[list[int]]) -> tuple[float, int, int]:
     hits, slot = 0, 0
     t0 = time.perf_counter()
     for key in keys:
-        m, full = cache.match_with_full(key)  # the state hit and the branch point
-        if m.prefix_len:
-            state.used(m.last_node)  # the hit copies this state
-        hits += m.prefix_len
-        for pos, _kind in state.plan(len(key), full, m.prefix_len):
+        parts, last, hit, full = cache.match_parts(key)  # the state hit and the branch point
+        bytes_to_tensor(parts)  # the indices, as SGLang's match and match_prefix return them
+        if hit:
+            state.used(last)  # the hit copies this state
+        hits += hit
+        for pos, _kind in state.plan(len(key), full, hit):
             state.add(cache.insert_node(key[:pos]).last_node, slot)
             slot += 1
     dt = time.perf_counter() - t0

@@ -67,9 +67,9 @@ def test_a_match_ends_at_the_deepest_checkpoint_it_passes():
     assert m.prefix_len == 4 and state.at(m.last_node) == 7 and state.used(m.last_node) == 7
     cache.check_integrity()
     # one walk gives both: where the request starts and where it leaves the cached path
-    m, full = cache.match_with_full(K(*seq(0, 8), 99))
-    assert (m.prefix_len, full) == (4, 8) and state.at(m.last_node) == 7
-    assert cache.match_with_full(K(50, 51))[1] == 0
+    _, last, hit, full = cache.match_parts(K(*seq(0, 8), 99))
+    assert (hit, full) == (4, 8) and state.at(last) == 7
+    assert cache.match_parts(K(50, 51))[2:] == (0, 0)
     cache.check_integrity()
 
 

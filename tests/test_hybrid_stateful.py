@@ -141,13 +141,14 @@ class HybridMachine(RuleBasedStateMachine):
         full = self.cache.match_len(key, full=True)
         got = self.cache.match_len(key)
         if one_walk:  # both lengths from one walk, as a hybrid admission asks
-            m, both_full = self.cache.match_with_full(key)
-            assert both_full == full
+            _, last, hit, both_full = self.cache.match_parts(key)
+            assert hit == got and both_full == full
         else:
             m = self.cache.match_prefix(key)
-        assert m.prefix_len == got <= full
+            last, hit = m.last_node, m.prefix_len
+        assert hit == got <= full
         if got:
-            node = m.last_node
+            node = last
             if self.state is not None:  # a match ends exactly at a checkpoint
                 assert self.state.at(node) is not None, "match ended off a checkpoint"
                 self.state.used(node)

@@ -216,7 +216,7 @@ class CacheManager:
             return False
         try:  # the last token is always computed
             if req.cache_read:
-                parts, last, hit = self.cache.match_parts(key[: n - 1])
+                parts, last, hit, _ = self.cache.match_parts(key[: n - 1])
             else:
                 parts, last, hit = [], self.cache.root, 0
             self.req_pool.write_parts(row, parts)

@@ -252,15 +252,14 @@ class _Sim:
         units = req.units if outputs else req.units[:P]
         key = RadixKey(np.asarray(units, dtype=np.int64))
         prompt = key[: max(P - 1, 0) if P * self.unit > req.prompt_tokens - 1 else P]
-        m, full = self.cache.match_with_full(prompt)
-        hit = m.prefix_len
+        _, last, hit, full = self.cache.match_parts(prompt)  # one walk: the hit, the branch
         if hit and self.spec.recurrent_layers:
-            self.state.used(m.last_node)
-        self.cache.inc_lock_ref(m.last_node)
+            self.state.used(last)
+        self.cache.inc_lock_ref(last)
         for pos, kind in self._positions(req, full, hit, outputs):
             self._insert(key[:pos], kind)
         self._insert(key[: len(units)], None)
-        self.cache.dec_lock_ref(m.last_node)
+        self.cache.dec_lock_ref(last)
         self._fit()
         for k, v in self.held().items():
             self.bytes_sum[k] += v

@@ -366,31 +366,16 @@ class RadixCache(ComponentHost, Eviction):
         Returns:
             `MatchResult` (indices, last_node, prefix_len).
         """
-        parts, last, n, _ = self._match(key, split, full)
+        parts, last, n, _ = self.match_parts(key, split, full)
         return MatchResult(bytes_to_tensor(parts), last, n)
-
-    def match_with_full(self, key: RadixKey, split: bool = True) -> tuple[MatchResult, int]:
-        """`match_prefix` (cut by the components) and the full-attention KV's match
-        length (`match_len` with ``full``) from one walk: a hybrid request's admission
-        needs both, where it starts and where it leaves the cached path (a branch
-        point). Returns ``(match, full_len)``; ``full_len >= match.prefix_len``."""
-        parts, last, n, full_len = self._match(key, split, False)
-        return MatchResult(bytes_to_tensor(parts), last, n), full_len
 
     def match_parts(
         self, key: RadixKey, split: bool = True, full: bool = False
-    ) -> tuple[list[bytes], TreeNode, int]:
-        """`match_prefix` without building the tensor: the matched slot indices as packed
-        int64 ``bytes`` chunks (one per node on the path, in order; read-only), the last
-        node and the prefix length. For callers that copy the slots somewhere anyway (a
-        request's row) and so would pay for the tensor twice."""
-        parts, last, n, _ = self._match(key, split, full)
-        return parts, last, n
-
-    def _match(
-        self, key: RadixKey, split: bool, full: bool
     ) -> tuple[list[bytes], TreeNode, int, int]:
-        """`match_parts`, and the full-attention match's length (before the cut)."""
+        """`match_prefix` without the tensor, for callers that copy the slots anyway:
+        the slot indices as packed int64 ``bytes`` chunks (per node on the path; read-only),
+        the last node, the prefix length, and the full-attention match's length before
+        the components' cut (a hybrid request's branch point, from the same walk)."""
         split = as_bool(split, "split")
         units, n, ns, _ = self._prepare(key)
         if self.disable:
