@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -256,3 +256,33 @@ def test_window_bytes_follow_the_useful_ends(retain):
     assert window.held_units() == (8 if retain == "ends" else 100)
     assert cache.match_prefix(key).prefix_len == 100
     cache.check_integrity()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    page=st.sampled_from([1, 2]),
+    prompts=st.lists(st.tuples(tokens, st.integers(0, 16)), min_size=1, max_size=6),
+    queries=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 16), tokens), max_size=8),
+)
+def test_one_walk_gives_the_hit_and_the_branch_point(page, prompts, queries):
+    """`match_parts` returns the state-limited hit and the full-attention match (a hybrid
+    admission's start and branch point) from one walk; both equal the two walks
+    (`match_len` without and with ``full``), on queries that follow a cached prompt for
+    a while and then leave it (between checkpoints, inside a node)."""
+    state = StateCheckpoints(64, Pool("state", 0))
+    cache = RadixCache(page, components=(state,))
+    slot = 0
+    for toks, cut in prompts:  # checkpoints at a cut and at the end
+        key = RadixKey(np.asarray(toks[: len(toks) - len(toks) % page], dtype=np.int64))
+        for pos in sorted({min(len(key), cut - cut % page) or len(key), len(key)}):
+            node = cache.insert_node(key[:pos]).last_node
+            if node is not cache.root and state.add(node, slot):
+                slot += 1
+    for near, keep, tail in queries:
+        toks = list(prompts[near % len(prompts)][0][:keep]) + tail
+        key = RadixKey(np.asarray(toks, dtype=np.int64))
+        full, hit = cache.match_len(key, full=True), cache.match_len(key)
+        _, last, got, got_full = cache.match_parts(key)
+        assert (got, got_full) == (hit, full)
+        assert got == 0 or state.at(last) is not None  # the hit ends at a checkpoint
+        cache.check_integrity()
