@@ -191,6 +191,25 @@ def test_streaming_passes_through(fleet):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"  # the worker's answer
 
 
+def test_n_choices_count_as_n_in_flight_on_their_worker(fleet):
+    """A request of ``n`` choices runs ``n`` sequences on its worker; the router counted
+    it as one, so least-load and the key's load bound saw a worker running 4 as 1."""
+    router, _ = fleet
+    body = {"prompt": "four long choices", "n": 4, "max_tokens": 480, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as r:
+        worker = r.headers["x-radixkv-worker"]
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream (an abort)
+        next(lines)  # it runs: 480 tokens to go
+        gauge = 'radixkv_router:in_flight{worker="' + worker + '"} '
+        line = [x for x in httpx.get(f"{router.url}/metrics").text.splitlines()
+                if x.startswith(gauge)]  # fmt: skip
+        assert line == [gauge + "4.0"]
+        assert [x for x in lines if x][-1] == "data: [DONE]"
+    state = httpx.get(f"{router.url}/route/state").json()  # over: its load is gone
+    assert all(w["in_flight"] == 0 for w in state["workers"]), state
+
+
 def test_killing_a_worker_loses_no_request_that_had_not_started():
     ports = [free_port_pair() for _ in range(2)]
     workers = [
@@ -655,6 +674,16 @@ def test_a_ticket_releases_its_load_exactly_once_on_every_path():
     retry = routing.assign("b", tokens)  # tickets[2] failed on a: the load moves to b
     tickets[2].release(served=False)
     for t in (tickets[0], tickets[1], tickets[3], retry, tickets[0], retry):
+        t.release()
+    for w in routing.workers.values():
+        assert (w.in_flight, w.active_blocks, w.queued_blocks) == (0, 0, 0)
+    # n choices run as n sequences on their worker: the prompt once, n outputs
+    many = routing.choose(tokens, max_tokens=16, n=4)
+    assert (many.worker.in_flight, many.worker.active_blocks) == (4, (64 + 4 * 16) // 16)
+    after = [routing.choose(tokens, max_tokens=16) for _ in range(3)]
+    assert all(t.worker is not many.worker for t in after)  # 4 in flight there, 1-3 here
+    retry = routing.assign(many.worker.name, tokens, 16, n=4)
+    for t in (many, *after, retry, many):
         t.release()
     for w in routing.workers.values():
         assert (w.in_flight, w.active_blocks, w.queued_blocks) == (0, 0, 0)

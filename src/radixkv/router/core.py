@@ -63,7 +63,7 @@ class WorkerLoad:
     name: Hashable
     alive: bool = True
     stale: bool = False  # its event stream keeps failing: its index entries are not trusted
-    in_flight: int = 0
+    in_flight: int = 0  # sequences: a request of ``n`` choices counts ``n`` (its worker runs n)
     active_blocks: int = 0
     queued_blocks: int = 0  # prefill blocks of requests sent here, not answered yet
     routed: RadixCache = field(default_factory=lambda: RadixCache(page_size=1))
@@ -96,7 +96,9 @@ class Ticket:
         held: blocks of the prompt the index says the worker holds.
         fleet: the most blocks any alive worker holds (fleet-available).
         prefill: blocks the worker must compute (claims count as held).
-        blocks: blocks charged while the request is in flight.
+        blocks: blocks charged while the request is in flight (the prompt once, every
+            choice's output).
+        choices: its ``n``: the sequences it counts in flight.
     """
 
     core: RoutingCore
@@ -105,6 +107,7 @@ class Ticket:
     fleet: int
     prefill: int
     blocks: int
+    choices: int = 1
     claim: list | None = None  # kv: [expiry, key], the claim routing made for it
     queued: bool = True
     released: bool = False
@@ -126,7 +129,7 @@ class Ticket:
         self.started()
         self.released = True
         w = self.worker
-        w.in_flight -= 1
+        w.in_flight -= self.choices
         w.active_blocks -= self.blocks
         if self.claim is not None:
             end = self.core.clock() + (EVENTS_GRACE_S if served else 0.0)
@@ -202,9 +205,12 @@ class RoutingCore:
         salt: Any = None,
         max_tokens: int = 16,
         cache_key: str | None = None,
+        n: int = 1,
     ) -> Ticket:
         """Pick a worker for a prompt (its token ids as the workers see them) and charge
         it; the ticket says what the index knew. Alive workers only, unless none is.
+        ``n``: the request's choices, each a sequence of up to ``max_tokens`` on the
+        worker after the prompt they share.
 
         ``cache_key`` (OpenAI's ``prompt_cache_key``): requests with the same key (in
         the same salt: a key never crosses a salt) go to the key's worker
@@ -263,25 +269,28 @@ class RoutingCore:
             w.claims.append(claim)
         prefill = len(tokens) // size - known.get(w, 0)
         fleet = max(held.values(), default=0)
-        ticket = self._charge(w, held.get(w, 0), fleet, prefill, len(tokens) + max_tokens, claim)
+        ticket = self._charge(w, held.get(w, 0), fleet, prefill, tokens, max_tokens, n, claim)
         ticket.key_spilled = spilled
         return ticket
 
-    def assign(self, name: Hashable, tokens: Sequence[int], max_tokens: int = 16) -> Ticket:
+    def assign(
+        self, name: Hashable, tokens: Sequence[int], max_tokens: int = 16, n: int = 1
+    ) -> Ticket:
         """Charge a worker picked elsewhere (a retry after the chosen one failed): its
         whole prompt counts as to prefill, and it claims nothing."""
         w = self.workers[name]
         size = self.block_size
-        return self._charge(w, 0, 0, len(tokens) // size, len(tokens) + max_tokens, None)
+        return self._charge(w, 0, 0, len(tokens) // size, tokens, max_tokens, n, None)
 
     def _charge(
-        self, w: WorkerLoad, held: int, fleet: int, prefill: int, tokens: int, claim: list | None
-    ) -> Ticket:
-        blocks = tokens // self.block_size
-        w.in_flight += 1
+        self, w: WorkerLoad, held: int, fleet: int, prefill: int, tokens: Sequence[int],
+        max_tokens: int, n: int, claim: list | None,
+    ) -> Ticket:  # fmt: skip
+        blocks = (len(tokens) + n * max_tokens) // self.block_size
+        w.in_flight += n
         w.active_blocks += blocks
         w.queued_blocks += prefill
-        return Ticket(self, w, held, fleet, prefill, blocks, claim)
+        return Ticket(self, w, held, fleet, prefill, blocks, n, claim)
 
     def _remember(self, w: WorkerLoad, key: RadixKey) -> None:
         over = w.routed.total_size() + len(key) - self.approx_tokens

@@ -232,8 +232,8 @@ class Router:
                                  registry=r)  # fmt: skip
         self.m_blocks = Counter("radixkv_router:request_blocks", "Whole blocks of routed "
                                 "prompts", registry=r)  # fmt: skip
-        self.m_in_flight = Gauge("radixkv_router:in_flight", "Requests in flight",
-                                 ["worker"], registry=r)  # fmt: skip
+        self.m_in_flight = Gauge("radixkv_router:in_flight", "Sequences in flight (a request "
+                                 "of n choices counts n)", ["worker"], registry=r)  # fmt: skip
         self.m_alive = Gauge("radixkv_router:worker_alive", "1 while the worker is healthy",
                              ["worker"], registry=r)  # fmt: skip
         # reuse, decomposed: what the fleet held, what routing captured, what was served

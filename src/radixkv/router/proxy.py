@@ -37,6 +37,7 @@ from radixkv.web.access import Access, AccessMiddleware
 from radixkv.web.errors import ApiError
 
 MAX_CACHE_KEY = 1024  # as radixkv.server.protocol (the router imports no server module)
+MAX_CHOICES = 128  # n, as radixkv.server.protocol's MAX_N (OpenAI's limit)
 
 FORWARDED_HEADERS = ("content-type", "retry-after")
 ADMIN_PATHS = ("/workers",)  # changing the fleet: the router's --admin-key only
@@ -156,11 +157,13 @@ def build_router_app(
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         max_tokens = max_tokens if isinstance(max_tokens, int) else 16
+        n = body.get("n")  # choices run as n sequences on the worker (it checks the value)
+        n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
         key = body.get("prompt_cache_key")
         # the worker refuses others (empty, or longer than its MAX_CACHE_KEY); hashing a
         # body-sized key for every worker would cost every request behind it
         key = key if isinstance(key, str) and 0 < len(key) <= MAX_CACHE_KEY else None
-        ticket = router.core.choose(tokens, salt, max_tokens, key)
+        ticket = router.core.choose(tokens, salt, max_tokens, key, n)
         if key is not None:
             router.m_key.inc()
             if ticket.key_spilled:
@@ -170,7 +173,7 @@ def build_router_app(
         streamed = body.get("stream") is True
         for attempt, w in enumerate(order):
             if w is not first:  # a retry: the load moves with it
-                ticket = router.core.assign(w.url, tokens, max_tokens)
+                ticket = router.core.assign(w.url, tokens, max_tokens, n)
             router.in_flight_changed(w)
             try:
                 upstream = await send(w, raw, path)
