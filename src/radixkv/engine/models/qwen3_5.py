@@ -321,7 +321,8 @@ class GatedDeltaNet(nn.Module):
             rows = [batch.state_slots[i] for i in single]
             out[at] = self._decode(mixed[at], g[at], beta[at], weight, rows,
                                    [firsts[i] for i in single], states).to(x.dtype)  # fmt: skip
-        rest = [i for i in range(len(lens)) if i not in set(single)]
+        decoded = set(single)
+        rest = [i for i in range(len(lens)) if i not in decoded]
         for members in _prefill_groups(rest, lens, snaps):
             self._prefill(members, batch, snaps, offsets, mixed, g, beta, weight, states, out)
         o = self.norm(out, z)
