@@ -603,6 +603,10 @@ def test_a_slow_health_check_neither_takes_a_worker_out_nor_forgets_its_cache():
     router.health_checked(a, True)  # back, with what it held
     worker, ticket = choose(tokens)
     assert a.alive and worker is a and ticket.held == 8
+    router.health_checked(a, False, certain=True)  # /health answered 503: out at once
+    assert not a.alive and choose(tokens)[0] is b
+    router.health_checked(a, True)
+    assert a.alive
 
 
 def test_a_routed_prompt_counts_as_cached_only_until_the_worker_could_have_reported_it():

@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     require_serve_extra()
     from radixkv.engine.config import EngineConfig
     from radixkv.events import exposure_problem
-    from radixkv.server.serve import ServeConfig, build_server
+    from radixkv.server.serve import ServeConfig, build_server, engine_failure
     from radixkv.web.access import Access
 
     if args.port > 65535:
@@ -225,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
     for line in aeng.engine.memory_summary():
         print(f"  {line}", file=sys.stderr, flush=True)
     server.run()
+    failed = engine_failure(aeng)
+    if failed is not None:  # a supervisor restarts it; /health said why meanwhile
+        print(f"error: the engine failed: {failed!r}; exiting so it can be restarted",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
     if not server.started:
         raise CliError(f"--port: could not listen on {args.host}:{args.port}")
     return 0

@@ -40,6 +40,11 @@ class QueueFull(RuntimeError):
     """``max_queue`` requests are already waiting; try again later."""
 
 
+class RequestFailed(RuntimeError):
+    """The request failed alone (finish reason ``error``: its logits went non-finite, or
+    processing its token raised); its KV was freed and the engine goes on."""
+
+
 class AsyncEngine:
     """Serve an `Engine` to asyncio code.
 
@@ -51,9 +56,16 @@ class AsyncEngine:
             ``start()`` on, only the loop thread may use the engine.
         max_queue: waiting (not yet admitted) requests at most; beyond, ``generate``
             raises `QueueFull`.
+        on_death: called once, on the loop thread, with the exception when the engine
+            fails (not when it is stopped): a server exits so a supervisor restarts it.
     """
 
-    def __init__(self, engine: Engine | Callable[[], Engine], max_queue: int = 1024) -> None:
+    def __init__(
+        self,
+        engine: Engine | Callable[[], Engine],
+        max_queue: int = 1024,
+        on_death: Callable[[BaseException], None] | None = None,
+    ) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue must be a positive int, got {max_queue!r}")
         self._factory = None if isinstance(engine, Engine) else engine
@@ -68,6 +80,7 @@ class AsyncEngine:
         self._running = threading.Event()
         self._running.set()
         self.error: BaseException | None = None  # what killed the loop, if anything
+        self.on_death = on_death
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,6 +167,8 @@ class AsyncEngine:
             ValueError / TypeError: a bad request (from `Engine.add_request`).
             QueueFull: ``max_queue`` requests are waiting.
             EngineDead: the loop is not running.
+        and from any ``__anext__``: RequestFailed (the request failed alone),
+        EngineDead (the engine failed meanwhile).
         """
         (outputs,) = await self.submit_choices(prompt, [sampling], extra_key, chat, [rid])
         return outputs
@@ -210,6 +225,8 @@ class AsyncEngine:
                     finished = True  # nothing to abort: the loop is gone
                     raise out
                 finished = out.finished
+                if out.error is not None:  # it failed alone; nothing is left to abort
+                    raise RequestFailed(out.error)
                 yield out
         finally:
             if not finished:
@@ -252,6 +269,8 @@ class AsyncEngine:
             except BaseException as e:  # a bug or a device failure: fail loudly, once
                 log.exception("the engine step failed; the engine stops")
                 self._die(e)
+                if self.on_death is not None:
+                    self.on_death(e)
                 return
             self._dispatch(outputs)
         self._die(EngineDead("the engine was shut down"))

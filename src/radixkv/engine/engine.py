@@ -36,7 +36,7 @@ import torch
 from radixkv.engine.config import SCHEDULE_POLICIES, EngineConfig
 from radixkv.engine.loader import build_memory, build_tiers, load_model, load_tokenizer
 from radixkv.engine.loader import model_identity as identity_of
-from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.model_runner import ModelRunner, NonFiniteLogits
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.output import OutputProcessor
 from radixkv.engine.recurrent import RecurrentStates
@@ -53,6 +53,7 @@ __all__ = [
     "DoesNotFit",
     "Engine",
     "EngineConfig",
+    "EngineFault",
     "GenerateResult",
     "RequestOutput",
     "RunStats",
@@ -73,6 +74,7 @@ class RequestOutput:
     cached_tokens: int
     ttft_s: float
     finish_reason: str
+    error: str | None = None  # with finish reason "error": why it failed
 
 
 @dataclass
@@ -104,6 +106,52 @@ class RunStats:
 class GenerateResult:
     outputs: list[RequestOutput] = field(default_factory=list)
     stats: RunStats = field(default_factory=RunStats)
+
+
+class EngineFault(RuntimeError):
+    """The engine itself is broken (the model fails for every request): it stops, and a
+    server exits so that its supervisor restarts it."""
+
+
+class FaultWatch:
+    """Tells a request's fault from the engine's. Non-finite logits fail the request
+    alone. When ``after`` different requests (the choices of one count once) failed so in
+    a row with no row sampled between, the engine sends a canary: a one-token request of
+    its own (the tokenizer's BOS, nothing cached). The canary sampled, the failures were
+    the requests' own (a poisoned token: the counting starts over); the canary failing
+    too, the model fails for every row: `EngineFault`. So requests alone never stop the
+    engine, however many fail in a row."""
+
+    def __init__(self, after: int = 4) -> None:
+        self.after = after
+        self.failing: dict[Any, str] = {}  # request (or group) -> why, since the last good row
+        self.canary: Any = None  # the canary's request id while one is out
+        self.canaries = 0  # sent so far
+
+    def sampled(self, r: EngineReq, error: Exception | None) -> bool:
+        """A row of ``r`` was sampled (``error`` None) or could not be. Returns True when
+        a canary should be sent now.
+
+        Raises:
+            EngineFault: the canary could not be sampled either.
+        """
+        if self.canary is not None and r.rid == self.canary:
+            self.canary = None
+            if error is not None:
+                raise EngineFault(f"the model failed for {len(self.failing)} requests in a row "
+                                  f"and for a one-token canary of its own ({error})")  # fmt: skip
+            self.failing.clear()
+            return False
+        if error is None:
+            if self.failing:
+                self.failing.clear()
+            return False
+        self.failing[r.group if r.group is not None else ("rid", r.rid)] = str(error)
+        if len(self.failing) < self.after or self.canary is not None:
+            return False
+        self.canaries += 1
+        self.canary = ("canary", self.canaries)
+        return True
 
 
 @dataclass
@@ -171,6 +219,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, self.device, self.window)
         self.outputs = OutputProcessor(self.tokenizer)
         self.counters = EngineCounters()
+        self.faults = FaultWatch()
         self.requests: dict[Any, EngineReq] = {}  # unfinished requests by id
         self._order = itertools.count()
         self._aborted: list[EngineReq] = []  # aborted since the last step (reported once)
@@ -371,7 +420,7 @@ class Engine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         gen = None
-        if sampling.temperature > 0:
+        if not sampling.greedy:
             gen = torch.Generator()
             gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
         req = EngineReq(
@@ -465,7 +514,10 @@ class Engine:
         self, plan: list[tuple[EngineReq, int]], logits: torch.Tensor | None
     ) -> list[StepOutput]:
         """Sample a token for every request whose prompt is done, decide who finished,
-        cache what was computed (once for the step, in one call each)."""
+        cache what was computed (once for the step, in one call each). A request whose
+        row cannot be sampled (non-finite logits) or whose token's processing raises
+        fails alone (`_fail`); the model failing for every row is the engine's fault
+        (`EngineFault`)."""
         outputs = [self.outputs.output(r) for r in self._aborted]
         self._aborted.clear()
         if not plan:
@@ -474,21 +526,32 @@ class Engine:
         now = time.perf_counter()
         computed, finished = [], []
         rec = self.recurrent
-        for (r, n), row_logits in zip(plan, logits, strict=True):  # type: ignore[arg-type]
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # type: ignore[union-attr]
+        for (r, n), row_logits, ok in zip(plan, logits, finite, strict=True):  # type: ignore[arg-type]
             was_prefill = r.kv_len - n < len(r.input_ids)
             if was_prefill:
                 self.counters.prefill_tokens += n
             if r.kv_len < r.num_tokens:  # a prompt chunk: cache it, no token yet
                 computed.append(r)
                 continue
-            token = self.runner.sample(r, row_logits)
-            r.first_token_at = r.first_token_at or now
-            self.counters.generation_tokens += 1
-            reason = self.outputs.append(r, token)
+            try:
+                if not ok:
+                    raise NonFiniteLogits("the model's logits for this request are not finite")
+                token = self.runner.sample(r, row_logits)
+                self.faults.sampled(r, None)
+                r.first_token_at = r.first_token_at or now
+                self.counters.generation_tokens += 1
+                reason = self.outputs.append(r, token)
+                if reason is not None:
+                    if rec is not None:
+                        rec.at_finish(r, self.cache.page_size)
+                    self._save_to_tiers(r)
+            except Exception as e:  # this request's own failure: it fails alone
+                if isinstance(e, NonFiniteLogits) and self.faults.sampled(r, e):
+                    self._send_canary()
+                outputs.append(self._fail(r, e))
+                continue
             if reason is not None:
-                if rec is not None:
-                    rec.at_finish(r, self.cache.page_size)
-                self._save_to_tiers(r)
                 finished.append(r)
                 del self.requests[r.rid]
                 self._finish(r, reason)
@@ -505,6 +568,24 @@ class Engine:
         if finished:
             self._retain([r for r in finished if r.cache_spec], outputs)
         return outputs
+
+    def _send_canary(self) -> None:
+        """`FaultWatch`'s canary: the BOS token (else token 0), one greedy token,
+        nothing read from or written to the cache (raises EngineFault if it fails)."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        token = bos if isinstance(bos, int) and 0 <= bos < self.config.vocab_size else 0
+        self.add_request([token], SamplingParams(1), self.faults.canary, chat=False,
+                         cache=CacheSpec(limit=0, read=False))  # fmt: skip
+
+    def _fail(self, r: EngineReq, error: Exception) -> StepOutput:
+        """``r`` failed alone: free its KV, slots, states and locks as an abort does,
+        finish it with reason ``error``; its last output says why."""
+        log.warning("request %r failed: %r", r.rid, error)
+        self.requests.pop(r.rid, None)
+        self.scheduler.abort(r)
+        r.error = f"{type(error).__name__}: {error}"
+        self._finish(r, "error")
+        return self.outputs.output(r)
 
     def _retain(self, reqs: list[EngineReq], outputs: list[StepOutput]) -> None:
         """Pin the prefixes finished requests asked to retain; their last outputs say
@@ -598,7 +679,7 @@ class Engine:
             steps=self.counters.steps - steps0,
             preemptions=self.scheduler.preemptions - preempted0,
             wall_s=time.perf_counter() - t0,
-            ttft_p50_s=statistics.median([r.first_token_at - t0 for r in reqs] or [0.0]),
+            ttft_p50_s=statistics.median([_ttft(r, t0) for r in reqs] or [0.0]),
         )
         outputs = [
             RequestOutput(
@@ -606,9 +687,16 @@ class Engine:
                 token_ids=list(r.output_ids),
                 prompt_tokens=len(r.input_ids),
                 cached_tokens=r.prompt_cached,
-                ttft_s=r.first_token_at - t0,
+                ttft_s=_ttft(r, t0),
                 finish_reason=r.finish_reason or "",
+                error=r.error,
             )
             for r in reqs
         ]
         return GenerateResult(outputs, stats)
+
+
+def _ttft(r: EngineReq, t0: float) -> float:
+    """Seconds from ``t0`` to the request's first token (to its end if it had none: it
+    failed)."""
+    return (r.first_token_at or r.finished_at or t0) - t0

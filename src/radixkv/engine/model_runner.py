@@ -76,13 +76,21 @@ class ModelRunner:
 
     @staticmethod
     def sample(r: EngineReq, logits: torch.Tensor) -> int:
-        """Penalties and bias shape the logits; then greedy at temperature 0, else
-        temperature + top-p from the request's generator. With ``logprobs`` the chosen
-        token's log-probability and the top alternatives are appended to the request."""
+        """Penalties and bias shape the logits; then greedy at a temperature below
+        `SAMPLING_EPS`, else temperature + top-p from the request's generator. With
+        ``logprobs`` the chosen token's log-probability and the top alternatives are
+        appended to the request. ``logits`` are finite (the engine checks the batch).
+
+        Raises:
+            NonFiniteLogits: the shaped logits or the probabilities are not finite (the
+                request fails alone; nothing was appended to it).
+        """
         s = r.sampling
         if s.shapes_logits:
             logits = shape_logits(r, logits)
-        if s.temperature == 0:
+            if not bool(torch.isfinite(logits).all()):
+                raise NonFiniteLogits("the logits are not finite after the penalties and bias")
+        if s.greedy:
             token = int(logits.argmax())
         else:
             probs = torch.softmax(logits.float() / s.temperature, dim=-1)
@@ -90,6 +98,9 @@ class ModelRunner:
                 sorted_p, idx = probs.sort(descending=True)
                 keep = sorted_p.cumsum(0) - sorted_p < s.top_p
                 probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+            if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+                raise NonFiniteLogits(f"the probabilities at temperature {s.temperature} are "
+                                      "not finite")  # fmt: skip
             token = int(torch.multinomial(probs.cpu(), 1, generator=r.generator))
         if s.logprobs is not None:
             lp = torch.log_softmax(logits.float(), dim=-1)
@@ -101,6 +112,11 @@ class ModelRunner:
             )
             r.output_logprobs.append((float(lp[token]), alts))
         return token
+
+
+class NonFiniteLogits(ArithmeticError):
+    """A request's logits (or its sampling distribution) hold NaN or inf: that request
+    cannot be sampled, and fails alone."""
 
 
 def shape_logits(r: EngineReq, logits: torch.Tensor) -> torch.Tensor:

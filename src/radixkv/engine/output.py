@@ -132,6 +132,7 @@ class OutputProcessor:
             max(r.prompt_cached, 0),
             len(r.output_ids),
             r.output_logprobs[sent:] if r.sampling.logprobs is not None else None,
+            error=r.error,
         )
 
 

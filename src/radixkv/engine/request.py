@@ -14,7 +14,15 @@ import torch
 from radixkv.key import as_bool
 from radixkv.lifecycle import Req
 
-FINISH_REASONS = ("stop", "length", "abort")
+# "error": the request failed alone (its logits went non-finite, or processing its token
+# raised); its slots, states and locks were freed and the others went on
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# a temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing the logits by
+# one that rounds to 0 in float32 made every probability NaN and stopped the engine
+SAMPLING_EPS = 1e-5
+# repetition_penalty's range: it divides (multiplies) logits, so a tiny one turned them
+# into inf; SGLang takes [0, 2], vLLM any value > 0
+REPETITION_PENALTY_RANGE = (0.01, 2.0)
 
 
 @dataclass(frozen=True)
@@ -23,7 +31,8 @@ class SamplingParams:
 
     Attributes:
         max_new_tokens: generated tokens at most.
-        temperature: 0 for greedy; otherwise softmax sampling at this temperature.
+        temperature: 0 for greedy; otherwise softmax sampling at this temperature (one
+            below `SAMPLING_EPS` is greedy).
         top_p: nucleus sampling mass, in (0, 1].
         seed: seeds this request's sampler (same seed, same tokens); ``None``: unseeded.
         stop: strings that end the output (not included in the text).
@@ -32,7 +41,8 @@ class SamplingParams:
             (OpenAI's; in [-2, 2]).
         frequency_penalty: subtracted once per occurrence in the output (in [-2, 2]).
         repetition_penalty: divides the positive logits (multiplies the negative ones)
-            of every token in the prompt or output (vLLM's and Hugging Face's; > 0).
+            of every token in the prompt or output (vLLM's and Hugging Face's; in
+            `REPETITION_PENALTY_RANGE`).
         logit_bias: ``(token id, bias)`` pairs added to the logits (bias in [-100, 100]).
         logprobs: report each output token's log-probability and this many of the most
             likely alternatives (``None``: none; 0: the chosen token's only). They are
@@ -81,8 +91,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo}, {hi}], got "
+                             f"{self.repetition_penalty}")  # fmt: skip
         bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
         if any(t < 0 or not -100 <= b <= 100 for t, b in bias):
             raise ValueError("logit_bias takes token ids >= 0 and biases in [-100, 100]")
@@ -91,6 +103,11 @@ class SamplingParams:
         bad = isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 20
         if lp is not None and bad:
             raise ValueError(f"logprobs must be an int in [0, 20], got {lp!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether it takes the most likely token (a temperature below `SAMPLING_EPS`)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def shapes_logits(self) -> bool:
@@ -163,6 +180,7 @@ class EngineReq(Req):
     snap_rows: list[tuple[int, int, str]] = field(default_factory=list)
     retain: tuple[tuple[int, float], ...] = ()  # CacheSpec.retain
     cache_spec: bool = False  # it came with a CacheSpec: report cache_write_tokens
+    error: str | None = None  # why it failed (finish reason "error")
 
     @property
     def finished(self) -> bool:
@@ -189,6 +207,8 @@ class StepOutput:
         cache_write_tokens: for a request with a `CacheSpec`, in its last output: prompt
             tokens it added to what the cache retains (its longest retained prefix less
             what it found cached).
+        error: with finish reason ``error``: why the request failed (it failed alone;
+            the engine goes on).
     """
 
     rid: Any
@@ -200,6 +220,7 @@ class StepOutput:
     output_tokens: int
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     cache_write_tokens: int | None = None  # with a CacheSpec, once finished: tokens retained
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -418,13 +418,15 @@ class Router:
         w.load.alive = True
         self.m_alive.labels(w.url).set(1)
 
-    def health_checked(self, w: Worker, ok: bool) -> None:
-        """A health check's answer: ``HEALTH_FAILURES`` failures in a row take ``w`` out
-        (a busy worker may miss one); one success brings it back. A request whose
-        connection to ``w`` fails takes it out at once (`mark_dead`)."""
+    def health_checked(self, w: Worker, ok: bool, certain: bool = False) -> None:
+        """A health check's answer: a ``certain`` failure (``/health`` answered other
+        than 200, or the connection was refused) takes ``w`` out at once;
+        ``HEALTH_FAILURES`` uncertain ones (timeouts: a busy worker may miss one) in a
+        row do; one success brings it back. A request whose connection to ``w`` fails
+        takes it out at once too (`mark_dead`)."""
         if ok:
             self.mark_alive(w)
             return
         w.failed_checks += 1
-        if w.failed_checks >= HEALTH_FAILURES:
+        if certain or w.failed_checks >= HEALTH_FAILURES:
             self.mark_dead(w, f"{w.failed_checks} health checks failed in a row")

@@ -12,8 +12,9 @@ touch: how a worker is chosen (`radixkv.router.core`) or the fleet's bookkeeping
 (`radixkv.router.fleet`).
 
 A health check (``GET /health``) runs every ``health_interval`` seconds (see
-`radixkv.router.fleet`). A request whose worker fails before the answer starts is retried
-on the next worker; once streaming has started it cannot be.
+`radixkv.router.fleet`). A request is retried on the next worker only when it never ran
+(the connection never opened, or a 503 ``queue_full``); an error the request may have
+caused goes back to its client, so one request cannot take down the fleet.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ FORWARDED_HEADERS = ("content-type", "retry-after")
 ADMIN_PATHS = ("/workers",)  # changing the fleet: the router's --admin-key only
 USAGE_TAIL = 4096  # bytes kept from the end of an answer: its usage is there
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+# transport errors raised before a request's bytes reached a worker: safe to retry
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+HEALTH_TIMEOUT_S = 2.0  # a worker's /health answers within this, or the check failed
+ERROR_BODY_BYTES = 64 << 10  # an error body read to learn its code, at most
 
 
 def _cached_tokens(tail: bytes) -> int:
@@ -51,6 +56,23 @@ def _cached_tokens(tail: bytes) -> int:
     without ``include_usage`` has none: 0)."""
     found = _CACHED.findall(tail)
     return int(found[-1]) if found else 0
+
+
+async def _read_error(upstream: httpx.Response) -> tuple[bytes, str | None]:
+    """A worker's (small) error body, read whole (at most ``ERROR_BODY_BYTES``), and its
+    ``error.code`` (None when it has none)."""
+    data = b""
+    async for chunk in upstream.aiter_raw():
+        data += chunk
+        if len(data) > ERROR_BODY_BYTES:
+            break
+    await upstream.aclose()
+    try:
+        err = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return data, None
+    code = err.get("code") if isinstance(err, dict) else None
+    return data, code if isinstance(code, str) else None
 
 
 def build_router_app(
@@ -63,15 +85,23 @@ def build_router_app(
         timeout=httpx.Timeout(None, connect=5.0), headers=router.worker_headers
     )
 
+    async def check(w: Worker) -> None:
+        """One health check: an answer other than 200, or a refused connection, is
+        certain (the worker is out at once); a timeout may be a busy worker (it counts
+        towards `HEALTH_FAILURES`)."""
+        try:
+            answer = await client.get(f"{w.url}/health", timeout=HEALTH_TIMEOUT_S)
+            ok, certain = answer.status_code == 200, True
+        except (httpx.ConnectError, httpx.RemoteProtocolError):
+            ok, certain = False, True
+        except httpx.HTTPError:
+            ok, certain = False, False
+        if w in router.workers:  # (not removed meanwhile)
+            router.health_checked(w, ok, certain)
+
     async def health_loop() -> None:
-        while True:
-            for w in list(router.workers):
-                try:
-                    ok = (await client.get(f"{w.url}/health", timeout=2.0)).status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                if w in router.workers:  # (not removed meanwhile)
-                    router.health_checked(w, ok)
+        while True:  # every worker at once: a hung one delays no other's check
+            await asyncio.gather(*(check(w) for w in list(router.workers)))
             await asyncio.sleep(health_interval)
 
     @asynccontextmanager
@@ -140,9 +170,12 @@ def build_router_app(
             router.in_flight_changed(w)
 
     async def forward(request: Request, path: str) -> Response:
-        """Choose a worker, send the body unchanged, relay the answer. A worker that
-        fails before answering (no connection, a 5xx) passes the request to the next
-        alive one. Every ticket is released once, on whichever path ends it."""
+        """Choose a worker, send the body unchanged, relay the answer. Only what never
+        ran passes to the next alive worker: a connection that never opened, or a 503
+        ``queue_full`` (refused before it ran). Any other error, a 500 the request
+        caused included, goes back to the client as the worker answered it: a request
+        that breaks a worker is never sent to the next one. Every ticket is released
+        once, on whichever path ends it."""
         try:
             raw = await request.body()
         except ClientDisconnect:
@@ -177,27 +210,39 @@ def build_router_app(
             router.in_flight_changed(w)
             try:
                 upstream = await send(w, raw, path)
-            except httpx.TransportError as e:
+            except NEVER_SENT as e:  # it never reached the worker: the next one may take it
                 ticket.release(served=False)
                 router.in_flight_changed(w)
                 router.mark_dead(w, f"{type(e).__name__}: {e}")
                 router.m_retries.labels(w.url).inc()
                 continue
+            except httpx.TransportError as e:  # it reached the worker, which then broke
+                # the connection: the request may have run, or broken it; never retried
+                ticket.release(served=False)
+                router.in_flight_changed(w)
+                router.mark_dead(w, f"{type(e).__name__}: {e}")
+                return error(502, f"the worker {w.url} broke the connection before "
+                             f"answering ({type(e).__name__}); not retried: the request "
+                             "may have run", "worker_failed")  # fmt: skip
             except BaseException:
                 ticket.release(served=False)
                 router.in_flight_changed(w)
                 raise
             ticket.started()  # the answer started: its prefill is done
-            if upstream.status_code >= 500 and attempt + 1 < len(order):
-                await upstream.aclose()  # busy or broken before answering: next worker
-                ticket.release(served=False)
-                router.in_flight_changed(w)
-                router.m_retries.labels(w.url).inc()
-                continue
-            count(w, ticket, tokens, w is first)
-            sse = streamed and upstream.status_code == 200
             headers = {k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_HEADERS}
             headers["x-radixkv-worker"] = w.url
+            if upstream.status_code == 503:
+                data, code = await _read_error(upstream)
+                ticket.release(served=False)
+                router.in_flight_changed(w)
+                if code == "engine_dead":  # /health says so too; stop sending there now
+                    router.mark_dead(w, "its engine is not running")
+                if code == "queue_full" and attempt + 1 < len(order):
+                    router.m_retries.labels(w.url).inc()  # refused before it ran: the next
+                    continue
+                return Response(data, 503, headers=headers)
+            count(w, ticket, tokens, w is first)
+            sse = streamed and upstream.status_code == 200
             return StreamingResponse(
                 relay(w, ticket, upstream, sse), status_code=upstream.status_code, headers=headers
             )

@@ -35,7 +35,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from radixkv.engine.async_engine import AsyncEngine, EngineDead, QueueFull, merge_choices
+from radixkv.engine.async_engine import (
+    AsyncEngine,
+    EngineDead,
+    QueueFull,
+    RequestFailed,
+    merge_choices,
+)
 from radixkv.engine.output import choice_sampling, usage
 from radixkv.engine.request import CacheSpec, SamplingParams, StepOutput
 from radixkv.engine.scheduler import DoesNotFit
@@ -250,8 +256,8 @@ class Api:
                 kind="server_busy",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
-        except EngineDead as e:
-            raise ApiError(503, str(e), code="engine_dead", kind="server_error") from None
+        except (EngineDead, RequestFailed) as e:
+            raise failure(e) from None
         except ValueError as e:
             raise ApiError(400, str(e), "max_tokens") from None
 
@@ -337,6 +343,15 @@ class Api:
             for t, (lp, alts) in zip(ids, lps, strict=True)
         ]
         return {"content": content, "refusal": None}
+
+
+def failure(e: EngineDead | RequestFailed) -> ApiError:
+    """What a request that failed after it was taken answers: 500 when it failed alone
+    (the engine goes on), 503 when the engine is not running."""
+    if isinstance(e, RequestFailed):
+        return ApiError(500, f"the request failed: {e}", code="request_failed",
+                        kind="server_error")  # fmt: skip
+    return ApiError(503, str(e), code="engine_dead", kind="server_error")
 
 
 def _sse(data: Any) -> str:
@@ -436,7 +451,10 @@ def build_app(
             api.metrics.cache_keys.inc()
         runs = await api.start_all(ids, sampling, req.n, req.cache_salt, arrival, spec)
         if not req.stream:
-            done = await _collect_or_abort(request, runs)
+            try:
+                done = await _collect_or_abort(request, runs)
+            except (EngineDead, RequestFailed) as e:
+                raise failure(e) from None
             if done is None:  # the client went away; its choices were aborted
                 return Response(status_code=499)
             return JSONResponse(final(done))
@@ -445,12 +463,17 @@ def build_app(
         async def events() -> AsyncIterator[str]:
             started: set[int] = set()
             lasts: dict[int, StepOutput] = {}
-            async with aclosing(merge_choices(runs)) as merged:
-                async for i, out in merged:
-                    if i not in started or out.text or out.finished or out.logprobs:
-                        yield _sse(chunk(i, out, i not in started))
-                    started.add(i)
-                    lasts[i] = out
+            try:
+                async with aclosing(merge_choices(runs)) as merged:
+                    async for i, out in merged:
+                        if i not in started or out.text or out.finished or out.logprobs:
+                            yield _sse(chunk(i, out, i not in started))
+                        started.add(i)
+                        lasts[i] = out
+            except (EngineDead, RequestFailed) as e:  # an error event ends the stream
+                yield _sse(failure(e).body())
+                yield "data: [DONE]\n\n"
+                return
             if usage:
                 last = [lasts[i] for i in sorted(lasts)]
                 yield _sse({**chunk(0, runs[0][0], False), "choices": [],

@@ -4,12 +4,19 @@ On SIGINT or SIGTERM the server stops accepting connections, aborts every reques
 flight (streams end with finish reason ``abort``, their KV is freed), stops the engine
 loop and exits 0.
 
+When the engine itself fails (`radixkv.engine.engine.EngineFault`, or any exception out
+of a step: a request's own failure never gets there), the requests in flight get 503,
+``/health`` answers 503 with the reason for ``FAULT_LINGER_S`` (a router or a supervisor
+polling it learns why), and then the server stops and ``radixkv serve`` exits 1: a
+supervisor restarts it, rather than it lingering as a 503 forever.
+
 Owns: building and shutting down a server. Must not touch: request handling.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,7 @@ from radixkv.web.access import Access
 from radixkv.web.serving import uvicorn_server
 
 log = logging.getLogger("radixkv.serve")
+FAULT_LINGER_S = 2.0  # /health tells why the engine failed this long before the exit
 
 
 @dataclass
@@ -68,7 +76,20 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
             engine.publish_kv_events(publisher.publish, key, serve.kv_events_tokens, arrays=True)
         return engine
 
-    aeng = AsyncEngine(build, serve.max_queue)
+    server: Any = None
+
+    def died(error: BaseException) -> None:  # on the engine's thread
+        log.error("the engine failed (%r): the server exits in %s s", error, FAULT_LINGER_S)
+
+        def stop() -> None:
+            if server is not None:
+                server.should_exit = True  # uvicorn's main loop polls it
+
+        timer = threading.Timer(FAULT_LINGER_S, stop)
+        timer.daemon = True
+        timer.start()
+
+    aeng = AsyncEngine(build, serve.max_queue, on_death=died)
     aeng.start()  # builds the engine on its own thread (see AsyncEngine)
     name = serve.served_model_name or served_name(aeng.engine, serve.model)
     app = build_app(aeng, name, access=serve.access or Access.for_bind(serve.host))
@@ -77,4 +98,12 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
         if aeng.alive:  # end the streams now, so open connections close at once
             aeng.abort_all()
 
-    return uvicorn_server(app, serve.host, serve.port, serve.log_level, abort_in_flight), aeng
+    server = uvicorn_server(app, serve.host, serve.port, serve.log_level, abort_in_flight)
+    return server, aeng
+
+
+def engine_failure(aeng: AsyncEngine) -> BaseException | None:
+    """What made the engine fail, if it did (a stop is not a failure)."""
+    from radixkv.engine.async_engine import EngineDead
+
+    return None if aeng.error is None or isinstance(aeng.error, EngineDead) else aeng.error
