@@ -160,9 +160,7 @@ def qwen3_5_folder(path) -> str:
 
 @pytest.mark.parametrize("model", ["random", "qwen3_5"])
 @pytest.mark.parametrize("where", ["append", "at_finish"])
-def test_an_exception_for_one_request_fails_it_alone_and_frees_everything(
-    tmp_path, model, where
-):
+def test_an_exception_for_one_request_fails_it_alone_and_frees_everything(tmp_path, model, where):
     """A fault injected for one request (its token's processing raises, at its first
     token or at its finish, where a recurrent model has just taken a snapshot row): it
     finishes with ``error``; the others finish as they would have; every invariant holds
