@@ -1,5 +1,6 @@
 """Shared test helpers: a recording allocator, a full snapshot of a cache's state, a
-lifecycle fuzzer's step plan, chats through the official client."""
+lifecycle fuzzer's step plan, chats through the official client, tiny checkpoint folders
+written by transformers' own ``save_pretrained``."""
 
 from __future__ import annotations
 
@@ -109,3 +110,17 @@ def cached_chats(client: Any, model: str, system: str, questions: tuple[str, ...
         )  # fmt: skip
         cached.append(out.usage.prompt_tokens_details.cached_tokens)
     return cached
+
+
+def qwen3_5_folder(path: Any) -> str:
+    """A tiny random Qwen3.5 folder (Gated DeltaNet + gated attention, 4 layers)."""
+    import transformers
+
+    torch.manual_seed(0)
+    conf = transformers.Qwen3_5TextConfig(
+        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+    )  # fmt: skip
+    transformers.Qwen3_5ForCausalLM(conf).save_pretrained(path)
+    return str(path)

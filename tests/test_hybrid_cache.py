@@ -127,19 +127,40 @@ def test_lru_and_utility_eviction_choose_differently():
         cache.check_integrity()
 
 
-def test_a_protected_checkpoint_is_never_evicted_and_at_most_half_are():
+def test_a_protected_checkpoint_is_never_evicted_until_unprotected_as_often():
     cache, state, _pool = hybrid(max_states=4)
     nodes = [cache.insert_node(K(*seq(10 * i, 8))).last_node for i in range(4)]
     for slot, node in enumerate(nodes):
         state.add(node, slot)
-    assert state.protect(nodes[0]) == 0 and state.protect(nodes[0]) == 0
-    assert state.protect(nodes[1]) == 1
-    assert state.protect(nodes[2]) is None  # half of max_states protected already
+    (first,) = state.serving(nodes[0])
+    state.protect(first)
+    state.protect(first)
+    state.protect(state.serving(nodes[1])[0])
     assert state.evict(4) == 2 and sorted(state.held) == [0, 1]  # the unprotected ones
-    state.unprotect(0)
+    state.unprotect(first)
     assert state.evict(1) == 0  # still protected once
-    state.unprotect(0)
+    state.unprotect(first)
     assert state.evict(1) == 1 and sorted(state.held) == [1]
+    state.unprotect(first)  # gone: nothing to do
+    with pytest.raises(ValueError, match="not held"):
+        state.protect(first)
+    cache.check_integrity()
+
+
+def test_serving_names_the_checkpoints_a_hit_starts_from():
+    """At the prefix's end (a request going on past it) and the deepest strictly before
+    it (the prompt sent again), in the node itself or above it."""
+    cache, state, _pool = hybrid(max_states=8, page=4)
+    node = cache.insert_node(K(*seq(0, 16))).last_node
+    state.add(node, 1, offset=8)
+    assert [c.slot for c in state.serving(node)] == [1]  # nothing at the end
+    state.add(node, 2)
+    state.add(node, 3, offset=12)
+    assert [c.slot for c in state.serving(node)] == [2, 3]
+    child = cache.insert_node(K(*seq(0, 16), *seq(100, 8))).last_node
+    assert [c.slot for c in state.serving(child)] == [2]  # none at its end: its parent's
+    state.add(child, 4)
+    assert [c.slot for c in state.serving(child)] == [4, 2]  # before it: its parent's end
     cache.check_integrity()
 
 

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 import torch
+from helpers import qwen3_5_folder
 
 from radixkv.web.process import ServerProcess
 
@@ -143,19 +144,6 @@ def test_a_request_whose_logits_go_non_finite_fails_alone(poisoned):
         again = [c.completions.create(model="gemma", prompt=CLEAN + "!", max_tokens=4)
                  for _ in range(2)]  # fmt: skip
         assert again[1].usage.prompt_tokens_details.cached_tokens > 0  # the cache serves
-
-
-def qwen3_5_folder(path) -> str:
-    import transformers
-
-    torch.manual_seed(0)
-    conf = transformers.Qwen3_5TextConfig(
-        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-    )  # fmt: skip
-    transformers.Qwen3_5ForCausalLM(conf).save_pretrained(path)
-    return str(path)
 
 
 @pytest.mark.parametrize("model", ["random", "qwen3_5"])

@@ -130,3 +130,96 @@ def test_the_quota_and_bad_values(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     for reason in ("expired", "quota", "pressure", "flush"):
         assert f'reason="{reason}"' in httpx.get(f"{server.url}/metrics").text
+
+
+# --- tenants and hybrid models -----------------------------------------------------------
+def retained(srv, prompt, salt: str, model: str = "random", **kw):
+    """A completion whose whole prompt is retained for 24 h; its usage."""
+    body = {"cache_salt": salt, "prompt_cache_retention": "24h", **kw}
+    return (
+        client(srv)
+        .completions.create(
+            model=model, prompt=prompt, max_tokens=1, temperature=0, extra_body=body
+        )
+        .usage
+    )
+
+
+def again(srv, prompt, salt: str, model: str = "random"):
+    return (
+        client(srv)
+        .completions.create(
+            model=model, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache_salt": salt}
+        )
+        .usage
+    )
+
+
+def test_another_tenants_retention_never_takes_a_prefix_within_its_share():
+    """By default the all-salts cap is twice the per-salt quota, shared fairly: other
+    salts' pins (three of them, rotating) release one another's, never a victim's that is
+    within its share. The cap used to equal the quota, and any other salt's 24h request
+    released the oldest pin of all: the victim's (0/721 cached after one 500-token one)."""
+    args = ["--model", "random", "--page-size", "4", "--kv-tokens", "8192",
+            "--max-context-len", "1024"]  # fmt: skip
+    with ServerProcess(*args, timeout=60) as srv:
+        victim = "v" * 720
+        assert retained(srv, victim, "victim").prompt_tokens_details.cache_write_tokens == 720
+        for salt in ("a1", "a2", "a3"):
+            usage = retained(srv, f"{salt} " + "x" * 897, salt)  # 900 tokens, 900 retained
+            assert usage.prompt_tokens_details.cache_write_tokens == 900
+        for i in range(12):  # a flood that evicts everything unretained
+            again(srv, f"flood {i} " + "y" * 880, "flood")
+        usage = again(srv, victim + " and more", "victim")
+        assert usage.prompt_tokens_details.cached_tokens == 720
+        text = httpx.get(f"{srv.url}/metrics").text  # the others released one another's
+        assert re.search(r'retain_released_total\{[^}]*reason="quota"\} [12]\.0', text)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from helpers import qwen3_5_folder
+
+    return qwen3_5_folder(tmp_path_factory.mktemp("qwen3_5"))
+
+
+def ids(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 256) for _ in range(n)]
+
+
+@pytest.mark.parametrize(("page", "least"), [(16, 384), (1, 399)])
+def test_a_prompt_sent_twice_hits_on_a_recurrent_model(qwen, page, least):
+    """A recurrent model serves a prefix only from a state checkpoint, and a request
+    computes at least its last token: with a checkpoint at a page-aligned prompt's end
+    alone, the same 400-token prompt sent again got 0 cached. The last page boundary
+    before the end is a checkpoint too now."""
+    args = ["--model", qwen, "--page-size", str(page), "--kv-tokens", "4096",
+            "--max-context-len", "1024", "--served-model-name", "q"]  # fmt: skip
+    with ServerProcess(*args, timeout=120) as srv:
+        prompt = ids(400, 0)
+        first = retained(srv, prompt, "s", "q")
+        assert first.prompt_tokens == 400 and first.prompt_tokens_details.cached_tokens == 0
+        assert again(srv, prompt, "s", "q").prompt_tokens_details.cached_tokens >= least
+        assert again(srv, prompt + ids(8, 1), "s", "q").prompt_tokens_details.cached_tokens == 400
+
+
+def test_a_retained_prefix_keeps_its_state_checkpoints_whatever_other_salts_do(qwen):
+    """Checkpoints protected for retention are bounded per salt: another salt's pins
+    cannot take them all first (they could: half of --max-checkpoints, first come, first
+    served), so the victim's prefix keeps the checkpoints a hit starts from through a
+    flood that turns every other checkpoint over."""
+    args = ["--model", qwen, "--page-size", "16", "--kv-tokens", "8192", "--max-checkpoints",
+            "8", "--max-context-len", "1024", "--served-model-name", "q"]  # fmt: skip
+    with ServerProcess(*args, timeout=120) as srv:
+        for i in range(4):  # the other salt retains first
+            retained(srv, ids(200, 10 + i), "other", "q")
+        victim = ids(400, 0)
+        retained(srv, victim, "victim", "q")
+        for i in range(12):
+            again(srv, ids(300, 100 + i), "flood", "q")
+        assert again(srv, victim, "victim", "q").prompt_tokens_details.cached_tokens >= 384
+        more = again(srv, victim + ids(8, 1), "victim", "q")
+        assert more.prompt_tokens_details.cached_tokens == 400

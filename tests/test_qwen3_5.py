@@ -340,11 +340,13 @@ def test_checkpoints_go_down_the_tiers_and_come_back(folder, reference, tier, tm
         engine.generate([p], max_new_tokens=4, chat=False, ignore_eos=True)
     if tier == "host":
         engine.flush_cache()
-        assert engine.cache.total_size() == 0 and len(engine.recurrent.tiers.host) == 3
+        # two prompts' ends, a page before each (a resend's start), the branch point
+        assert engine.cache.total_size() == 0 and len(engine.recurrent.tiers.host) == 5
     else:
         engine.tier.flush()
-        # each checkpoint as it was made: two prompts' ends and the branch point
-        assert engine.recurrent.tiers.written == len(engine.recurrent.component.held) == 3
+        # each checkpoint as it was made: two prompts' ends, a page before each (where
+        # each prompt sent again starts), and the branch point
+        assert engine.recurrent.tiers.written == len(engine.recurrent.component.held) == 5
         engine = Engine(str(folder), storage=f"file://{tmp_path}/store", **kw)
     res = engine.generate([prompts[2]], max_new_tokens=8, chat=False, ignore_eos=True)
     assert res.stats.cached_tokens == 288 and engine.recurrent.tiers.loaded == 1
@@ -353,8 +355,7 @@ def test_checkpoints_go_down_the_tiers_and_come_back(folder, reference, tier, tm
 
 def test_two_processes_share_a_checkpoint_through_redis(folder):
     """The first process makes a branch point; a second process, on the same Redis,
-    starts its first request from it (state and KV from the store), with the first's
-    output."""
+    starts from the store (state and KV), with the first's output."""
     import json
     import subprocess
     import sys
@@ -387,7 +388,9 @@ def test_two_processes_share_a_checkpoint_through_redis(folder):
     finally:
         client.flushdb()
     assert [c for _, c in first] == [0, 0, 288]
-    assert second == [first[2]]  # 288 from the store, the same tokens
+    # the same prompt again, from the store: from the checkpoint a page before its end
+    # (the first process wrote it for a resend), with the same tokens
+    assert second == [[first[2][0], 304]]
 
 
 def test_a_huge_value_planted_under_a_state_key_is_refused_unread(folder, tmp_path):
@@ -426,7 +429,7 @@ def test_a_bad_state_in_the_store_is_refused_and_written_again(folder, reference
     first.tier.flush()
     store = first.tier.store
     states = [k for k, _ in first.recurrent.tiers.keys.values()]
-    assert len(states) == 3 and all(store.get(states))
+    assert len(states) == 5 and all(store.get(states))  # ends, a page before each, branch
     for k in states:  # one flipped byte in every state's payload
         value = bytearray(store.get([k])[0])
         value[200] ^= 1
@@ -436,10 +439,10 @@ def test_a_bad_state_in_the_store_is_refused_and_written_again(folder, reference
     assert res.stats.cached_tokens == 0 and second.recurrent.tiers.bad >= 1
     assert res.outputs[0].token_ids == greedy(reference, prompts[2], 8)
     second.generate([prompts[1]], max_new_tokens=4, chat=False, ignore_eos=True)
-    second.tier.flush()  # the branch point at 288 is made again, and written again
+    second.tier.flush()  # prompts[2]'s states are made again, and written again
     third = Engine(str(folder), **kw)
     assert third.generate([prompts[2]], max_new_tokens=2, chat=False,
-                          ignore_eos=True).stats.cached_tokens == 288  # fmt: skip
+                          ignore_eos=True).stats.cached_tokens == 304  # fmt: skip
     keyed = Engine(str(folder), storage_secret="fleet secret", **kw)
     got = keyed.generate([prompts[2]], max_new_tokens=2, chat=False, ignore_eos=True)
     assert got.stats.cached_tokens == 0 and keyed.recurrent.tiers.bad >= 1
@@ -608,7 +611,8 @@ def test_a_retained_breakpoint_is_a_checkpoint_and_outlives_a_flood(folder, refe
     other prompts: the next request sharing it starts there, still transformers'."""
     from radixkv.engine.request import CacheSpec, SamplingParams
 
-    engine = Engine(str(folder), kv_tokens=512, max_checkpoints=4, check_memory=True)
+    engine = Engine(str(folder), kv_tokens=512, max_checkpoints=4, max_retained_tokens=128,
+                    check_memory=True)  # fmt: skip
     head = rand(96, 11)
     sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
     engine.add_request(head + rand(20, 12), sp, chat=False, cache=CacheSpec(((96, 600.0),)))

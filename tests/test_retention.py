@@ -122,7 +122,7 @@ def run(engine: Engine, prompt, spec=None, max_new_tokens=2):
 def test_a_retained_prefix_survives_a_flood_that_evicts_everything_else():
     system = list(range(100, 164))
     for retained in (False, True):
-        engine = Engine(CFG, kv_tokens=256, check_memory=True)
+        engine = Engine(CFG, kv_tokens=256, max_retained_tokens=64, check_memory=True)
         spec = CacheSpec(retain=((64, 3600.0),)) if retained else None
         first = run(engine, system + [1, 2, 3], spec)
         assert first.cache_write_tokens == (64 if retained else None)
@@ -134,7 +134,7 @@ def test_a_retained_prefix_survives_a_flood_that_evicts_everything_else():
 
 
 def test_a_request_whose_hit_uses_a_retained_prefix_renews_it():
-    engine = Engine(CFG, kv_tokens=256, check_memory=True)
+    engine = Engine(CFG, kv_tokens=256, max_retained_tokens=64, check_memory=True)
     clock = Clock()
     engine.retention.clock = clock
     system = list(range(100, 164))
@@ -185,3 +185,180 @@ def test_cache_spec_errors_name_the_argument():
     assert not engine.has_unfinished()
     with pytest.raises(ValueError, match="max_retained_tokens"):
         Engine(CFG, max_retained_tokens=-1)
+
+
+# --- the bookkeeping against a brute-force model ----------------------------------------
+class RetentionModel:
+    """`Retention`'s rules written plainly, O(pins) each (the module docstring): per
+    namespace quotas release its own least recently asked-for pins; the shared caps
+    are shared fairly; pressure takes from the namespace holding the most. Keys are
+    independent, fully cached prefixes, so a pin holds exactly its key's tokens."""
+
+    def __init__(self, qt, tt, qs, ts):
+        self.qt, self.tt, self.qs, self.ts = qt, tt, qs, ts
+        self.pins = {}  # name -> dict(ns, n, c, deadline, asked, ttl, seq)
+        self.rank, self.seq, self.released, self.refused = {}, 0, {}, 0
+
+    def held(self, ns, what):
+        return sum(p[what] for p in self.pins.values() if p["ns"] == ns)
+
+    def namespaces(self):
+        return {p["ns"] for p in self.pins.values()}
+
+    def oldest(self, ns):
+        own = [(p["asked"], p["seq"], k) for k, p in self.pins.items() if p["ns"] == ns]
+        return min(own)[2]
+
+    def release(self, k, why):
+        ns = self.pins.pop(k)["ns"]
+        self.released[why] = self.released.get(why, 0) + 1
+        if ns not in self.namespaces():
+            del self.rank[ns]
+
+    def pin(self, k, ns, n, c, ttl, now):
+        if k in self.pins:
+            p = self.pins[k]
+            if p["asked"] != now:
+                self.seq += 1
+                p["asked"], p["seq"] = now, self.seq
+            p["deadline"], p["ttl"] = max(p["deadline"], now + ttl), max(p["ttl"], ttl)
+            return n
+        if n > min(self.qt, self.tt) or c > min(self.qs, self.ts):
+            self.refused += 1
+            return 0
+        while self.held(ns, "n") + n > self.qt or self.held(ns, "c") + c > self.qs:
+            self.release(self.oldest(ns), "quota")
+        for what, cap, more in (("n", self.tt, n), ("c", self.ts, c)):
+            while sum(p[what] for p in self.pins.values()) + more > cap:
+                names = self.namespaces()
+                share = cap / (len(names) + (ns not in names))
+                if self.held(ns, what) + more > share:
+                    if ns not in names:
+                        self.refused += 1
+                        return 0
+                    self.release(self.oldest(ns), "quota")
+                    continue
+                top = max(names, key=lambda x: (self.held(x, what), -self.rank[x]))
+                if top == ns or self.held(top, what) <= share:
+                    self.refused += 1
+                    return 0
+                self.release(self.oldest(top), "quota")
+        self.seq += 1
+        self.rank.setdefault(ns, self.seq)
+        self.pins[k] = dict(ns=ns, n=n, c=c, deadline=now + ttl, asked=now, ttl=ttl,
+                            seq=self.seq)  # fmt: skip
+        return n
+
+    def hit(self, k, now):
+        p = self.pins.get(k)
+        if p is not None:
+            if p["asked"] != now:
+                self.seq += 1
+                p["asked"], p["seq"] = now, self.seq
+            p["deadline"] = max(p["deadline"], now + p["ttl"])
+
+    def expire(self, now):
+        for k in [k for k, p in self.pins.items() if p["deadline"] <= now]:
+            self.release(k, "expired")
+
+    def relieve(self, tokens):
+        gained = 0
+        while self.pins and gained < tokens:
+            names = self.namespaces()
+            top = max(names, key=lambda x: (self.held(x, "n"), -self.rank[x]))
+            k = self.oldest(top)
+            gained += self.pins[k]["n"]
+            self.release(k, "pressure")
+
+
+@pytest.mark.parametrize("with_states", [False, True])
+def test_retention_equals_a_brute_force_model(with_states):
+    """Random pins from a few namespaces (quotas, fair shares, checkpoints), hits, time,
+    expiry and pressure: the heaps' answers equal the plain rules', step by step."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from radixkv.tree.state import StateCheckpoints
+
+    class Slots:
+        def free(self, slots):
+            pass
+
+    op = st.one_of(
+        st.tuples(st.just("pin"), st.integers(0, 11), st.sampled_from([None, "a", "b", "c"]),
+                  st.sampled_from([1.0, 5.0, 50.0])),
+        st.tuples(st.just("hit"), st.integers(0, 11)),
+        st.tuples(st.just("time"), st.sampled_from([0.0, 1.0, 4.0])),
+        st.tuples(st.just("relieve"), st.integers(1, 40)),
+    )  # fmt: skip
+
+    @settings(max_examples=150)
+    @given(st.lists(op, max_size=60), st.integers(8, 40), st.integers(8, 60))
+    def run_ops(ops, quota, total):
+        lengths = [4 + 3 * (i % 5) for i in range(12)]
+        state = StateCheckpoints(128, Slots(), policy="lru") if with_states else None
+        cache = RadixCache(1, components=(state,) if state else ())
+        keys, slot = [], 0
+        for i, n in enumerate(lengths):
+            for ns in (None, "a", "b", "c"):
+                key = K([1000 + i] + list(range(n - 1)), ns)
+                node = cache.insert_node(key).last_node
+                if state is not None:  # one checkpoint at the end; every other one before too
+                    state.add(node, slot)
+                    slot += 1
+                    if i % 2 and n > 4:
+                        state.add(node, slot, offset=n - 2)
+                        slot += 1
+            keys.append(n)
+        clock = Clock()
+        qs, ts = (3, 5) if with_states else (0, 0)
+        ret = Retention(cache, quota, total, clock, state, qs, ts)
+        model = RetentionModel(quota, total, qs, ts)
+        for o in ops:
+            if o[0] == "pin":
+                i, ns, ttl = o[1:]
+                key = K([1000 + i] + list(range(keys[i] - 1)), ns)
+                c = (1 + (i % 2 and keys[i] > 4)) if with_states else 0
+                got = ret.pin(key, ttl)
+                assert got == model.pin((i, ns), ns, keys[i], c, ttl, clock.now)
+            elif o[0] == "hit":
+                for ns in (None, "a", "b", "c"):
+                    key = K([1000 + o[1]] + list(range(keys[o[1]] - 1)), ns)
+                    ret.hit(cache.match_prefix(key).last_node)
+                    model.hit((o[1], ns), clock.now)
+            elif o[0] == "time":
+                clock.now += o[1]
+                ret.expire()
+                model.expire(clock.now)
+            else:
+                ret.relieve(o[1])
+                model.relieve(o[1])
+            assert ret.total == sum(p["n"] for p in model.pins.values())
+            assert dict(ret.used) == {ns: model.held(ns, "n") for ns in model.namespaces()}
+            assert ret.total_states == sum(p["c"] for p in model.pins.values())
+            assert dict(ret.released) == model.released and ret.refused == model.refused
+            assert len(ret.pins) == len(model.pins)
+            ret.check()
+            cache.check_integrity()
+
+    run_ops()
+
+
+@pytest.mark.parametrize("page", [4, 1])
+def test_a_retained_prefix_keeps_the_windows_a_hit_needs(tmp_path, page):
+    """Sliding layers keep only the windows a match can end at: the retained prefix's
+    end (a request going on past it) and, now, a page before it (the same prompt sent
+    again computes its last token, so its match ends there). It got 0 after a flood."""
+    from test_families import folder
+
+    layers = ["sliding_attention", "full_attention"]
+    path = folder(tmp_path / "g", "Gemma3ForCausalLM", head_dim=16, query_pre_attn_scalar=16,
+                  sliding_window=16, layer_types=layers)  # fmt: skip
+    engine = Engine(str(path), kv_tokens=512, page_size=page, window_tokens=200, chunk_size=64,
+                    max_context_len=256, check_memory=True)  # fmt: skip
+    system = list(range(100, 164))
+    assert run(engine, system, CacheSpec(retain=((64, 3600.0),))).cache_write_tokens == 64
+    for i in range(20):  # 20 x 60 tokens through a 512-token pool and 200 window tokens
+        run(engine, [200 + i] * 58)
+    assert run(engine, system).cached_tokens == 64 - page
+    assert run(engine, system + [1, 2, 3]).cached_tokens == 64

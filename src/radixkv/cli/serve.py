@@ -62,7 +62,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--max-retained-tokens", type=number(int, 0, "a non-negative integer"), default=None,
         help="prompt-cache retention (prompt_cache_options, prompt_cache_retention, "
-        "breakpoints): tokens one cache_salt keeps retained; 0: off [a quarter of --kv-tokens]",
+        "breakpoints): tokens one cache_salt keeps retained; 0: off [an eighth of --kv-tokens]",
     )  # fmt: skip
     serve.add_argument(
         "--max-running", type=positive_int, default=32, help="requests running at once [32]"

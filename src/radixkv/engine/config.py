@@ -48,9 +48,10 @@ class EngineConfig:
             known (vLLM's align mode keeps a state on such a grid, of its block size).
         max_retained_tokens: prompt-cache retention (`radixkv.retention`): the most
             tokens one namespace (a ``cache_salt``) keeps retained on request; ``None``:
-            a quarter of ``kv_tokens``; 0: retention off. All namespaces together keep
-            at most this or a quarter of ``kv_tokens``, whichever is more (a client can
-            choose many salts).
+            an eighth of ``kv_tokens``; 0: retention off. All namespaces together keep
+            at most twice this or a quarter of ``kv_tokens``, whichever is more, shared
+            fairly (a client can choose many salts; another's pins are taken only from
+            a namespace over its share).
         window_tokens: the sliding-window layers' KV pool in tokens, on a model that has
             them (Gemma 3, Mistral, Qwen with ``use_sliding_window``): their KV lives in
             a slot space of its own, a running request keeps only its last window and
@@ -86,7 +87,7 @@ class EngineConfig:
     storage_max_bytes: int | None = None  # a file store's size cap (LRU by mtime)
     max_checkpoints: int = 64  # recurrent-state checkpoints held (models with them)
     checkpoint_every: int = 0  # tokens; recurrent models also checkpoint on this grid
-    max_retained_tokens: int | None = None  # per namespace; None: kv_tokens // 4
+    max_retained_tokens: int | None = None  # per namespace; None: kv_tokens // 8
     window_tokens: int | None = None  # sliding layers' own pool; None: sized at start
 
     def __post_init__(self) -> None:

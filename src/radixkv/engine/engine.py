@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from radixkv.engine.config import SCHEDULE_POLICIES, EngineConfig
+from radixkv.engine.faults import EngineFault, FaultWatch
 from radixkv.engine.loader import build_memory, build_tiers, load_model, load_tokenizer
 from radixkv.engine.loader import model_identity as identity_of
 from radixkv.engine.model_runner import ModelRunner, NonFiniteLogits
@@ -108,52 +109,6 @@ class GenerateResult:
     stats: RunStats = field(default_factory=RunStats)
 
 
-class EngineFault(RuntimeError):
-    """The engine itself is broken (the model fails for every request): it stops, and a
-    server exits so that its supervisor restarts it."""
-
-
-class FaultWatch:
-    """Tells a request's fault from the engine's. Non-finite logits fail the request
-    alone. When ``after`` different requests (the choices of one count once) failed so in
-    a row with no row sampled between, the engine sends a canary: a one-token request of
-    its own (the tokenizer's BOS, nothing cached). The canary sampled, the failures were
-    the requests' own (a poisoned token: the counting starts over); the canary failing
-    too, the model fails for every row: `EngineFault`. So requests alone never stop the
-    engine, however many fail in a row."""
-
-    def __init__(self, after: int = 4) -> None:
-        self.after = after
-        self.failing: dict[Any, str] = {}  # request (or group) -> why, since the last good row
-        self.canary: Any = None  # the canary's request id while one is out
-        self.canaries = 0  # sent so far
-
-    def sampled(self, r: EngineReq, error: Exception | None) -> bool:
-        """A row of ``r`` was sampled (``error`` None) or could not be. Returns True when
-        a canary should be sent now.
-
-        Raises:
-            EngineFault: the canary could not be sampled either.
-        """
-        if self.canary is not None and r.rid == self.canary:
-            self.canary = None
-            if error is not None:
-                raise EngineFault(f"the model failed for {len(self.failing)} requests in a row "
-                                  f"and for a one-token canary of its own ({error})")  # fmt: skip
-            self.failing.clear()
-            return False
-        if error is None:
-            if self.failing:
-                self.failing.clear()
-            return False
-        self.failing[r.group if r.group is not None else ("rid", r.rid)] = str(error)
-        if len(self.failing) < self.after or self.canary is not None:
-            return False
-        self.canaries += 1
-        self.canary = ("canary", self.canaries)
-        return True
-
-
 @dataclass
 class EngineCounters:
     """Totals since the engine started (read by the server's metrics)."""
@@ -206,11 +161,11 @@ class Engine:
             log.info("%s", line)
         self.scheduler = Scheduler(cfg, self.mgr)
         retained = cfg.max_retained_tokens
-        retained = cfg.kv_tokens // 4 if retained is None else retained
+        retained = cfg.kv_tokens // 8 if retained is None else retained
         states = self.recurrent.component if self.recurrent is not None else None
-        # all namespaces together: salts are the client's to choose, so a client rotating
-        # them reaches this, not the per-namespace quota
-        total = max(retained, cfg.kv_tokens // 4)
+        # all namespaces together, shared fairly (salts are the client's to choose): by
+        # default two namespaces at their quota fit, so one other tenant takes nothing
+        total = max(2 * retained, cfg.kv_tokens // 4)
         self.retention = Retention(self.cache, retained, total, states=states)
         self.scheduler.relieve = self.retention.relieve
         self.scheduler.on_admit = self._admitted
@@ -414,7 +369,12 @@ class Engine:
                for b in marks):  # fmt: skip
             raise ValueError(f"boundaries must be positions in (0, {len(ids)}], got {marks!r}")
         spec = self._check_spec(cache, len(ids))
-        marks = tuple(sorted({*marks, *(p for p, _ in spec.retain if p < len(ids))}))
+        retained = [p for p, _ in spec.retain]
+        if self.window is not None:  # the same prefix sent again hits a page short of its
+            # end (its last token is computed): keep a window there too
+            page = self.cache.page_size
+            retained += [(p - 1) // page * page for p in retained]
+        marks = tuple(sorted({*marks, *(p for p in retained if 0 < p < len(ids))}))
         order = next(self._order)
         rid = order if rid is None else rid
         if rid in self.requests:

@@ -10,7 +10,8 @@ request-table row (``0 .. max_running - 1``) and the checkpoints in the rows aft
                 its state is copied into the request's row (copy, never lend), and the
                 request is told where to snapshot during its prefill (`plan`: the
                 prompt's end, the branch point where it leaves a cached path, its
-                boundaries such as the end of a chat's system message)
+                boundaries such as the end of a chat's system message, and the last
+                page boundary before its end, where the same prompt sent again starts)
     a chunk     each snapshot position inside the step's new tokens is handed to the
                 model (``ForwardBatch.snapshots``), which copies the state there to a
                 free checkpoint row during the same pass (``snap_rows``)
@@ -147,7 +148,7 @@ class RecurrentStates:
         n = len(r.input_ids)
         key = RadixKey(r.token_array(), r.extra_key)[: n - 1]
         full = cache.match_len(key, full=True)
-        r.snap_plan = self.component.plan(n, full, r.cached_len, r.boundaries)
+        r.snap_plan = self.component.plan(n, full, r.cached_len, r.boundaries, resend=True)
 
     def snapshots(self, plan: list[tuple[Any, int]]) -> list[tuple[int, int, int]]:
         """The step's snapshots: ``(index in plan, new tokens before it, row)`` for each

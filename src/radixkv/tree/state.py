@@ -56,8 +56,9 @@ if TYPE_CHECKING:
 
 STATE_POLICIES = ("lru", "utility")
 # why a checkpoint was taken: a sequence's end (prompt or output), a branch point, a
-# template boundary, every N pages
-KINDS = ("end", "branch", "boundary", "interval")
+# template boundary, every N pages, a prompt's end less its last page (where it resent
+# starts)
+KINDS = ("end", "branch", "boundary", "interval", "resend")
 UTILITY_ALPHA = 1.0  # Marconi's weight of efficiency against recency
 
 
@@ -230,6 +231,7 @@ class StateCheckpoints(TreeComponent):
         state_hit: int,
         boundaries: tuple[int, ...] = (),
         prompt_end: bool = True,
+        resend: bool = False,
     ) -> list[tuple[int, str]]:
         """Positions (units from the root, page-aligned, increasing) to snapshot a
         request at during its prefill, with their kinds: its prompt's end, the branch
@@ -237,8 +239,12 @@ class StateCheckpoints(TreeComponent):
         full-attention match, when it lies beyond ``state_hit``, where the request
         starts), every ``every_pages`` pages, and ``boundaries`` (the end of a system
         message, breakpoints). A position two reasons share takes the first of branch,
-        boundary, end, interval. ``prompt_end=False`` when the output will be cached
-        and checkpointed at its end: the prompt's end would be superseded at once."""
+        boundary, end, resend, interval. ``prompt_end=False`` when the output will be
+        cached and checkpointed at its end: the prompt's end would be superseded at
+        once. ``resend``: also the last page boundary strictly before the prompt's end
+        (kind ``resend``), where the same prompt sent again starts (a request computes
+        at least its last token, so a checkpoint at a page-aligned prompt's end serves
+        no resend of it)."""
         page = self.cache.page_size
         end = prompt_units - prompt_units % page
         marks: dict[int, str] = {}
@@ -247,6 +253,9 @@ class StateCheckpoints(TreeComponent):
             marks.update(
                 (p, "interval") for p in range(state_hit - state_hit % step + step, end, step)
             )
+        if resend:
+            last = prompt_units - 1
+            marks[last - last % page] = "resend"
         if prompt_end:
             marks[end] = "end"
         marks.update((b - b % page, "boundary") for b in boundaries)
@@ -258,7 +267,7 @@ class StateCheckpoints(TreeComponent):
         """A sequence's end (or an interval's) that a longer cached sequence passes
         through with no branch there (a chat's earlier turn): only a request that leaves
         the path exactly there starts from it. Branch points and boundaries never are."""
-        if c.kind not in ("end", "interval"):
+        if c.kind not in ("end", "interval", "resend"):
             return False
         node = c.node
         if c.offset < len(node):  # a later checkpoint here, or the path goes on below
@@ -266,24 +275,38 @@ class StateCheckpoints(TreeComponent):
         return len(node.children) == 1
 
     # --- eviction -----------------------------------------------------------------------
-    def protect(self, node: TreeNode) -> int | None:
-        """Keep the checkpoint at ``node``'s end from eviction (a retained prefix,
-        `radixkv.retention`) until `unprotect`; returns its slot, or None when there is
-        none or half of ``max_states`` is protected already (the rest must turn over)."""
-        slot = self.at(node)
-        if slot is None or (slot not in self.protected
-                            and len(self.protected) >= self.max_states // 2):  # fmt: skip
-            return None
-        self.protected[slot] = self.protected.get(slot, 0) + 1
-        return slot
+    def serving(self, node: TreeNode) -> tuple[Checkpoint, ...]:
+        """The checkpoints a hit on the prefix ending at ``node``'s end starts from: the
+        one at its end (a request going on past it), and the deepest strictly before
+        it on the path (the same prefix sent again as a whole prompt, whose last token
+        is always computed). O(depth) at worst."""
+        end = tuple(c for c in self._of(node) if c.offset == len(node))
+        inside = [c for c in self._of(node) if c.offset < len(node)]
+        before = inside[-1] if inside else None
+        x = node.parent
+        while before is None and x is not None and x.id:
+            cps = self._of(x)
+            before = cps[-1] if cps else None
+            x = x.parent
+        return end + ((before,) if before is not None else ())
 
-    def unprotect(self, slot: int) -> None:
-        """Undo one `protect` of ``slot`` (gone already: nothing to do)."""
-        left = self.protected.get(slot, 0) - 1
+    def protect(self, c: Checkpoint) -> None:
+        """Keep checkpoint ``c`` from eviction (a retained prefix, `radixkv.retention`,
+        which bounds how many) until `unprotect`; protections count."""
+        if self.held.get(c.slot) is not c:
+            raise ValueError(f"{c!r} is not held")
+        self.protected[c.slot] = self.protected.get(c.slot, 0) + 1
+
+    def unprotect(self, c: Checkpoint) -> None:
+        """Undo one `protect` of ``c`` (gone already, its slot maybe reused by another
+        checkpoint: nothing to do)."""
+        if self.held.get(c.slot) is not c:
+            return
+        left = self.protected.get(c.slot, 0) - 1
         if left > 0:
-            self.protected[slot] = left
+            self.protected[c.slot] = left
         else:
-            self.protected.pop(slot, None)
+            self.protected.pop(c.slot, None)
 
     def evict(self, n: int, keep: int | None = None) -> int:
         """Evict ``n`` checkpoints by the policy (never slot ``keep`` nor a protected
