@@ -156,24 +156,28 @@ def again(srv, prompt, salt: str, model: str = "random"):
 
 
 def test_another_tenants_retention_never_takes_a_prefix_within_its_share():
-    """By default the all-salts cap is twice the per-salt quota, shared fairly: other
-    salts' pins (three of them, rotating) release one another's, never a victim's that is
-    within its share. The cap used to equal the quota, and any other salt's 24h request
-    released the oldest pin of all: the victim's (0/721 cached after one 500-token one)."""
+    """Per-salt quotas are their own, and the all-salts cap (twice the quota by default)
+    is shared fairly. Another salt's 24h traffic churns only its own pins; a client
+    rotating salts takes from a salt over its share (that one), and a pin that would put
+    its new salt over its share is refused; the victim, within its share, keeps its
+    prefix. The cap used to equal the quota, and any other salt's 24h request released
+    the oldest pin of all: the victim's (0/721 cached after one 500-token one)."""
     args = ["--model", "random", "--page-size", "4", "--kv-tokens", "8192",
             "--max-context-len", "1024"]  # fmt: skip
-    with ServerProcess(*args, timeout=60) as srv:
-        victim = "v" * 720
-        assert retained(srv, victim, "victim").prompt_tokens_details.cache_write_tokens == 720
-        for salt in ("a1", "a2", "a3"):
-            usage = retained(srv, f"{salt} " + "x" * 897, salt)  # 900 tokens, 900 retained
-            assert usage.prompt_tokens_details.cache_write_tokens == 900
+    with ServerProcess(*args, timeout=60) as srv:  # 1,024 tokens a salt, 2,048 in all
+        victim = "v" * 400
+        assert retained(srv, victim, "victim").prompt_tokens_details.cache_write_tokens == 400
+        for i in range(4):  # over its quota: its own oldest go
+            retained(srv, f"a{i} " + "x" * 497, "a")
+        for salt in ("b1", "b2", "b3"):  # the third would be over its share: refused
+            retained(srv, f"{salt} " + "x" * 496, salt)
         for i in range(12):  # a flood that evicts everything unretained
             again(srv, f"flood {i} " + "y" * 880, "flood")
         usage = again(srv, victim + " and more", "victim")
-        assert usage.prompt_tokens_details.cached_tokens == 720
-        text = httpx.get(f"{srv.url}/metrics").text  # the others released one another's
-        assert re.search(r'retain_released_total\{[^}]*reason="quota"\} [12]\.0', text)
+        assert usage.prompt_tokens_details.cached_tokens == 400
+        text = httpx.get(f"{srv.url}/metrics").text
+        assert re.search(r'retain_released_total\{[^}]*reason="quota"\} 3\.0', text), text
+        assert metric(srv, "prompt_cache_retain_refused_total") == 1
 
 
 @pytest.fixture(scope="module")

@@ -145,8 +145,9 @@ def build_memory(
     locks every node it keeps right after matching or inserting it, so it opts in to
     chain merging (LRU) and precise eviction (see `radixkv.tree`). Sliding-window layers
     get a slot space of their own, as `plan_windows` decides."""
-    allocator = TokenToKVPoolAllocator(cfg.kv_tokens, cfg.page_size, device=device)
     plan = plan_windows(cfg, mc)
+    check_pools_fit(cfg, mc, plan, device)
+    allocator = TokenToKVPoolAllocator(cfg.kv_tokens, cfg.page_size, device=device)
     walloc = wkv = None
     if plan.layers:
         walloc = TokenToKVPoolAllocator(plan.tokens, cfg.page_size, device=device)
@@ -173,6 +174,28 @@ def build_memory(
         window = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, plan.window)
     mgr = CacheManager(cache, allocator, req_pool, window)
     return Memory(allocator, cache, kv, mgr, window, plan.why_not)
+
+
+def check_pools_fit(cfg: EngineConfig, mc: ModelConfig, plan: WindowPlan, device: Any) -> None:
+    """Refuse pools this machine cannot hold, before any is allocated: the KV pool
+    (``kv_tokens``), the window pool (``window_tokens``), the request table
+    (``max_running`` x ``max_context_len``).
+
+    Raises:
+        ValueError: naming each part's size (`radixkv.engine.machine.check_fits`).
+    """
+    from radixkv.engine.machine import check_fits
+
+    layers = getattr(mc, "kv_layers", mc.num_hidden_layers)
+    per_layer = (
+        2 * mc.num_key_value_heads * mc.head_dim * torch.empty((), dtype=cfg.dtype).element_size()
+    )
+    check_fits({
+        f"kv_tokens={cfg.kv_tokens:,}": (layers - len(plan.layers)) * per_layer * cfg.kv_tokens,
+        f"window_tokens={plan.tokens:,}": len(plan.layers) * per_layer * plan.tokens,
+        f"max_running={cfg.max_running} x max_context_len={cfg.max_context_len:,}":
+            8 * cfg.max_running * cfg.max_context_len,
+    }, device)  # fmt: skip
 
 
 def model_identity(

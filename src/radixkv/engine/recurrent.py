@@ -55,8 +55,13 @@ class RecurrentStates:
     checkpoints at most are held."""
 
     def __init__(self, model: Any, max_running: int, max_states: int, every_pages: int = 0) -> None:
+        from radixkv.engine.machine import check_fits
+
         self.first = max_running  # checkpoint rows start here
         self.rows = max_states + max_running  # spare rows for pending snapshots
+        check_fits({f"max_checkpoints={max_states:,} (recurrent states)":
+                    (max_running + self.rows) * model.state_row_bytes()},
+                   next(model.parameters()).device)  # fmt: skip
         self.states = model.make_states(max_running + self.rows)
         self.free_rows = list(range(self.first + self.rows - 1, self.first - 1, -1))
         self.component = StateCheckpoints(max_states, self, every_pages=every_pages)

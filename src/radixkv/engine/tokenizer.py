@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from radixkv.storage.identity import tokenizer_identity
 
 Message = dict[str, str]
+TOKENIZER_CONFIG_BYTES = 16 << 20  # tokenizer_config.json: its chat template and tokens
 
 __all__ = [
     "BPETokenizer",
@@ -111,22 +112,40 @@ class HFTokenizer:
         """
         from tokenizers import Tokenizer as TkTokenizer
 
+        from radixkv.engine.files import (
+            TOKENIZER_BYTES,
+            FolderError,
+            parse_json,
+            read_bytes,
+        )
+
         folder = Path(folder)
-        raw = (folder / "tokenizer.json").read_bytes()
+        path = folder / "tokenizer.json"
+        raw = read_bytes(path, TOKENIZER_BYTES)
         cfg_path = folder / "tokenizer_config.json"
-        cfg_raw = cfg_path.read_bytes() if cfg_path.exists() else b"{}"
-        cfg = json.loads(cfg_raw)
+        cfg_raw = read_bytes(cfg_path, TOKENIZER_CONFIG_BYTES) if cfg_path.exists() else b"{}"
+        cfg = parse_json(cfg_raw, cfg_path)
+        try:
+            tk = TkTokenizer.from_str(raw.decode())
+        except Exception as e:  # the tokenizers library's own error type, or a decode
+            raise FolderError(f"{path}: not a tokenizer the tokenizers library reads "
+                              f"({str(e)[:200]})") from None  # fmt: skip
 
         def text(tok: Any) -> str | None:
             return tok.get("content") if isinstance(tok, dict) else tok
 
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"),
-                            None)  # fmt: skip
+            named = [t for t in template if isinstance(t, dict) and t.get("name") == "default"]
+            template = named[0].get("template") if named else None
+        if template is not None and not isinstance(template, str):
+            raise FolderError(f"{cfg_path}: chat_template must be a string")
+        bos, eos = text(cfg.get("bos_token")), text(cfg.get("eos_token"))
+        for name, tok in (("bos_token", bos), ("eos_token", eos)):
+            if tok is not None and not isinstance(tok, str):
+                raise FolderError(f"{cfg_path}: {name} must be a string")
         ident = hashlib.blake2b(raw + b"\0" + cfg_raw, digest_size=16).digest()
-        return cls(TkTokenizer.from_str(raw.decode()), template, text(cfg.get("bos_token")),
-                   text(cfg.get("eos_token")), b"hf:" + ident)  # fmt: skip
+        return cls(tk, template, bos, eos, b"hf:" + ident)
 
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=self._add_special).ids
@@ -135,18 +154,21 @@ class HFTokenizer:
         return self._tk.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        """Render the checkpoint's chat template (Jinja, as Hugging Face does) with a
-        generation prompt, then tokenize."""
+        """Render the checkpoint's chat template (Jinja, as Hugging Face does, in a
+        sandbox with bounded work and output: `radixkv.engine.template`) with a
+        generation prompt, then tokenize.
+
+        Raises:
+            ValueError: the template refused the conversation or failed;
+                TemplateLimit (a ValueError) when it went beyond its bounds.
+        """
         if not self._template:
             return self.encode("".join(m["content"] for m in messages))
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from radixkv.engine.template import output_limit, render
 
-        def raise_exception(msg: str) -> None:
-            raise ValueError(msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        text = env.from_string(self._template).render(
+        text = render(
+            self._template,
+            output_limit(messages),
             messages=messages,
             add_generation_prompt=True,
             bos_token=self._bos or "",
@@ -179,12 +201,18 @@ class BPETokenizer(HFTokenizer):
         from tokenizers import AddedToken, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as TkTokenizer
 
-        raw = Path(meta_path).read_bytes()
-        meta = json.loads(raw)
-        tokens: list[str] = meta["tokens"]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
-        tk = TkTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        from radixkv.engine.files import TOKENIZER_BYTES, FolderError, parse_json, read_bytes
+
+        raw = read_bytes(meta_path, TOKENIZER_BYTES)
+        meta = parse_json(raw, meta_path)
+        try:
+            tokens: list[str] = meta["tokens"]
+            vocab = {t: i for i, t in enumerate(tokens)}
+            merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
+            tk = TkTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        except Exception as e:  # a missing key, a wrong type, the library's own refusal
+            raise FolderError(f"{meta_path}: not a GGUF tokenizer radixkv wrote "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None  # fmt: skip
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if meta.get("pre") == "smollm":  # SmolLM splits digits one by one
             tk.pre_tokenizer = pre_tokenizers.Sequence(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -43,35 +44,85 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> torc
     """A Hugging Face checkpoint folder: ``config.json`` and ``*.safetensors``, of an
     architecture `radixkv.engine.models` runs (chosen by its ``architectures``).
 
+    Everything is checked before anything is allocated (`check_folder`): the config, the
+    safetensors headers, every tensor's shape against the config, the total against
+    this machine's memory. Then the weights are read tensor by tensor (mapped, not
+    loaded whole) into the model, each refused if it holds NaN or inf.
+
     Raises:
         UnsupportedModel: another architecture, or a config field it does not implement.
-        FileNotFoundError, ValueError: no weights, or weights that do not fit.
+        FileNotFoundError: no config or no weights.
+        FolderError, ValueError: files that are not what they claim, weights that do not
+            fit the config or this machine, non-finite weights; naming the file and field.
     """
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    from radixkv.engine.models import architecture_of, family
+    from radixkv.engine.files import FolderError
 
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
-    fam = family(architecture_of(raw))
-    cfg = fam.ModelConfig.from_dict(raw)
+    fam, cfg, index = check_folder(path)
     model = fam.MODEL_CLASS(cfg)
-    state: dict[str, torch.Tensor] = {}
+    own = model.state_dict()  # the parameters themselves: copied into in place
+    for f in sorted({info.file for info in index.values()}):
+        with safe_open(f, "pt") as weights, torch.no_grad():
+            for name in weights.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                if name not in index:  # a tied lm_head: the embedding is its weight
+                    continue
+                t = weights.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise FolderError(f"{f}: tensor {name} holds NaN or inf; refused")
+                own[name].copy_(t)
+    model = model.to(dtype).eval()
+    # the files the weights came from: a shared store caches their digest by these
+    model.source_files = [path / "config.json", *sorted({i.file for i in index.values()})]
+    return model
+
+
+def check_folder(path: Path) -> tuple[Any, Any, dict]:
+    """A model folder checked without allocating its weights: its config read (bounded,
+    every field honored or refused), its safetensors headers read and checked against
+    their files, the layers the weights hold against ``num_hidden_layers``, and every
+    tensor's shape against what the config builds (on the meta device). Returns (the
+    family module, the config, the tensors by name).
+
+    Raises:
+        as `load_hf_folder`.
+    """
+    from radixkv.engine.files import FolderError, layer_count, read_json, safetensors_index
+    from radixkv.engine.machine import check_fits
+    from radixkv.engine.models import architecture_of, config_from_dict, family
+
+    config = path / "config.json"
+    raw = read_json(config)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
-    for f in files:
-        state.update(load_file(f))
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    index = safetensors_index(files)
+    fam = family(architecture_of(raw))
+    cfg = config_from_dict(raw)
+    held = layer_count(index)
+    if cfg.num_hidden_layers != held:
+        raise FolderError(f"{config}: num_hidden_layers is {cfg.num_hidden_layers}, the "
+                          f"weights hold {held} layers")  # fmt: skip
+    with torch.device("meta"):
+        try:
+            shell = fam.MODEL_CLASS(cfg)
+        except (RuntimeError, ValueError, TypeError, OverflowError) as e:
+            raise FolderError(f"{config}: its sizes build no model ({e})") from None
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # the embedding's
+    want = {n: tuple(t.shape) for n, t in shell.state_dict().items() if n not in tied}
+    missing = sorted(want.keys() - index.keys())
+    unexpected = sorted(index.keys() - want.keys() - tied)
     if missing or unexpected:
-        raise ValueError(f"checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model = model.to(dtype).eval()
-    # the files the weights came from: a shared store caches their digest by these
-    model.source_files = [path / "config.json", *files]
-    return model
+        raise FolderError(f"{path}: the weights do not fit {config.name}: missing "
+                          f"{missing[:5]}, unexpected {unexpected[:5]}")  # fmt: skip
+    for name, shape in want.items():
+        if index[name].shape != shape:
+            raise FolderError(f"{index[name].file}: tensor {name} is {list(index[name].shape)}, "
+                              f"{config.name} makes it {list(shape)}")  # fmt: skip
+    params = sum(math.prod(shape) for shape in want.values())
+    check_fits({f"{path.name}'s weights (float32 while loading)": params * 4})
+    return fam, cfg, {n: i for n, i in index.items() if n not in tied}
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -79,8 +79,58 @@ def family(architecture: str) -> ModuleType:
 
 
 def config_from_dict(config: dict[str, Any]) -> Any:
-    """The family's config for a ``config.json``, every field honored or refused."""
-    return family(architecture_of(config)).ModelConfig.from_dict(config)
+    """The family's config for a ``config.json``, every field honored or refused, and
+    every field the config class declares of the type it declares (`check_types`)."""
+    cls = family(architecture_of(config)).ModelConfig
+    check_types(config, cls)
+    try:
+        return cls.from_dict(config)
+    except (TypeError, OverflowError) as e:  # a nested value of the wrong kind
+        raise UnsupportedModel(f"config.json: {e}") from None
 
 
-__all__ = ["FAMILIES", "ForwardBatch", "UnsupportedModel", "config_from_dict", "family"]
+# a size beyond this is no model's (a 10^400 would overflow every allocation)
+MAX_CONFIG_INT = 1 << 40
+
+
+def check_types(config: dict[str, Any], cls: type) -> None:
+    """Refuse a ``config.json`` value of another type than its field's in ``cls`` (a
+    dataclass): an int (never a bool) of magnitude below `MAX_CONFIG_INT` for ``int``,
+    a finite number for ``float``, a bool for ``bool``; ``None`` where the type allows
+    it; a list of ints for a ``*_token_id`` (several end tokens).
+
+    Raises:
+        UnsupportedModel: naming the field, its value and the type wanted.
+    """
+    import dataclasses
+    import math
+
+    for f in dataclasses.fields(cls):
+        if f.name not in config:
+            continue
+        v, kind = config[f.name], str(f.type).replace(" ", "")
+        if v is None and "None" in kind.split("|"):
+            continue
+        base = kind.split("|")[0]
+        if base == "int":
+            ids = v if f.name.endswith("_token_id") and isinstance(v, list) and v else [v]
+            ok = all(type(x) is int and abs(x) < MAX_CONFIG_INT for x in ids)
+        elif base == "float":
+            ok = type(v) in (int, float) and math.isfinite(v) and abs(v) < MAX_CONFIG_INT
+        elif base == "bool":
+            ok = type(v) is bool
+        else:
+            continue
+        if not ok:
+            raise UnsupportedModel(f"config.json: {f.name} must be {kind.replace('|', ' or ')}"
+                                   f" (of magnitude below 2**40), got {v!r:.60}")  # fmt: skip
+
+
+__all__ = [
+    "FAMILIES",
+    "ForwardBatch",
+    "UnsupportedModel",
+    "check_types",
+    "config_from_dict",
+    "family",
+]

@@ -537,6 +537,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.kv_layers = cfg.layer_types.count("full_attention")
         self.states: States | None = None
 
+    def state_row_bytes(self) -> int:
+        """Bytes of one row of recurrent states (`make_states` allocates rows of it)."""
+        return States(self.config, 1, "meta").nbytes_per_row()
+
     def make_states(self, rows: int) -> States:
         """The recurrent states of ``rows`` request-table rows (the engine's
         ``max_running``), on the model's device."""

@@ -1,0 +1,211 @@
+"""A hostile or broken model folder is refused before anything is allocated: one line
+``error: --model ...`` naming the file and the field, exit 2, the process's memory
+peaking far below what the folder asked for (real ``radixkv serve`` processes, each
+reporting its peak resident memory, the kernel's ``VmHWM``, on exit).
+
+What used to happen: a 1.3 KB edit of ``config.json`` over a 2-layer checkpoint reached
+3.25 GB before ``size mismatch``; ``num_hidden_layers: 100000`` was still building at
+1.9 GB after 60 s; ``config.json`` symlinked to ``/dev/zero`` was read until MemoryError
+(7.7 GB); a FIFO hung start-up without a word."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import qwen3_5_folder
+
+from radixkv.cli import main
+from radixkv.engine.models.llama import ModelConfig
+from radixkv.engine.weights import random_model
+from radixkv.web.process import free_port
+
+PEAK_BYTES = 1 << 30  # the issue's bound: hostile folders are refused under 1 GB
+
+
+def checkpoint(folder, **config) -> str:
+    """Our tiny random Llama (2 layers) saved as a folder, its config edited after."""
+    from safetensors.torch import save_file
+
+    model = random_model(ModelConfig(num_hidden_layers=2), seed=1)
+    folder.mkdir()
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({**model.config.to_dict(), **config}))
+    return str(folder)
+
+
+def serve(*args: str) -> tuple[int, str, int]:
+    """``radixkv serve ARGS`` in a child process: (exit status, stderr, its peak resident
+    memory in bytes, which it reports itself on exit: `report_peak`). Bounded in time
+    (a hang fails the test)."""
+    cmd = [sys.executable, "-m", "radixkv.cli", "serve", "--port", str(free_port()), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"{args}: still running after 180 s")
+    return proc.returncode, err, _peak(err)
+
+
+def _peak(err: str) -> int:
+    for line in err.splitlines():
+        if line.startswith("radixkv-test-peak-rss:"):
+            return int(line.split(":")[1])
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def report_peak(monkeypatch):
+    """The child prints its own peak resident memory on exit (``VmHWM``), through a
+    ``sitecustomize`` on its path: the kernel's accounting of the whole process."""
+    import tempfile
+
+    site = tempfile.mkdtemp()
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(
+            "import atexit, sys\n"
+            "def _peak():\n"
+            "    for line in open('/proc/self/status'):\n"
+            "        if line.startswith('VmHWM:'):\n"
+            "            kb = int(line.split()[1])\n"
+            "            sys.stderr.write(f'radixkv-test-peak-rss:{kb * 1024}\\n')\n"
+            "atexit.register(_peak)\n"
+        )
+    monkeypatch.setenv("PYTHONPATH", site + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def refused(args: list[str], named: str) -> None:
+    status, err, peak = serve(*args)
+    skip = ("radixkv-test-peak", "radixkv: ")  # the peak, start-up progress
+    lines = [x for x in err.splitlines() if not x.startswith(skip) and "no tokenizer" not in x]
+    assert status == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert named in lines[0], lines[0]
+    assert 0 < peak < PEAK_BYTES, f"peaked at {peak / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize(
+    ("edit", "named"),
+    [
+        ({"intermediate_size": 1 << 20}, "mlp"),  # 3.25 GB before the size mismatch
+        ({"num_hidden_layers": 100000}, "num_hidden_layers"),  # 1.9 GB and building, at 60 s
+        ({"hidden_size": 1 << 20, "head_dim": 64}, "embed_tokens"),  # 5.4 GB
+        ({"vocab_size": 2_000_000_000}, "embed_tokens"),
+        ({"hidden_size": "64"}, "hidden_size"),  # a TypeError with a traceback, exit 1
+        ({"rms_norm_eps": 1e400}, "rms_norm_eps"),  # JSON's Infinity
+    ],
+    ids=["intermediate", "layers", "hidden", "vocab", "type", "infinite"],
+)
+def test_a_config_that_does_not_fit_its_weights_is_refused_before_allocating(tmp_path, edit, named):
+    folder = checkpoint(tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({**config, **edit}))
+    refused(["--model", folder], named)
+
+
+def test_config_and_tokenizer_files_must_be_regular_files(tmp_path):
+    """A symlink to /dev/zero was read until memory ran out; a FIFO hung start-up."""
+    folder = checkpoint(tmp_path / "zero")
+    os.remove(f"{folder}/config.json")
+    os.symlink("/dev/zero", f"{folder}/config.json")
+    refused(["--model", folder], "config.json: not a regular file (a character device)")
+    fifo = checkpoint(tmp_path / "fifo")
+    os.remove(f"{fifo}/config.json")
+    os.mkfifo(f"{fifo}/config.json")
+    refused(["--model", fifo], "config.json: not a regular file (a FIFO)")
+    tok = checkpoint(tmp_path / "tok")
+    os.symlink("/dev/zero", f"{tok}/tokenizer.json")
+    refused(["--model", tok], "tokenizer.json: not a regular file")
+
+
+def test_an_absurd_pool_is_refused_naming_its_flag(tmp_path):
+    """Only the allocator's refusal stopped --max-checkpoints 1e9 (5,000 GiB of states)."""
+    folder = qwen3_5_folder(tmp_path / "q")
+    refused(["--model", folder, "--max-checkpoints", "1000000000"], "max_checkpoints")
+    refused(["--model", "random", "--kv-tokens", "100000000000"], "kv_tokens")
+
+
+# --- the same checks in process (fast): each names its file and field -------------------
+def run_serve(capsys, *args: str) -> str:
+    """``radixkv serve ARGS`` in this process, on a port held busy: a folder wrongly
+    taken ends at the bind (naming --port) rather than serving forever."""
+    import socket
+
+    capsys.readouterr()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", "--port", str(busy.getsockname()[1]), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --model"), err
+    return err[0]
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    folder = checkpoint(tmp_path / "nan")
+    weights = load_file(f"{folder}/model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")
+    save_file(weights, f"{folder}/model.safetensors")
+    assert "model.layers.1.mlp.up_proj.weight holds NaN or inf" in run_serve(
+        capsys, "--model", folder
+    )
+
+
+def test_a_safetensors_header_that_lies_is_refused(tmp_path, capsys):
+    folder = checkpoint(tmp_path / "lie")
+    path = f"{folder}/model.safetensors"
+    with open(path, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    name = "model.norm.weight"
+    start, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [start, end + 4]  # claims 4 bytes more than its shape
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw + data[8 + n :])
+    assert "model.norm.weight" in run_serve(capsys, "--model", folder)
+    with open(path, "wb") as f:  # and one whose header claims more bytes than the file
+        f.write((1 << 40).to_bytes(8, "little") + b"{}")
+    assert "safetensors header" in run_serve(capsys, "--model", folder)
+
+
+def test_deeply_nested_or_wrongly_typed_json_is_refused_naming_the_file(tmp_path, capsys):
+    folder = checkpoint(tmp_path / "deep")
+    with open(f"{folder}/config.json", "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)
+    assert "config.json: JSON nested too deeply" in run_serve(capsys, "--model", folder)
+    with open(f"{folder}/config.json", "w") as f:
+        f.write("[1, 2]")
+    assert "config.json: must be a JSON object" in run_serve(capsys, "--model", folder)
+
+
+def test_a_bad_tokenizer_json_is_refused_naming_it(tmp_path, capsys):
+    folder = checkpoint(tmp_path / "tok")
+    with open(f"{folder}/tokenizer.json", "w") as f:
+        f.write('{"model": {"type": "nothing"}}')
+    assert f"{folder}/tokenizer.json: not a tokenizer" in run_serve(capsys, "--model", folder)
+    with open(f"{folder}/tokenizer.json", "w") as f:
+        f.write("{")
+    assert f"{folder}/tokenizer.json" in run_serve(capsys, "--model", folder)
+
+
+def test_a_well_formed_folder_still_loads_its_weights_exactly(tmp_path):
+    """The checks change nothing for a good folder: every weight as saved."""
+    from radixkv.engine.weights import load_hf_folder
+
+    folder = checkpoint(tmp_path / "ok")
+    model = load_hf_folder(folder)
+    want = random_model(ModelConfig(num_hidden_layers=2), seed=1).state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, want[name]), name
