@@ -334,6 +334,34 @@ def cli(argv, capsys):
 SIM = ["simulate", "--workload", "few-shot", "--requests", "20", "--workers", "1"]
 
 
+MARCONI = {"session_id": 1, "turn_id": 0, "ts": 0, "input_tokens": 8, "output_tokens": 2}
+# model specs that used to be taken (NaN, -1e30, Infinity) or to raise with a traceback
+# (a string: TypeError; 10^400: OverflowError; deep nesting: RecursionError)
+SPECS = [
+    ('{"full_layers": 2, "kv_bytes": 4, "params": NaN}', "params must be a number"),
+    ('{"full_layers": 2, "kv_bytes": 4, "params": -1e30}', "params must be a number"),
+    ('{"full_layers": 2, "kv_bytes": 4, "attn_dim": Infinity}', "attn_dim must be an int"),
+    ('{"full_layers": "2", "kv_bytes": 4}', "full_layers must be an int"),
+    ('{"full_layers": 2, "kv_bytes": 1' + "0" * 400 + "}", "kv_bytes must be an int"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"full_layers": 2, "kv_bytes": 4, "name": 5}', "name must be a string"),
+]
+
+
+def spec(tmp, text: str) -> str:
+    path = tmp / f"spec{abs(hash(text))}.json"
+    path.write_text(text)
+    return str(path)
+
+
+def fifo(tmp) -> str:
+    import os
+
+    path = tmp / "fifo.jsonl"
+    os.mkfifo(path)
+    return str(path)
+
+
 def bad_cli_cases(tmp):
     mc = write_lines(tmp, [MC], "mc.jsonl")
     tok = write_lines(tmp, [TOK], "tok.jsonl")
@@ -360,6 +388,28 @@ def bad_cli_cases(tmp):
         (["simulate", "--trace", str(bad_line)], r"bad\.jsonl:2: token_ids\[1\]"),
         (["simulate", "--trace", str(write_lines(tmp, [""], "e.jsonl"))], "no requests"),
         (["simulate", "--scope", "nowhere"], "invalid choice"),
+        # sizes a trace claims: one 88-byte line of 1e8 tokens ran 67 s and took 7.8 GB
+        (
+            [
+                "simulate",
+                "--trace",
+                str(write_lines(tmp, [{**MARCONI, "input_tokens": 10**8}], "big.jsonl")),
+            ],
+            r"big\.jsonl:1: input_tokens",
+        ),
+        (
+            [
+                "simulate",
+                "--trace",
+                str(write_lines(tmp, ["[" * 100_000 + "]" * 100_000], "deep.jsonl")),
+            ],
+            r"deep\.jsonl:1: JSON nested",
+        ),
+        (["simulate", "--trace", fifo(tmp)], "--trace .*fifo.jsonl: not a regular file"),
+        *[
+            (["simulate", "--model-spec", spec(tmp, text)], "--model-spec: .*" + match)
+            for text, match in SPECS
+        ],
         (["demo", "--page-size", "0"], "--page-size: must be a positive"),
         (["demo", "--model", str(tmp)], "--model"),
     ]
@@ -381,6 +431,22 @@ def test_every_bad_command_line_is_one_error_line_and_exit_2(tmp_path, capsys):
         assert re.search(match, lines[0]), (argv, lines[0], match)
         assert "Traceback" not in out + err
     assert len(cases) >= 20
+
+
+def test_a_trace_larger_than_the_memory_available_is_refused_at_its_line(tmp_path, monkeypatch):
+    """A trace's sizes are checked against the machine as it loads: here a machine with
+    20 MB available (its size simulated; the check is the real one) and a session whose
+    turns claim 200,000 tokens each."""
+    import radixkv.engine.machine as machine
+    from radixkv.sim.traces import load_marconi
+
+    monkeypatch.setattr(machine, "available_bytes", lambda device="cpu": 20_000_000)
+    turns = [{**MARCONI, "turn_id": t, "ts": t, "input_tokens": 20_000 * (t + 1)}
+             for t in range(10)]  # fmt: skip
+    path = write_lines(tmp_path, turns)
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: the trace holds .* more than half of "
+                       r"the 0\.0 GiB"):  # fmt: skip
+        load_marconi(path, 16)
 
 
 def test_output_written_to_good_paths_and_units_shown(tmp_path, capsys, monkeypatch):

@@ -144,6 +144,28 @@ def test_out_of_range_values_name_their_field(server, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_errors_name_the_field_that_is_wrong(server):
+    """A breakpoint's ttl was reported at ``messages.0.content.str`` (pydantic's first
+    union branch); a seed at the top of its range with n=2 overflowed choice 2's seed and
+    the 400 named max_tokens; 100k content parts took over a second to refuse."""
+    bad = {"type": "text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit",
+                                                                   "ttl": "1h"}}  # fmt: skip
+    body = {"model": "random", "messages": [{"role": "user", "content": [bad]}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "messages", r.text
+    assert err["message"].startswith("messages.0.content.0.prompt_cache_breakpoint.ttl: ")
+    c = client(server).completions.create(model="random", prompt="x", n=2, seed=2**64 - 1,
+                                          temperature=1, max_tokens=2)  # fmt: skip
+    assert len(c.choices) == 2  # choice 2 is seeded 2**64 - 1 + 1, modulo 2**64
+    parts = [{"type": "text", "text": "x"}] * 100_000
+    body = {"model": "random", "messages": [{"role": "user", "content": parts}]}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "more than the 8,192 a request may hold" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
 def test_tool_call_history_is_refused_clearly(server):
     messages = [
         {"role": "user", "content": "weather?"},

@@ -566,6 +566,27 @@ def test_a_file_store_keeps_under_its_cap_by_recency(tmp_path):
     assert again.held_bytes == held
 
 
+def test_a_file_store_is_capped_by_default_to_fit_its_disk_and_says_so(tmp_path):
+    """Without --storage-max-bytes the folder had no cap (206 MB after 100 prompts and
+    growing): now what it holds at start plus half the disk's free space, printed at
+    start by radixkv serve."""
+    from radixkv.storage.files import DISK_SHARE
+    from radixkv.web.process import ServerProcess
+
+    store = FileStore(tmp_path / "pages")
+    store.set([b"k" * 24], [bytes(5000)])
+    free = shutil.disk_usage(tmp_path).free
+    again = FileStore(tmp_path / "pages")  # another start: what it holds counts
+    assert again.held_bytes == 5000
+    assert abs(again.max_bytes - (5000 + free * DISK_SHARE)) < 0.01 * free
+    args = ["--model", "random", "--storage", f"file://{tmp_path}/pages"]
+    with ServerProcess(*args, timeout=60, stderr=subprocess.PIPE) as srv:
+        pass
+    text = srv.proc.stderr.read()
+    assert f"file store {tmp_path}/pages: 0.0 MiB held, at most " in text
+    assert "half its disk's free space; --storage-max-bytes sets it" in text
+
+
 def test_serve_refuses_a_size_cap_on_a_store_that_sizes_itself(capsys):
     from radixkv.cli import main
 

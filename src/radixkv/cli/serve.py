@@ -103,7 +103,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="with a file:// store: the most bytes its folder holds; the least recently "
-        "used pages are removed beyond [no cap]",
+        "used pages are removed beyond [what it holds plus half its disk's free space at "
+        "start, printed]",
     )
     serve.add_argument(
         "--host-tokens",

@@ -91,6 +91,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _load_trace(args: argparse.Namespace) -> Any:
+    from radixkv.engine.files import FolderError
     from radixkv.sim import traces
 
     if not args.trace:
@@ -111,6 +112,8 @@ def _load_trace(args: argparse.Namespace) -> Any:
         raise CliError(f"--trace {args.trace}: not a UTF-8 text file") from None
     except traces.TraceError as e:
         raise CliError(str(e)) from None
+    except FolderError as e:
+        raise CliError(f"--trace {e}") from None
     except ValueError as e:
         raise flag_error(e) from None
 

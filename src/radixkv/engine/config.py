@@ -38,7 +38,8 @@ class EngineConfig:
             there and loaded back when a prompt needs them.
         write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
         storage_max_bytes: the most bytes a ``file://`` store's folder holds (the least
-            recently used pages go first); other stores are sized in themselves.
+            recently used pages go first; ``None``: what it holds at start plus half its
+            disk's free space); other stores are sized in themselves.
         max_checkpoints: recurrent-state checkpoints the prefix cache holds at most
             (Qwen3.5 and other models with recurrent layers: each is one state of every
             recurrent layer; the least recently used goes first).

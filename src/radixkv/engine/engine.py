@@ -194,7 +194,8 @@ class Engine:
 
     def memory_summary(self) -> list[str]:
         """The pools as sized at start, one line each: full-attention KV, the sliding
-        layers' window KV, recurrent states (what ``radixkv serve`` prints)."""
+        layers' window KV, recurrent states, a file store's cap (what ``radixkv serve``
+        prints)."""
         mib = 2**-20
         kv, a = self.kv, self.mgr.allocator
         full_layers = kv.num_layers - len(kv.window_layers)
@@ -215,6 +216,9 @@ class Engine:
             rows = self.engine_config.max_running + rec.rows
             lines.append(f"recurrent states: {rows} rows x {rec.row_size * mib:.2f} MiB = "
                          f"{rows * rec.row_size * mib:,.1f} MiB")  # fmt: skip
+        describe = getattr(getattr(getattr(self, "tier", None), "store", None), "describe", None)
+        if describe is not None:  # a file store: its size cap
+            lines.append(describe())
         return lines
 
     def _admitted(self, r: EngineReq) -> None:
@@ -382,7 +386,9 @@ class Engine:
         gen = None
         if not sampling.greedy:
             gen = torch.Generator()
-            gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+            # modulo 2**64, as torch takes a negative seed (choice i of n is seeded
+            # seed + i: 2**64 - 1 + 1 used to overflow, and the 400 named max_tokens)
+            gen.manual_seed(sampling.seed % 2**64 if sampling.seed is not None else torch.seed())
         req = EngineReq(
             rid,
             ids,

@@ -50,6 +50,7 @@ from radixkv.server import prompt_cache
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
     MAX_CACHE_KEY,
+    MAX_CONTENT_PARTS,
     MAX_LOGIT_BIAS,
     MAX_N,
     MAX_STOP_STRINGS,
@@ -70,11 +71,22 @@ Prompt = tuple[list[int], CacheSpec | None]
 
 
 def _validation_error(e: ValidationError) -> ApiError:
-    err = e.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if not str(x).startswith("function-")]
+    """The deepest of pydantic's errors (a union tries each branch: the one that got
+    furthest says what is wrong), its location without branch labels (``str``,
+    ``list[ContentPart]``); ``param`` the top-level field."""
+    errors = e.errors()
+
+    def where(err: Any) -> list[str]:
+        return [str(x) for x in err.get("loc", ()) if not _BRANCH.fullmatch(str(x))]
+
+    err = max(errors, key=lambda x: len(where(x)))
+    loc = where(err)
     param = loc[0] if loc else None
-    where = ".".join(loc) or "body"
-    return ApiError(400, f"{where}: {err.get('msg', 'invalid value')}", param)
+    return ApiError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}", param)
+
+
+# pydantic's location labels for a union's branches and validators, not fields
+_BRANCH = re.compile(r"function-.*|str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*")
 
 
 def _parse(body: bytes, model: type[BaseModel]) -> Any:
@@ -86,6 +98,13 @@ def _parse(body: bytes, model: type[BaseModel]) -> Any:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
+    messages = data.get("messages")
+    if isinstance(messages, list):  # counted before validating them one by one
+        parts = sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"),
+                    list) else 1 for m in messages)  # fmt: skip
+        if parts > MAX_CONTENT_PARTS:
+            raise ApiError(400, f"messages: {parts:,} messages and content parts, more than "
+                           f"the {MAX_CONTENT_PARTS:,} a request may hold", "messages")  # fmt: skip
     try:
         return model.model_validate_json(body, strict=True)
     except ValidationError as e:
@@ -258,8 +277,10 @@ class Api:
             ) from None
         except (EngineDead, RequestFailed) as e:
             raise failure(e) from None
-        except ValueError as e:
-            raise ApiError(400, str(e), "max_tokens") from None
+        except DoesNotFit as e:
+            raise ApiError(400, str(e), "max_tokens", "context_length_exceeded") from None
+        except ValueError as e:  # the engine refused the request: no one field to name
+            raise ApiError(400, str(e)) from None
 
     async def timed(
         self, outputs: AsyncIterator[StepOutput], arrival: float

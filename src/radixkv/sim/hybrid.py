@@ -36,7 +36,6 @@ internals (it drives them through their API).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -56,6 +55,7 @@ KERNEL_BLOCK = 16  # vLLM's attention kernel block alignment (FlashAttention's 1
 MARCONI_ALPHA = 1.0  # Marconi's weight of FLOP efficiency against recency
 SGLANG_STATE_RATIO = 0.9  # mamba_full_memory_ratio: state pool bytes / full KV bytes
 SGLANG_WINDOW_RATIO = 0.8  # swa_full_tokens_ratio: window pool tokens / full tokens
+SPEC_MAX = 1 << 50  # a spec's sizes and counts: beyond, no model (10^400 overflowed floats)
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,18 @@ class ModelSpec:
     attn_dim: int = 4096
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ValueError(f"model spec: name must be a string, got {self.name!r:.40}")
         for f in ("full_layers", "kv_bytes", "window_layers", "window", "recurrent_layers",
-                  "state_bytes"):  # fmt: skip
+                  "state_bytes", "attn_dim"):  # fmt: skip
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"model spec {self.name}: {f} must be an int >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < SPEC_MAX:
+                raise ValueError(f"model spec {self.name}: {f} must be an int in [0, 2**50), "
+                                 f"got {v!r:.40}")  # fmt: skip
+        p = self.params
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < SPEC_MAX:
+            raise ValueError(f"model spec {self.name}: params must be a number in (0, 2**50), "
+                             f"got {p!r:.40}")  # fmt: skip
         if self.full_layers < 1 or self.kv_bytes < 1:
             raise ValueError(f"model spec {self.name}: needs full_layers and kv_bytes >= 1")
         if bool(self.window_layers) != bool(self.window):
@@ -132,9 +139,9 @@ class ModelSpec:
         Raises:
             ValueError: naming the field or the file.
         """
-        data = json.loads(Path(path).read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"model spec {path}: expected a JSON object")
+        from radixkv.engine.files import read_json
+
+        data = read_json(path)  # bounded, a regular file, a JSON object, not too deep
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:

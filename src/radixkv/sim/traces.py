@@ -90,6 +90,13 @@ INT63 = 2**63  # ids and tokens are int64; ids must be >= 0 so they never meet f
 # One request's output may claim at most this many tokens (a typo such as 1e12 would
 # otherwise build a list of 10^12 fresh ids).
 MAX_OUTPUT_TOKENS = 1 << 20
+# A prompt given as a count (Marconi's format) may claim at most this many: two million,
+# beyond any model's context (one 88-byte line of 1e8 ran for 67 s and took 7.8 GB).
+MAX_PROMPT_TOKENS = 1 << 21
+MAX_LINE_BYTES = 256 << 20  # one JSONL record: a line read whole
+# what one token of a trace costs in memory while it loads (its int, the list slot, the
+# interner's tuple of its block): the trace's total is checked against the machine's
+TOKEN_BYTES = 100
 
 
 class TraceError(ValueError):
@@ -119,16 +126,62 @@ def _timestamp(rec: dict) -> float:
     return float(t)
 
 
+class _Tally:
+    """The tokens a trace materialises as it loads, against half of what this machine
+    has available: a trace whose sizes claim more is refused at the line that crosses
+    it, before that line's lists are built where their sizes are counts."""
+
+    def __init__(self) -> None:
+        from radixkv.engine.machine import available_bytes
+
+        self.tokens, self.have = 0, available_bytes("cpu")
+
+    def add(self, n: int) -> None:
+        """Count ``n`` more tokens.
+
+        Raises:
+            ValueError: the total would take more than half the memory available.
+        """
+        self.tokens += n
+        if self.have is not None and self.tokens * TOKEN_BYTES > self.have // 2:
+            raise ValueError(f"the trace holds {self.tokens:,} tokens by this line, about "
+                             f"{self.tokens * TOKEN_BYTES / 2**30:,.1f} GiB loaded, more than "
+                             f"half of the {self.have / 2**30:,.1f} GiB this machine has "
+                             "available")  # fmt: skip
+
+
+def _lines(f: Any) -> Iterator[str]:
+    """The file's lines, each read up to `MAX_LINE_BYTES` (a longer one is refused)."""
+    while True:
+        line = f.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_BYTES:
+            raise ValueError(f"a line over {MAX_LINE_BYTES:,} characters")
+        yield line
+
+
 def _records(path: str | Path) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) for every non-blank line; a ``TraceError`` naming the
     file and line for anything else, and for a trace with no request at all."""
     seen = False
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+        n = 0
+        lines = _lines(f)
+        while True:
+            n += 1
+            try:
+                line = next(lines, None)
+            except ValueError as e:
+                raise TraceError(f"{path}:{n}: {e}") from None
+            if line is None:
+                break
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
+            except RecursionError:
+                raise TraceError(f"{path}:{n}: JSON nested too deeply") from None
             except ValueError as e:
                 raise TraceError(f"{path}:{n}: not JSON ({e})") from None
             if not isinstance(rec, dict):
@@ -147,6 +200,7 @@ def load_mooncake(path: str | Path) -> Trace:
         TraceError: ``FILE:LINE: what is wrong`` for the first bad record.
     """
     trace = Trace(Path(path).stem, MOONCAKE_BLOCK)
+    tally = _Tally()
     for n, rec in _records(path):
         try:
             if "hash_ids" not in rec or "input_length" not in rec:
@@ -162,6 +216,7 @@ def load_mooncake(path: str | Path) -> Trace:
             if "output_length" in rec:
                 output = _integer(rec["output_length"], "output_length", 0, MAX_OUTPUT_TOKENS + 1)
             stamp = _timestamp(rec)
+            tally.add(len(ids))
         except ValueError as e:
             raise TraceError(f"{path}:{n}: {e}") from None
         trace.requests.append(SimRequest(ids, len(ids), length, stamp, output))
@@ -181,6 +236,13 @@ def split_blocks(trace: Trace, block_size: int) -> Trace:
     if trace.block_size % block_size:
         raise ValueError(f"block_size: {block_size} does not divide {trace.block_size}")
     k = trace.block_size // block_size
+    from radixkv.engine.machine import available_bytes
+
+    units, have = sum(len(r.units) for r in trace.requests) * k, available_bytes("cpu")
+    if have is not None and units * TOKEN_BYTES > have:
+        raise ValueError(f"block_size: {block_size}-token pages make {units:,} units of this "
+                         f"trace, about {units * TOKEN_BYTES / 2**30:,.1f} GiB, more than "
+                         f"the {have / 2**30:,.1f} GiB available")  # fmt: skip
     out = Trace(trace.name, block_size)
     for r in trace.requests:
         last = r.prompt_tokens - (len(r.units) - 1) * trace.block_size
@@ -210,6 +272,7 @@ def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -
         TraceError: ``FILE:LINE: what is wrong`` for the first bad record.
     """
     records = []
+    tally = _Tally()
     for n, rec in _records(path):
         try:
             if "token_ids" in rec:
@@ -237,6 +300,9 @@ def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -
             if ns is not None and not isinstance(ns, (str, int)):
                 raise ValueError(f"extra_key must be a string or integer, got {json.dumps(ns)}")
             out["timestamp"] = _timestamp(rec)
+            outputs = out.get("output_ids")
+            tally.add(len(prompt) + (len(outputs) if outputs is not None
+                                     else int(out.get("output_length", 0))))  # fmt: skip
         except ValueError as e:
             raise TraceError(f"{path}:{n}: {e}") from None
         records.append((prompt, out))
@@ -258,6 +324,7 @@ def load_marconi(path: str | Path, block_size: int) -> Trace:
     rows = []
     history: dict[Any, tuple[int, list[int]]] = {}  # session -> (turn, prompt + output)
     fresh = -1
+    tally = _Tally()
     for n, rec in _records(path):
         try:
             for k in ("session_id", "turn_id", "ts", "input_tokens", "output_tokens"):
@@ -275,12 +342,13 @@ def load_marconi(path: str | Path, block_size: int) -> Trace:
             if isinstance(inp, list):
                 prompt = _integers(inp, "input_tokens")
             else:
-                count = _integer(inp, "input_tokens", 1)
+                count = _integer(inp, "input_tokens", 1, MAX_PROMPT_TOKENS + 1)
                 if count < len(past):
                     raise ValueError(
                         f"input_tokens {count} is shorter than session {sid!r}'s history "
                         f"({len(past)} tokens)"
                     )
+                tally.add(2 * count)  # before it is built: the turn and the history
                 prompt = past + list(range(fresh, fresh - (count - len(past)), -1))
                 fresh -= count - len(past)
             if not prompt:
@@ -290,8 +358,13 @@ def load_marconi(path: str | Path, block_size: int) -> Trace:
                 output = _integers(outp, "output_tokens")
             else:
                 count = _integer(outp, "output_tokens", 0, MAX_OUTPUT_TOKENS + 1)
+                tally.add(2 * count)
                 output = list(range(fresh, fresh - count, -1))
                 fresh -= count
+            listed = (len(prompt) if isinstance(inp, list) else 0) + (
+                len(output) if isinstance(outp, list) else 0
+            )
+            tally.add(2 * listed)  # ids the line lists: counted once built
         except ValueError as e:
             raise TraceError(f"{path}:{n}: {e}") from None
         history[sid] = (turn, prompt + output)
@@ -318,8 +391,12 @@ def load_trace(
 
     Raises:
         TraceError: a bad record. ValueError: ``block_size: ...`` for a Mooncake trace
-            given another block size. OSError, UnicodeDecodeError: an unreadable file.
+            given another block size; FolderError (a ValueError): not a regular file.
+            OSError, UnicodeDecodeError: an unreadable file.
     """
+    from radixkv.engine.files import regular_file
+
+    regular_file(Path(path))  # a FIFO would block the open; a device never ends
     fmt = fmt or guess_format(path)
     if fmt == "mooncake":
         if block_size not in (None, MOONCAKE_BLOCK):

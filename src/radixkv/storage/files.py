@@ -14,9 +14,12 @@ counted by the tier, never read, and written over when the page is next computed
 never block (``O_NONBLOCK``: a FIFO cannot hang the engine), and a read takes at most the
 size the caller asked for (`get_into`: one page's) or ``max_value_bytes`` (`get`).
 
-Size: with ``max_bytes`` the folder holds at most that many bytes of pages. When a write
-goes over, the least recently used pages (by modification time; a read touches its page)
-are removed until it holds 90% of it (``stats.evicted_pages``, ``stats.evicted_bytes``).
+Size: the folder holds at most ``max_bytes`` of pages; by default (``None``) what it
+holds at start plus half the free space of its disk then (`DISK_SHARE`), so an
+unattended store never fills its disk (it reached 206 MB after 100 prompts, with no
+end). When a write goes over, the least recently used pages (by modification time; a
+read touches its page) are removed until it holds 90% of it (``stats.evicted_pages``,
+``stats.evicted_bytes``). `describe` says the cap and where it came from.
 
 Owns: the folder's files. Must not touch: the bytes of a page (`radixkv.storage.page`).
 """
@@ -27,6 +30,7 @@ import contextlib
 import errno
 import os
 import secrets
+import shutil
 import stat
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from radixkv.storage.store import Parts, _SoftStore
 
 MAX_VALUE_BYTES = 256 << 20  # what `get` reads of one value, at most
 PRUNE_TO = 0.9  # a folder over its cap is pruned to this share of it
+DISK_SHARE = 0.5  # the default cap: what it holds plus this share of its disk's free space
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 # errors that concern one entry (a planted link or folder), not the store as a whole
@@ -48,7 +53,8 @@ class FileStore(_SoftStore):
     Args:
         root: the folder (created on first use, with its parents).
         retry_s: after a failure, the store is skipped this long.
-        max_bytes: the most bytes of pages the folder holds (``None``: no cap).
+        max_bytes: the most bytes of pages the folder holds (``None``: what it holds at
+            start plus half the free space of its disk then).
         max_value_bytes: the most `get` reads of one value.
     """
 
@@ -64,6 +70,7 @@ class FileStore(_SoftStore):
         super().__init__(f"file store {root}", retry_s)
         self.root = Path(root)
         self.max_bytes, self.max_value_bytes = max_bytes, max_value_bytes
+        self.cap_source = "--storage-max-bytes" if max_bytes is not None else "default"
         self._root_fd = -1
         self._dirs: dict[str, int] = {}  # subfolder -> its descriptor
         self.held_bytes = 0  # bytes of pages in the folder, as of the last scan and writes
@@ -81,8 +88,19 @@ class FileStore(_SoftStore):
             return
         self.root.mkdir(parents=True, exist_ok=True)
         self._root_fd = os.open(self.root, _DIR)
-        if self.max_bytes is not None:
-            self.held_bytes = sum(size for *_, size in self._pages())
+        self.held_bytes = sum(size for *_, size in self._pages())
+        if self.max_bytes is None:  # the default: it fits its disk
+            free = shutil.disk_usage(self.root).free
+            self.max_bytes = max(1, self.held_bytes + int(free * DISK_SHARE))
+
+    def describe(self) -> str:
+        """The store and its cap, one line (what ``radixkv serve`` prints at start)."""
+        if self.max_bytes is None:
+            return f"file store {self.root}: not opened yet (its cap is set when it opens)"
+        why = ("what it holds plus half its disk's free space; --storage-max-bytes sets it"
+               if self.cap_source == "default" else "--storage-max-bytes")  # fmt: skip
+        return (f"file store {self.root}: {self.held_bytes / 2**20:,.1f} MiB held, at most "
+                f"{self.max_bytes / 2**20:,.1f} MiB ({why})")  # fmt: skip
 
     @staticmethod
     def _name(key: bytes) -> tuple[str, str]:
