@@ -112,8 +112,9 @@ def cached_chats(client: Any, model: str, system: str, questions: tuple[str, ...
     return cached
 
 
-def qwen3_5_folder(path: Any) -> str:
-    """A tiny random Qwen3.5 folder (Gated DeltaNet + gated attention, 4 layers)."""
+def qwen3_5_folder(path: Any, tweak: Any = None) -> str:
+    """A tiny random Qwen3.5 folder (Gated DeltaNet + gated attention, 4 layers);
+    ``tweak(model)`` changes its weights before they are saved."""
     import transformers
 
     torch.manual_seed(0)
@@ -122,5 +123,8 @@ def qwen3_5_folder(path: Any) -> str:
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
     )  # fmt: skip
-    transformers.Qwen3_5ForCausalLM(conf).save_pretrained(path)
+    model = transformers.Qwen3_5ForCausalLM(conf)
+    if tweak is not None:
+        tweak(model)
+    model.save_pretrained(path)
     return str(path)

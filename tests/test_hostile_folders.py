@@ -209,3 +209,81 @@ def test_a_well_formed_folder_still_loads_its_weights_exactly(tmp_path):
     want = random_model(ModelConfig(num_hidden_layers=2), seed=1).state_dict()
     for name, t in model.state_dict().items():
         assert torch.equal(t, want[name]), name
+
+
+# --- the chat template: bounded work and output ------------------------------------------
+HOSTILE_TEMPLATES = [
+    # nested range(100000) loops grew a request to 7.6 GB
+    ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+     "loop steps"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "loop steps"),
+    ("{{ 'x' * 1000000000 }}", "a size of 1,000,000,000"),
+    ("{{ 'x'.center(1000000000) }}", "a size of 1,000,000,000"),
+    ("{{ 'x'|center(1000000000) }}", "a size of 1,000,000,000"),
+    ("{{ '%*s' % (1000000000, 'x') }}", "a size of 1,000,000,000"),
+    ("{{ '{:>999999999}'.format('x') }}", "a million wide"),
+    ("{{ 2 ** 100000 }}", "raised a number"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed"),
+    ("{% for m in messages %}{{ m.content * 3 }}{% endfor %}" * 4, "output went beyond"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("source", "match"), HOSTILE_TEMPLATES)
+def test_a_chat_template_is_bounded_in_work_and_output(source, match):
+    from radixkv.engine.template import TemplateLimit, output_limit, render
+
+    messages = [{"role": "user", "content": "x" * 200_000}]
+    with pytest.raises(TemplateLimit, match=match):
+        render(source, output_limit(messages), messages=messages)
+
+
+def test_an_ordinary_template_renders_as_jinja_does():
+    """The loop rewrite is invisible: loop variables, filters, a refusal by the template."""
+    from radixkv.engine.template import render
+
+    source = (
+        "{% for m in messages %}{% if loop.first %}[{{ loop.length }}]{% endif %}"
+        "<{{ m.role }}>{{ m.content|trim }}{% if not loop.last %}|{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    messages = [{"role": "system", "content": " be brief "}, {"role": "user", "content": "hi"}]
+    out = render(source, 1 << 20, messages=messages, add_generation_prompt=True)
+    assert out == "[2]<system>be brief|<user>hi<assistant>"
+    with pytest.raises(ValueError, match="no system"):
+        render("{{ raise_exception('no system') }}", 1 << 20, messages=messages)
+
+
+def test_a_hostile_template_is_a_400_and_the_server_goes_on(tmp_path):
+    """Through a real server: the template's folder is the operator's, its work scales
+    with what a client sends; either bound gives a 400 naming messages."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from radixkv.web.process import ServerProcess
+
+    folder = checkpoint(tmp_path / "tpl")
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate("abcdefghij")}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tk.save(f"{folder}/tokenizer.json")
+    template = (
+        "{% if messages[0].content == 'loop' %}{% for i in range(100000) %}{% for j in "
+        "range(100000) %}{% endfor %}{% endfor %}{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    config = {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}
+    with open(f"{folder}/tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    import httpx
+
+    with ServerProcess("--model", folder, "--served-model-name", "m", timeout=120) as srv:
+        url = f"{srv.url}/v1/chat/completions"
+        body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "abc"}]}
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+        body["messages"][0]["content"] = "loop"
+        r = httpx.post(url, json=body, timeout=60)
+        err = r.json()["error"]
+        assert (
+            r.status_code == 400 and err["param"] == "messages" and "loop steps" in err["message"]
+        )
+        assert httpx.get(f"{srv.url}/health").status_code == 200

@@ -7,10 +7,11 @@ the cache on and off through chunked prefill, preemption and sampling."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import cached_chats
+from helpers import cached_chats, qwen3_5_folder
 from test_families import greedy
 
 from radixkv.engine.engine import Engine
@@ -18,25 +19,16 @@ from radixkv.engine.engine import Engine
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    import transformers
+    def tweak(model) -> None:
+        with torch.no_grad():  # random norms and gates, so a dropped one shows
+            for name, p in model.named_parameters():
+                if "norm" in name or "dt_bias" in name or "A_log" in name:
+                    p.add_(torch.randn_like(p) * 0.3)
+                # slow decay: the state remembers hundreds of tokens, so a wrong state shows
+                if "A_log" in name:
+                    p.sub_(6.0)
 
-    torch.manual_seed(0)
-    conf = transformers.Qwen3_5TextConfig(
-        vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-    )  # fmt: skip
-    model = transformers.Qwen3_5ForCausalLM(conf)
-    with torch.no_grad():  # random norms and gates, so a dropped one shows
-        for name, p in model.named_parameters():
-            if "norm" in name or "dt_bias" in name or "A_log" in name:
-                p.add_(torch.randn_like(p) * 0.3)
-            # slow decay: the state remembers hundreds of tokens, so a wrong state shows
-            if "A_log" in name:
-                p.sub_(6.0)
-    path = tmp_path_factory.mktemp("qwen3_5")
-    model.save_pretrained(path)
-    return path
+    return Path(qwen3_5_folder(tmp_path_factory.mktemp("qwen3_5"), tweak))
 
 
 @pytest.fixture(scope="module")
