@@ -125,8 +125,8 @@ class AsyncEngine:
     async def stop(self) -> None:
         """Abort what is in flight (streams end with finish reason ``abort``), then end
         the loop and join its thread."""
-        if self._thread is None or self._stopping:
-            return
+        if self._thread is None or self._stopping or self.error is not None:
+            return  # (a failed loop has ended already, and told every stream)
         await asyncio.wrap_future(self.abort_all())
         self._stopping = True
         self._running.set()
