@@ -138,14 +138,13 @@ def test_the_gguf_converters_tokenizer_is_saved_for_transformers(tmp_path):
 def test_long_start_up_steps_say_what_they_do(tmp_path, monkeypatch):
     """The CLI shows start-up progress: hashing a checkpoint's weights for a store's
     model identity prints a line (it used to be silent)."""
-    import subprocess
 
     save_checkpoint(random_model(ModelConfig(), seed=4), tmp_path / "ckpt")
     monkeypatch.setenv("RADIXKV_CACHE", str(tmp_path / "cache"))
     args = ["--model", str(tmp_path / "ckpt"), "--storage", "memory://"]
-    with ServerProcess(*args, timeout=60, stderr=subprocess.PIPE) as srv:
+    with ServerProcess(*args, timeout=60) as srv:
         pass
-    assert "radixkv: hashing every weight" in srv.proc.stderr.read()
+    assert "radixkv: hashing every weight" in srv.stderr()
 
 
 def _transformers_folder(path, cls_name: str, **config):

@@ -171,7 +171,9 @@ def test_async_engine_reports_bad_requests_and_a_full_queue():
         aeng.pause()  # hold the step loop so the queue fills
         first = aeng.generate([1, 2, 3], SamplingParams(max_new_tokens=2))
         task = asyncio.ensure_future(first.__anext__())
-        await asyncio.sleep(0.05)
+        # the loop thread takes commands in order: once it answers this, it has the first
+        while await aeng.call(lambda e: e.num_waiting()) < 1:
+            await asyncio.sleep(0)
         with pytest.raises(QueueFull):
             async for _ in aeng.generate([4, 5, 6], SamplingParams(max_new_tokens=2)):
                 pass

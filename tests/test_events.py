@@ -250,6 +250,27 @@ def wait_for(pred, timeout=10.0):
     return False
 
 
+def published(pub, n: int) -> None:
+    """Wait until the publisher's thread has sent ``n`` batches in all."""
+    assert wait_for(lambda: pub.published >= n), f"{pub.published} of {n} batches sent"
+
+
+def publish_until_heard(pub, publish_one, heard, timeout: float = 60.0) -> int:
+    """Publish one new batch at a time until the subscriber has applied one live; returns
+    its sequence number. A SUB socket misses whatever went out before its subscription
+    reached the publisher (ZeroMQ's slow joiner), however long one sleeps first, so the
+    tests wait on this event instead. ``heard(seq)``: whether batch ``seq`` was heard."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, "the subscriber never heard a live batch"
+        before = pub.published
+        publish_one()
+        published(pub, before + 1)
+        seq = pub.published - 1
+        if wait_for(lambda seq=seq: heard(seq), 0.25):
+            return seq
+
+
 def test_publisher_and_subscriber_with_replay_for_a_late_joiner():
     port = free_port_pair()
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", 100)
@@ -261,14 +282,17 @@ def test_publisher_and_subscriber_with_replay_for_a_late_joiner():
         for i in range(5):  # published before anyone listens: only the replay has them
             cache.insert(RadixKey([i, i, 9, 9]))
             pub.publish(sink.drain())
-        time.sleep(0.2)
+        published(pub, 5)
         sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
-        time.sleep(0.3)  # the SUB connection settles
         cache.evict(2)
-        cache.insert(RadixKey([7, 7]))
-        pub.publish(sink.drain())
-        assert wait_for(lambda: sub.last_seq == 5)
-        assert sub.replayed == 5 and sub.lost == 0
+        more = iter(range(7, 10_000))
+
+        def one() -> None:
+            cache.insert(RadixKey([next(more)] * 2))
+            pub.publish(sink.drain())
+
+        heard = publish_until_heard(pub, one, lambda seq: sub.last_seq == seq)
+        assert sub.replayed == heard >= 5 and sub.lost == 0  # all before it, replayed
         assert index_pages(index, "w") == tree_pages(cache)
     finally:
         if sub is not None:
@@ -284,17 +308,21 @@ def test_a_batch_that_does_not_encode_is_dropped_and_the_stream_goes_on(caplog):
     index = KvIndex(2)
     sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
     try:
-        time.sleep(0.3)  # the SUB connection settles
         sink = EventCollector(arrays=True)
         cache = RadixCache(2, event_sink=sink)
         bad = BlockStored([1], None, [1, 2], 2, extra_keys=[(object(),)])  # not msgpack
         pub.publish(KVEventBatch(0.0, [bad]))
-        cache.insert(RadixKey([5, 5, 6, 6]))
-        pub.publish(sink.drain())
-        assert wait_for(lambda: sub.last_seq == 0)
-        assert pub.published == 1 and sub.lost == 0
+        assert wait_for(lambda: "does not encode" in caplog.text)
+        assert pub.published == 0  # dropped: it took no sequence number
+        more = iter(range(5, 10_000))
+
+        def one() -> None:
+            cache.insert(RadixKey([next(more)] * 4))
+            pub.publish(sink.drain())
+
+        heard = publish_until_heard(pub, one, lambda seq: sub.last_seq == seq)
+        assert sub.replayed == heard and sub.lost == 0  # no gap where the bad one was
         assert index_pages(index, "w") == tree_pages(cache)
-        assert "does not encode" in caplog.text
     finally:
         sub.close()
         pub.close()
@@ -319,14 +347,17 @@ def test_a_late_joiner_replays_all_of_a_buffer_larger_than_one_answer(monkeypatc
             pub.publish(sink.drain())
         cache.evict(cache.evictable_size())
         pub.publish(sink.drain())
-        time.sleep(0.2)
+        published(pub, 41)
         sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
-        time.sleep(0.3)  # the SUB connection settles
-        cache.insert(RadixKey([7] * 8))
-        pub.publish(sink.drain())
-        assert wait_for(lambda: sub.last_seq == 41)
-        assert sub.lost == 0 and sub.replayed == 41
-        assert index_pages(index, "w") == tree_pages(cache)  # the live page, nothing stale
+        more = iter(range(7, 10_000))
+
+        def one() -> None:
+            cache.insert(RadixKey([next(more)] * 8))
+            pub.publish(sink.drain())
+
+        heard = publish_until_heard(pub, one, lambda seq: sub.last_seq == seq)
+        assert sub.lost == 0 and sub.replayed == heard >= 41
+        assert index_pages(index, "w") == tree_pages(cache)  # the live pages, nothing stale
     finally:
         if sub is not None:
             sub.close()
@@ -344,18 +375,23 @@ def test_a_worker_is_untrusted_while_its_replay_runs():
     try:
         for i in range(5):
             pub.publish(KVEventBatch(0, [BlockStored([i], None, [i], 1)]))
-        time.sleep(0.2)
+        published(pub, 5)
 
         def apply(worker, batch):
             seen.append(("batch", batch.events[0].block_hashes[0]))
 
         sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, apply,
                               lambda worker, stale: seen.append(("stale", stale)))  # fmt: skip
-        time.sleep(0.3)
-        pub.publish(KVEventBatch(0, [BlockStored([9], None, [9], 1)]))
-        assert wait_for(lambda: sub.last_seq == 5)
-        replayed = [("batch", i) for i in range(5)]
-        assert seen == [("stale", True), *replayed, ("stale", False), ("batch", 9)]
+        more = iter(range(9, 10_000))
+
+        def one() -> None:
+            i = next(more)
+            pub.publish(KVEventBatch(0, [BlockStored([i], None, [i], 1)]))
+
+        heard = publish_until_heard(pub, one, lambda seq: sub.last_seq == seq)
+        replayed = [("batch", i) for i in (*range(5), *range(9, 9 + heard - 5))]
+        live = ("batch", 9 + heard - 5)  # the first heard live, after the replay
+        assert seen == [("stale", True), *replayed, ("stale", False), live]
     finally:
         if sub is not None:
             sub.close()
@@ -370,14 +406,18 @@ def test_batches_beyond_the_replay_buffer_are_counted_lost():
     try:
         for i in range(6):
             pub.publish(KVEventBatch(0, [BlockStored([i], None, [i], 1)]))
-        time.sleep(0.2)
+        published(pub, 6)
         sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
-        time.sleep(0.3)
-        pub.publish(KVEventBatch(0, [BlockStored([6], None, [6], 1)]))
-        assert wait_for(lambda: sub.last_seq == 6)
-        # the buffer holds the last two batches (5 and the new 6): 5 is replayed, 0-4 lost
-        assert sub.replayed == 1 and sub.lost == 5
-        assert index.overlap([5]) == {"w": 1} and index.overlap([4]) == {}
+        more = iter(range(6, 10_000))
+
+        def one() -> None:
+            i = next(more)
+            pub.publish(KVEventBatch(0, [BlockStored([i], None, [i], 1)]))
+
+        heard = publish_until_heard(pub, one, lambda seq: sub.last_seq == seq)
+        # the buffer holds the last two batches: what came before them is lost, counted
+        assert sub.replayed + sub.lost == heard and sub.replayed <= 1 and sub.lost >= 5
+        assert index.overlap([heard]) == {"w": 1} and index.overlap([4]) == {}
     finally:
         if sub is not None:
             sub.close()
@@ -478,10 +518,17 @@ def test_a_restarted_worker_is_noticed_even_when_its_first_batches_were_missed()
     index = KvIndex(1)
     sub = EventSubscriber("w", pub.endpoint, pub.replay_endpoint, index.apply)
     try:
-        time.sleep(0.3)
-        for i in range(5):
+        first = iter(range(10_000))
+
+        def one() -> None:
+            i = next(first)
             pub.publish(KVEventBatch(0, [BlockStored([i], None, [i], 1)]))
-        assert wait_for(lambda: sub.last_seq == 4)
+
+        old = publish_until_heard(pub, one, lambda seq: sub.last_seq == seq)
+        while old < 4:  # five in all, heard in order
+            one()
+            old += 1
+            assert wait_for(lambda old=old: sub.last_seq == old)
         pub.close()
         deadline = time.monotonic() + 10
         while True:  # the worker again, empty, once its old sockets let go of the ports
@@ -493,11 +540,18 @@ def test_a_restarted_worker_is_noticed_even_when_its_first_batches_were_missed()
                 time.sleep(0.1)
         for i in range(3):  # before the subscriber is back: missed live, kept for replay
             pub.publish(KVEventBatch(0, [BlockStored([50 + i], None, [50 + i], 1)]))
-        time.sleep(0.5)
-        pub.publish(KVEventBatch(0, [BlockStored([60], None, [60], 1)]))  # seq 3 <= 4
-        assert wait_for(lambda: sub.restarts == 1 and sub.last_seq == 3)
+        published(pub, 3)
+        again = iter(range(60, 10_000))
+
+        def new_one() -> None:  # seq 3, 4, ...: at or below the last seen (4) at first
+            i = next(again)
+            pub.publish(KVEventBatch(0, [BlockStored([i], None, [i], 1)]))
+
+        heard = publish_until_heard(
+            pub, new_one, lambda seq: sub.restarts == 1 and sub.last_seq == seq
+        )
         assert index.overlap([0]) == {} and index.overlap([4]) == {}  # the old process's
-        assert index.overlap([50]) == {"w": 1} and index.overlap([60]) == {"w": 1}
+        assert index.overlap([50]) == {"w": 1} and index.overlap([60 + heard - 3]) == {"w": 1}
     finally:
         sub.close()
         pub.close()

@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -479,6 +478,15 @@ def test_demo_names_what_smollm2_lacks(monkeypatch, capsys):
     assert name.startswith("tiny random Llama (SmolLM2 needs")
 
 
+def _link(path: str) -> str:
+    import os
+
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
     trace = tmp_path / "big.jsonl"  # a trace that takes seconds to load and replay
     trace.write_text("".join(f'{{"token_ids": [{i % 97}, {i}, 3, 4]}}\n' for i in range(10**6)))
@@ -488,7 +496,20 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(2.5)  # past the imports, inside the load
+    import os
+
+    def reading() -> bool:  # the event: it has the trace open (seconds of work left)
+        try:
+            fds = os.listdir(f"/proc/{proc.pid}/fd")
+        except FileNotFoundError:
+            return False
+        return any(_link(f"/proc/{proc.pid}/fd/{fd}") == str(trace) for fd in fds)
+
+    import time
+
+    while not reading():  # polled: the open file is the event
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (out, err)

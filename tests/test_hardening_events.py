@@ -177,7 +177,7 @@ def test_replays_are_bounded_in_bytes_and_peers(monkeypatch):
         assert wait(lambda: pub.published == 40)
         assert pub._buffer_bytes <= 60_000 and len(pub._buffer) < 40
         poller, answered = zmq.Poller(), {}
-        for _ in range(ev.REPLAY_PEERS + 4):
+        for i in range(ev.REPLAY_PEERS + 4):
             now[0] += 2.0  # past the per-second limit: only the peer cap binds
             peer = zmq.Context.instance().socket(zmq.DEALER)
             peer.setsockopt(zmq.LINGER, 0)
@@ -185,7 +185,7 @@ def test_replays_are_bounded_in_bytes_and_peers(monkeypatch):
             peers.append(peer)
             poller.register(peer, zmq.POLLIN)
             peer.send_multipart((b"", (0).to_bytes(8, "big")))
-            time.sleep(0.05)
+            assert wait(lambda i=i: pub.replays_asked == i + 1)  # taken at this clock
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and pub.replays_dropped < 4:
             for peer, _ in poller.poll(50):

@@ -14,7 +14,6 @@ embeddings, every weight finite) make the failures real rather than mocked:
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 
 import httpx
@@ -190,7 +189,7 @@ def test_an_engine_whose_model_fails_every_row_says_why_and_exits_non_zero(broke
     """Not a request's fault: after a few requests fail in a row with none served between,
     a one-token canary of the engine's own fails too; the engine stops, ``/health`` says
     why, and the process exits 1 for its supervisor, rather than answering 503 forever."""
-    srv = ServerProcess("--model", broken, *FOLDER_ARGS, timeout=120, stderr=subprocess.PIPE)
+    srv = ServerProcess("--model", broken, *FOLDER_ARGS, timeout=120)
     try:
         codes = []
         for i in range(8):
@@ -207,7 +206,7 @@ def test_an_engine_whose_model_fails_every_row_says_why_and_exits_non_zero(broke
         except httpx.TransportError:
             pass  # gone already: the exit below is what counts
         assert srv.proc.wait(60) == 1
-        assert "error: the engine failed: EngineFault" in srv.proc.stderr.read()
+        assert "error: the engine failed: EngineFault" in srv.stderr()
     finally:
         srv.stop()
 

@@ -3,6 +3,7 @@ over two real tiny-model servers publishing KV events."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -162,7 +163,11 @@ def test_a_shared_prefix_lands_where_it_is_cached(fleet):
     first = complete(router.url, system + "first?")
     assert first.status_code == 200
     holder = first.headers["x-radixkv-worker"]
-    time.sleep(0.5)  # the holder's events reach the router
+    deadline = time.monotonic() + 30  # the holder's events reach the router
+    while not any(w["url"] == holder and w["indexed_blocks"] >= len(system) // 4 - 1
+                  for w in httpx.get(f"{router.url}/route/state").json()["workers"]):  # fmt: skip
+        assert time.monotonic() < deadline, "the holder's events never reached the router"
+        time.sleep(0.05)
     for q in ("second?", "third?", "fourth?"):
         r = complete(router.url, system + q)
         assert r.headers["x-radixkv-worker"] == holder
@@ -308,7 +313,9 @@ def test_events_beyond_loopback_need_an_explicit_flag(capsys):
 @pytest.mark.parametrize("policy", ["least_load", "kv"])
 def test_a_burst_spreads_one_per_worker_before_any_answers(policy):
     """Load counts from the moment a request is chosen, not from the worker's first byte:
-    6 simultaneous prompts sharing nothing, over 3 workers, land 2/2/2."""
+    6 simultaneous prompts sharing nothing, over 3 workers, land 2/2/2. Each is a stream
+    held open until all six have started (so none has finished when the others are
+    chosen, however slow the machine), then closed: the router releases every load."""
     import asyncio
     from collections import Counter as Tally
 
@@ -320,18 +327,23 @@ def test_a_burst_spreads_one_per_worker_before_any_answers(policy):
     try:
 
         async def burst() -> list[str]:
-            async with httpx.AsyncClient(timeout=60) as c:
-                rs = await asyncio.gather(*(
-                    c.post(f"{router.url}/v1/completions", json={
-                        "prompt": f"{i} " + chr(65 + i) * 40, "max_tokens": 160,
-                        "temperature": 0, "ignore_eos": True})
-                    for i in range(6)))  # fmt: skip
-            assert all(r.status_code == 200 for r in rs)
-            return [r.headers["x-radixkv-worker"] for r in rs]
+            async with httpx.AsyncClient(timeout=120) as c, contextlib.AsyncExitStack() as held:
+                body = {"max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+
+                async def start(i: int) -> str:
+                    r = await held.enter_async_context(c.stream(
+                        "POST", f"{router.url}/v1/completions",
+                        json={**body, "prompt": f"{i} " + chr(65 + i) * 40}))  # fmt: skip
+                    assert r.status_code == 200
+                    return r.headers["x-radixkv-worker"]
+
+                return list(await asyncio.gather(*(start(i) for i in range(6))))
 
         assert sorted(Tally(asyncio.run(burst())).values()) == [2, 2, 2]
-        state = httpx.get(f"{router.url}/route/state").json()
-        assert all(w["in_flight"] == 0 for w in state["workers"])  # all released
+        deadline = time.monotonic() + 60  # the closed streams' loads are released
+        while any(w["in_flight"] for w in httpx.get(f"{router.url}/route/state").json()["workers"]):
+            assert time.monotonic() < deadline, "a load was never released"
+            time.sleep(0.05)
     finally:
         router.stop()
         for w in workers:

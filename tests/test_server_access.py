@@ -5,7 +5,6 @@ and raw HTTP for what a client library would not send."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 from collections.abc import Iterator
 
 import httpx
@@ -22,8 +21,7 @@ KEY, ADMIN = "sk-test-api-key", "sk-test-admin-key"
 
 @pytest.fixture(scope="module")
 def keyed() -> Iterator[ServerProcess]:
-    with ServerProcess(*BASE, "--api-key", KEY, "--admin-key", ADMIN, timeout=60,
-                       stderr=subprocess.PIPE) as srv:  # fmt: skip
+    with ServerProcess(*BASE, "--api-key", KEY, "--admin-key", ADMIN, timeout=60) as srv:
         yield srv
 
 

@@ -153,11 +153,11 @@ def test_serve_starts_with_a_file_store_it_cannot_create(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     args = ["--model", "random", "--storage", f"file://{blocker}/pages"]
-    with ServerProcess(*args, timeout=60, stderr=subprocess.PIPE) as srv:
+    with ServerProcess(*args, timeout=60) as srv:
         r = httpx.post(f"{srv.url}/v1/completions", json={"model": "random", "prompt": "hi",
                                                            "max_tokens": 2})  # fmt: skip
         assert r.status_code == 200
-    assert str(blocker / "pages") in srv.proc.stderr.read()  # the warning names the path
+    assert str(blocker / "pages") in srv.stderr()  # the warning names the path
 
 
 def test_a_storage_secret_refuses_pages_written_without_it(tmp_path):

@@ -169,17 +169,16 @@ def test_served_with_the_openai_client(tmp_path):
 
     arch, config = GEMMA
     path = folder(tmp_path / "ckpt", arch, **config)
-    log = tmp_path / "stderr.txt"
     args = ["--model", str(path), "--page-size", "16", "--kv-tokens", "4096",
             "--window-tokens", "1024", "--check-memory"]  # fmt: skip
-    with log.open("w") as err, ServerProcess(*args, timeout=90, stderr=err) as srv:
+    with ServerProcess(*args, timeout=90) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         system = "Answer in one short sentence. " * 6
         cached = cached_chats(client, model, system, ("A colour?", "A fruit?"))
         text = httpx.get(f"{srv.url}/metrics").text
     assert cached[0] == 0 and cached[1] >= 160
-    printed = log.read_text()
+    printed = srv.stderr()
     assert "full-attention KV: 4,096 tokens x 1 layers" in printed
     assert "sliding-window KV: 1,024 tokens x 1 layers" in printed
     held = re.search(r"radixkv:prefix_cache_window_tokens\{[^}]*\} ([0-9.]+)", text)

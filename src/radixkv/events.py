@@ -328,6 +328,7 @@ class ZmqEventPublisher:
         self._clock = clock
         self._replays: deque[float] = deque()  # when recent replays were served
         self._peers: dict[bytes, float] = {}  # peers served a replay, and when last
+        self.replays_asked = 0  # replay requests taken (answered or dropped)
         self.replays_dropped = 0
         self.replay_bytes = 0  # sent in replays, all peers together
         self._thread = threading.Thread(target=self._run, name="radixkv-events", daemon=True)
@@ -387,6 +388,7 @@ class ZmqEventPublisher:
             log.warning("ignoring a malformed replay request of %d frames", len(frames))
             return
         client, _, start = frames
+        self.replays_asked += 1
         now = self._clock()
         while self._replays and self._replays[0] < now - 1.0:
             self._replays.popleft()

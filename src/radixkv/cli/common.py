@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -109,3 +110,15 @@ def write_output(flag: str, dest: str | None, text: Callable[[], str]) -> None:
             f.write(text())
     except OSError as e:
         raise CliError(f"{flag}: cannot write {dest}: {e.strerror or e}") from None
+
+
+def listen(host: str, port: int) -> Any:
+    """A socket listening on ``host:port`` (`radixkv.web.serving.bind`), or ``--port``'s
+    (``--host``'s) one-line error."""
+    from radixkv.web.serving import bind
+
+    try:
+        return bind(host, port)
+    except OSError as e:
+        flag = "--host" if isinstance(e, socket.gaierror) else "--port"
+        raise CliError(f"{flag}: cannot listen on {host}:{port} ({e.strerror or e})") from None

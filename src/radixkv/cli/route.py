@@ -15,6 +15,7 @@ from radixkv.cli.common import (
     CliError,
     add_key_flags,
     flag_error,
+    listen,
     number,
     positive_int,
     require_serve_extra,
@@ -64,10 +65,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_serve_extra()
+    sock = listen(args.host, args.port)  # first of all: a busy port is refused at once
     from radixkv.engine.tokenizer import load_tokenizer
     from radixkv.router.fleet import radixkv_info, read_card
     from radixkv.router.proxy import Router, WorkerSpec, build_router_app, check_workers
-    from radixkv.web.serving import uvicorn_server
+    from radixkv.web.serving import bound_url, uvicorn_server
 
     try:
         specs = [WorkerSpec.parse(w) for w in args.worker]
@@ -106,12 +108,10 @@ def run(args: argparse.Namespace) -> int:
     app = build_router_app(router, args.health_interval, access)
     print(
         f"radixkv route: {args.policy} over {len(specs)} workers on "
-        f"http://{args.host}:{args.port}/v1 (Ctrl-C stops)",
+        f"{bound_url(sock)}/v1 (Ctrl-C stops)",
         file=sys.stderr,
         flush=True,
     )
     server = uvicorn_server(app, args.host, args.port, args.log_level)
-    server.run()
-    if not server.started:
-        raise CliError(f"--port: could not listen on {args.host}:{args.port}")
+    server.run(sockets=[sock])
     return 0

@@ -16,6 +16,7 @@ from radixkv.cli.common import (
     CliError,
     add_key_flags,
     flag_error,
+    listen,
     number,
     positive_int,
     require_serve_extra,
@@ -168,13 +169,15 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_serve_extra()
+    if args.port > 65535:
+        raise CliError(f"--port: must be a port number, got {args.port}")
+    sock = listen(args.host, args.port)  # first of all: a busy port is refused at once
     from radixkv.engine.config import EngineConfig
     from radixkv.events import exposure_problem
     from radixkv.server.serve import ServeConfig, build_server, engine_failure
     from radixkv.web.access import Access
+    from radixkv.web.serving import bound_url
 
-    if args.port > 65535:
-        raise CliError(f"--port: must be a port number, got {args.port}")
     hosts = args.allowed_hosts
     try:
         engine_config = EngineConfig(
@@ -220,17 +223,15 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--kv-events {args.kv_events}: cannot bind ({e})") from None
         raise
     name = server.config.app.state.api.model_name
-    where = f"http://{args.host}:{args.port}/v1"
+    where = f"{bound_url(sock)}/v1"
     print(f"radixkv serve: {name} ({aeng.engine.model_name}) on {where} (Ctrl-C stops)",
           file=sys.stderr, flush=True)  # fmt: skip
     for line in aeng.engine.memory_summary():
         print(f"  {line}", file=sys.stderr, flush=True)
-    server.run()
+    server.run(sockets=[sock])
     failed = engine_failure(aeng)
     if failed is not None:  # a supervisor restarts it; /health said why meanwhile
         print(f"error: the engine failed: {failed!r}; exiting so it can be restarted",
               file=sys.stderr, flush=True)  # fmt: skip
         return 1
-    if not server.started:
-        raise CliError(f"--port: could not listen on {args.host}:{args.port}")
     return 0

@@ -1,16 +1,17 @@
-"""`ServerProcess`: ``radixkv serve`` (or ``radixkv route``) in a child process on a free
-loopback port, for tests, benchmarks and scripts that need a real server to talk to.
+"""`ServerProcess`: ``radixkv serve`` (or ``radixkv route``) in a child process on a port
+the OS picks, for tests, benchmarks and scripts that need a real server to talk to.
 
 Owns: starting and stopping a server process. Must not touch: the server itself."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from typing import IO, Any
 
 import httpx
 
@@ -68,37 +69,66 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
     raise RuntimeError(f"the server did not answer within {timeout} s")
 
 
+BANNER = re.compile(r"^radixkv (?:serve|route): .* on (http://\S+)/v1 \(Ctrl-C stops\)$", re.M)
+
+
 class ServerProcess:
-    """Start ``radixkv COMMAND ARGS`` on a free port and wait until ``/health`` answers.
+    """Start ``radixkv COMMAND ARGS`` on a port of its own and wait until ``/health``
+    answers.
+
+    The server binds ``--port 0`` (the OS picks a free port, so two servers started at
+    once never race for one) and says which in its start-up banner; its standard error
+    goes to a log file kept for the whole run (`stderr`), and any failure to start raises
+    with that log, so the cause is never lost.
 
     Args:
         args: the command's arguments (not ``--port``).
         command: ``serve`` or ``route``.
         timeout: seconds to wait for the server (a first SmolLM2 run converts its GGUF).
-        stderr: where the server's standard error goes (``subprocess.PIPE`` to read it).
-        port: the port to serve on (a restart on its predecessor's port) [a free one].
+        port: the port to serve on (a restart on its predecessor's port) [one of its own].
 
     Raises:
-        RuntimeError: the server exited or did not answer in time.
+        RuntimeError: the server exited or did not answer in time (with its log).
     """
 
     def __init__(
-        self,
-        *args: str,
-        command: str = "serve",
-        timeout: float = 120,
-        stderr: int | IO[Any] | None = None,
-        port: int | None = None,
+        self, *args: str, command: str = "serve", timeout: float = 120, port: int | None = None
     ) -> None:
-        self.port = free_port() if port is None else port
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (kept open for the run)
+            prefix=f"radixkv-{command}-", suffix=".log"
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.cli", command, "--port", str(self.port), *args],
+            [sys.executable, "-m", "radixkv.cli", command, "--port", str(port or 0), *args],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL if stderr is None else stderr,
+            stderr=self._log,
             text=True,
         )
-        wait_healthy(self.proc, self.url, timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            self.url = self._wait_for_banner(deadline)
+            self.port = int(self.url.rsplit(":", 1)[1])
+            wait_healthy(self.proc, self.url, max(1.0, deadline - time.monotonic()))
+        except BaseException as e:
+            self.stop(signal.SIGKILL, 5)
+            if isinstance(e, RuntimeError):
+                raise RuntimeError(f"{e}\n--- its stderr ---\n{self.stderr()[-4000:]}") from None
+            raise
+
+    def _wait_for_banner(self, deadline: float) -> str:
+        """The server's URL, from its banner (printed once it listens and is loaded)."""
+        while time.monotonic() < deadline:
+            found = BANNER.search(self.stderr())
+            if found:
+                return found.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}")
+            time.sleep(0.05)  # polls the log: the banner is the event waited for
+        raise RuntimeError("the server printed no banner in time")
+
+    def stderr(self) -> str:
+        """Everything the server wrote to its standard error so far."""
+        with open(self._log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
         """Send ``sig`` and wait; returns the exit status (kills it after ``timeout``)."""

@@ -14,9 +14,37 @@ Owns: the uvicorn server object and its signal handling. Must not touch: the app
 from __future__ import annotations
 
 import gc
+import socket
 from typing import Any
 
 GRACEFUL_TIMEOUT_S = 5  # at most this long for open connections after the aborts
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (``0``: a port the OS picks), made before any
+    slow start-up, so a port in use is refused at once (uvicorn serves on it:
+    ``server.run(sockets=[sock])``).
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this machine's).
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bound_url(sock: socket.socket) -> str:
+    """``http://HOST:PORT`` of a bound socket (its real port, when 0 was asked)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def uvicorn_server(app: Any, host: str, port: int, log_level: str, on_exit: Any = None) -> Any:
