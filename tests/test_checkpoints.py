@@ -136,8 +136,9 @@ def test_the_gguf_converters_tokenizer_is_saved_for_transformers(tmp_path):
 
 
 def test_long_start_up_steps_say_what_they_do(tmp_path, monkeypatch):
-    """The CLI shows start-up progress: hashing a checkpoint's weights for a store's
-    model identity prints a line (it used to be silent)."""
+    """The CLI shows start-up progress: hashing a checkpoint's weights for the model
+    identity prints a line (it used to be silent), which says what the identity is for:
+    a server without --storage computes it too (its card shows it to routers)."""
 
     save_checkpoint(random_model(ModelConfig(), seed=4), tmp_path / "ckpt")
     monkeypatch.setenv("RADIXKV_CACHE", str(tmp_path / "cache"))

@@ -514,3 +514,36 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in out + err and "interrupted" in err
+
+
+def test_every_default_shows_in_help_and_an_unknown_flag_points_to_its_command(capsys):
+    """--port, --schedule-policy, route's --policy/--host/--port/--health-interval, the
+    demo's --max-new-tokens/--page-size hid their defaults; `serve --bogus` pointed to
+    `radixkv --help`."""
+    from radixkv.cli import SUBPARSERS, build_parser
+    from radixkv.cli.common import _default_shown
+
+    build_parser()
+    for name, sub in SUBPARSERS.items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if _default_shown(action):
+                text = formatter._format_action(action)
+                assert "[" in text, (name, action.option_strings, text)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--bogus", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "error: unrecognized arguments: --bogus 1 (see radixkv serve --help)\n"
+
+
+def test_piped_tables_keep_every_number():
+    """Piped into a file or a pager, rich assumed 80 columns and cut the cells
+    (``radi…``, ``0.14…``, ``1,000,…``)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    argv = [sys.executable, "-m", "radixkv.cli", *SIM, "--capacity", "1M,2000blocks,inf",
+            "--policy", "all"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout
+    assert "…" not in out and "1,000,000" in out and "2000blocks" in out

@@ -633,8 +633,8 @@ def format_report(rep: dict[str, Any], console: Any) -> None:
 
     req = rep["requests"]
     table = Table(title=f"bench-serve: {rep['config']['workload']} on {rep['model']}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
+    table.add_column("metric", overflow="fold")
+    table.add_column("value", justify="right", overflow="fold")
     rows = [
         ("requests completed / failed / unfinished",
          f"{req['completed']} / {req['failed']} / {req['not_finished']}"),

@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from radixkv import __version__
-from radixkv.cli import bench_serve, demo, route, serve, simulate
+from radixkv.cli import bench_serve, demo, make_model, route, serve, simulate
 from radixkv.cli.common import EXIT_BAD_INPUT, EXIT_INTERRUPTED, CliError, Parser
 
 # in the order ``radixkv --help`` lists them
@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "serve": serve,
     "bench-serve": bench_serve,
     "route": route,
+    "make-model": make_model,
 }
 
 
@@ -43,7 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for module in SUBCOMMANDS.values():
         module.add_parser(sub, common)
+    SUBPARSERS.clear()
+    SUBPARSERS.update(sub.choices)
     return parser
+
+
+SUBPARSERS: dict[str, argparse.ArgumentParser] = {}  # the subcommands' parsers, by name
 
 
 def _show_startup_progress() -> None:
@@ -60,7 +66,10 @@ def _show_startup_progress() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the subcommand's parser, pointing to its own --help
+        sub = SUBPARSERS.get(args.command, parser)
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}")
     _show_startup_progress()
     module = SUBCOMMANDS.get(args.command)
     if module is None:

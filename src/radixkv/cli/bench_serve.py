@@ -15,6 +15,7 @@ from radixkv.cli.common import (
     CliError,
     check_output,
     flag_error,
+    make_console,
     number,
     positive_int,
     require_serve_extra,
@@ -80,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     require_serve_extra()
-    from rich.console import Console
     from rich.progress import Progress
 
     from radixkv.bench.client import BenchConfig, format_report, run_bench, write_json
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = BenchConfig(**{k: v for k, v in vars(args).items() if k in names})
     except ValueError as e:
         raise flag_error(e) from None
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     import httpx
 
     try:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--url {args.url}: cannot reach the server ({e})") from None
     except ValueError as e:
         raise CliError(str(e)) from None
-    format_report(rep, Console())
+    format_report(rep, make_console())
     if args.json_out:
         write_json(rep, args.json_out)
     return 0 if rep["requests"]["completed"] else 1

@@ -29,7 +29,37 @@ class CliError(Exception):
     """Bad input: printed as ``error: <message>``, exit status 2."""
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` shows every option's default, as ``[value]`` after its help (an option
+    whose help names its default already, ``[...]``, is left as it is)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and _default_shown(action):  # no help: its default alone
+            action.help = "[" + str(action.default).replace("%", "%%") + "]"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").strip()
+        if "[" not in text and _default_shown(action):
+            default = str(action.default).replace("%", "%%")
+            text = f"{text} [{default}]" if text else f"[{default}]"
+        return text
+
+
+def _default_shown(action: argparse.Action) -> bool:
+    return bool(action.option_strings) and action.default not in (
+        None, False, argparse.SUPPRESS
+    ) and action.nargs != 0  # fmt: skip
+
+
 class Parser(argparse.ArgumentParser):
+    """The one error style (``error: ...``, exit 2, pointing to this command's help) and
+    every default shown in ``--help``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
@@ -122,3 +152,18 @@ def listen(host: str, port: int) -> Any:
     except OSError as e:
         flag = "--host" if isinstance(e, socket.gaierror) else "--port"
         raise CliError(f"{flag}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
+PIPED_WIDTH = 400  # a table's width when the output is not a terminal: never cut
+
+
+def make_console(stderr: bool = False) -> Any:
+    """A rich console for tables: on a terminal its width (columns wrap, never cut
+    numbers); piped into a file or a pager, wide enough that nothing is cut (rich
+    assumes 80 columns there and cut cells to ``0.14…``)."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty() or os.environ.get("COLUMNS"):
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=PIPED_WIDTH)

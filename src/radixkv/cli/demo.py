@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from radixkv.cli.common import CliError, positive_int
+from radixkv.cli.common import CliError, make_console, positive_int
 
 HELP = "run a real model on built-in prompts without and with prefix caching"
 
@@ -27,12 +27,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from radixkv.engine.demo import run_demo
 
     try:
-        summary = run_demo(args.model, args.max_new_tokens, args.page_size, Console())
+        summary = run_demo(args.model, args.max_new_tokens, args.page_size, make_console())
     except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
         raise CliError(f"--model {args.model}: {e}") from None
     return 0 if all(w["identical"] for w in summary["workloads"].values()) else 1

@@ -11,7 +11,14 @@ import argparse
 import json
 from typing import Any
 
-from radixkv.cli.common import CliError, check_output, flag_error, number, positive_int
+from radixkv.cli.common import (
+    CliError,
+    check_output,
+    flag_error,
+    make_console,
+    number,
+    positive_int,
+)
 from radixkv.cli.common import write_output as write
 from radixkv.router.policies import KV_OVERLAP_WEIGHT
 
@@ -133,7 +140,6 @@ def _replica_counts(args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from radixkv.sim import sweep
 
@@ -156,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         policies = sweep.policy_list(args.policy, args.scope)
     except ValueError as e:
         raise flag_error(e) from None
-    console = Console(stderr=bool(args.json_out == "-" or args.csv_out == "-"))
+    console = make_console(stderr=bool(args.json_out == "-" or args.csv_out == "-"))
     counts = _replica_counts(args)
     trace = _load_trace(args)
     if args.requests:
@@ -259,7 +265,6 @@ _NOT_HYBRID = (("--model", "model"), ("--bytes-per-token", "bytes_per_token"),
 
 
 def _hybrid(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import Progress
 
     from radixkv.sim import hybrid, sweep, traces
@@ -297,7 +302,7 @@ def _hybrid(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(f"--capacity: {e}") from None
     outputs = args.cache_outputs if args.cache_outputs is not None else not args.trace
-    console = Console(stderr=args.json_out == "-")
+    console = make_console(stderr=args.json_out == "-")
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"replaying {len(trace.requests):,} requests",
                             total=len(caps) * len(policies))  # fmt: skip

@@ -107,7 +107,9 @@ def run_demo(
                 console.print(f"{label}: {run.stats.wall_s:.2f} s (median of {n})")
     table = Table(title="the same requests without and with prefix caching", box=box.SIMPLE)
     for col in ("workload", "cache", "reqs", "prompt", "cached", "prefill", "TTFT", "wall", "x"):
-        table.add_column(col, justify="left" if col in ("workload", "cache") else "right")
+        table.add_column(
+            col, justify="left" if col in ("workload", "cache") else "right", overflow="fold"
+        )
     summary: dict[str, Any] = {"model": name, "workloads": {}}
     for wname in loads:
         off, on = runs[(wname, False)], runs[(wname, True)]

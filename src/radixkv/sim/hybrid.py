@@ -462,7 +462,7 @@ def print_hybrid_table(
     )
     for col in ("policy", "capacity", "token hit rate", "vs vllm", "FLOPs saved", "full KV",
                 "window KV", "states", "checkpoints", "hit grid"):  # fmt: skip
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        table.add_column(col, justify="left" if col == "policy" else "right", overflow="fold")
     base = {r.capacity_bytes: r.token_hit_rate for r in results if r.policy == "vllm"}
     for r in results:
         b = base.get(r.capacity_bytes)

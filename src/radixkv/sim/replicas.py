@@ -248,7 +248,7 @@ def print_replicas_table(results: list[ReplicaResult], console: Any, labels: dic
     for col in ("replicas", "capacity each", "router", "fleet-available", "token hit rate",
                 "prefill tokens", "TTFT p50 / p90", "own prefill p90", "load imbalance",
                 "max in flight"):  # fmt: skip
-        table.add_column(col, justify="left" if col == "router" else "right")
+        table.add_column(col, justify="left" if col == "router" else "right", overflow="fold")
     for r in results:
         table.add_row(
             str(r.replicas),

@@ -249,7 +249,7 @@ def print_table(
         "prefill tokens saved",
         "evicted blocks",
     ):
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        table.add_column(col, justify="left" if col == "policy" else "right", overflow="fold")
     for r in results:
         table.add_row(
             r.policy,

@@ -137,7 +137,7 @@ def print_tiers_table(results: list[TierResult], console: Any, labels: dict) -> 
     table = Table(title=f"{results[0].trace}: hit rate by tier")
     for col in ("device", "host", "shared", "device hits", "host hits", "shared hits",
                 "total hit rate"):  # fmt: skip
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     for r in results:
         table.add_row(
             labels.get(r.device_units, str(r.device_units)),

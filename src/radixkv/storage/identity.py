@@ -94,7 +94,10 @@ def cached_weights_digest(
     hit = cache.get(key)
     if isinstance(hit, str) and len(hit) == 64:
         return bytes.fromhex(hit)
-    startup.info("hashing every weight for the store's model identity (once per checkpoint)")
+    startup.info(
+        "hashing every weight for the model identity (what /v1/models shows a "
+        "router, and what a store's pages are keyed by; once per checkpoint)"
+    )
     digest = weights_digest(model)
     cache.pop(key, None)
     cache[key] = digest.hex()

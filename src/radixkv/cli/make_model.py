@@ -1,0 +1,111 @@
+"""``radixkv make-model``: a tiny random checkpoint folder of any family radixkv serves,
+written by transformers' own ``save_pretrained``, with a byte-level tokenizer and a
+ChatML chat template, so a hybrid model (or any other) can be tried in seconds with no
+download: ``radixkv make-model qwen3.5 /tmp/q && radixkv serve --model /tmp/q``.
+
+The weights are random (the text is gibberish): the folder exercises everything a real
+one does (the architecture's layers, the cache's components, the chat template), which
+is what it is for.
+
+Owns: the subcommand. Must not touch: loading (the engine reads the folder as any other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from radixkv.cli.common import CliError, number
+
+HELP = "write a tiny random model folder of a family radixkv serves (no download)"
+SIZES = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)  # fmt: skip
+# family -> (transformers' model class, its config class, what differs from SIZES)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {"num_hidden_layers": 2}),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {"num_hidden_layers": 2}),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"num_hidden_layers": 2}),
+    "mistral": ("MistralForCausalLM", "MistralConfig",
+                {"num_hidden_layers": 2, "sliding_window": 64}),
+    # 5 sliding (window 64) : 1 global, Gemma 3's pattern
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+               {"num_hidden_layers": 6, "sliding_window": 64, "query_pre_attn_scalar": 16,
+                "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}),
+    # 3 Gated DeltaNet : 1 gated attention, Qwen3.5's pattern
+    "qwen3.5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
+                {"num_hidden_layers": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                 "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+}  # fmt: skip
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "make-model", parents=[common], help=HELP,
+        description="Write a tiny random checkpoint folder (config.json, model.safetensors, "
+        "tokenizer.json, tokenizer_config.json with a ChatML template) of a family radixkv "
+        "serves, with transformers' own save_pretrained. Needs transformers and tokenizers "
+        "(the dev extra).",
+    )  # fmt: skip
+    p.add_argument("family", choices=list(FAMILIES), help="the architecture")
+    p.add_argument("folder", help="where to write it (must not exist, or be empty)")
+    p.add_argument("--seed", type=number(int, 0, "a non-negative integer"), default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    folder = Path(args.folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise CliError(f"folder: {folder} exists and is not an empty folder")
+    try:
+        import torch
+        import transformers
+    except ModuleNotFoundError as e:
+        raise CliError(f"needs {e.name} (the dev extra): pip install 'radixkv[dev]'") from None
+    model_cls, config_cls, own = FAMILIES[args.family]
+    torch.manual_seed(args.seed)
+    ids = {"bos_token_id": 256 + SPECIALS.index("<|endoftext|>"),
+           "eos_token_id": 256 + SPECIALS.index("<|im_end|>")}  # fmt: skip
+    config = getattr(transformers, config_cls)(**SIZES, **own, **ids, tie_word_embeddings=False)
+    model = getattr(transformers, model_cls)(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    write_tokenizer(folder)
+    print(f"wrote a tiny random {args.family} ({model_cls}, {config.num_hidden_layers} layers) "
+          f"to {folder}; serve it with: radixkv serve --model {folder}")  # fmt: skip
+    return 0
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A byte-level BPE with no merges (every UTF-8 byte a token, ids 0-255) and the
+    ChatML specials after them, as ``tokenizer.json``; the template and the specials in
+    ``tokenizer_config.json``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    byte_order = sorted(alphabet, key=lambda c: _byte_of(c))
+    tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_order)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tk.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML,
+        "bos_token": None, "eos_token": "<|im_end|>", "clean_up_tokenization_spaces": False,
+    }  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _byte_of(char: str) -> int:
+    """The byte GPT-2's byte-level alphabet maps to ``char``."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    if ord(char) in printable:
+        return ord(char)
+    others = [b for b in range(256) if b not in printable]
+    return others[ord(char) - 256]

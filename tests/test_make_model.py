@@ -1,0 +1,46 @@
+"""``radixkv make-model``: a tiny random folder of every family radixkv serves, with its
+tokenizer and chat template, that the engine loads and caches (a newcomer had to write
+one with save_pretrained and borrow SmolLM2's tokenizer to try a hybrid model)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from radixkv.cli import main
+from radixkv.cli.make_model import FAMILIES
+from radixkv.engine.engine import Engine
+from radixkv.web.process import ServerProcess
+
+SYSTEM = {"role": "system", "content": "You answer in one short sentence. " * 4}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_is_written_loaded_and_cached(tmp_path, family, capsys):
+    folder = tmp_path / family
+    assert main(["make-model", family, str(folder)]) == 0
+    assert f"serve it with: radixkv serve --model {folder}" in capsys.readouterr().out
+    engine = Engine(str(folder), kv_tokens=4096, page_size=16)
+    chats = [[SYSTEM, {"role": "user", "content": q}] for q in ("a colour?", "a fruit?")]
+    res = engine.generate(chats, max_new_tokens=4)
+    assert res.outputs[0].cached_tokens == 0 and res.outputs[1].cached_tokens >= 128
+
+
+def test_the_folder_serves_chat_through_the_openai_client(tmp_path):
+    folder = tmp_path / "q"
+    assert main(["make-model", "qwen3.5", str(folder)]) == 0
+    with ServerProcess("--model", str(folder), "--served-model-name", "q", timeout=120) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        usage = [
+            client.chat.completions.create(
+                model="q", messages=[SYSTEM, {"role": "user", "content": q}], max_tokens=4
+            ).usage
+            for q in ("a colour?", "a fruit?")
+        ]
+    assert usage[1].prompt_tokens_details.cached_tokens >= 128
+
+
+def test_a_folder_in_use_is_refused(tmp_path, capsys):
+    (tmp_path / "x").write_text("mine")
+    assert main(["make-model", "llama", str(tmp_path)]) == 2
+    assert "is not an empty folder" in capsys.readouterr().err
