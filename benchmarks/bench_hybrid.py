@@ -9,7 +9,7 @@ Per request, as each scheduler does it for a Mamba / Gated DeltaNet model: match
 prompt (the state hit, and the branch point where the full-attention match goes past
 the last state), cache the branch point's state that the prefill saved there, then cache
 the prompt's KV with its state at the end. SGLang's side runs in the SGLang peer's venv
-(``../shared/peers/setup.sh sglang``), vLLM's in vLLM's (``... vllm``); a missing peer
+(``benchmarks/peers/setup.sh sglang``), vLLM's in vLLM's (``... vllm``); a missing peer
 is skipped with a note. Page 1: without its ping-pong extra buffer SGLang's
 MambaComponent requires page size 1. vLLM runs with 16-token blocks, the finest grid its
 align mode allows a state on (a real Qwen3.5-4B gets 528), driven as its scheduler does:

@@ -11,7 +11,7 @@ random, written by transformers' own ``save_pretrained``:
 4. cached tokens per request on the same prompts: the engine on the Qwen3.5 model against
    vLLM 0.33's own KV cache manager in ``--mamba-cache-mode align`` (a FullAttentionSpec
    group and a MambaSpec group, driven as in ``bench_hybrid.py``, in the vLLM peer's venv:
-   ``../shared/peers/setup.sh vllm``; skipped without it), with the block a real
+   ``benchmarks/peers/setup.sh vllm``; skipped without it), with the block a real
    Qwen3.5-4B gets (528 tokens, `radixkv.sim.hybrid`) and with 16-token blocks, the
    finest grid align mode allows; radixkv also with ``checkpoint_every=512``.
 
@@ -39,7 +39,7 @@ DIMS = dict(vocab_size=384, hidden_size=64, intermediate_size=176, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
 
 
-# SmolLM2-135M's shape (`../shared/notes`: 30 layers, hidden 576, 9 heads, 3 KV heads)
+# SmolLM2-135M's shape (its config.json: 30 layers, hidden 576, 9 heads, 3 KV heads)
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # fmt: skip
 
@@ -241,7 +241,7 @@ def compare_vllm(folder: Path) -> None:
         print(f"  {name} ({prompt:,} prompt tokens)")
         for label, hits in rows:
             if hits is None:
-                print(f"    {label:18s} skipped: no vLLM peer (../shared/peers/setup.sh vllm)")
+                print(f"    {label:18s} skipped: no vLLM peer (benchmarks/peers/setup.sh vllm)")
                 continue
             print(f"    {label:18s} total {sum(hits):6,} ({sum(hits) / prompt:5.1%})  "
                   f"per request {hits}")  # fmt: skip

@@ -10,7 +10,7 @@ about 75% and 40% of its share of the working set, so caches churn and a router 
 does not hear evictions goes stale), ``keys`` (tenants, each with its own prefix and
 ``prompt_cache_key``: a radixkv router keeps a key on one worker). Routers: every radixkv
 policy, and SGLang's router
-(``sglang-router``, ``cache_aware``) when ``../shared/peers/setup.sh router`` has built
+(``sglang-router``, ``cache_aware``) when ``benchmarks/peers/setup.sh router`` has built
 it (``--peer``).
 
 Between routers every replica's cache is flushed (the router hears it as events) and a
@@ -302,7 +302,7 @@ def main() -> None:
     if args.peer.exists():
         routers.append("sglang:cache_aware")
     else:
-        print(f"no SGLang router at {args.peer}: ../shared/peers/setup.sh router builds it")
+        print(f"no SGLang router at {args.peer}: benchmarks/peers/setup.sh router builds it")
     rows = []
     for workload in args.workloads.split(","):
         kv_tokens = KV_TOKENS

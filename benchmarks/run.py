@@ -6,7 +6,7 @@ Each implementation runs in its own virtual environment: the runner starts its a
 (``adapters/*_adapter.py``) with that environment's Python, the adapters rebuild the same
 seeded workloads (``workloads.py``) and print JSON, and the runner prints one table of
 µs per operation with the ratio peer ÷ radixkv (above 1: radixkv is faster). Peers are
-built by ``../shared/peers/setup.sh sglang|vllm``; a missing one is skipped with a note.
+built by ``benchmarks/peers/setup.sh sglang|vllm``; a missing one is skipped with a note.
 
 Workloads: (a) shared system prompt, match+insert; (b) multi-turn chat, match+insert;
 (c) evict(1000) with ~5k leaves; (d) match a 32k-token prompt in a 256-node chain;
@@ -77,7 +77,7 @@ def main() -> None:
         if not Path(python).exists():
             console.print(
                 f"[yellow]skipping {name}:[/yellow] no interpreter at {python} "
-                f"(build it with ../shared/peers/setup.sh {name.split('_')[0]})"
+                f"(build it with benchmarks/peers/setup.sh {name.split('_')[0]})"
             )
             continue
         with console.status(f"running {name} ..."):

@@ -423,14 +423,14 @@ def test_bench_serve_stops_at_its_time_limit(server, capsys):
     assert code in (0, 1) and row is not None and int(row.group(3)) > 0, out
 
 
-def test_the_readme_openai_snippet_gets_cached_tokens_on_its_second_call(server, capsys):
+def test_the_docs_openai_snippet_gets_cached_tokens_on_its_second_call(server, capsys):
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    blocks = re.findall(r"```python serve\n(.*?)```", readme, flags=re.S)
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    blocks = re.findall(r"```python serve\n(.*?)```", docs, flags=re.S)
     assert len(blocks) == 1
     code = blocks[0].replace("http://127.0.0.1:8000", server.url)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/serving.md", "exec"), {})
     lines = capsys.readouterr().out.split("\n")
     (p1, c1), (p2, c2) = (map(int, line.split()) for line in lines[:2])
     assert c1 < p1 and c2 > 0.8 * p2  # the second call reuses the shared system prompt

@@ -12,7 +12,7 @@ the state hit of a match (where the recurrent layers can start), the branch poin
 (`plan`'s ``branch`` against SGLang's ``mamba_branching_seqlen``), and how many states
 an eviction freed.
 
-Where the two differ by design (written in the README's hybrid section): SGLang deletes
+Where the two differ by design (written in docs/hybrid.md): SGLang deletes
 a leaf's full-attention KV with its state when the state is evicted, radixkv keeps the
 KV (other components, or a later state, can still use it). The recorder evicts states
 only in a sequence's second half; after its first eviction the full-attention prefixes

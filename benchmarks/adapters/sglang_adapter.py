@@ -1,5 +1,5 @@
 """SGLang 0.5.23's RadixCache on the shared workloads. Runs in SGLang's own virtual
-environment (built by ``../shared/peers/setup.sh sglang``); imports nothing from radixkv.
+environment (built by ``benchmarks/peers/setup.sh sglang``); imports nothing from radixkv.
 
     ~/.cache/radixkv-peers/sglang/bin/python benchmarks/adapters/sglang_adapter.py
 """

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's production prefix cache, ``UnifiedRadixCache`` with its Rust tree core
 (``tree_core_backend="rust"``), on the shared workloads (a)-(d) and (f). Runs in SGLang's
-own virtual environment (``../shared/peers/setup.sh sglang``); imports nothing from
+own virtual environment (``benchmarks/peers/setup.sh sglang``); imports nothing from
 radixkv.
 
     SGLANG_PEER_UNIFIED=1 ~/.cache/radixkv-peers/sglang/bin/python \

@@ -1,5 +1,5 @@
 """vLLM 0.33's KVCacheManager on workload (e), the full request path. Runs in vLLM's own
-virtual environment (``../shared/peers/setup.sh vllm``); imports nothing from radixkv.
+virtual environment (``benchmarks/peers/setup.sh vllm``); imports nothing from radixkv.
 
     ~/.cache/radixkv-peers/vllm/bin/python benchmarks/adapters/vllm_adapter.py
 """

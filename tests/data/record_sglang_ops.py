@@ -1,7 +1,7 @@
 """Record random operation sequences on SGLang's own `RadixCache`, with its results, for
 `tests/test_sglang_diff.py` to replay on radixkv's default cache (so CI needs no SGLang).
 
-Run it with the SGLang peer's interpreter (``../shared/peers/setup.sh sglang``):
+Run it with the SGLang peer's interpreter (``benchmarks/peers/setup.sh sglang``):
 
     ~/.cache/radixkv-peers/sglang/bin/python tests/data/record_sglang_ops.py
 

@@ -1,7 +1,7 @@
 """Record random operation sequences on SGLang 0.5.23's production `UnifiedRadixCache`
 (Rust tree core) with the FULL and SWA components, for tests/test_sglang_hybrid_diff.py.
 
-Run in the SGLang peer's venv (../shared/peers/setup.sh sglang), with the unified
+Run in the SGLang peer's venv (benchmarks/peers/setup.sh sglang), with the unified
 import chain on:
 
     SGLANG_PEER_UNIFIED=1 ~/.cache/radixkv-peers/sglang/bin/python \

@@ -143,7 +143,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--kv-events-insecure",
         action="store_true",
         help="allow --kv-events on a non-loopback address: anyone who reaches it reads "
-        "the events unauthenticated (see the README's 'Exposing it')",
+        "the events unauthenticated (see docs/security.md)",
     )
     add_key_flags(serve, "/flush_cache")
     serve.add_argument(

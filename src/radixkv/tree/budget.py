@@ -17,7 +17,7 @@ so bytes are not all alike. `evict_bytes` frees, in this order, until enough is 
    a hit there saves (the whole prefix's, as Marconi counts) per byte it frees, each
    term scaled to [0, 1] over the candidates. Its KV turns dead and goes by step 1.
    (Counting only the FLOPs over the checkpoint before it, or the node's bytes, lost
-   3-5 points on one trace or the other; see the README's hybrid section.)
+   3-5 points on one trace or the other; see docs/hybrid.md.)
 
 With a window and no recurrent layers, step 3 evicts whole leaves, least recently used
 first (trimming a leaf's tail would leave its new end without window KV); a `WindowKV`
