@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
 
 from radixkv.web.process import ServerProcess, free_port_pair
 
@@ -39,6 +40,7 @@ def exposed(url: str) -> set[str]:
             if line and not line.startswith("#")}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_every_metric_it_queries_exists_on_a_live_server_and_router():
     events = free_port_pair()
     worker = ServerProcess("--model", "random", "--kv-events", f"tcp://127.0.0.1:{events}",

@@ -207,6 +207,7 @@ def test_replays_are_bounded_in_bytes_and_peers(monkeypatch):
         pub.close()
 
 
+@pytest.mark.slow
 def test_the_router_refuses_an_overlong_prompt_itself_off_its_loop():
     """The router tokenized on its event loop (a 3.9 MB prompt stalled its /health for
     3.2 s) and forwarded what no worker could take; now it checks the length against
@@ -244,6 +245,7 @@ def test_a_chunked_body_over_the_limit_gets_413_from_the_router():
         worker.stop()
 
 
+@pytest.mark.slow
 def test_n_choices_count_against_the_queue_and_share_the_slots():
     """n=128 choices were submitted one at a time, never waiting: they bypassed
     --max-queue, and one request took 31 running slots for 65 s while others waited.

@@ -109,6 +109,7 @@ def test_a_config_that_does_not_fit_its_weights_is_refused_before_allocating(tmp
     refused(["--model", folder], named)
 
 
+@pytest.mark.slow
 def test_config_and_tokenizer_files_must_be_regular_files(tmp_path):
     """A symlink to /dev/zero was read until memory ran out; a FIFO hung start-up."""
     folder = checkpoint(tmp_path / "zero")
@@ -124,6 +125,7 @@ def test_config_and_tokenizer_files_must_be_regular_files(tmp_path):
     refused(["--model", tok], "tokenizer.json: not a regular file")
 
 
+@pytest.mark.slow
 def test_an_absurd_pool_is_refused_naming_its_flag(tmp_path):
     """Only the allocator's refusal stopped --max-checkpoints 1e9 (5,000 GiB of states)."""
     folder = qwen3_5_folder(tmp_path / "q")
@@ -152,6 +154,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
     assert "model.layers.1.mlp.up_proj.weight holds NaN or inf" in run_serve("--model", folder)
 
 
+@pytest.mark.slow
 def test_a_safetensors_header_that_lies_is_refused(tmp_path):
     folder = checkpoint(tmp_path / "lie")
     path = f"{folder}/model.safetensors"
@@ -172,6 +175,7 @@ def test_a_safetensors_header_that_lies_is_refused(tmp_path):
     assert "safetensors header" in run_serve("--model", folder)
 
 
+@pytest.mark.slow
 def test_deeply_nested_or_wrongly_typed_json_is_refused_naming_the_file(tmp_path):
     folder = checkpoint(tmp_path / "deep")
     with open(f"{folder}/config.json", "w") as f:
@@ -182,6 +186,7 @@ def test_deeply_nested_or_wrongly_typed_json_is_refused_naming_the_file(tmp_path
     assert "config.json: must be a JSON object" in run_serve("--model", folder)
 
 
+@pytest.mark.slow
 def test_a_bad_tokenizer_json_is_refused_naming_it(tmp_path):
     folder = checkpoint(tmp_path / "tok")
     with open(f"{folder}/tokenizer.json", "w") as f:

@@ -483,7 +483,7 @@ LifecycleMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestLifecycleMachine = LifecycleMachine.TestCase
+TestLifecycleMachine = pytest.mark.slow(LifecycleMachine.TestCase)
 
 
 # --- the batched step API ----------------------------------------------------------------------

@@ -185,6 +185,7 @@ def test_an_exception_for_one_request_fails_it_alone_and_frees_everything(tmp_pa
 
 
 # --- the engine's own fault ----------------------------------------------------------------
+@pytest.mark.slow
 def test_an_engine_whose_model_fails_every_row_says_why_and_exits_non_zero(broken):
     """Not a request's fault: after a few requests fail in a row with none served between,
     a one-token canary of the engine's own fails too; the engine stops, ``/health`` says
@@ -212,6 +213,7 @@ def test_an_engine_whose_model_fails_every_row_says_why_and_exits_non_zero(broke
 
 
 # --- through the router -------------------------------------------------------------------
+@pytest.mark.slow
 def test_one_poisonous_request_through_the_router_leaves_every_worker_serving(poisoned):
     """A 500 the request caused goes back to its client: never retried on the next
     worker (it stopped 3 of 3 workers in 0.13 s when it was)."""
@@ -234,6 +236,7 @@ def test_one_poisonous_request_through_the_router_leaves_every_worker_serving(po
             w.stop()
 
 
+@pytest.mark.slow
 def test_the_router_takes_failed_workers_out_and_is_unhealthy_with_none(broken):
     """A worker whose engine failed leaves the rotation once its ``/health`` fails; the
     router's own ``/health`` lists the live workers, and is 503 when none is."""

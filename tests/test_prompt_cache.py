@@ -194,6 +194,7 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 256) for _ in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("page", "least"), [(16, 384), (1, 399)])
 def test_a_prompt_sent_twice_hits_on_a_recurrent_model(qwen, page, least):
     """A recurrent model serves a prefix only from a state checkpoint, and a request
@@ -210,6 +211,7 @@ def test_a_prompt_sent_twice_hits_on_a_recurrent_model(qwen, page, least):
         assert again(srv, prompt + ids(8, 1), "s", "q").prompt_tokens_details.cached_tokens == 400
 
 
+@pytest.mark.slow
 def test_a_retained_prefix_keeps_its_state_checkpoints_whatever_other_salts_do(qwen):
     """Checkpoints protected for retention are bounded per salt: another salt's pins
     cannot take them all first (they could: half of --max-checkpoints, first come, first

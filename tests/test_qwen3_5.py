@@ -345,6 +345,7 @@ def test_checkpoints_go_down_the_tiers_and_come_back(folder, reference, tier, tm
     assert res.outputs[0].token_ids == greedy(reference, prompts[2], 8)
 
 
+@pytest.mark.slow
 def test_two_processes_share_a_checkpoint_through_redis(folder):
     """The first process makes a branch point; a second process, on the same Redis,
     starts from the store (state and KV), with the first's output."""
@@ -520,6 +521,7 @@ def test_served_with_the_openai_client(folder):
     assert re.search(r"radixkv:host_state_checkpoints\{[^}]*\} ", text)
 
 
+@pytest.mark.slow
 def test_a_hybrid_fleet_routes_on_what_its_workers_can_serve(folder):
     """Two `radixkv serve` workers on the Qwen3.5 folder publish their checkpoints as KV
     events, `radixkv route --policy kv` indexes them; four interleaved multi-turn

@@ -45,6 +45,7 @@ def test_the_readme_shows_a_runnable_example_of_each_command():
         assert command in shown, command
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("where", "script"), RUNNABLE, ids=[w for w, _ in RUNNABLE])
 def test_every_runnable_block_runs_as_written(where, script, tmp_path):
     for port in PORTS:

@@ -18,6 +18,8 @@ from radixkv.sim.replicas import ROUTERS, pooled_bound, simulate_replicas
 from radixkv.sim.traces import SimRequest, Trace
 from radixkv.web.process import ServerProcess, free_port_pair
 
+# real servers and routers, many of them: the slow set (python3 -m pytest -m slow)
+pytestmark = pytest.mark.slow
 A, B, C = "a", "b", "c"
 
 

@@ -319,6 +319,7 @@ def test_another_model_or_page_size_never_matches(tmp_path):
         assert other.tier.hit_tokens == 0
 
 
+@pytest.mark.slow
 def test_two_engine_processes_share_a_system_prompt_through_redis(shared_redis):
     script = (
         "import json, sys\n"
@@ -377,6 +378,7 @@ def test_a_full_store_fails_writes_softly():
         own.kill()
 
 
+@pytest.mark.slow
 def test_two_servers_share_through_redis(shared_redis):
     from openai import OpenAI
 

@@ -29,6 +29,7 @@ def pages_written(url: str) -> float:
     return 0.0
 
 
+@pytest.mark.slow
 def test_two_servers_two_checkpoints_one_middle_weight_apart(tmp_path, monkeypatch):
     from openai import OpenAI
 

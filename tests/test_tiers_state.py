@@ -5,6 +5,7 @@ every step each page's KV is checked where the bookkeeping says it lives."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from helpers import content
 from hypothesis import HealthCheck, settings
@@ -120,7 +121,7 @@ TiersMachine.TestCase.settings = settings(
     max_examples=120, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
-TestTiersMachine = TiersMachine.TestCase
+TestTiersMachine = pytest.mark.slow(TiersMachine.TestCase)
 
 
 def test_a_host_tier_brings_back_what_the_device_evicted():

@@ -364,6 +364,7 @@ def test_reset_empties_the_cache():
 
 
 # --- deep trees: nothing recurses ---------------------------------------------------------
+@pytest.mark.slow
 def test_a_5000_node_chain_needs_no_recursion():
     cache = RadixCache(merge_chains=False)  # merging would store the chain as one node
     tokens = list(range(10_000))

@@ -6,6 +6,7 @@ the structure (a chain is one node), events, undo and the argument checks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import RecordingAllocator, content
 from hypothesis import HealthCheck, settings
@@ -88,7 +89,7 @@ MergeDifferential.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestMergeDifferential = MergeDifferential.TestCase
+TestMergeDifferential = pytest.mark.slow(MergeDifferential.TestCase)
 
 
 # --- structure --------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import pytest
 import torch
 from helpers import RecordingAllocator, content, removed_values, snapshot
 from hypothesis import HealthCheck, settings
@@ -194,4 +195,4 @@ CacheMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine = pytest.mark.slow(CacheMachine.TestCase)

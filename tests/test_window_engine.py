@@ -154,6 +154,7 @@ def test_the_pools_are_sized_per_layer_type_and_said(model):
     assert all(kv.k[i].shape[0] == 4096 for i in range(kv.num_layers) if i not in kv.window_layers)
 
 
+@pytest.mark.slow
 def test_served_with_the_openai_client(tmp_path):
     """`radixkv serve` on a Gemma 3 folder, the official client: the pools' sizes are
     printed at start, a chat sharing a long system message hits it, and /metrics shows

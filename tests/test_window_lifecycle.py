@@ -305,7 +305,7 @@ WindowLifecycleMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestWindowLifecycleMachine = WindowLifecycleMachine.TestCase
+TestWindowLifecycleMachine = pytest.mark.slow(WindowLifecycleMachine.TestCase)
 
 
 def test_the_fingerprint_check_catches_a_stale_window_read():
