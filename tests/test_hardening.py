@@ -547,3 +547,19 @@ def test_piped_tables_keep_every_number():
             "--policy", "all"]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout
     assert "…" not in out and "1,000,000" in out and "2000blocks" in out
+
+
+def test_serve_on_a_busy_port_is_refused_before_loading_a_model(tmp_path):
+    """It loaded the model, printed its banner, then failed to bind (exit 3)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for command in (["serve", "--model", "random"], ["route", "--worker", "http://x:1"]):
+            argv = [sys.executable, "-m", "radixkv.cli", *command, "--port", str(port)]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 2, done.stderr
+            want = f"error: --port: cannot listen on 127.0.0.1:{port} (Address already in use)\n"
+            assert done.stderr == want  # nothing loaded, nothing printed before
