@@ -487,33 +487,56 @@ def _link(path: str) -> str:
         return ""
 
 
-def test_ctrl_c_exits_130_without_a_traceback(tmp_path):
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+@pytest.mark.parametrize("when", ["loading", "replaying"])
+def test_ctrl_c_exits_130_without_a_traceback(tmp_path, when):
+    """A SIGINT to the process alone (a supervisor's, not a terminal's to the group)
+    while it reads the trace, or while its worker processes replay it: exit 130, one
+    line, and no worker left running (an executor's exit used to wait for every
+    running replay: minutes under load)."""
     trace = tmp_path / "big.jsonl"  # a trace that takes seconds to load and replay
     trace.write_text("".join(f'{{"token_ids": [{i % 97}, {i}, 3, 4]}}\n' for i in range(10**6)))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "radixkv.cli", "simulate", "--trace", str(trace)],
+        [sys.executable, "-m", "radixkv.cli", "simulate", "--trace", str(trace),
+         "--workers", "2", "--capacity", "1k,4k,16k,64k,256k,1M"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
+    )  # fmt: skip
     import os
 
-    def reading() -> bool:  # the event: it has the trace open (seconds of work left)
+    def reading() -> bool:  # the trace is open (seconds of work left)
         try:
             fds = os.listdir(f"/proc/{proc.pid}/fd")
         except FileNotFoundError:
             return False
         return any(_link(f"/proc/{proc.pid}/fd/{fd}") == str(trace) for fd in fds)
 
+    def workers() -> list[int]:  # forked, and past their start (SIGINT ignored)
+        try:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                pids = [int(p) for p in f.read().split()]
+            return [p for p in pids if int(_status(p).get("SigIgn", "0"), 16) & 2]
+        except (FileNotFoundError, ProcessLookupError):
+            return []
+
     import time
 
-    while not reading():  # polled: the open file is the event
+    started = reading if when == "loading" else workers
+    while not started():  # polled: the open file, the forked workers are the events
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.01)
+    forked = workers()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in out + err and "interrupted" in err
+    for pid in forked:  # reaped by the pool before the exit
+        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived the interrupt"
 
 
 def test_every_default_shows_in_help_and_an_unknown_flag_points_to_its_command(capsys):

@@ -14,8 +14,8 @@ import json
 import multiprocessing as mp
 import os
 import re
+import signal
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from radixkv.sim.replay import BLOCK_POLICIES, POLICY_NAMES, SimResult, reuse_ceiling, simulate
@@ -100,6 +100,11 @@ def _run(args: tuple[int | None, str, bool, float, str]) -> SimResult:
     return simulate(_TRACE, cap, policy, cache_outputs=outputs, warmup=warmup, scope=scope)
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def sweep(
     trace: Trace,
     capacities: Sequence[int | None],
@@ -124,9 +129,18 @@ def sweep(
                 if progress:
                     progress(out[-1])
             return out
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+        # the pool's exit terminates its workers: a Ctrl-C (a SIGINT to this process
+        # alone, from a supervisor) stops them at once, where an executor's exit waited
+        # for every running replay; they ignore SIGINT, so a terminal's reaches only
+        # here. It is blocked while they fork (one arriving then was lost), then taken.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            pool = mp.get_context("fork").Pool(workers, initializer=_ignore_sigint)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        with pool:
             out = []
-            for result in pool.map(_run, jobs):
+            for result in pool.imap(_run, jobs):
                 out.append(result)
                 if progress:
                     progress(result)
