@@ -377,3 +377,41 @@ def test_evict_leaf_errors():
     assert cache.evict_leaf(leaf) == 2 and cache.total_size() == 0
     with pytest.raises(ValueError, match="not in this cache"):
         cache.evict_leaf(leaf)
+
+
+def scanning_budget() -> type:
+    """The brute-force model of the budget's order (benchmarks/bench_budget.py): every
+    round scans the whole tree for its candidates."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "bench_budget.py"
+    spec = importlib.util.spec_from_file_location("bench_budget", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ScanningBudget
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-4b", "nemotron-h", "gemma-3"])
+def test_budget_keeps_the_order_of_a_full_scan(preset, monkeypatch):
+    """The incremental candidate sets evict exactly what scanning the whole tree every
+    round evicts: the same hits, checkpoints and bytes, at tight and loose budgets."""
+    import radixkv.sim.hybrid as sim
+    from radixkv.sim.traces import gen_chat
+
+    trace = gen_chat(conversations=24, turns=4, systems=2, system_len=256, message_len=64,
+                     output_len=64)  # fmt: skip
+    spec = sim.PRESETS[preset]
+    every = sum(len(r.units) for r in trace.requests) * 16 * (spec.full_kv + spec.window_kv)
+    ceiling = sim.simulate_hybrid(trace, spec, sim.UNBOUNDED, "radixkv").hit_tokens
+    for frac in (0.02, 0.05, 0.1) if spec.window else (0.15, 0.3, 0.6):
+        got = sim.simulate_hybrid(trace, spec, int(every * frac), "radixkv")
+        monkeypatch.setattr(sim, "HybridBudget", scanning_budget())
+        want = sim.simulate_hybrid(trace, spec, int(every * frac), "radixkv")
+        monkeypatch.undo()
+        assert 0 < got.hit_tokens < ceiling, frac  # it hit, and the budget bit
+        assert (got.hit_tokens, got.checkpoints, got.mean_bytes) == (
+            want.hit_tokens,
+            want.checkpoints,
+            want.mean_bytes,
+        ), frac

@@ -28,8 +28,17 @@ Invariants: only unlocked nodes lose KV; a checkpoint a running request holds a 
 under is never dropped by steps 1 and 3 (its node is locked); every byte freed goes
 through the tree's or a component's eviction (their allocators, their hooks).
 
-Complexity: each round is O(nodes + checkpoints); a round frees at least one segment,
-a tail or a checkpoint.
+Incremental: the budget is a tree component (it joins the cache at construction,
+while the cache is empty). The tree's hooks, a lock's path and the checkpoints' own
+changes (`StateCheckpoints.on_change`) mark the nodes they touch; a round first
+re-reads those alone and keeps three sets current: the unlocked leaves, those with
+dead KV and the superseded checkpoints (with each leaf's depth). ``check`` recomputes
+them from scratch (the tree's ``check_integrity`` runs it).
+
+Complexity: a round is O(marked nodes + dead leaves + superseded checkpoints + leaves
+with checkpoints), never a walk of the whole tree (each candidate's segment is an
+O(chain) walk up its single-child chain); with a window, O(leaves) for their windows.
+A round frees at least one segment, a tail or a checkpoint.
 
 Owns: the order of eviction across components. Must not touch: the components' data
 (it calls their API) or the tree's structure (it evicts through `RadixCache`).
@@ -38,9 +47,16 @@ Owns: the order of eviction across components. Must not touch: the components' d
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from radixkv.tree.component import TreeComponent
 from radixkv.units import div_ceil
+
+_LRU = attrgetter("last_access", "id")  # least recently used first (ids break ties)
+_TICK = attrgetter("tick")
 
 if TYPE_CHECKING:
     from radixkv.tree.core import RadixCache
@@ -62,16 +78,22 @@ def utility(ticks: list[float], value: list[float], cost: list[float], alpha: fl
     ]
 
 
-class HybridBudget:
+class HybridBudget(TreeComponent):
     """Bytes held by a hybrid cache, and eviction by worth (see the module docstring).
 
     Args:
-        cache: the tree; ``state`` and ``window``: its components, if the model has them.
+        cache: the tree (empty: the budget joins it as a component); ``state`` and
+            ``window``: its components, if the model has them.
         token_bytes: full-attention KV bytes of one unit (all full layers together).
         window_bytes: window-layer KV bytes of one unit.
         flops: prefill FLOPs of a prefix of ``n`` units (what a hit saves).
         alpha: weight of efficiency against recency.
+
+    Raises:
+        ValueError: bad sizes, or a cache that holds pages already.
     """
+
+    name = "budget"
 
     def __init__(
         self,
@@ -86,9 +108,21 @@ class HybridBudget:
     ) -> None:
         if token_bytes < 1 or window_bytes < 0:
             raise ValueError("token_bytes must be >= 1 and window_bytes >= 0")
-        self.cache, self.state, self.window = cache, state, window
+        self.state, self.window = state, window
         self.token_bytes, self.window_bytes = token_bytes, window_bytes
         self.flops, self.alpha = flops, alpha
+        self._marked: set[TreeNode] = set()  # touched since the last round
+        self._leaves: set[TreeNode] = set()  # unlocked leaves
+        self._dead: set[TreeNode] = set()  # unlocked leaves with dead KV (no window)
+        self._old: dict[TreeNode, tuple[Checkpoint, ...]] = {}  # superseded, by node
+        self._segs: set[TreeNode] = set()  # unlocked leaves with checkpoints
+        self._value: dict[TreeNode, float] = {}  # their prefix FLOPs (what a hit saves)
+        self._cost: dict[TreeNode, float] = {}  # bytes dropping their last one frees
+        self._last: dict[TreeNode, Checkpoint] = {}  # their last checkpoint
+        self._parents: list[TreeNode | None] = []  # an eviction's victims' parents
+        cache.add_component(self)
+        if state is not None:
+            state.on_change = self._mark
 
     def held(self) -> dict[str, int]:
         """Bytes held now: ``full``, ``window``, ``states``."""
@@ -122,11 +156,11 @@ class HybridBudget:
         per_unit = self.token_bytes + self.window_bytes
         if state is None and self.window is None:
             return cache.evict(max(cache.page_size, div_ceil(over, per_unit))) > 0
-        leaves = [n for n in cache.iter_nodes() if not n.children and not n.lock_ref]
-        leaves.sort(key=lambda n: n.last_access)
+        self._refresh()
+        window = self.window is not None
         freed = 0
-        for node in leaves:  # 1. dead KV
-            dead = len(node) - self._usable(node)
+        for node in sorted(self._leaves if window else self._dead, key=_LRU):
+            dead = len(node) - self._usable(node)  # 1. dead KV
             dead -= dead % cache.page_size
             if dead > 0:
                 cache.evict_leaf(node, dead)
@@ -136,31 +170,30 @@ class HybridBudget:
         if freed:
             return True
         if state is None:  # a window's leaf is whole or useless: least recent goes whole
+            leaves = sorted(self._leaves, key=_LRU)
             for node in leaves:
                 cache.evict_leaf(node)
                 freed += len(node) * per_unit
                 if freed >= over:
                     break
             return bool(leaves)
-        old = sorted((c for c in state.held.values() if state.superseded(c)), key=lambda c: c.tick)
+        old = sorted((c for cps in self._old.values() for c in cps), key=_TICK)
         if old:  # 2. superseded checkpoints
             state.drop(old[: max(1, div_ceil(over, max(state.state_bytes, 1)))])
             return True
-        segs = [(n, cps[-1]) for n in leaves if (cps := state._of(n))]
-        if not segs:  # 3. leaf segments
+        if not self._segs:  # 3. leaf segments
             return False
-        value, cost = [], []
-        for node, _ in segs:
-            freed = self._segment(node)
-            value.append(self.flops(self._depth(node)))
-            cost.append(state.state_bytes + freed * self.token_bytes)
-        ticks = [float(c.tick) for _, c in segs]
-        score = utility(ticks, value, cost, self.alpha)
-        order = sorted(range(len(segs)), key=score.__getitem__)
+        segs = sorted(self._segs, key=_LRU)  # (ties in score go least recent first)
+        last = list(map(self._last.__getitem__, segs))
+        n = len(segs)
+        ticks = np.fromiter(map(_TICK, last), np.float64, n)
+        value = np.fromiter(map(self._value.__getitem__, segs), np.float64, n)
+        cost = np.fromiter(map(self._cost.__getitem__, segs), np.float64, n)
+        score = utility_array(ticks, value, cost, self.alpha)
         drop: list[Checkpoint] = []
         gone = 0.0
-        for i in order:
-            drop.append(segs[i][1])
+        for i in np.argsort(score, kind="stable").tolist():
+            drop.append(last[i])
             gone += cost[i]
             if gone >= over:
                 break
@@ -171,13 +204,13 @@ class HybridBudget:
         """Units that dropping ``leaf``'s last checkpoint frees: its KV back to the
         checkpoint before it on the path, or to a branch point or a lock, whichever
         comes first."""
-        state = self.state
-        cps = state._of(leaf)  # type: ignore[union-attr]
+        of = self.state.checkpoints  # type: ignore[union-attr]
+        cps = of(leaf)
         if len(cps) > 1:
             return len(leaf) - cps[-2].offset
         freed, x = len(leaf), leaf.parent
         while x is not None and x.id and len(x.children) == 1 and not x.lock_ref:
-            cps = state._of(x)  # type: ignore[union-attr]
+            cps = of(x)
             if cps:
                 return freed + len(x) - cps[-1].offset
             freed += len(x)
@@ -189,7 +222,7 @@ class HybridBudget:
         checkpoint, a served window)."""
         usable = len(node)
         if self.state is not None:
-            cps = self.state._of(node)
+            cps = self.state.checkpoints(node)
             usable = cps[-1].offset if cps else 0
         if self.window is not None and usable and not self.window.servable(node):
             usable = 0  # (retain="ends" keeps no window inside a leaf)
@@ -202,6 +235,151 @@ class HybridBudget:
             depth += len(x)
             x = x.parent
         return depth
+
+    # --- the candidate sets -------------------------------------------------------------
+    def _refresh(self) -> None:
+        """Re-read the nodes marked since the last round."""
+        marked = list(self._marked)  # (the set stays: ``state.on_change`` adds to it)
+        self._marked.clear()
+        for node in marked:
+            self._reread(node)
+
+    def _reread(self, node: TreeNode) -> None:
+        state = self.state
+        if node.parent is None:  # gone (or the root)
+            self._forget(node)
+            return
+        if state is not None:
+            old = tuple(c for c in state.checkpoints(node) if state.superseded(c))
+            if old:
+                self._old[node] = old
+            else:
+                self._old.pop(node, None)
+        if node.children or node.lock_ref:
+            self._forget(node, keep_old=True)
+            return
+        self._leaves.add(node)
+        if self.window is None:
+            dead = len(node) - self._usable(node)
+            if dead >= self.cache.page_size:
+                self._dead.add(node)
+            else:
+                self._dead.discard(node)
+        if state is not None and (cps := state.checkpoints(node)):
+            self._segs.add(node)
+            self._last[node] = cps[-1]
+            self._value[node] = self.flops(self._depth(node))
+            self._cost[node] = state.state_bytes + self._segment(node) * self.token_bytes
+        else:
+            self._not_a_segment(node)
+
+    def _not_a_segment(self, node: TreeNode) -> None:
+        self._segs.discard(node)
+        self._value.pop(node, None)
+        self._cost.pop(node, None)
+        self._last.pop(node, None)
+
+    def _forget(self, node: TreeNode, keep_old: bool = False) -> None:
+        self._leaves.discard(node)
+        self._dead.discard(node)
+        self._not_a_segment(node)
+        if not keep_old:
+            self._old.pop(node, None)
+
+    def _mark(self, node: TreeNode) -> None:
+        """Mark ``node`` and the leaf whose segment may run through it: the end of its
+        single-child chain (a lock, a checkpoint or a branch there moves where that
+        leaf's segment stops). O(chain)."""
+        self._marked.add(node)
+        x = node
+        while len(x.children) == 1:
+            x = next(iter(x.children.values()))
+        if x is not node and not x.children:
+            self._marked.add(x)
+
+    # --- the tree's hooks: mark what they touch -----------------------------------------
+    def new_leaf(self, leaf: TreeNode, parent: TreeNode) -> None:
+        self._marked.add(leaf)
+        self._mark(parent)  # (not linked yet: its single child's segment stops here now)
+
+    def split(self, lower: TreeNode, upper: TreeNode, units: int) -> None:
+        self._marked.update((lower, upper))  # (a segment through them is unchanged)
+
+    def merge(self, leaf: TreeNode, parent: TreeNode) -> None:
+        self._marked.update((leaf, parent))
+
+    def evicting(
+        self, victims: list[TreeNode], trim: tuple[TreeNode, int] | None, slots: Any
+    ) -> None:
+        marked = self._marked
+        marked.update(victims)
+        self._parents = [v.parent for v in victims]  # (a retry overwrites it)
+        if trim is not None:
+            marked.add(trim[0])
+
+    def evicted(self, victims: list[TreeNode], trim: tuple[TreeNode, int] | None) -> None:
+        for p in self._parents:
+            if p is not None:
+                self._mark(p)
+        self._parents = []
+
+    def detach(self, node: TreeNode) -> None:
+        self._marked.add(node)
+
+    def detached(self, node: TreeNode, parent: TreeNode) -> None:
+        self._mark(parent)
+
+    def lock(self, path: list[TreeNode]) -> int:
+        if path:
+            self._mark(path[0])  # its leaf, or the leaf below whose segment stops there
+        return 0
+
+    unlock = lock
+
+    def reset(self) -> None:
+        for s in (self._marked, self._leaves, self._dead, self._segs, self._old,
+                  self._value, self._cost, self._last):  # fmt: skip
+            s.clear()
+
+    def check(self, nodes: set[int]) -> None:
+        """The candidate sets equal their recomputation from scratch."""
+        self._refresh()
+        state = self.state
+        leaves = {n for n in self.cache.iter_nodes() if not n.children and not n.lock_ref}
+        if self._leaves != leaves:
+            raise AssertionError("budget: the unlocked leaves it keeps are not the tree's")
+        if self.window is None:
+            dead = {n for n in leaves if len(n) - self._usable(n) >= self.cache.page_size}
+            if self._dead != dead:
+                raise AssertionError("budget: the leaves with dead KV are not the tree's")
+        if state is None:
+            return
+        old = {c.slot for c in state.held.values() if state.superseded(c)}
+        if {c.slot for cps in self._old.values() for c in cps} != old:
+            raise AssertionError("budget: the superseded checkpoints are not the tree's")
+        if self._segs != {n for n in leaves if state.checkpoints(n)}:
+            raise AssertionError("budget: the leaves with checkpoints are not the tree's")
+        if any(d.keys() != self._segs for d in (self._value, self._cost, self._last)):
+            raise AssertionError("budget: it keeps a depth or segment for a non-candidate")
+        for n in self._segs:
+            cost = state.state_bytes + self._segment(n) * self.token_bytes
+            if (
+                self._value[n] != self.flops(self._depth(n))
+                or self._cost[n] != cost
+                or (self._last[n] is not state.checkpoints(n)[-1])
+            ):
+                raise AssertionError(f"budget: leaf {n.id}'s depth or segment is stale")
+
+
+def utility_array(
+    ticks: np.ndarray, value: np.ndarray, cost: np.ndarray, alpha: float
+) -> np.ndarray:
+    """`utility` over arrays (the same arithmetic, element by element)."""
+    t0, t1 = ticks.min(), ticks.max()
+    eff = value / np.maximum(cost, 1.0)
+    e0, e1 = eff.min(), eff.max()
+    rec = (ticks - t0) / (t1 - t0) if t1 > t0 else np.ones_like(ticks)
+    return rec + alpha * ((eff - e0) / (e1 - e0) if e1 > e0 else np.ones_like(eff))
 
 
 __all__ = ["HybridBudget", "utility"]

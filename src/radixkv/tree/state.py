@@ -121,9 +121,15 @@ class StateCheckpoints(TreeComponent):
         self.evictions = 0  # checkpoints evicted to stay within max_states
         self.hits = 0  # matches served from a checkpoint
         self.protected: dict[int, int] = {}  # slot -> protections (never evicted)
+        # told of each node whose checkpoints were added or dropped (`HybridBudget`)
+        self.on_change: Callable[[TreeNode], None] | None = None
 
     # --- reading ------------------------------------------------------------------------
     def _of(self, node: TreeNode) -> tuple[Checkpoint, ...]:
+        return node.ext[self.index] or ()  # type: ignore[index]
+
+    def checkpoints(self, node: TreeNode) -> tuple[Checkpoint, ...]:
+        """The checkpoints inside ``node``, by offset."""
         return node.ext[self.index] or ()  # type: ignore[index]
 
     def at(self, node: TreeNode) -> int | None:
@@ -208,6 +214,8 @@ class StateCheckpoints(TreeComponent):
             tuple(sorted((*cps, c), key=lambda x: x.offset)) if cps else (c,)
         )
         self.held[slot] = c
+        if self.on_change is not None:
+            self.on_change(node)
         heapq.heappush(self._lru, (c.tick, slot))
         if len(self._lru) > 2 * len(self.held) + 64:  # compact the lazy entries
             self._lru = [(x.tick, s) for s, x in self.held.items()]
@@ -362,6 +370,8 @@ class StateCheckpoints(TreeComponent):
             self.protected.pop(c.slot, None)
             node = c.node
             node.ext[i] = tuple(x for x in node.ext[i] if x is not c) or None  # type: ignore[index]
+            if self.on_change is not None:
+                self.on_change(node)
         self.release(torch.tensor([c.slot for c in victims], dtype=torch.int64))
 
     # --- hooks --------------------------------------------------------------------------
