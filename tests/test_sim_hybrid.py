@@ -185,6 +185,35 @@ def test_cli_model_spec(tmp_path):
     assert got[("radixkv", 1 << 30)]["token_hit_rate"] > got[("vllm", 1 << 30)]["token_hit_rate"]
 
 
+@pytest.mark.parametrize("family", ["qwen3.5", "gemma3", "mistral"])
+def test_model_spec_from_a_folder_counts_the_bytes_the_engine_holds(tmp_path, family):
+    """--model-spec FOLDER: the spec read from config.json alone costs a token, a window
+    token and a checkpoint what the engine serving that folder holds for them."""
+    from radixkv.cli import main
+    from radixkv.engine.engine import Engine
+
+    folder = tmp_path / family
+    assert main(["make-model", family, str(folder)]) == 0
+    if family == "mistral":  # every layer slides: no full KV for the budget to count
+        with pytest.raises(ValueError, match="no full-attention layer"):
+            model_spec(str(folder))
+        assert cli("--model-spec", str(folder), "--workload", "chat").returncode == 2
+        return
+    spec = model_spec(str(folder))
+    engine = Engine(str(folder), kv_tokens=1024, page_size=16, max_context_len=512)
+    assert spec.name == family and spec.full_kv == engine.kv.bytes_per_token()
+    assert spec.params == sum(p.numel() for p in engine.model.parameters())
+    if family == "gemma3":
+        assert (spec.window_layers, spec.window) == (5, 64) and not spec.recurrent_layers
+        assert spec.window_kv == engine.kv.window_bytes_per_token() > 0
+    else:
+        assert (spec.full_layers, spec.recurrent_layers, spec.window) == (1, 3, 0)
+        assert spec.checkpoint == engine.recurrent.row_size > 0
+    r = cli("--model-spec", str(folder), "--workload", "chat", "--requests", "40",
+            "--capacity", "2MiB,inf", "--policy", "radixkv")  # fmt: skip
+    assert r.returncode == 0 and family in r.stdout, r.stderr
+
+
 @pytest.mark.parametrize(
     "args, msg",
     [

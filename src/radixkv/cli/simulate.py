@@ -54,7 +54,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     sim.add_argument("--model", help="bytes per token of a catalog model, for GiB capacities")
     sim.add_argument("--model-spec", default=None,
                      help="a hybrid model (full, sliding-window and recurrent layers): a "
-                     "preset (qwen3.5-4b, nemotron-h, gemma-3) or a JSON file; replays with "
+                     "preset (qwen3.5-4b, nemotron-h, gemma-3), a JSON file, or a model "
+                     "folder (its config.json, in the bytes serve holds); replays with "
                      "the hybrid policies (radixkv, marconi, sglang, vllm); capacities in "
                      "bytes")  # fmt: skip
     sim.add_argument("--tokenizer",

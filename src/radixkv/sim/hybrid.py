@@ -149,6 +149,43 @@ class ModelSpec:
         data.setdefault("name", Path(path).stem)
         return cls(**data)
 
+    @classmethod
+    def from_folder(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> ModelSpec:
+        """The spec of a model folder radixkv serves, from its ``config.json`` alone (the
+        model built on the meta device, no weights read), in the bytes the engine holds
+        at ``dtype`` (``radixkv serve``'s float32 by default): its full-attention and
+        sliding layers' KV a token (the longest window, when they differ), its recurrent
+        layers' state row (float32, as the engine keeps it), its parameters.
+
+        Raises:
+            ValueError (UnsupportedModel, FolderError): an architecture radixkv does not
+                serve, a bad config, or a model without a full-attention layer (the
+                simulator's byte budget counts a cached token's full KV).
+        """
+        from radixkv.engine.files import read_json
+        from radixkv.engine.models import architecture_of, config_from_dict, family
+
+        folder = Path(path)
+        raw = read_json(folder / "config.json")
+        fam, cfg = family(architecture_of(raw)), config_from_dict(raw)
+        with torch.device("meta"):
+            model = fam.MODEL_CLASS(cfg)
+        windows = [w for w in getattr(cfg, "windows", ()) if w]
+        attn = getattr(cfg, "kv_layers", cfg.num_hidden_layers)
+        recurrent = cfg.num_hidden_layers - attn
+        if attn - len(windows) < 1:
+            raise ValueError(f"model spec {folder}: {cfg.architecture} has no full-attention "
+                             "layer; the hybrid simulator counts a token's full KV")  # fmt: skip
+        return cls(
+            name=folder.name, full_layers=attn - len(windows),
+            kv_bytes=2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize,
+            window_layers=len(windows), window=max(windows, default=0),
+            recurrent_layers=recurrent,
+            state_bytes=model.state_row_bytes() // recurrent if recurrent else 0,
+            params=float(sum(p.numel() for p in model.parameters())),
+            attn_dim=cfg.num_attention_heads * cfg.head_dim,
+        )  # fmt: skip
+
 
 PRESETS = {
     # 8 gated full-attention + 24 Gated DeltaNet layers (3:1); 4 KV heads x 256, bf16;
@@ -167,17 +204,19 @@ PRESETS = {
 
 
 def model_spec(name: str) -> ModelSpec:
-    """A preset by name, or a JSON file.
+    """A preset by name, a JSON file, or a model folder (`ModelSpec.from_folder`).
 
     Raises:
-        ValueError: neither.
+        ValueError: none of them, or a bad one.
     """
     if name in PRESETS:
         return PRESETS[name]
     if Path(name).is_file():
         return ModelSpec.from_json(name)
-    raise ValueError(f"model_spec: {name!r} is not a preset ({', '.join(PRESETS)}) nor a "
-                     "JSON file")  # fmt: skip
+    if Path(name).is_dir():
+        return ModelSpec.from_folder(name)
+    raise ValueError(f"model_spec: {name!r} is not a preset ({', '.join(PRESETS)}), a "
+                     "JSON file nor a model folder")  # fmt: skip
 
 
 POLICIES = ("radixkv", "marconi", "sglang", "vllm")
