@@ -506,6 +506,9 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path, when):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as a shell starts a foreground command: a suite run in the background (nohup,
+        # `&`) ignores SIGINT, the child would inherit that and never hear the signal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     import os
 

@@ -15,7 +15,8 @@ import multiprocessing as mp
 import os
 import re
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from radixkv.sim.replay import BLOCK_POLICIES, POLICY_NAMES, SimResult, reuse_ceiling, simulate
@@ -100,6 +101,28 @@ def _run(args: tuple[int | None, str, bool, float, str]) -> SimResult:
     return simulate(_TRACE, cap, policy, cache_outputs=outputs, warmup=warmup, scope=scope)
 
 
+@contextmanager
+def _pool(workers: int) -> Iterator[Any]:
+    """Forked workers that stop with this process: a SIGINT to it alone (a supervisor's;
+    a terminal's reaches only it too, as the workers ignore SIGINT) kills them at once,
+    where an executor's exit waited for every running replay. SIGINT is held back while
+    they fork (one arriving then was lost in an at-fork handler) and raised inside."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pool = mp.get_context("fork").Pool(workers, initializer=_ignore_sigint)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        raise
+    with pool:  # its exit terminates them
+        try:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            yield pool
+        except BaseException:  # killed before the pool closes the pipes they answer on
+            for worker in mp.active_children():
+                worker.kill()
+            raise
+
+
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -129,16 +152,7 @@ def sweep(
                 if progress:
                     progress(out[-1])
             return out
-        # the pool's exit terminates its workers: a Ctrl-C (a SIGINT to this process
-        # alone, from a supervisor) stops them at once, where an executor's exit waited
-        # for every running replay; they ignore SIGINT, so a terminal's reaches only
-        # here. It is blocked while they fork (one arriving then was lost), then taken.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            pool = mp.get_context("fork").Pool(workers, initializer=_ignore_sigint)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        with pool:
+        with _pool(workers) as pool:
             out = []
             for result in pool.imap(_run, jobs):
                 out.append(result)
