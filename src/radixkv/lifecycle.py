@@ -69,6 +69,8 @@ class Req:
         kv_len: leading tokens of ``input_ids + output_ids`` that have slots in the row.
         cache_protected_len: leading slots of the row owned by the tree (locked).
         cached_len: prompt tokens served from the cache at arrival.
+        full_hit: at admission, its tokens' full-attention match (before the
+            components' cut: where a hybrid request leaves a cached path).
         last_node: the locked tree node ending the protected prefix.
         cache_limit: the most leading tokens the request hands to the tree (``None``:
             all it computes); what lies past it stays its own and is freed at the end
@@ -88,6 +90,7 @@ class Req:
     kv_len: int = 0
     cache_protected_len: int = 0
     cached_len: int = 0
+    full_hit: int = 0
     last_node: TreeNode | None = None
     cache_limit: int | None = None
     cache_read: bool = True
@@ -216,9 +219,9 @@ class CacheManager:
             return False
         try:  # the last token is always computed
             if req.cache_read:
-                parts, last, hit, _ = self.cache.match_parts(key[: n - 1])
+                parts, last, hit, req.full_hit = self.cache.match_parts(key[: n - 1])
             else:
-                parts, last, hit = [], self.cache.root, 0
+                parts, last, hit, req.full_hit = [], self.cache.root, 0, 0
             self.req_pool.write_parts(row, parts)
         except BaseException:
             self.req_pool.free(row)  # nothing else changed yet (a split is harmless)

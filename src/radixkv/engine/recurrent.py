@@ -151,8 +151,10 @@ class RecurrentStates:
             assert slot is not None, "a hit on a recurrent model ends at a checkpoint"
             self._copy(slot, r.row)
         n = len(r.input_ids)
-        key = RadixKey(r.token_array(), r.extra_key)[: n - 1]
-        full = cache.match_len(key, full=True)
+        if r.cache_read and not r.output_ids:  # the admission's walk was over the prompt
+            full = r.full_hit
+        else:  # (a preempted request's matched its outputs too; one that reads no cache)
+            full = cache.match_len(RadixKey(r.token_array(), r.extra_key)[: n - 1], full=True)
         r.snap_plan = self.component.plan(n, full, r.cached_len, r.boundaries, resend=True)
 
     def snapshots(self, plan: list[tuple[Any, int]]) -> list[tuple[int, int, int]]:

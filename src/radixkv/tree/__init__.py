@@ -7,7 +7,7 @@ per-node data beside the full-attention KV.
     hosting.py     how components join a cache (event sinks, evict hooks)
     hashes.py      the two block hash chains (`BlockHashes`, `EventHashes`)
     inspection.py  ``check_integrity`` and ``format_tree``
-    node.py        `TreeNode`, `MatchResult`, `InsertResult`
+    node.py        `TreeNode`, `MatchResult`, `MatchParts`, `InsertResult`
 
 Nothing here imports the engine, the server, the router or storage.
 
@@ -25,7 +25,7 @@ from radixkv.tree.hashes import (
     chain_hashes,
     page_hash,
 )
-from radixkv.tree.node import InsertResult, MatchResult, TreeNode, as_int64_bytes
+from radixkv.tree.node import InsertResult, MatchParts, MatchResult, TreeNode, as_int64_bytes
 
 __all__ = [
     "EVICTION_MODES",
@@ -35,6 +35,7 @@ __all__ = [
     "CacheEventSink",
     "EventHashes",
     "InsertResult",
+    "MatchParts",
     "MatchResult",
     "RadixCache",
     "TreeComponent",

@@ -99,6 +99,7 @@ from radixkv.tree.hosting import ComponentHost
 from radixkv.tree.node import (
     NO_CHILDREN,
     InsertResult,
+    MatchParts,
     MatchResult,
     TreeNode,
     as_int64_bytes,
@@ -371,15 +372,14 @@ class RadixCache(ComponentHost, Eviction):
 
     def match_parts(
         self, key: RadixKey, split: bool = True, full: bool = False
-    ) -> tuple[list[bytes], TreeNode, int, int]:
-        """`match_prefix` without the tensor, for callers that copy the slots anyway:
-        the slot indices as packed int64 ``bytes`` chunks (per node on the path; read-only),
-        the last node, the prefix length, and the full-attention match's length before
-        the components' cut (a hybrid request's branch point, from the same walk)."""
+    ) -> MatchParts:
+        """`match_prefix` without the tensor, for callers that copy the slots anyway
+        (`MatchParts`: the slots as packed chunks, the last node, the hit, and the
+        full-attention match before the components' cut, all from the same walk)."""
         split = as_bool(split, "split")
         units, n, ns, _ = self._prepare(key)
         if self.disable:
-            return [], self.root, 0, 0
+            return MatchParts([], self.root, 0, 0)
         path, off, partial, m = self._descend(units, n, ns)
         full_len = off + m
         if self._limiters and not as_bool(full, "full"):
@@ -388,7 +388,7 @@ class RadixCache(ComponentHost, Eviction):
         if not split:
             if partial is not None:
                 parts.append(partial._value[: m * TOKEN_BYTES])
-            return parts, path[-1] if path else self.root, off + m, full_len
+            return MatchParts(parts, path[-1] if path else self.root, off + m, full_len)
         if partial is not None and m:
             upper = self._split(partial, m)
             path.append(upper)
@@ -398,8 +398,8 @@ class RadixCache(ComponentHost, Eviction):
             self._touch(path)
             if partial is not None and m and not self.precise:
                 self._touch_lower(partial)
-            return parts, path[-1], off, full_len
-        return parts, self.root, 0, full_len
+            return MatchParts(parts, path[-1], off, full_len)
+        return MatchParts(parts, self.root, 0, full_len)
 
     def match_len(self, key: RadixKey, full: bool = False) -> int:
         """Read-only hit length of ``key`` in units: no split, no recency change, no tensor.

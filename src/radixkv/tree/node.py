@@ -115,6 +115,23 @@ class TreeNode:
         )
 
 
+class MatchParts(NamedTuple):
+    """Result of `RadixCache.match_parts`: one walk, for a caller that copies slots.
+
+    Attributes:
+        parts: the slot indices as packed int64 ``bytes`` chunks (per node; read-only).
+        last_node: the node where the match ends.
+        hit: units matched (what every component can serve).
+        full: the full-attention KV's match, before the components' cut (a hybrid
+            request's branch point).
+    """
+
+    parts: list[bytes]
+    last_node: TreeNode
+    hit: int
+    full: int
+
+
 class MatchResult(NamedTuple):
     """Result of `RadixCache.match_prefix`.
 
