@@ -127,6 +127,24 @@ def test_marconi_trace_counts_and_lists(tmp_path):
     assert t.requests[0].timestamp == 0.0 and t.requests[2].timestamp == 1000.0
 
 
+def test_a_trace_that_carries_outputs_caches_them_by_default(tmp_path):
+    """Marconi's traces carry each turn's output and Marconi caches it: simulate's
+    default does too (it left them out unless told, and fell behind Marconi's own
+    results); Mooncake's carry none."""
+    rows = [{"session_id": s, "turn_id": t, "ts": float(t), "input_tokens": 64 * (t + 1),
+             "output_tokens": 32} for t in range(4) for s in "abc"]  # fmt: skip
+    path = write(tmp_path, rows)
+    assert traces.load_trace(path, block_size=16).carries_outputs()
+    rates = {}
+    for flag in ([], ["--cache-outputs"], ["--no-cache-outputs"]):
+        out = tmp_path / "r.json"
+        r = cli("--trace", str(path), "--model-spec", "qwen3.5-4b", "--capacity", "inf",
+                "--policy", "radixkv", "--json", str(out), *flag)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        rates[tuple(flag)] = json.loads(out.read_text())["results"][0]["token_hit_rate"]
+    assert rates[()] == rates[("--cache-outputs",)] > rates[("--no-cache-outputs",)]
+
+
 @pytest.mark.parametrize(
     "rows, msg",
     [
@@ -155,6 +173,7 @@ def test_mooncake_blocks_split_into_pages(tmp_path):
     (r,) = t.requests
     assert t.block_size == 64 and r.prompt_tokens == 700
     assert r.units == [3 * 8 + j for j in range(8)] + [9 * 8 + j for j in range(3)]
+    assert not t.carries_outputs()  # (an output's length, not its blocks: none cached)
     with pytest.raises(ValueError, match="does not divide"):
         traces.split_blocks(traces.load_trace(path), 48)
 

@@ -64,8 +64,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                      "converter")  # fmt: skip
     sim.add_argument("--bytes-per-token", type=positive_int, help="custom KV bytes per token")
     sim.add_argument("--cache-outputs", action=argparse.BooleanOptionalAction, default=None,
-                     help="cache prompt + output at finish, as engines do [on for generated "
-                     "workloads; Mooncake traces carry no output blocks]")  # fmt: skip
+                     help="cache prompt + output at finish, as engines do [on when the trace "
+                     "carries outputs: generated workloads, Marconi traces, token traces "
+                     "with outputs; Mooncake traces carry none]")  # fmt: skip
     sim.add_argument("--warmup", type=number(float, 0.0, "a fraction in [0, 1)"), default=0.0,
                      help="fraction of first requests left out of the rates [0]")  # fmt: skip
     sim.add_argument("--requests", type=positive_int, help="replay only the first N requests")
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(f"--capacity: {e}") from None
     caps = list(labels)
-    outputs = args.cache_outputs if args.cache_outputs is not None else not args.trace
+    outputs = trace.carries_outputs() if args.cache_outputs is None else args.cache_outputs
     if counts:
         return _replicas(args, trace, counts, caps, labels, outputs, console)
     if args.tiers:
@@ -302,7 +303,7 @@ def _hybrid(args: argparse.Namespace) -> int:
             caps.append(hybrid.UNBOUNDED if units is None else units * trace.block_size * per_token)
     except ValueError as e:
         raise CliError(f"--capacity: {e}") from None
-    outputs = args.cache_outputs if args.cache_outputs is not None else not args.trace
+    outputs = trace.carries_outputs() if args.cache_outputs is None else args.cache_outputs
     console = make_console(stderr=args.json_out == "-")
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"replaying {len(trace.requests):,} requests",

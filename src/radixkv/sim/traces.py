@@ -58,6 +58,11 @@ class Trace:
     def prompt_tokens(self) -> int:
         return sum(r.prompt_tokens for r in self.requests)
 
+    def carries_outputs(self) -> bool:
+        """Whether any request knows its output's tokens (a Marconi trace, a generated
+        workload; a Mooncake trace gives only their count)."""
+        return any(len(r.units) > r.num_prompt_units for r in self.requests)
+
     def hit_tokens(self, req: SimRequest, hit_units: int) -> int:
         """Tokens served by ``hit_units`` leading cached units (a partial last block
         counts its own size)."""
