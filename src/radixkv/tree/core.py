@@ -370,9 +370,7 @@ class RadixCache(ComponentHost, Eviction):
         parts, last, n, _ = self.match_parts(key, split, full)
         return MatchResult(bytes_to_tensor(parts), last, n)
 
-    def match_parts(
-        self, key: RadixKey, split: bool = True, full: bool = False
-    ) -> MatchParts:
+    def match_parts(self, key: RadixKey, split: bool = True, full: bool = False) -> MatchParts:
         """`match_prefix` without the tensor, for callers that copy the slots anyway
         (`MatchParts`: the slots as packed chunks, the last node, the hit, and the
         full-attention match before the components' cut, all from the same walk)."""
