@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -104,28 +105,30 @@ def _run(args: tuple[int | None, str, bool, float, str]) -> SimResult:
 @contextmanager
 def _pool(workers: int) -> Iterator[Any]:
     """Forked workers that stop with this process: a SIGINT to it alone (a supervisor's;
-    a terminal's reaches only it too, as the workers ignore SIGINT) kills them at once,
-    where an executor's exit waited for every running replay. SIGINT is held back while
-    they fork (one arriving then was lost in an at-fork handler) and raised inside."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    a terminal's reaches only it too, as the workers ignore SIGINT) terminates them at
+    once, where an executor's exit waited for every running replay. While they fork, a
+    SIGINT is only noted, and raised once inside: raised then, in an at-fork handler, it
+    was swallowed ("Exception ignored") and the run went on. (Killing the workers before
+    the pool's exit deadlocks it: one may hold its task queue's lock.)"""
+    noted: list[int] = []
+    hold = threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )  # (an inherited SIG_IGN stays as it is)
+    if hold:
+        signal.signal(signal.SIGINT, lambda *_: noted.append(1))
     try:
         pool = mp.get_context("fork").Pool(workers, initializer=_ignore_sigint)
-    except BaseException:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        raise
-    with pool:  # its exit terminates them
-        try:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-            yield pool
-        except BaseException:  # killed before the pool closes the pipes they answer on
-            for worker in mp.active_children():
-                worker.kill()
-            raise
+    finally:
+        if hold:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    with pool:  # its exit terminates them (SIGTERM: no traceback, nothing waited for)
+        if noted:
+            raise KeyboardInterrupt
+        yield pool
 
 
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def sweep(
