@@ -68,14 +68,8 @@ if TYPE_CHECKING:
 def utility(ticks: list[float], value: list[float], cost: list[float], alpha: float) -> list[float]:
     """Marconi's score of each candidate: recency plus ``alpha`` x value per byte, each
     scaled to [0, 1] over the candidates (the lowest goes first)."""
-    t0, t1 = min(ticks), max(ticks)
-    eff = [v / max(c, 1.0) for v, c in zip(value, cost, strict=True)]
-    e0, e1 = min(eff), max(eff)
-    return [
-        ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
-        + alpha * ((e - e0) / (e1 - e0) if e1 > e0 else 1.0)
-        for t, e in zip(ticks, eff, strict=True)
-    ]
+    arrays = (np.asarray(x, dtype=np.float64) for x in (ticks, value, cost))
+    return utility_array(*arrays, alpha).tolist()
 
 
 class HybridBudget(TreeComponent):
