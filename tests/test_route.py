@@ -136,7 +136,8 @@ WORKER = [
 def Router(workers: list[str], policy: str = "kv") -> ServerProcess:
     """``radixkv route`` over ``workers`` (``URL,EVENTS``) on a free port."""
     args = [a for w in workers for a in ("--worker", w)]
-    return ServerProcess("--model", "random", "--policy", policy, "--health-interval", "0.2",
+    # no --model: the router tokenizes as the workers' cards say they do
+    return ServerProcess("--policy", policy, "--health-interval", "0.2",
                          *args, command="route", timeout=60)  # fmt: skip
 
 
@@ -449,6 +450,40 @@ def test_route_refuses_workers_it_would_misroute(fleet, tmp_path, capsys):
     assert "page sizes differ" in capsys.readouterr().err
     card = httpx.get(f"{workers[0].url}/v1/models").json()["data"][0]
     assert card["radixkv"]["page_size"] == 4 and len(card["radixkv"]["tokenizer"]) == 16
+    assert card["radixkv"]["tokenizer_source"] == "byte"
+
+
+def test_route_takes_the_workers_tokenizer_and_refuses_a_fleet_that_disagrees(
+    fleet, tmp_path, capsys
+):
+    """Without --model the router loads what the workers' cards name (a folder's
+    tokenizer here, a byte tokenizer in the fleet) and checks it against their
+    fingerprint; workers that tokenize differently are refused, naming each."""
+    from test_checkpoints import hf_folder
+
+    from radixkv.engine.tokenizer import ByteTokenizer, tokenizer_fingerprint
+    from radixkv.router.fleet import workers_tokenizer
+
+    _, workers = fleet
+    folder = hf_folder(tmp_path / "own-tokenizer")
+    with ServerProcess("--model", str(folder), timeout=60) as other:
+        cards = {w.url: httpx.get(f"{w.url}/v1/models").json()["data"][0]
+                 for w in (workers[0], other)}  # fmt: skip
+        mine = cards[other.url]["radixkv"]
+        assert mine["tokenizer_source"] == str(folder.resolve())
+        tok = workers_tokenizer({other.url: cards[other.url]})
+        assert tok is not None and tokenizer_fingerprint(tok) == mine["tokenizer"]
+        assert type(workers_tokenizer({workers[0].url: cards[workers[0].url]})) is ByteTokenizer
+        args = ["route", "--port", str(free_port_pair()), "--worker", workers[0].url]
+        assert main([*args, "--worker", other.url]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: the workers tokenize differently")
+        assert workers[0].url in err and other.url in err
+    # a source that does not load here into the workers' tokenizer: --model is needed
+    moved = {**mine, "tokenizer_source": str(tmp_path / "elsewhere")}
+    with pytest.raises(ValueError, match="give --model"):
+        workers_tokenizer({other.url: {**cards[other.url], "radixkv": moved}})
+    assert workers_tokenizer({other.url: None}) is None  # nobody says: --model auto
 
 
 def test_a_restarted_worker_gets_traffic_again_under_load():

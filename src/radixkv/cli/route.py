@@ -6,6 +6,7 @@ Owns: the subcommand's flags and the router's start-up checks. Must not touch: r
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from typing import Any
@@ -41,7 +42,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="a replica, e.g. http://127.0.0.1:8001,tcp://127.0.0.1:5557 (repeat the flag)",
     )
     r.add_argument("--policy", choices=["kv", "approx", "least_load", "round_robin"], default="kv")
-    r.add_argument("--model", default="auto", help="whose tokenizer to route with [auto]")
+    r.add_argument("--model", default=None,
+                   help="whose tokenizer to route with (auto, random, smollm2, a folder) "
+                   "[the workers': their /v1/models cards name it]")  # fmt: skip
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=number(int, 0, "a port number"), default=8100)
     r.add_argument(
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     require_serve_extra()
     sock = listen(args.host, args.port)  # first of all: a busy port is refused at once
     from radixkv.engine.tokenizer import load_tokenizer
-    from radixkv.router.fleet import radixkv_info, read_card
+    from radixkv.router.fleet import radixkv_info, read_card, workers_tokenizer
     from radixkv.router.proxy import Router, WorkerSpec, build_router_app, check_workers
     from radixkv.web.serving import bound_url, uvicorn_server
 
@@ -75,10 +78,6 @@ def run(args: argparse.Namespace) -> int:
         specs = [WorkerSpec.parse(w) for w in args.worker]
     except ValueError as e:
         raise CliError(f"--worker: {e}") from None
-    try:
-        tokenizer = load_tokenizer(args.model)
-    except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
-        raise CliError(f"--model {args.model}: {e}") from None
     from radixkv.router.proxy import ADMIN_PATHS
     from radixkv.web.access import Access
 
@@ -93,6 +92,17 @@ def run(args: argparse.Namespace) -> int:
     key = args.kv_events_key.encode() if args.kv_events_key else None
     headers = {"authorization": f"Bearer {args.worker_api_key}"} if args.worker_api_key else {}
     cards = {s.url: read_card(s, headers=headers) for s in specs}
+    tokenizer = None
+    try:
+        if args.model is None:
+            tokenizer = workers_tokenizer(cards)
+            if tokenizer is None:
+                logging.getLogger("radixkv.router").warning(
+                    "no worker names its tokenizer: routing with --model auto's"
+                )
+        tokenizer = tokenizer or load_tokenizer(args.model or "auto")
+    except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
+        raise CliError(f"--model {args.model}: {e}" if args.model else str(e)) from None
     problems = check_workers(specs, tokenizer, headers=headers, cards=cards)
     sizes = {radixkv_info(c).get("page_size") for c in cards.values()} - {None}
     if args.block_size is not None and sizes and sizes != {args.block_size}:

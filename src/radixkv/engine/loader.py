@@ -20,11 +20,11 @@ from radixkv.engine.config import EngineConfig
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.sources import smollm2_folder, smollm2_missing
 from radixkv.engine.tokenizer import (
-    BPETokenizer,
     ByteTokenizer,
     Tokenizer,
     folder_tokenizer,
     load_tokenizer,
+    smollm2_tokenizer,
 )
 from radixkv.engine.weights import load_hf_folder, random_model
 from radixkv.lifecycle import CacheManager
@@ -62,7 +62,7 @@ def load_model(
         if why_not is None:
             folder = smollm2_folder()
             assert folder is not None
-            tok = BPETokenizer(folder / "gguf_tokenizer.json")
+            tok = smollm2_tokenizer()
             return load_hf_folder(folder), tok, "SmolLM2-135M-Instruct (GGUF Q4_1, fp32)"
         if model == "smollm2":
             raise ModuleNotFoundError(why_not)

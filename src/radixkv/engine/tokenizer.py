@@ -26,6 +26,7 @@ __all__ = [
     "load_tokenizer",
     "tokenizer_fingerprint",
     "tokenizer_identity",
+    "tokenizer_source",
 ]
 
 
@@ -47,12 +48,22 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.blake2b(tokenizer_identity(tokenizer), digest_size=8).hexdigest()
 
 
+def tokenizer_source(tokenizer: Any) -> str | None:
+    """What `load_tokenizer` takes to build ``tokenizer`` again (``byte``, ``smollm2``,
+    a checkpoint folder or a ``gguf_tokenizer.json``, as an absolute path), or ``None``
+    for one built otherwise. A server shows it in ``/v1/models``, so a router started
+    without ``--model`` tokenizes as its workers do."""
+    source = getattr(tokenizer, "source", None)
+    return source if isinstance(source, str) else None
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255; 256 is BOS, 257 EOS. For random models."""
 
     bos_token_id = 256
     eos_token_id = 257
     max_token_chars = 1
+    source = "byte"  # every byte tokenizer splits alike, whatever its vocabulary
 
     def __init__(self, vocab_size: int = 384) -> None:
         if vocab_size < 258:
@@ -94,6 +105,7 @@ class HFTokenizer:
     ) -> None:
         self._tk, self._template, self._bos, self._eos = tk, template, bos, eos
         self.identity = identity
+        self.source: str | None = None  # what load_tokenizer takes (set by the builders)
         self._add_special = add_special_tokens
         self.bos_token_id = tk.token_to_id(bos) if bos else None
         self.eos_token_id = tk.token_to_id(eos) if eos else None
@@ -145,7 +157,9 @@ class HFTokenizer:
             if tok is not None and not isinstance(tok, str):
                 raise FolderError(f"{cfg_path}: {name} must be a string")
         ident = hashlib.blake2b(raw + b"\0" + cfg_raw, digest_size=16).digest()
-        return cls(tk, template, bos, eos, b"hf:" + ident)
+        tok = cls(tk, template, bos, eos, b"hf:" + ident)
+        tok.source = str(folder.resolve())
+        return tok
 
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=self._add_special).ids
@@ -235,6 +249,7 @@ class BPETokenizer(HFTokenizer):
             b"bpe:" + hashlib.blake2b(raw, digest_size=16).digest(),
             add_special_tokens=False,  # GGUF BPEs add no specials to a plain prompt
         )
+        self.source = str(Path(meta_path).resolve())
 
 
 BYTE_VOCAB = 384  # the tiny random model's vocabulary: the byte tokenizer's ids and more
@@ -257,6 +272,20 @@ def folder_tokenizer(folder: str | Path, vocab_size: int | None = None) -> Token
     return ByteTokenizer(max(BYTE_VOCAB, vocab_size or BYTE_VOCAB))
 
 
+def smollm2_tokenizer() -> BPETokenizer:
+    """The installed SmolLM2's tokenizer, named ``smollm2`` (its path differs from one
+    install to the next). Raises ModuleNotFoundError when it is not installed."""
+    from radixkv.engine.sources import smollm2_folder, smollm2_missing
+
+    why_not = smollm2_missing()
+    folder = smollm2_folder()
+    if why_not is not None or folder is None:
+        raise ModuleNotFoundError(why_not or "SmolLM2 is not installed")
+    tok = BPETokenizer(folder / "gguf_tokenizer.json")
+    tok.source = "smollm2"
+    return tok
+
+
 def load_tokenizer(name: str | Path) -> Tokenizer:
     """The one place a tokenizer is named, for the engine, the router and the simulator,
     without loading weights: ``byte`` / ``random`` (UTF-8 bytes), ``smollm2``, ``auto``
@@ -267,16 +296,14 @@ def load_tokenizer(name: str | Path) -> Tokenizer:
         ModuleNotFoundError: ``smollm2`` asked for and not installed (the message says
             what to install). ValueError: none of those.
     """
-    from radixkv.engine.sources import smollm2_folder, smollm2_missing
+    from radixkv.engine.sources import smollm2_missing
 
     if name in ("byte", "random"):
         return ByteTokenizer(BYTE_VOCAB)
     if name in ("auto", "smollm2"):
         why_not = smollm2_missing()
         if why_not is None:
-            folder = smollm2_folder()
-            assert folder is not None
-            return BPETokenizer(folder / "gguf_tokenizer.json")
+            return smollm2_tokenizer()
         if name == "smollm2":
             raise ModuleNotFoundError(why_not)
         return ByteTokenizer(BYTE_VOCAB)

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from radixkv.engine.tokenizer import Tokenizer, tokenizer_fingerprint
+from radixkv.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_fingerprint
 from radixkv.events import KVEventBatch, replay_endpoint
 from radixkv.router import policies
 from radixkv.router.core import RoutingCore, Ticket, WorkerLoad
@@ -93,6 +93,42 @@ def radixkv_info(card: dict | None) -> dict:
     """What a radixkv worker's card says of it (``{}`` for other servers)."""
     info = card.get("radixkv") if isinstance(card, dict) else None
     return info if isinstance(info, dict) else {}
+
+
+def workers_tokenizer(cards: dict[str, dict | None]) -> Tokenizer | None:
+    """The tokenizer the workers' cards name (``tokenizer_source``), loaded here and
+    checked against their fingerprint, for a router started without ``--model``;
+    ``None`` when no worker says what it tokenizes with (none answered, or vLLMs).
+
+    Raises:
+        ValueError: the workers tokenize differently (naming each), or none of the
+            sources they name loads here into their tokenizer (a path on another
+            machine): give ``--model``.
+    """
+    prints = {url: radixkv_info(c).get("tokenizer") for url, c in cards.items()}
+    prints = {url: p for url, p in prints.items() if isinstance(p, str)}
+    if not prints:
+        return None
+    if len(set(prints.values())) > 1:
+        raise ValueError(f"the workers tokenize differently ({prints}): route one fleet "
+                         "per tokenizer")  # fmt: skip
+    wanted = next(iter(prints.values()))
+    sources = dict.fromkeys(
+        s for s in (radixkv_info(cards[url]).get("tokenizer_source") for url in prints)
+        if isinstance(s, str)
+    )  # fmt: skip
+    why = []
+    for source in sources:
+        try:
+            tokenizer = load_tokenizer(source)
+        except (ValueError, OSError, ModuleNotFoundError) as e:
+            why.append(f"{source}: {str(e)[:200]}")
+            continue
+        if tokenizer_fingerprint(tokenizer) == wanted:
+            return tokenizer
+        why.append(f"{source}: tokenizes with {tokenizer_fingerprint(tokenizer)} here")
+    raise ValueError(f"the workers tokenize with {wanted}, and no source they name loads "
+                     f"into it here ({'; '.join(why) or 'none named'}): give --model")  # fmt: skip
 
 
 def check_workers(

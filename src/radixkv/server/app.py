@@ -45,7 +45,7 @@ from radixkv.engine.async_engine import (
 from radixkv.engine.output import choice_sampling, usage
 from radixkv.engine.request import CacheSpec, SamplingParams, StepOutput
 from radixkv.engine.scheduler import DoesNotFit
-from radixkv.engine.tokenizer import tokenizer_fingerprint
+from radixkv.engine.tokenizer import tokenizer_fingerprint, tokenizer_source
 from radixkv.server import prompt_cache
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
@@ -598,6 +598,9 @@ def build_app(
                 # a recurrent model's checkpoints (each alone: a servable prefix's end)
                 "events": "pages" if engine.recurrent is None else "checkpoints",
                 "tokenizer": tokenizer_fingerprint(engine.tokenizer),
+                # what a router without --model loads to tokenize as this worker does
+                # (byte, smollm2 or a path on this machine, as vLLM's card shows its root)
+                "tokenizer_source": tokenizer_source(engine.tokenizer),
                 # weights, config, dtype, page size and tokenizer as 32 hex digits:
                 # workers with equal ones compute the same KV for the same tokens
                 "model": engine.model_identity().hex(),
