@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from radixkv.tree.budget import HybridBudget, utility
+from radixkv.kvcache.budget import HybridBudget, utility
 
 
 class ScanningBudget(HybridBudget):

@@ -13,7 +13,7 @@ import random
 import statistics
 import time
 
-from radixkv.memory import TokenToKVPoolAllocator
+from radixkv.kvcache.memory import TokenToKVPoolAllocator
 
 
 def run(page_size: int, rounds: int = 20_000, seed: int = 0) -> float:

@@ -4,7 +4,7 @@ multi-turn chats that share system prompts, two ways in the same run:
 
 * **whole**: every layer's KV in one pool (``window_tokens=0``, what the engine did
   before), ``K`` tokens of six layers;
-* **split**: the sliding layers' KV in a pool of its own (`radixkv.window_slots`), sized
+* **split**: the sliding layers' KV in a pool of its own (`radixkv.kvcache.window_slots`), sized
   so that both pools together take the same bytes: ``F`` full-attention tokens and
   ``F / 4`` window tokens, ``F × 1 + F / 4 × 5 = K × 6`` layers' worth.
 
@@ -90,7 +90,7 @@ def pressure_calls(prompts: int) -> dict[str, tuple[float, float]]:
     from array import array
 
     from radixkv.key import RadixKey
-    from radixkv.memory import TokenToKVPoolAllocator
+    from radixkv.kvcache.memory import TokenToKVPoolAllocator
     from radixkv.tree import RadixCache
     from radixkv.tree.window import WindowKV
 

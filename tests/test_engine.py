@@ -14,8 +14,8 @@ from radixkv import RadixCache
 from radixkv.engine.engine import Engine
 from radixkv.engine.models.llama import ForwardBatch, ModelConfig
 from radixkv.engine.weights import random_model
-from radixkv.lifecycle import CacheManager, Req
-from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.lifecycle import CacheManager, Req
+from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 
 CFG = ModelConfig(
     vocab_size=384,

@@ -145,7 +145,7 @@ def test_logits_equal_transformers(tmp_path, arch, config, dtype):
 
     from radixkv.engine.models.base import ForwardBatch
     from radixkv.engine.weights import load_hf_folder
-    from radixkv.memory import KVPool
+    from radixkv.kvcache.memory import KVPool
 
     path = folder(tmp_path / "ckpt", arch, **config)
     reference = getattr(transformers, arch).from_pretrained(path).eval()

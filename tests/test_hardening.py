@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from radixkv import RadixCache, RadixKey
 from radixkv.cli import main
 from radixkv.engine import sources as weights
-from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.sim.traces import MAX_OUTPUT_TOKENS, TraceError, load_mooncake, load_token_jsonl
 
 

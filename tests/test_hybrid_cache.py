@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixkv import RadixCache, RadixKey
-from radixkv.tree.budget import HybridBudget
+from radixkv.kvcache.budget import HybridBudget
 from radixkv.tree.state import StateCheckpoints
 from radixkv.tree.window import WindowKV
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv import RadixCache, RadixKey
-from radixkv.tree.budget import HybridBudget
+from radixkv.kvcache.budget import HybridBudget
 from radixkv.tree.state import StateCheckpoints
 from radixkv.tree.window import WindowKV
 

@@ -11,14 +11,11 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "radixkv"
 # each part, and the parts above it it must never import
 FORBIDDEN = {
-    "tree": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
+    "tree": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench", "kvcache"),
     "key": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench", "tree"),
     "policy": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
     "blockhash": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
-    "memory": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
-    "lifecycle": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
-    "window_slots": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
-    "retention": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
+    "kvcache": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
     "events": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
     "storage": ("engine", "server", "router", "sim", "cli", "web", "bench"),
     "engine": ("server", "router", "sim", "cli", "web", "bench"),

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv import RadixCache
-from radixkv.lifecycle import CacheManager, Req
-from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.lifecycle import CacheManager, Req
+from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
 
 
 def make(size=64, page=1, eagle=False, max_reqs=4, max_len=64, policy="lru"):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 
 
 def state(a: TokenToKVPoolAllocator):

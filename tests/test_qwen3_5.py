@@ -47,7 +47,7 @@ def test_logits_equal_transformers_chunked_and_token_by_token(folder, reference)
     form's 64-token chunks), in two chunks, and with single-token (recurrent) steps."""
     from radixkv.engine.models.base import ForwardBatch
     from radixkv.engine.weights import load_hf_folder
-    from radixkv.memory import KVPool
+    from radixkv.kvcache.memory import KVPool
 
     ours = load_hf_folder(folder)
     ours.make_states(2)
@@ -105,7 +105,7 @@ def test_logits_equal_transformers_when_sequences_decode_as_one_batch(folder, re
     transformers' on it alone, to 1e-4."""
     from radixkv.engine.models.base import ForwardBatch
     from radixkv.engine.weights import load_hf_folder
-    from radixkv.memory import KVPool
+    from radixkv.kvcache.memory import KVPool
 
     ours = load_hf_folder(folder)
     ours.make_states(5)
@@ -156,7 +156,7 @@ def test_prompts_prefilled_in_one_batch_equal_each_alone(folder, reference):
     from radixkv.engine.models.base import ForwardBatch
     from radixkv.engine.models.qwen3_5 import _prefill_groups
     from radixkv.engine.weights import load_hf_folder
-    from radixkv.memory import KVPool
+    from radixkv.kvcache.memory import KVPool
 
     seqs = [torch.tensor(rand(n, 90 + n)) for n in (40, 70, 33, 64)]
     slots = torch.randperm(512)[: sum(map(len, seqs))].split([len(x) for x in seqs])
@@ -213,7 +213,7 @@ def test_half_precision_weights_run_every_path(folder, reference, dtype):
     the engine serves a shared prefix from the cache."""
     from radixkv.engine.models.base import ForwardBatch
     from radixkv.engine.weights import load_hf_folder
-    from radixkv.memory import KVPool
+    from radixkv.kvcache.memory import KVPool
 
     ours = load_hf_folder(folder, dtype)
     ours.make_states(2)

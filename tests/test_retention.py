@@ -1,4 +1,4 @@
-"""Prompt-cache retention and explicit caching: `radixkv.retention.Retention` on a tree
+"""Prompt-cache retention and explicit caching: `radixkv.kvcache.retention.Retention` on a tree
 (deadlines, quotas, pressure) and through the engine (`CacheSpec`: a retained prefix
 survives a flood that evicts everything else, an explicit limit caches only up to it, a
 request that does not read the cache finds nothing, and pins never keep a request from
@@ -13,7 +13,7 @@ from radixkv import RadixCache, RadixKey
 from radixkv.engine.engine import Engine
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.request import CacheSpec, SamplingParams
-from radixkv.retention import Retention
+from radixkv.kvcache.retention import Retention
 
 CFG = ModelConfig()
 

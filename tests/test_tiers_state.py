@@ -14,8 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from radixkv import RadixCache, RadixKey
 from radixkv.engine.engine import Engine
-from radixkv.lifecycle import CacheManager
-from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.lifecycle import CacheManager
+from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.storage import MemoryStore
 from radixkv.storage.tier import WRITE_POLICIES, KVTiers
 

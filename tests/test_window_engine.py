@@ -1,5 +1,5 @@
 """The engine on models with sliding-window layers whose KV lives in a pool of its own
-(`radixkv.window_slots`): Gemma 3 (sliding and global layers) and Mistral (every layer
+(`radixkv.kvcache.window_slots`): Gemma 3 (sliding and global layers) and Mistral (every layer
 sliding), from tiny random folders transformers writes. Outputs equal transformers' and
 an engine that keeps every window, under window-pool pressure, chunked prefill,
 preemption, sampling and ``n`` choices; a running request holds only its last window."""

@@ -1,5 +1,5 @@
 """The request lifecycle with sliding-window KV in a slot space of its own
-(`radixkv.window_slots`): a request keeps only its last window, the tree only the windows
+(`radixkv.kvcache.window_slots`): a request keeps only its last window, the tree only the windows
 a match can end at, and what a request reads is always what it computed.
 
 The fuzzer fingerprints every computed full and window slot with the tokens its KV
@@ -20,10 +20,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_lifecycle import InjectedFault, inject_fault
 
 from radixkv import RadixCache, RadixKey
-from radixkv.lifecycle import CacheManager, Req
-from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.lifecycle import CacheManager, Req
+from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.window_slots import WindowSlots
 from radixkv.tree.window import WindowKV
-from radixkv.window_slots import WindowSlots
 
 
 def make(window=4, size=256, wsize=64, page=1, max_reqs=4, max_len=96, policy="lru",

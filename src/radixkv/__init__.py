@@ -17,6 +17,15 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
+    # the cache runtime (radixkv.kvcache; these lived at the package root before)
+    "CacheManager": "radixkv.kvcache",
+    "HybridBudget": "radixkv.kvcache",
+    "KVPool": "radixkv.kvcache",
+    "Req": "radixkv.kvcache",
+    "ReqToTokenPool": "radixkv.kvcache",
+    "Retention": "radixkv.kvcache",
+    "TokenToKVPoolAllocator": "radixkv.kvcache",
+    "WindowSlots": "radixkv.kvcache",
     "RadixKey": "radixkv.key",
     "POLICIES": "radixkv.policy",
     "InsertResult": "radixkv.tree",
@@ -27,16 +36,34 @@ _LAZY = {
 
 __all__ = [
     "POLICIES",
+    "CacheManager",
+    "HybridBudget",
     "InsertResult",
+    "KVPool",
     "MatchResult",
     "RadixCache",
     "RadixKey",
+    "Req",
+    "ReqToTokenPool",
+    "Retention",
+    "TokenToKVPoolAllocator",
     "TreeNode",
+    "WindowSlots",
     "__version__",
 ]
 
 if TYPE_CHECKING:
     from radixkv.key import RadixKey
+    from radixkv.kvcache import (
+        CacheManager,
+        HybridBudget,
+        KVPool,
+        Req,
+        ReqToTokenPool,
+        Retention,
+        TokenToKVPoolAllocator,
+        WindowSlots,
+    )
     from radixkv.policy import POLICIES
     from radixkv.tree import InsertResult, MatchResult, RadixCache, TreeNode
 

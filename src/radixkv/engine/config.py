@@ -47,7 +47,7 @@ class EngineConfig:
             multiple of ``page_size``; 0: never), so a prefix shared by requests that
             go on past it hits from the second request, before any branch point is
             known (vLLM's align mode keeps a state on such a grid, of its block size).
-        max_retained_tokens: prompt-cache retention (`radixkv.retention`): the most
+        max_retained_tokens: prompt-cache retention (`radixkv.kvcache.retention`): the most
             tokens one namespace (a ``cache_salt``) keeps retained on request; ``None``:
             an eighth of ``kv_tokens``; 0: retention off. All namespaces together keep
             at most twice this or a quarter of ``kv_tokens``, whichever is more, shared
@@ -57,7 +57,7 @@ class EngineConfig:
             them (Gemma 3, Mistral, Qwen with ``use_sliding_window``): their KV lives in
             a slot space of its own, a running request keeps only its last window and
             the prefix cache only the windows a match can end at
-            (`radixkv.window_slots`). ``None``: sized at start (a quarter of
+            (`radixkv.kvcache.window_slots`). ``None``: sized at start (a quarter of
             ``kv_tokens``, at least every running request's last window and one
             chunk, at most ``kv_tokens``; kept in the full pool when even that is less
             than one request needs, or with host / store tiers, which store whole

@@ -45,7 +45,7 @@ from radixkv.engine.request import CacheSpec, EngineReq, MarkedIds, SamplingPara
 from radixkv.engine.scheduler import DoesNotFit, Scheduler
 from radixkv.engine.tokenizer import Tokenizer
 from radixkv.key import RadixKey, check_namespace
-from radixkv.retention import Retention
+from radixkv.kvcache.retention import Retention
 
 log = logging.getLogger("radixkv.engine")
 

@@ -27,12 +27,12 @@ from radixkv.engine.tokenizer import (
     smollm2_tokenizer,
 )
 from radixkv.engine.weights import load_hf_folder, random_model
-from radixkv.lifecycle import CacheManager
-from radixkv.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.lifecycle import CacheManager
+from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.window_slots import WindowSlots
 from radixkv.tree import RadixCache
 from radixkv.tree.window import WindowKV
 from radixkv.units import align_down, align_up
-from radixkv.window_slots import WindowSlots
 
 log = logging.getLogger("radixkv.engine")
 

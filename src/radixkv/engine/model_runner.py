@@ -11,8 +11,8 @@ import torch
 
 from radixkv.engine.models.base import ForwardBatch
 from radixkv.engine.request import EngineReq
-from radixkv.memory import KVPool, ReqToTokenPool
-from radixkv.window_slots import WindowSlots
+from radixkv.kvcache.memory import KVPool, ReqToTokenPool
+from radixkv.kvcache.window_slots import WindowSlots
 
 
 class ModelRunner:

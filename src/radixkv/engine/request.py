@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from radixkv.key import as_bool
-from radixkv.lifecycle import Req
+from radixkv.kvcache.lifecycle import Req
 
 # "error": the request failed alone (its logits went non-finite, or processing its token
 # raised); its slots, states and locks were freed and the others went on
@@ -137,7 +137,7 @@ class CacheSpec:
 
     Attributes:
         retain: (prompt position, seconds) pairs: keep the prefix up to that position
-            cached at least that long after the request (`radixkv.retention`); on a
+            cached at least that long after the request (`radixkv.kvcache.retention`); on a
             recurrent model each position is also a checkpoint boundary.
         limit: cache only the first ``limit`` tokens (``None``: all; OpenAI's
             ``mode: "explicit"``: up to the last breakpoint).

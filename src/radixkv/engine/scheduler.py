@@ -21,8 +21,8 @@ Progress: a request is admitted only if it fits the pool alone (``add`` refuses 
 that never can), and preemption always picks the newest request, so the oldest running
 request always advances and no request is preempted forever. When no request can run
 at all (every prefill chunk waits for memory the others hold, as in a window pool
-smaller than every running request's windows: `radixkv.window_slots`), the newest
-yields too. Retained prefixes (`radixkv.retention`) never block that: they are released
+smaller than every running request's windows: `radixkv.kvcache.window_slots`), the newest
+yields too. Retained prefixes (`radixkv.kvcache.retention`) never block that: they are released
 (``relieve``) before a decode preempts, and when a request alone cannot be admitted or
 get its chunk's slots.
 
@@ -38,7 +38,7 @@ from collections.abc import Callable
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.request import EngineReq
 from radixkv.key import RadixKey
-from radixkv.lifecycle import CacheManager
+from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.tree import RadixCache
 
 # Under LPM a request waits a step when an admitted request is computing more than this
@@ -79,7 +79,7 @@ class Scheduler:
         self.on_admit: Callable[[EngineReq], None] | None = None
         self.on_leave: Callable[[EngineReq], None] | None = None
         # frees retained prefixes to make at least n more tokens evictable (returns how
-        # many it made): called when a request cannot run otherwise (radixkv.retention)
+        # many it made): called when a request cannot run otherwise (radixkv.kvcache.retention)
         self.relieve: Callable[[int], int] | None = None
         self._window_reserved = 0  # window slots this step's admissions reserved
 
@@ -179,7 +179,7 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if id(r) not in gone)
 
     def _window_room(self, r: EngineReq, hit: int) -> bool:
-        """With the sliding layers' KV apart (`radixkv.window_slots`): the window pool
+        """With the sliding layers' KV apart (`radixkv.kvcache.window_slots`): the window pool
         has room for the request's window and first chunk besides what this step's
         earlier admissions reserved (so requests admitted together cannot starve each
         other's windows). Reserves it."""

@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import FINISH_REASONS
-from radixkv.retention import REASONS
+from radixkv.kvcache.retention import REASONS
 
 # seconds; fine at the low end (a tiny model's steps are milliseconds)
 LATENCY_BUCKETS = (

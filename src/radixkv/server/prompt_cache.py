@@ -14,7 +14,7 @@
 
 A request with none of them gets no `CacheSpec`: the cache behaves as it always has
 (nothing retained, nothing reported beyond ``cached_tokens``). Retention is bounded by
-the server's quota (``--max-retained-tokens`` per ``cache_salt``; `radixkv.retention`).
+the server's quota (``--max-retained-tokens`` per ``cache_salt``; `radixkv.kvcache.retention`).
 
 Owns: reading these fields. Must not touch: the cache (the engine applies the spec).
 """

@@ -51,7 +51,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
 }
 
 
-# OpenAI's prompt caching (radixkv.retention keeps a retained prefix for its lifetime)
+# OpenAI's prompt caching (radixkv.kvcache.retention keeps a retained prefix for its lifetime)
 TTL_SECONDS = {"30m": 1800.0, "12h": 43200.0, "24h": 86400.0}
 MAX_BREAKPOINTS = 4  # explicit breakpoints a request may write (OpenAI's limit)
 

@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 from radixkv.key import RadixKey
+from radixkv.kvcache.budget import HybridBudget, utility
 from radixkv.sim.traces import SimRequest, Trace
 from radixkv.tree import RadixCache
-from radixkv.tree.budget import HybridBudget, utility
 from radixkv.tree.state import StateCheckpoints
 from radixkv.tree.window import WindowKV
 from radixkv.units import div_ceil

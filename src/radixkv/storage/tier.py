@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from radixkv.key import RadixKey
-from radixkv.memory import KVPool
+from radixkv.kvcache.memory import KVPool
 from radixkv.storage import WRITE_POLICIES
 from radixkv.storage.page import PageCodec, PageError
 from radixkv.storage.store import PageStore, StoreStats

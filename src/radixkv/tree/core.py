@@ -444,7 +444,7 @@ class RadixCache(ComponentHost, Eviction):
                 ndarray, array or list); defaults to the token ids.
             priority: for the ``priority`` policy; nodes on the path keep the maximum.
             slots_checked: the caller vouches that ``value`` holds distinct non-negative
-                slots (an allocator's, as `radixkv.lifecycle` passes): skips the
+                slots (an allocator's, as `radixkv.kvcache.lifecycle` passes): skips the
                 O(k log k) check of the new slots.
             extras: per component (by name), what it takes with the key: one entry per
                 unit of ``key`` (a sliding window's slots; see the component).

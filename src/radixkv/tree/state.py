@@ -299,7 +299,7 @@ class StateCheckpoints(TreeComponent):
         return end + ((before,) if before is not None else ())
 
     def protect(self, c: Checkpoint) -> None:
-        """Keep checkpoint ``c`` from eviction (a retained prefix, `radixkv.retention`,
+        """Keep checkpoint ``c`` from eviction (a retained prefix, `radixkv.kvcache.retention`,
         which bounds how many) until `unprotect`; protections count."""
         if self.held.get(c.slot) is not c:
             raise ValueError(f"{c!r} is not held")

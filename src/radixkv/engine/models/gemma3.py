@@ -9,7 +9,7 @@ so its state dicts load as they are.
 
 Window layers read and write their KV through ``ForwardBatch.for_layer``: in a slot space
 of their own when the engine frees their KV outside the window
-(`radixkv.window_slots`), else beside the global layers'; attention reads only the
+(`radixkv.kvcache.window_slots`), else beside the global layers'; attention reads only the
 window either way.
 
 Owns: Gemma 3's hyper-parameters, layers and forward pass. Must not touch: the KV pool's
@@ -35,7 +35,7 @@ from radixkv.engine.models.base import (
     last_rows,
     rotate_half,
 )
-from radixkv.memory import KVPool
+from radixkv.kvcache.memory import KVPool
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 LAYER_TYPES = ("sliding_attention", "full_attention")

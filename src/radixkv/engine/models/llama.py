@@ -35,7 +35,7 @@ from radixkv.engine.models.base import (
     rope_theta,
     rotate_half,
 )
-from radixkv.memory import KVPool
+from radixkv.kvcache.memory import KVPool
 
 ARCHITECTURE = "LlamaForCausalLM"
 

@@ -53,7 +53,7 @@ from radixkv.engine.models.base import (
     last_rows,
     rotate_half,
 )
-from radixkv.memory import KVPool
+from radixkv.kvcache.memory import KVPool
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 LAYER_TYPES = ("linear_attention", "full_attention")

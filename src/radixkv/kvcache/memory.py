@@ -12,7 +12,7 @@ Invariants of `TokenToKVPoolAllocator` (checked by ``check``):
       tail is the not-yet-handed-out rest of pages that are partly handed out (the
       owner's ``alloc_extend`` fills it; zero with ``page_size == 1``).
 
-Owns: slots, KV tensors and request rows. Must not touch: the tree (`radixkv.lifecycle`
+Owns: slots, KV tensors and request rows. Must not touch: the tree (`radixkv.kvcache.lifecycle`
 joins the two).
 """
 
@@ -411,7 +411,7 @@ class KVPool:
         dtype, device: storage of the tensors.
         window_layers: layers whose KV lives in a slot space of its own, of
             ``window_size`` slots (sliding-window layers whose out-of-window KV is freed:
-            `radixkv.window_slots`); a layer is read and written by the slots of its
+            `radixkv.kvcache.window_slots`); a layer is read and written by the slots of its
             space.
     """
 

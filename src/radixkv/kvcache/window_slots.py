@@ -32,7 +32,7 @@ Why the reads stay valid. A position a request reads lies at or after
 ``span`` units before its lock end. A lock end is a useful end, so the tree keeps the
 window it holds there, and evicts no window KV of a locked node. The request holds a
 lock from admission until it leaves, and an insert locks the new end before it releases
-the old one (`radixkv.lifecycle`), so the tree's slots it reads are always within a
+the old one (`radixkv.kvcache.lifecycle`), so the tree's slots it reads are always within a
 locked end's window. The request frees its own slots only behind
 ``align_down(kv_len) - span``: behind everything it reads and everything an insert asks
 of it (the last ``span`` units before the key's end, and the chunk just computed,
@@ -47,7 +47,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from radixkv.memory import TokenToKVPoolAllocator, _runs
+from radixkv.kvcache.memory import TokenToKVPoolAllocator, _runs
 from radixkv.tree.window import WindowKV
 from radixkv.units import align_down, align_up
 

@@ -19,7 +19,7 @@ and one row-table write for every chunk and decode of the step), then
 `cache_unfinished_batch` and `cache_finished_batch` (one free call each).
 
 With sliding-window layers whose KV lives in a slot space of its own (``window``: a
-`radixkv.window_slots.WindowSlots` beside a `WindowKV` in the tree) every step above
+`radixkv.kvcache.window_slots.WindowSlots` beside a `WindowKV` in the tree) every step above
 does the same for a request's window slots: the match copies the tree's last window,
 allocation gives window slots too (after trimming what the request no longer needs),
 an insert locks its new end before releasing the old one (so the window on the
@@ -50,10 +50,10 @@ import numpy as np
 import torch
 
 from radixkv.key import RadixKey, check_namespace
-from radixkv.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.window_slots import WindowSlots
 from radixkv.tree import RadixCache, TreeNode
 from radixkv.units import align_down
-from radixkv.window_slots import WindowSlots
 
 
 @dataclass(eq=False)
@@ -372,7 +372,7 @@ class CacheManager:
         locked throughout, and the request's window slots are offered only then, by a
         second insert of the (now cached and locked) key: whatever the tree takes of
         them is on the request's locked path, and a failure before it leaves them all
-        the request's own (`radixkv.window_slots`).
+        the request's own (`radixkv.kvcache.window_slots`).
 
         The one call that can fail after the insert is freeing the duplicates; it runs
         before the row changes, and a failure undoes the insert (the units it added go

@@ -1,0 +1,35 @@
+"""The cache runtime: the memory a prefix cache manages and the steps that join it to
+the tree, between the tree (`radixkv.tree`) and the engine (`radixkv.engine`).
+
+    memory.py        `TokenToKVPoolAllocator` (KV slots in whole pages), `KVPool` (the
+                     K and V tensors), `ReqToTokenPool` (the running requests' rows)
+    lifecycle.py     `CacheManager` and `Req`: match, allocate, cache, release; the one
+                     place that joins the pools and the tree
+    window_slots.py  `WindowSlots`: the running requests' sliding-window slots
+    retention.py     `Retention`: prefixes kept on request (prompt-cache retention)
+    budget.py        `HybridBudget`: one byte budget over full KV, window KV and
+                     recurrent-state checkpoints, and the order it evicts in
+
+The engine and the simulator both drive it: `radixkv simulate`'s hybrid policies evict
+through the same `HybridBudget`. Nothing here imports the engine, the server, the router
+or storage.
+
+Owns: the package's names. Must not touch: anything above it.
+"""
+
+from radixkv.kvcache.budget import HybridBudget
+from radixkv.kvcache.lifecycle import CacheManager, Req
+from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.retention import Retention
+from radixkv.kvcache.window_slots import WindowSlots
+
+__all__ = [
+    "CacheManager",
+    "HybridBudget",
+    "KVPool",
+    "Req",
+    "ReqToTokenPool",
+    "Retention",
+    "TokenToKVPoolAllocator",
+    "WindowSlots",
+]
