@@ -146,10 +146,11 @@ class Engine:
         self.config: ModelConfig = self.model.config
         self.recurrent: RecurrentStates | None = None
         components: tuple = ()
-        if cfg.checkpoint_every and not getattr(self.config, "recurrent", False):
+        specs = self.config.layer_specs()
+        if cfg.checkpoint_every and specs.recurrent is None:
             raise ValueError(f"checkpoint_every: {self.config.architecture} has no recurrent "
                              "layers to checkpoint")  # fmt: skip
-        if getattr(self.config, "recurrent", False):
+        if specs.recurrent is not None:
             self.recurrent = RecurrentStates(self.model, cfg.max_running, cfg.max_checkpoints,
                                              cfg.checkpoint_every // cfg.page_size)  # fmt: skip
             components = (self.recurrent.component,)

@@ -108,10 +108,9 @@ def plan_windows(cfg: EngineConfig, mc: ModelConfig) -> WindowPlan:
         ValueError: an explicit ``window_tokens`` too small for one request's window and
             chunk, or asked for a model without sliding layers' KV to free.
     """
-    windows = tuple(getattr(mc, "windows", ()) or ())
-    layers = tuple(i for i, w in enumerate(windows) if w)
+    sliding = mc.layer_specs().window_limited(cfg.max_context_len)
     asked = cfg.window_tokens
-    if not layers or max(windows) >= cfg.max_context_len:
+    if sliding is None:
         if asked:
             raise ValueError(f"window_tokens: {mc.architecture} has no sliding-window layer "
                              f"shorter than max_context_len={cfg.max_context_len}")  # fmt: skip
@@ -120,7 +119,7 @@ def plan_windows(cfg: EngineConfig, mc: ModelConfig) -> WindowPlan:
         return WindowPlan(why_not="window_tokens=0")
     if asked is None and (cfg.storage is not None or cfg.host_tokens):
         return WindowPlan(why_not="host / store tiers keep whole pages of every layer")
-    window, p = max(windows), cfg.page_size
+    layers, window, p = sliding.layers, sliding.window, cfg.page_size
     span, chunk = align_up(window, p), align_up(cfg.chunk_size, p)
     peak = 2 * span + 2 * p + chunk  # one request's windows, partial page and chunk (alone)
     size = asked
@@ -166,7 +165,7 @@ def build_memory(
     )
     req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=device)
     kv = KVPool(
-        getattr(mc, "kv_layers", mc.num_hidden_layers), mc.num_key_value_heads, mc.head_dim,
+        mc.layer_specs().kv_layers, mc.num_key_value_heads, mc.head_dim,
         allocator.size, cfg.dtype, device, plan.layers, plan.tokens,
     )  # fmt: skip
     window = None
@@ -186,10 +185,8 @@ def check_pools_fit(cfg: EngineConfig, mc: ModelConfig, plan: WindowPlan, device
     """
     from radixkv.engine.machine import check_fits
 
-    layers = getattr(mc, "kv_layers", mc.num_hidden_layers)
-    per_layer = (
-        2 * mc.num_key_value_heads * mc.head_dim * torch.empty((), dtype=cfg.dtype).element_size()
-    )
+    layers = mc.layer_specs().kv_layers
+    per_layer = 2 * mc.num_key_value_heads * mc.head_dim * cfg.dtype.itemsize
     check_fits({
         f"kv_tokens={cfg.kv_tokens:,}": (layers - len(plan.layers)) * per_layer * cfg.kv_tokens,
         f"window_tokens={plan.tokens:,}": len(plan.layers) * per_layer * plan.tokens,

@@ -170,18 +170,18 @@ class ModelSpec:
         fam, cfg = family(architecture_of(raw)), config_from_dict(raw)
         with torch.device("meta"):
             model = fam.MODEL_CLASS(cfg)
-        windows = [w for w in getattr(cfg, "windows", ()) if w]
-        attn = getattr(cfg, "kv_layers", cfg.num_hidden_layers)
-        recurrent = cfg.num_hidden_layers - attn
-        if attn - len(windows) < 1:
+        specs = cfg.layer_specs()
+        full, sliding, state = specs.full, specs.window, specs.recurrent
+        if full is None:
             raise ValueError(f"model spec {folder}: {cfg.architecture} has no full-attention "
                              "layer; the hybrid simulator counts a token's full KV")  # fmt: skip
         return cls(
-            name=folder.name, full_layers=attn - len(windows),
-            kv_bytes=2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize,
-            window_layers=len(windows), window=max(windows, default=0),
-            recurrent_layers=recurrent,
-            state_bytes=model.state_row_bytes() // recurrent if recurrent else 0,
+            name=folder.name, full_layers=len(full.layers),
+            kv_bytes=full.token_bytes(dtype) // len(full.layers),
+            window_layers=len(sliding.layers) if sliding else 0,
+            window=sliding.window if sliding else 0,
+            recurrent_layers=state.layers if state else 0,
+            state_bytes=state.layer_bytes if state else 0,
             params=float(sum(p.numel() for p in model.parameters())),
             attn_dim=cfg.num_attention_heads * cfg.head_dim,
         )  # fmt: skip

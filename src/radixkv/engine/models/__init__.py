@@ -11,7 +11,8 @@ one registry.
     base.py    the ragged batch, shared layers, the strict config reader
 
 A family module has ``ARCHITECTURE`` (the name in ``config.json``), ``ModelConfig`` (its
-hyper-parameters; ``from_dict`` honors or refuses every field) and the model class.
+hyper-parameters; ``from_dict`` honors or refuses every field; ``layer_specs`` what each
+layer type keeps in the cache, `radixkv.kvcache.spec`) and the model class.
 An architecture not here is refused at start with one line naming it: never loaded as
 another one.
 

@@ -36,6 +36,7 @@ from radixkv.engine.models.base import (
     rotate_half,
 )
 from radixkv.kvcache.memory import KVPool
+from radixkv.kvcache.spec import LayerSpecs
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -122,6 +123,10 @@ class ModelConfig:
         kw["windows"] = tuple(window if t == "sliding_attention" else 0 for t in types)
         kw["rope"] = rope_per_type(d)
         return cls(**kw)
+
+    def layer_specs(self) -> LayerSpecs:
+        """Its global layers and its sliding ones (`radixkv.kvcache.spec`)."""
+        return LayerSpecs.attention(self.windows, self.num_key_value_heads, self.head_dim)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

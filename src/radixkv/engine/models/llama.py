@@ -36,6 +36,7 @@ from radixkv.engine.models.base import (
     rotate_half,
 )
 from radixkv.kvcache.memory import KVPool
+from radixkv.kvcache.spec import LayerSpecs
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -84,6 +85,10 @@ class ModelConfig:
         self.windows = tuple(self.windows) or (0,) * self.num_hidden_layers
         if len(self.windows) != self.num_hidden_layers:
             raise ValueError("windows must give one window per layer")
+
+    def layer_specs(self) -> LayerSpecs:
+        """Full attention, and the sliding layers its windows name (`radixkv.kvcache.spec`)."""
+        return LayerSpecs.attention(self.windows, self.num_key_value_heads, self.head_dim)
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:

@@ -54,6 +54,7 @@ from radixkv.engine.models.base import (
     rotate_half,
 )
 from radixkv.kvcache.memory import KVPool
+from radixkv.kvcache.spec import LayerSpecs, RecurrentSpec
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -120,9 +121,20 @@ class ModelConfig:
         """Layers with KV in the pool: the full-attention ones."""
         return self.layer_types.count("full_attention")
 
-    @property
-    def recurrent(self) -> bool:
-        return "linear_attention" in self.layer_types
+    def state_spec(self) -> RecurrentSpec:
+        """Its Gated DeltaNet layers' states per sequence: the short convolution's last
+        inputs and the DeltaNet matrix, float32 (as `States` keeps them)."""
+        kd, vd = self.linear_num_key_heads * self.linear_key_head_dim, self.linear_num_value_heads
+        conv = (2 * kd + vd * self.linear_value_head_dim, self.linear_conv_kernel_dim - 1)
+        ssm = (vd, self.linear_key_head_dim, self.linear_value_head_dim)
+        return RecurrentSpec(self.layer_types.count("linear_attention"), (conv, ssm))
+
+    def layer_specs(self) -> LayerSpecs:
+        """Its full-attention layers (places 0 .. kv_layers - 1 of the KV pool) and its
+        recurrent ones (`radixkv.kvcache.spec`)."""
+        state = self.state_spec()
+        return LayerSpecs.attention((0,) * self.kv_layers, self.num_key_value_heads,
+                                    self.head_dim, state if state.layers else None)  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
@@ -496,12 +508,10 @@ class States:
     """Per request-table row, every linear layer's conv inputs and DeltaNet matrix."""
 
     def __init__(self, cfg: ModelConfig, rows: int, device: torch.device | str = "cpu") -> None:
-        n = cfg.layer_types.count("linear_attention")
-        kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads
-        conv_dim = 2 * kd + vd * cfg.linear_value_head_dim
-        self.conv = torch.zeros(n, rows, conv_dim, cfg.linear_conv_kernel_dim - 1, device=device)
-        self.ssm = torch.zeros(n, rows, vd, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                               device=device)  # fmt: skip
+        spec = cfg.state_spec()
+        conv, ssm = spec.shapes
+        self.conv = torch.zeros(spec.layers, rows, *conv, dtype=spec.dtype, device=device)
+        self.ssm = torch.zeros(spec.layers, rows, *ssm, dtype=spec.dtype, device=device)
 
     def nbytes_per_row(self) -> int:
         return (self.conv[:, 0].numel() + self.ssm[:, 0].numel()) * self.conv.element_size()
@@ -539,7 +549,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def state_row_bytes(self) -> int:
         """Bytes of one row of recurrent states (`make_states` allocates rows of it)."""
-        return States(self.config, 1, "meta").nbytes_per_row()
+        return self.config.state_spec().state_bytes
 
     def make_states(self, rows: int) -> States:
         """The recurrent states of ``rows`` request-table rows (the engine's
