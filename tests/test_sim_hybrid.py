@@ -1,4 +1,4 @@
-"""The hybrid simulator: model specs, the Marconi trace format, Mooncake pages, the four
+"""The hybrid simulator: model specs, the Marconi trace format, Mooncake pages, the
 policies side by side on the same requests, and ``radixkv simulate --model-spec``."""
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ def test_cli_model_spec(tmp_path):
     data = json.loads(out.read_text())
     assert data["model"]["name"] == "qwen3.5-4b-like"
     got = {(x["policy"], x["capacity_bytes"]): x for x in data["results"]}
-    assert len(got) == 8 and got[("vllm", UNBOUNDED)]["block_tokens"] == 528
+    assert len(got) == 12 and got[("vllm", UNBOUNDED)]["block_tokens"] == 528
+    assert got[("vllm+", UNBOUNDED)]["block_tokens"] == 32  # Marconi's vLLM+ grid
     assert got[("radixkv", 1 << 30)]["token_hit_rate"] > got[("vllm", 1 << 30)]["token_hit_rate"]
 
 

@@ -56,8 +56,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                      help="a hybrid model (full, sliding-window and recurrent layers): a "
                      "preset (qwen3.5-4b, nemotron-h, gemma-3), a JSON file, or a model "
                      "folder (its config.json, in the bytes serve holds); replays with "
-                     "the hybrid policies (radixkv, marconi, sglang, vllm); capacities in "
-                     "bytes")  # fmt: skip
+                     "the hybrid policies (radixkv; marconi, sglang+, vllm+ by Marconi's "
+                     "own rules; sglang, vllm); capacities in bytes")  # fmt: skip
     sim.add_argument("--tokenizer",
                      help="for token traces whose lines carry text: 'byte' (UTF-8 bytes), "
                      "'smollm2', or a gguf_tokenizer.json written by the engine's weight "

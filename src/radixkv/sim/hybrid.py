@@ -17,9 +17,11 @@ requests (prompt units, output units, and where known a chat template's boundary
               points); one budget, evicting dead KV first (past a path's last
               checkpoint, useless to the recurrent layers), then the lowest utility
               (recency + prefill FLOPs saved per byte) among checkpoints and leaves.
-    marconi   Marconi (MLSys 2025) as published: checkpoints at input ends, output ends
-              and branch points; one budget, evicting whole leaves (KV and state) by
-              utility = recency + alpha x FLOP efficiency.
+    marconi   Marconi (MLSys 2025), its published simulator's V2 replayed by its own
+    sglang+   rules (`radixkv.sim.marconi`), and its two baselines: SGLang+ (V1, LRU
+    vllm+     leaves) and vLLM+ (a state every 32 tokens). Their rows equal Marconi's
+              published results on its trace. Its tree knows no windows: a window
+              layer's KV counts as attention KV kept whole.
     sglang    SGLang's unified cache: the same admission (leaf states, branching
               seqlen), separate pools (states: ``mamba_full_memory_ratio`` 0.9 of the
               full KV's bytes; window KV: ``swa_full_tokens_ratio`` 0.8 of its tokens),
@@ -44,7 +46,8 @@ import numpy as np
 import torch
 
 from radixkv.key import RadixKey
-from radixkv.kvcache.budget import HybridBudget, utility
+from radixkv.kvcache.budget import HybridBudget
+from radixkv.sim import marconi
 from radixkv.sim.traces import SimRequest, Trace
 from radixkv.tree import RadixCache
 from radixkv.tree.state import StateCheckpoints
@@ -52,7 +55,6 @@ from radixkv.tree.window import WindowKV
 from radixkv.units import div_ceil
 
 KERNEL_BLOCK = 16  # vLLM's attention kernel block alignment (FlashAttention's 16)
-MARCONI_ALPHA = 1.0  # Marconi's weight of FLOP efficiency against recency
 SGLANG_STATE_RATIO = 0.9  # mamba_full_memory_ratio: state pool bytes / full KV bytes
 SGLANG_WINDOW_RATIO = 0.8  # swa_full_tokens_ratio: window pool tokens / full tokens
 SPEC_MAX = 1 << 50  # a spec's sizes and counts: beyond, no model (10^400 overflowed floats)
@@ -219,7 +221,7 @@ def model_spec(name: str) -> ModelSpec:
                      "JSON file nor a model folder")  # fmt: skip
 
 
-POLICIES = ("radixkv", "marconi", "sglang", "vllm")
+POLICIES = ("radixkv", *marconi.POLICIES, "sglang", "vllm")
 
 
 @dataclass
@@ -264,7 +266,7 @@ class _Sim:
             full_share = cap / (1 + SGLANG_STATE_RATIO)
             states = max(1, int(cap - full_share) // spec.checkpoint)
         self.state = StateCheckpoints(
-            states, _Slots(), "utility" if policy in ("radixkv", "marconi") else "lru",
+            states, _Slots(), "utility" if policy == "radixkv" else "lru",
             prefill_flops=lambda units: spec.flops(units * self.unit), state_bytes=spec.checkpoint,
         )  # fmt: skip
         comps: list[Any] = [self.state] if spec.recurrent_layers else []
@@ -273,8 +275,7 @@ class _Sim:
             retain = "ends" if policy == "radixkv" else "all"
             self.window = WindowKV(div_ceil(spec.window, self.unit), _Slots(), retain)
             comps.append(self.window)
-        mode = "precise" if policy != "marconi" else "leaf"
-        self.cache = RadixCache(self.page, eviction_mode=mode, components=tuple(comps))
+        self.cache = RadixCache(self.page, eviction_mode="precise", components=tuple(comps))
         self.budget = HybridBudget(
             self.cache, self.state if spec.recurrent_layers else None, self.window,
             token_bytes=self.unit * spec.full_kv, window_bytes=self.unit * spec.window_kv,
@@ -375,39 +376,39 @@ class _Sim:
             over = total - self.cap
             if self.policy == "vllm":
                 self.cache.evict(max(1, div_ceil(over, unit_bytes)))
-            elif self.policy == "marconi":
-                self._evict_by_utility(over)
             else:
                 self.budget.fit(self.cap)
                 return
 
-    def _evict_by_utility(self, over: float) -> None:
-        """Marconi: the lowest-utility unlocked leaves go whole (KV and states)."""
-        spec, u = self.spec, self.unit
-        leaves = [n for n in self.cache.iter_nodes() if not n.children and not n.lock_ref]
-        if not leaves:
-            return
-        value = [spec.flops(HybridBudget._depth(n) * u)
-                 if not spec.recurrent_layers or self.state.at(n) is not None else 0.0
-                 for n in leaves]  # fmt: skip
-        cost = [self._leaf_bytes(n) for n in leaves]
-        ticks = [float(n.last_access) for n in leaves]
-        scores = utility(ticks, value, cost, MARCONI_ALPHA)
-        freed = 0.0
-        for i in sorted(range(len(leaves)), key=scores.__getitem__):
-            if freed >= over:
-                break
-            freed += cost[i]
-            self.cache.evict_leaf(leaves[i])
 
-    def _leaf_bytes(self, node: Any) -> float:
-        spec = self.spec
-        kv = len(node) * self.unit * spec.full_kv
-        if self.window is not None:
-            kv += self.window.covered(node) * self.unit * spec.window_kv
-        if spec.recurrent_layers:
-            kv += len(self.state._of(node)) * spec.checkpoint
-        return kv
+class _MarconiSim:
+    """Marconi's own policies (`radixkv.sim.marconi`) behind the replay's interface: a
+    lookup of the whole prompt, then an insert of prompt + output (or the prompt), in
+    units of the trace (tokens at page 1, as Marconi's results are)."""
+
+    def __init__(self, trace: Trace, spec: ModelSpec, cap: int, policy: str) -> None:
+        self.spec, self.unit = spec, trace.block_size
+        self.page = max(1, marconi.VLLM_BLOCK // self.unit) if policy == "vllm+" else 1
+        self.cache = marconi.MarconiCache(
+            policy, cap, spec.checkpoint, self.unit * (spec.full_kv + spec.window_kv),
+            marconi.Flops.of(spec), block=self.page,
+        )  # fmt: skip
+        self.bytes_sum = {"full": 0.0, "window": 0.0, "states": 0.0}
+
+    @property
+    def checkpoints(self) -> int:
+        return self.cache.created
+
+    def serve(self, req: SimRequest, outputs: bool) -> int:
+        P = req.num_prompt_units
+        units = np.asarray(req.units if outputs else req.units[:P], dtype=np.int64)
+        hit = self.cache.lookup(units[:P])
+        self.cache.insert(units, P)
+        c, tokens = self.cache, self.cache.tokens * self.unit
+        self.bytes_sum["full"] += tokens * self.spec.full_kv
+        self.bytes_sum["window"] += tokens * self.spec.window_kv
+        self.bytes_sum["states"] += c.nodes * c.state_bytes
+        return hit
 
 
 def simulate_hybrid(
@@ -416,7 +417,9 @@ def simulate_hybrid(
     """Replay ``trace`` through one policy's cache of ``capacity_bytes``."""
     if policy not in POLICIES:
         raise ValueError(f"policy: unknown {policy!r}; valid: {', '.join(POLICIES)}")
-    sim = _Sim(trace, spec, capacity_bytes, policy)
+    sim: Any = (_Sim if policy not in marconi.POLICIES else _MarconiSim)(
+        trace, spec, capacity_bytes, policy
+    )
     hit_tokens = prompt_tokens = 0
     saved = total = 0.0
     for req in trace.requests:
