@@ -38,6 +38,13 @@ def reference(folder):
     return transformers.Qwen3_5ForCausalLM.from_pretrained(folder).eval()
 
 
+def with_states(model, rows: int) -> None:
+    """``rows`` state rows for a model run by hand (the engine builds its own pool)."""
+    from radixkv.kvcache.state_pool import StatePool
+
+    model.use_states(StatePool(model.config.state_spec(), rows, 0))
+
+
 def rand(n: int, seed: int) -> list[int]:
     return torch.randint(3, 384, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -50,7 +57,7 @@ def test_logits_equal_transformers_chunked_and_token_by_token(folder, reference)
     from radixkv.kvcache.memory import KVPool
 
     ours = load_hf_folder(folder)
-    ours.make_states(2)
+    with_states(ours, 2)
     c = ours.config
     assert c.layer_types.count("linear_attention") == 3 and c.kv_layers == 1
     ids = torch.tensor(rand(150, 2))
@@ -108,7 +115,7 @@ def test_logits_equal_transformers_when_sequences_decode_as_one_batch(folder, re
     from radixkv.kvcache.memory import KVPool
 
     ours = load_hf_folder(folder)
-    ours.make_states(5)
+    with_states(ours, 5)
     c = ours.config
     pool = KVPool(c.kv_layers, c.num_key_value_heads, c.head_dim, 512, torch.float32,
                   torch.device("cpu"))  # fmt: skip
@@ -168,7 +175,7 @@ def test_prompts_prefilled_in_one_batch_equal_each_alone(folder, reference):
 
     def run(steps):
         ours = load_hf_folder(folder)
-        ours.make_states(10)
+        with_states(ours, 10)
         c = ours.config
         pool = KVPool(c.kv_layers, c.num_key_value_heads, c.head_dim, 512, torch.float32,
                       torch.device("cpu"))  # fmt: skip
@@ -216,7 +223,7 @@ def test_half_precision_weights_run_every_path(folder, reference, dtype):
     from radixkv.kvcache.memory import KVPool
 
     ours = load_hf_folder(folder, dtype)
-    ours.make_states(2)
+    with_states(ours, 2)
     c = ours.config
     pool = KVPool(c.kv_layers, c.num_key_value_heads, c.head_dim, 128, dtype,
                   torch.device("cpu"))  # fmt: skip

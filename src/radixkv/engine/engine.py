@@ -35,7 +35,13 @@ import torch
 
 from radixkv.engine.config import SCHEDULE_POLICIES, EngineConfig
 from radixkv.engine.faults import EngineFault, FaultWatch
-from radixkv.engine.loader import build_memory, build_tiers, load_model, load_tokenizer
+from radixkv.engine.loader import (
+    build_memory,
+    build_states,
+    build_tiers,
+    load_model,
+    load_tokenizer,
+)
 from radixkv.engine.loader import model_identity as identity_of
 from radixkv.engine.model_runner import ModelRunner, NonFiniteLogits
 from radixkv.engine.models.llama import ModelConfig
@@ -151,7 +157,9 @@ class Engine:
             raise ValueError(f"checkpoint_every: {self.config.architecture} has no recurrent "
                              "layers to checkpoint")  # fmt: skip
         if specs.recurrent is not None:
-            self.recurrent = RecurrentStates(self.model, cfg.max_running, cfg.max_checkpoints,
+            pool = build_states(cfg, specs.recurrent, self.device)
+            self.model.use_states(pool)
+            self.recurrent = RecurrentStates(pool, cfg.max_checkpoints,
                                              cfg.checkpoint_every // cfg.page_size)  # fmt: skip
             components = (self.recurrent.component,)
         memory = build_memory(cfg, self.config, self.device, components)
@@ -214,7 +222,7 @@ class Engine:
             lines.append(f"sliding-window KV: in the full pool ({self.why_not_window})")
         if self.recurrent is not None:
             rec = self.recurrent
-            rows = self.engine_config.max_running + rec.rows
+            rows = rec.pool.first + rec.pool.spare
             lines.append(f"recurrent states: {rows} rows x {rec.row_size * mib:.2f} MiB = "
                          f"{rows * rec.row_size * mib:,.1f} MiB")  # fmt: skip
         describe = getattr(getattr(getattr(self, "tier", None), "store", None), "describe", None)

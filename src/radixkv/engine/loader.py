@@ -29,6 +29,8 @@ from radixkv.engine.tokenizer import (
 from radixkv.engine.weights import load_hf_folder, random_model
 from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.spec import RecurrentSpec
+from radixkv.kvcache.state_pool import StatePool
 from radixkv.kvcache.window_slots import WindowSlots
 from radixkv.tree import RadixCache
 from radixkv.tree.window import WindowKV
@@ -175,6 +177,22 @@ def build_memory(
     return Memory(allocator, cache, kv, mgr, window, plan.why_not)
 
 
+def build_states(cfg: EngineConfig, spec: RecurrentSpec, device: torch.device) -> StatePool:
+    """The recurrent layers' state pool: a row per running request, and spare rows for
+    ``max_checkpoints`` checkpoints and the pending snapshots beside them.
+
+    Raises:
+        ValueError: more rows than this machine can hold (naming ``max_checkpoints``).
+    """
+    from radixkv.engine.machine import check_fits
+    from radixkv.engine.recurrent import RecurrentStates
+
+    spare = RecurrentStates.spare_rows(cfg.max_running, cfg.max_checkpoints)
+    check_fits({f"max_checkpoints={cfg.max_checkpoints:,} (recurrent states)":
+                (cfg.max_running + spare) * spec.state_bytes}, device)  # fmt: skip
+    return StatePool(spec, cfg.max_running, spare, device)
+
+
 def check_pools_fit(cfg: EngineConfig, mc: ModelConfig, plan: WindowPlan, device: Any) -> None:
     """Refuse pools this machine cannot hold, before any is allocated: the KV pool
     (``kv_tokens``), the window pool (``window_tokens``), the request table
@@ -225,6 +243,7 @@ __all__ = [
     "Memory",
     "WindowPlan",
     "build_memory",
+    "build_states",
     "build_tiers",
     "load_model",
     "load_tokenizer",

@@ -1,10 +1,11 @@
 """`RecurrentStates`: prefix caching for models with recurrent layers (Qwen3.5's Gated
-DeltaNet), joining the model's per-row states, the tree's `StateCheckpoints` component
-and a pool of checkpoint rows.
+DeltaNet), joining the state pool (`radixkv.kvcache.state_pool`: the tensors and the
+spare rows) and the tree's `StateCheckpoints` component.
 
 A recurrent layer's state after a prefix is one fixed-size tensor, updated in place, so a
-cached prefix helps only where a snapshot of it exists. The model keeps one state row per
-request-table row (``0 .. max_running - 1``) and the checkpoints in the rows after them.
+cached prefix helps only where a snapshot of it exists. The pool keeps one state row per
+request-table row (``0 .. max_running - 1``) and the checkpoints in the rows after them;
+the model reads and writes the rows in place.
 
     admission   the match already ends at a checkpoint (the component's match limit);
                 its state is copied into the request's row (copy, never lend), and the
@@ -34,8 +35,9 @@ request-table row (``0 .. max_running - 1``) and the checkpoints in the rows aft
 Invariant (`check`): every checkpoint row is free, held by one checkpoint, or pending in
 one running request's ``snap_rows``.
 
-Owns: checkpoint rows and the copies between rows. Must not touch: the KV, the tree's
-structure (it inserts through `RadixCache`), scheduling.
+Owns: which checkpoint a row is, and when rows are copied. Must not touch: the KV, the
+state tensors (the pool's), the tree's structure (it inserts through `RadixCache`),
+scheduling.
 """
 
 from __future__ import annotations
@@ -46,29 +48,28 @@ import torch
 
 from radixkv.blockhash import event_hashes
 from radixkv.key import RadixKey
+from radixkv.kvcache.state_pool import StatePool
 from radixkv.tree import RadixCache
 from radixkv.tree.state import StateCheckpoints
 
 
 class RecurrentStates:
-    """See the module docstring. ``model`` has ``make_states(rows)``; ``max_states``
-    checkpoints at most are held."""
+    """See the module docstring. ``pool``: ``max_running`` running rows and at least
+    ``max_states`` spare ones (`spare_rows`); ``max_states`` checkpoints at most are
+    held."""
 
-    def __init__(self, model: Any, max_running: int, max_states: int, every_pages: int = 0) -> None:
-        from radixkv.engine.machine import check_fits
-
-        self.first = max_running  # checkpoint rows start here
-        self.rows = max_states + max_running  # spare rows for pending snapshots
-        check_fits({f"max_checkpoints={max_states:,} (recurrent states)":
-                    (max_running + self.rows) * model.state_row_bytes()},
-                   next(model.parameters()).device)  # fmt: skip
-        self.states = model.make_states(max_running + self.rows)
-        self.free_rows = list(range(self.first + self.rows - 1, self.first - 1, -1))
+    def __init__(self, pool: StatePool, max_states: int, every_pages: int = 0) -> None:
+        self.pool = pool
         self.component = StateCheckpoints(max_states, self, every_pages=every_pages)
         self.sink: Any = None  # a KV event sink (`publish`)
         self.published: dict[int, int] = {}  # checkpoint row -> its block hash, told
         self.tiers: Any = None  # host pool and store of states (radixkv.storage.states)
-        self.row_size = self.states.nbytes_per_row()
+        self.row_size = pool.row_size
+
+    @staticmethod
+    def spare_rows(max_running: int, max_states: int) -> int:
+        """Spare rows a pool needs: every checkpoint, and pending snapshots beside them."""
+        return max_states + max_running
 
     def publish(self, sink: Any) -> None:
         """Tell ``sink`` (`radixkv.tree.CacheEventSink`) of every checkpoint from now
@@ -83,33 +84,27 @@ class RecurrentStates:
         rows = [int(s) for s in slots]
         if self.tiers is not None:  # before the rows are reused: they go down a tier
             self.tiers.evicted(rows)
-        self.free_rows.extend(rows)
+        self.pool.give(rows)
         if self.sink is not None:
             gone = [self.published.pop(r) for r in rows if r in self.published]
             if gone:
                 self.sink.removed(gone)
 
     def row_bytes(self, row: int) -> bytes:
-        """A row's states (every recurrent layer's conv, then SSM), as bytes."""
-        s = self.states
-        flat = torch.cat((s.conv[:, row].reshape(-1), s.ssm[:, row].reshape(-1)))
-        return flat.cpu().numpy().tobytes()
+        """A row's states, as bytes (`StatePool.row_bytes`)."""
+        return self.pool.row_bytes(row)
 
     def adopt(self, key: RadixKey, data: bytes, cache: RadixCache) -> bool:
         """Make ``data`` (`row_bytes` of a state after ``key``, from a lower tier) the
         checkpoint at the end of ``key``, which the tree holds. False: no free row, or
         one is there already."""
-        row = self._take()
+        row = self.pool.take()
         if row is None:
             return False
-        s = self.states
-        flat = torch.frombuffer(bytearray(data), dtype=s.conv.dtype).to(s.conv.device)
-        n = s.conv[:, row].numel()
-        s.conv[:, row].copy_(flat[:n].view_as(s.conv[:, row]))
-        s.ssm[:, row].copy_(flat[n:].view_as(s.ssm[:, row]))
+        self.pool.load_row(row, data)
         node = cache.insert_node(key).last_node
         if not self.component.add(node, row, kind="end"):
-            self.free_rows.append(row)
+            self.pool.give([row])
             return False
         self._added(row, key, cache.page_size)
         return True
@@ -134,14 +129,6 @@ class RecurrentStates:
         self.published[row] = hashes[-1]
         self.sink.stored([hashes[-1]], parent, list(tokens[-page:]), page, key.extra_key)
 
-    def _take(self) -> int | None:
-        return self.free_rows.pop() if self.free_rows else None
-
-    def _copy(self, src: int, dst: int) -> None:
-        s = self.states
-        s.conv[:, dst].copy_(s.conv[:, src])
-        s.ssm[:, dst].copy_(s.ssm[:, src])
-
     def admitted(self, r: Any, cache: RadixCache) -> None:
         """After the match: copy the checkpoint the hit ends at into the request's row,
         and plan where its prefill snapshots."""
@@ -149,7 +136,7 @@ class RecurrentStates:
         if r.cached_len:
             slot = self.component.used(r.last_node)
             assert slot is not None, "a hit on a recurrent model ends at a checkpoint"
-            self._copy(slot, r.row)
+            self.pool.copy(slot, r.row)
         n = len(r.input_ids)
         if r.cache_read and not r.output_ids:  # the admission's walk was over the prompt
             full = r.full_hit
@@ -165,7 +152,7 @@ class RecurrentStates:
             start = r.kv_len - n
             while r.snap_plan and r.snap_plan[0][0] <= r.kv_len:
                 pos, kind = r.snap_plan.pop(0)
-                row = self._take() if pos > start else None
+                row = self.pool.take() if pos > start else None
                 if row is not None:
                     out.append((i, pos - start, row))
                     r.snap_rows.append((pos, row, kind))
@@ -175,9 +162,9 @@ class RecurrentStates:
         """Before the request's row goes: its state after prompt + output, when that
         length is page-aligned (the tree caches whole pages only)."""
         if r.kv_len and r.kv_len % page == 0 and all(p != r.kv_len for p, _, _ in r.snap_rows):
-            row = self._take()
+            row = self.pool.take()
             if row is not None:
-                self._copy(r.row, row)
+                self.pool.copy(r.row, row)
                 r.snap_rows.append((r.kv_len, row, "end"))
 
     def attach(self, r: Any, cache: RadixCache, upto: int) -> None:
@@ -192,11 +179,11 @@ class RecurrentStates:
             tokens = r.token_array() if tokens is None else tokens
             key = RadixKey(tokens, r.extra_key)[:pos]
             if cache.match_len(key, full=True) < pos:  # not (or no longer) in the tree
-                self.free_rows.append(row)
+                self.pool.give([row])
                 continue
             node = cache.insert_node(key).last_node
             if not self.component.add(node, row, kind=kind):
-                self.free_rows.append(row)
+                self.pool.give([row])
             else:
                 self._added(row, key, cache.page_size)
         r.snap_rows = keep
@@ -204,15 +191,12 @@ class RecurrentStates:
     def release(self, r: Any) -> None:
         """A request leaves without caching (preempted, aborted): free its pending
         snapshots."""
-        self.free_rows.extend(row for _, row, _ in r.snap_rows)
+        self.pool.give(row for _, row, _ in r.snap_rows)
         r.snap_rows = []
         r.snap_plan = []
 
     def check(self, running: list[Any]) -> None:
         pending = [row for r in running for _, row, _ in r.snap_rows]
-        held = list(self.component.held)
-        every = sorted(self.free_rows + pending + held)
-        if every != list(range(self.first, self.first + self.rows)):
-            raise AssertionError("checkpoint rows are lost or held twice")
+        self.pool.check([*pending, *self.component.held])
         if self.sink is not None and self.published.keys() != self.component.held.keys():
             raise AssertionError("the checkpoints told as KV events are not those held")

@@ -9,6 +9,9 @@ the tree, between the tree (`radixkv.tree`) and the engine (`radixkv.engine`).
     retention.py     `Retention`: prefixes kept on request (prompt-cache retention)
     budget.py        `HybridBudget`: one byte budget over full KV, window KV and
                      recurrent-state checkpoints, and the order it evicts in
+    spec.py          layer specs: what each layer type keeps (full attention, sliding
+                     window, recurrent), declared by each model's config
+    state_pool.py    `StatePool`: the recurrent layers' state rows, out of the model
 
 The engine and the simulator both drive it: `radixkv simulate`'s hybrid policies evict
 through the same `HybridBudget`. Nothing here imports the engine, the server, the router
@@ -21,15 +24,22 @@ from radixkv.kvcache.budget import HybridBudget
 from radixkv.kvcache.lifecycle import CacheManager, Req
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.kvcache.retention import Retention
+from radixkv.kvcache.spec import FullAttentionSpec, LayerSpecs, RecurrentSpec, SlidingWindowSpec
+from radixkv.kvcache.state_pool import StatePool
 from radixkv.kvcache.window_slots import WindowSlots
 
 __all__ = [
     "CacheManager",
+    "FullAttentionSpec",
     "HybridBudget",
     "KVPool",
+    "LayerSpecs",
+    "RecurrentSpec",
     "Req",
     "ReqToTokenPool",
     "Retention",
+    "SlidingWindowSpec",
+    "StatePool",
     "TokenToKVPoolAllocator",
     "WindowSlots",
 ]

@@ -96,7 +96,7 @@ class EngineCollector(Collector):
                 (GaugeMetricFamily, "state_checkpoints", "Recurrent-state checkpoints held by "
                  "the prefix cache", len(comp.held)),
                 (GaugeMetricFamily, "state_checkpoint_bytes", "Bytes of the recurrent-state "
-                 "checkpoints held", len(comp.held) * rec.states.nbytes_per_row()),
+                 "checkpoints held", len(comp.held) * rec.row_size),
                 (CounterMetricFamily, "state_checkpoint_hits", "Requests started from a "
                  "checkpoint's state", comp.hits),
                 (CounterMetricFamily, "state_checkpoints_evicted", "Checkpoints evicted to "

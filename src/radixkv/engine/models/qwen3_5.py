@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,7 @@ from radixkv.engine.models.base import (
 )
 from radixkv.kvcache.memory import KVPool
 from radixkv.kvcache.spec import LayerSpecs, RecurrentSpec
+from radixkv.kvcache.state_pool import StatePool
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -504,17 +505,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class States:
-    """Per request-table row, every linear layer's conv inputs and DeltaNet matrix."""
+class States(NamedTuple):
+    """The state pool's tensors (`radixkv.kvcache.state_pool`) by name: per row, every
+    linear layer's conv inputs ``[layers, rows, conv_dim, K - 1]`` and DeltaNet matrix
+    ``[layers, rows, heads, dk, dv]`` (the two shapes of `ModelConfig.state_spec`)."""
 
-    def __init__(self, cfg: ModelConfig, rows: int, device: torch.device | str = "cpu") -> None:
-        spec = cfg.state_spec()
-        conv, ssm = spec.shapes
-        self.conv = torch.zeros(spec.layers, rows, *conv, dtype=spec.dtype, device=device)
-        self.ssm = torch.zeros(spec.layers, rows, *ssm, dtype=spec.dtype, device=device)
-
-    def nbytes_per_row(self) -> int:
-        return (self.conv[:, 0].numel() + self.ssm[:, 0].numel()) * self.conv.element_size()
+    conv: torch.Tensor
+    ssm: torch.Tensor
 
 
 class Qwen3_5Model(nn.Module):
@@ -547,20 +544,17 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.kv_layers = cfg.layer_types.count("full_attention")
         self.states: States | None = None
 
-    def state_row_bytes(self) -> int:
-        """Bytes of one row of recurrent states (`make_states` allocates rows of it)."""
-        return self.config.state_spec().state_bytes
-
-    def make_states(self, rows: int) -> States:
-        """The recurrent states of ``rows`` request-table rows (the engine's
-        ``max_running``), on the model's device."""
-        self.states = States(self.config, rows, self.inv_freq.device)
-        return self.states
+    def use_states(self, pool: StatePool) -> None:
+        """Run on ``pool``'s state rows (a sequence's row is its ``state_slots`` entry);
+        the pool is the engine's, built from ``config.state_spec()``."""
+        if pool.spec != self.config.state_spec():
+            raise ValueError("use_states: the pool's spec is not this model's state_spec()")
+        self.states = States(*pool.tensors)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, all_logits: bool = False) -> torch.Tensor:
         if self.states is None:
-            raise RuntimeError("call make_states(rows) before running Qwen3.5")
+            raise RuntimeError("call use_states(pool) before running Qwen3.5")
         x = self.model.embed_tokens(batch.input_ids)
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
