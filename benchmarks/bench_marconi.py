@@ -11,6 +11,13 @@ and radixkv's own policy, and prints each cell beside the published one:
         [--model-spec marconi-7b-hybrid.json] [--page 1]
 
 Exit status 1 when a Marconi row is more than 0.01 off its published cell (page 1).
+
+With ``--mooncake conversation_trace.jsonl`` it replays Mooncake's trace instead (its
+512-token blocks as units, no outputs, the Qwen3.5-like spec unless given), every policy
+at fractions of all its prompt tokens' KV, with no published cells to compare:
+
+    python benchmarks/bench_marconi.py --mooncake conversation_trace.jsonl \\
+        [--fractions 0.01,0.05,0.25] [--policies radixkv,marconi,sglang+,vllm+,sglang,vllm]
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import time
 from pathlib import Path
 
 from radixkv.sim import traces
-from radixkv.sim.hybrid import model_spec, simulate_hybrid
+from radixkv.sim.hybrid import POLICIES, model_spec, simulate_hybrid
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "marconi"
 SIZES = (0.5e9, 1e9, 2e9, 5e9)  # bytes, 1 GB = 10^9 as Marconi counts
@@ -46,12 +53,35 @@ def load(path: Path, page: int) -> traces.Trace:
     return traces.load_trace(str(path), "marconi", page)
 
 
+def mooncake(args: argparse.Namespace) -> int:
+    trace = traces.load_trace(args.mooncake)
+    spec = model_spec(args.model_spec or "qwen3.5-4b")
+    every = sum(r.num_prompt_units for r in trace.requests) * trace.block_size * spec.full_kv
+    fractions = [float(f) for f in args.fractions.split(",")]
+    print(f"{trace.name}: {len(trace.requests):,} requests, {spec.name}, units of "
+          f"{trace.block_size} tokens")  # fmt: skip
+    print(f"{'policy':<9}" + "".join(f"{f:>10.0%}" for f in fractions) + "   seconds")
+    for policy in args.policies.split(","):
+        t0 = time.perf_counter()
+        rates = [simulate_hybrid(trace, spec, int(every * f), policy, False).token_hit_rate
+                 for f in fractions]  # fmt: skip
+        print(f"{policy:<9}" + "".join(f"{r:>10.3f}" for r in rates)
+              + f"   {time.perf_counter() - t0:.1f}", flush=True)  # fmt: skip
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=DATA / "chat120_seed7.jsonl.gz")
-    ap.add_argument("--model-spec", default=str(DATA / "marconi-7b-hybrid.json"))
+    ap.add_argument("--model-spec", default=None)
     ap.add_argument("--page", type=int, default=1)
+    ap.add_argument("--mooncake", help="Mooncake's trace: replay it instead")
+    ap.add_argument("--fractions", default="0.01,0.05,0.25")
+    ap.add_argument("--policies", default=",".join(POLICIES))
     args = ap.parse_args()
+    if args.mooncake:
+        return mooncake(args)
+    args.model_spec = args.model_spec or str(DATA / "marconi-7b-hybrid.json")
     if not args.trace.exists():
         print(f"no trace at {args.trace}: give --trace (Marconi's format)", file=sys.stderr)
         return 2
