@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
                 logging.getLogger("radixkv.router").warning(
                     "no worker names its tokenizer: routing with --model auto's"
                 )
-        tokenizer = tokenizer or load_tokenizer(args.model or "auto")
+        if tokenizer is None:
+            tokenizer = load_tokenizer(args.model or "auto")
     except (ValueError, ModuleNotFoundError, FileNotFoundError) as e:
         raise CliError(f"--model {args.model}: {e}" if args.model else str(e)) from None
     problems = check_workers(specs, tokenizer, headers=headers, cards=cards)

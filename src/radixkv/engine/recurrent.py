@@ -64,7 +64,11 @@ class RecurrentStates:
         self.sink: Any = None  # a KV event sink (`publish`)
         self.published: dict[int, int] = {}  # checkpoint row -> its block hash, told
         self.tiers: Any = None  # host pool and store of states (radixkv.storage.states)
-        self.row_size = pool.row_size
+
+    @property
+    def row_size(self) -> int:
+        """Bytes of one checkpoint (the pool's row)."""
+        return self.pool.row_size
 
     @staticmethod
     def spare_rows(max_running: int, max_states: int) -> int:
