@@ -284,3 +284,17 @@ def test_a_hostile_template_is_a_400_and_the_server_goes_on(tmp_path):
             r.status_code == 400 and err["param"] == "messages" and "loop steps" in err["message"]
         )
         assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_a_workers_card_naming_a_device_or_a_fifo_is_refused_not_read(tmp_path):
+    """A router without --model loads the tokenizer a worker's card names: a source that
+    is a device or a folder whose tokenizer.json is a FIFO is refused at once (never a
+    read that blocks or never ends), and the router asks for --model."""
+    from radixkv.router.fleet import workers_tokenizer
+
+    (tmp_path / "config.json").write_text("{}")
+    os.mkfifo(tmp_path / "tokenizer.json")
+    for source in ("/dev/zero", str(tmp_path)):
+        card = {"radixkv": {"tokenizer": "0123456789abcdef", "tokenizer_source": source}}
+        with pytest.raises(ValueError, match="give --model"):
+            workers_tokenizer({"http://w": card})
