@@ -165,7 +165,7 @@ def snapshot(m: CacheManager):
     a = m.allocator
     return (
         a._owned.tolist(),
-        a._num_free,
+        a._pages.count(),
         m.req_pool.available_size(),
         m.cache.format_tree(),
         m.cache.evictable_size(),

@@ -15,8 +15,8 @@ def state(a: TokenToKVPoolAllocator):
     return (
         a._owned.copy().tolist(),
         a._page_count.tolist(),
-        a._num_free,
-        a._free_pages[: a._num_free].tolist(),
+        a._pages.count(),
+        a._pages.peek(a._pages.count()).tolist(),
         a._handed_out,
     )
 
@@ -240,7 +240,7 @@ def test_freeing_whole_pages_takes_the_fast_path_and_still_refuses_bad_frees():
             a.free(bad)
         assert state(a) == before
     a.free(torch.cat([y[:4], x[4:8]]))  # pages 3 and 1, whole: the fast path
-    assert a._num_free == 16 - 5 + 2
+    assert a._pages.count() == 16 - 5 + 2
     a.free(x[[1, 0, 2, 3]])  # page 0 out of order: the general path
     a.free(y[4:])
     a.free(x[8:])

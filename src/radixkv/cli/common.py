@@ -81,6 +81,18 @@ def number(kind: type, lo: float, what: str) -> Callable[[str], Any]:
 
 
 positive_int = number(int, 1, "a positive integer")
+
+
+def byte_size(text: str) -> int:
+    """An argument type: a byte size (`radixkv.units.parse_bytes`)."""
+    from radixkv.units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be {e}") from None
+
+
 port_number = number(int, 0, "a port number")
 
 

@@ -15,6 +15,7 @@ from radixkv.cli.common import (
     LOG_LEVELS,
     CliError,
     add_key_flags,
+    byte_size,
     flag_error,
     listen,
     number,
@@ -23,6 +24,7 @@ from radixkv.cli.common import (
 )
 
 HELP = "an OpenAI-compatible server with prefix caching"
+CACHE_SPLITS = ("one", "sglang")  # (radixkv.engine.config's, without importing torch here)
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -43,10 +45,27 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=number(int, 0, "a port number"), default=8000)
     serve.add_argument("--served-model-name", help="the model id clients send [the model's]")
     serve.add_argument("--page-size", type=positive_int, default=16, help="[16]")
-    serve.add_argument("--kv-tokens", type=positive_int, default=65536, help="KV pool [65536]")
     serve.add_argument(
-        "--max-checkpoints", type=positive_int, default=64,
-        help="recurrent-state checkpoints the prefix cache holds (Qwen3.5) [64]",
+        "--cache-bytes", type=byte_size, default=None, metavar="SIZE",
+        help="one byte budget (384KiB, 256MiB, 4GiB) for full-attention KV, sliding-window "
+        "KV and recurrent-state checkpoints together, split as requests need it and "
+        "evicted in the simulator's radixkv order [off: --kv-tokens and the pools below]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--cache-split", choices=CACHE_SPLITS, default="one",
+        help="with --cache-bytes: one arena (one), or SGLang's fixed ratios into separate "
+        "pools (sglang: states 0.9x the full KV's bytes, window 0.8x its tokens) [one]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--kv-tokens",
+        type=positive_int,
+        default=None,
+        help="full-attention KV pool, tokens (not with --cache-bytes) [65536]",
+    )
+    serve.add_argument(
+        "--max-checkpoints", type=positive_int, default=None,
+        help="recurrent-state checkpoints the prefix cache holds (Qwen3.5) [64; with "
+        "--cache-bytes: as many as the budget holds]",
     )  # fmt: skip
     serve.add_argument(
         "--checkpoint-every", type=number(int, 0, "a non-negative integer"), default=0,
@@ -183,7 +202,9 @@ def run(args: argparse.Namespace) -> int:
         engine_config = EngineConfig(
             prefix_cache=not args.no_prefix_cache, page_size=args.page_size,
             schedule_policy=args.schedule_policy, chunk_size=args.chunk_size,
-            max_running=args.max_running, kv_tokens=args.kv_tokens,
+            max_running=args.max_running, cache_bytes=args.cache_bytes,
+            cache_split=args.cache_split,
+            kv_tokens=args.kv_tokens if args.kv_tokens or args.cache_bytes else 65536,
             max_context_len=args.max_context_len, eviction_policy=args.eviction_policy,
             check_memory=args.check_memory, storage=args.storage, host_tokens=args.host_tokens,
             write_policy=args.write_policy, storage_secret=args.storage_secret,
@@ -217,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server, aeng = build_server(serve, engine_config)
     except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
+        if str(e).startswith("cache_bytes:"):  # the budget against this model
+            raise flag_error(e) from None
         raise CliError(f"--model {args.model}: {e}") from None
     except Exception as e:
         if type(e).__name__ == "ZMQError":  # pyzmq's: a bad or busy events address

@@ -13,6 +13,14 @@ from radixkv.policy import POLICIES
 from radixkv.storage import WRITE_POLICIES
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+CACHE_SPLITS = ("one", "sglang")
+DEFAULT_KV_TOKENS = 8192  # without cache_bytes
+DEFAULT_CHECKPOINTS = 64  # without cache_bytes
+# SGLang's fixed split of one memory (`--cache-split sglang`): its server arguments'
+# defaults ``mamba_full_memory_ratio`` (state pool bytes / full KV bytes) and
+# ``swa_full_tokens_ratio`` (window pool tokens / full pool tokens)
+SGLANG_STATE_RATIO = 0.9
+SGLANG_WINDOW_RATIO = 0.8
 
 
 @dataclass
@@ -25,7 +33,16 @@ class EngineConfig:
         schedule_policy: ``fcfs``, or ``lpm`` (longest cached prefix first).
         chunk_size: prefill tokens per step, all requests together.
         max_running: requests running at once (rows of the request table).
-        kv_tokens: KV pool size in tokens.
+        kv_tokens: KV pool size in tokens (``None``: 8192; with ``cache_bytes`` it
+            must stay ``None``: the budget sizes the full KV).
+        cache_bytes: one byte budget for the whole cache (`radixkv.kvcache.arena`):
+            full-attention KV, sliding-window KV and recurrent-state checkpoints draw
+            from one arena of this many bytes, evicted in the simulator's ``radixkv``
+            order. ``None``: the separate pools of ``kv_tokens``, ``window_tokens``
+            and ``max_checkpoints``.
+        cache_split: with ``cache_bytes``: ``one`` (the arena) or ``sglang`` (the same
+            bytes split by SGLang's fixed ratios into the separate pools, for
+            comparison).
         max_context_len: longest prompt + output of one request.
         eviction_policy: the cache's eviction policy.
         device, dtype: where and how the model and the KV live.
@@ -42,7 +59,8 @@ class EngineConfig:
             disk's free space); other stores are sized in themselves.
         max_checkpoints: recurrent-state checkpoints the prefix cache holds at most
             (Qwen3.5 and other models with recurrent layers: each is one state of every
-            recurrent layer; the least recently used goes first).
+            recurrent layer; the least recently used goes first). ``None``: 64, or
+            with ``cache_bytes`` as many as the budget holds (a number: a cap).
         checkpoint_every: also checkpoint every this many tokens of a long prefill (a
             multiple of ``page_size``; 0: never), so a prefix shared by requests that
             go on past it hits from the second request, before any branch point is
@@ -74,7 +92,7 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     chunk_size: int = 512
     max_running: int = 16
-    kv_tokens: int = 8192
+    kv_tokens: int | None = None  # None: DEFAULT_KV_TOKENS (or, with cache_bytes, the budget)
     max_context_len: int = 2048
     eviction_policy: str = "lru"
     device: str | torch.device = "cpu"
@@ -86,10 +104,30 @@ class EngineConfig:
     write_policy: str = "write_through"
     storage_secret: str | None = None
     storage_max_bytes: int | None = None  # a file store's size cap (LRU by mtime)
-    max_checkpoints: int = 64  # recurrent-state checkpoints held (models with them)
+    max_checkpoints: int | None = None  # checkpoints held (None: 64, or the budget)
     checkpoint_every: int = 0  # tokens; recurrent models also checkpoint on this grid
     max_retained_tokens: int | None = None  # per namespace; None: kv_tokens // 8
     window_tokens: int | None = None  # sliding layers' own pool; None: sized at start
+    cache_bytes: int | None = None  # one budget for every kind (radixkv.kvcache.arena)
+    cache_split: str = "one"  # with cache_bytes: "one" arena, or SGLang's fixed "sglang"
+
+    @property
+    def pool_tokens(self) -> int:
+        """The full KV pool's tokens without an arena (``kv_tokens`` or its default)."""
+        return DEFAULT_KV_TOKENS if self.kv_tokens is None else self.kv_tokens
+
+    @property
+    def checkpoint_cap(self) -> int | None:
+        """Checkpoints held at most: ``max_checkpoints``, its default without an arena,
+        ``None`` (the budget's) with one."""
+        if self.max_checkpoints is not None:
+            return self.max_checkpoints
+        return None if self.one_arena else DEFAULT_CHECKPOINTS
+
+    @property
+    def one_arena(self) -> bool:
+        """Every kind of cache memory draws from one arena of ``cache_bytes``."""
+        return self.cache_bytes is not None and self.cache_split == "one"
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -101,11 +139,14 @@ class EngineConfig:
                 f"eviction_policy must be one of {tuple(POLICIES)}, got {self.eviction_policy!r}"
             )
         for name in ("page_size", "chunk_size", "max_running", "kv_tokens", "max_context_len",
-                     "max_checkpoints"):  # fmt: skip
+                     "max_checkpoints", "cache_bytes"):  # fmt: skip
             value = getattr(self, name)
+            if value is None and name in ("kv_tokens", "max_checkpoints", "cache_bytes"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.kv_tokens < 2 * self.page_size:
+        self._check_budget()
+        if self.pool_tokens < 2 * self.page_size:
             raise ValueError(
                 f"kv_tokens must hold at least two pages of {self.page_size} tokens, "
                 f"got {self.kv_tokens}"
@@ -142,3 +183,21 @@ class EngineConfig:
                                  "(size Redis with its maxmemory)")  # fmt: skip
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+
+    def _check_budget(self) -> None:
+        """``cache_bytes`` and what goes with it."""
+        if self.cache_split not in CACHE_SPLITS:
+            raise ValueError(f"cache_split must be one of {CACHE_SPLITS}, got {self.cache_split!r}")
+        if self.cache_bytes is None:
+            if self.cache_split != "one":
+                raise ValueError("cache_split: splits a cache_bytes budget; set cache_bytes")
+            return
+        if self.kv_tokens is not None:
+            raise ValueError("kv_tokens: with cache_bytes the budget sizes the full KV; "
+                             "give one or the other")  # fmt: skip
+        if self.window_tokens:
+            raise ValueError("window_tokens: with cache_bytes the budget sizes the window "
+                             "KV (0 keeps the sliding layers' KV whole)")  # fmt: skip
+        if self.cache_split == "one" and (self.storage is not None or self.host_tokens):
+            raise ValueError("cache_bytes: host and store tiers read the separate pools; "
+                             "use cache_split='sglang' or kv_tokens with them")  # fmt: skip

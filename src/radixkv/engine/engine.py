@@ -33,20 +33,14 @@ from typing import Any
 
 import torch
 
+from radixkv.engine.cache_memory import CacheMemory
 from radixkv.engine.config import SCHEDULE_POLICIES, EngineConfig
 from radixkv.engine.faults import EngineFault, FaultWatch
-from radixkv.engine.loader import (
-    build_memory,
-    build_states,
-    build_tiers,
-    load_model,
-    load_tokenizer,
-)
+from radixkv.engine.loader import build_tiers, load_model, load_tokenizer
 from radixkv.engine.loader import model_identity as identity_of
 from radixkv.engine.model_runner import ModelRunner, NonFiniteLogits
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.output import OutputProcessor
-from radixkv.engine.recurrent import RecurrentStates
 from radixkv.engine.request import CacheSpec, EngineReq, MarkedIds, SamplingParams, StepOutput
 from radixkv.engine.scheduler import DoesNotFit, Scheduler
 from radixkv.engine.tokenizer import Tokenizer
@@ -150,31 +144,22 @@ class Engine:
         self.tokenizer: Tokenizer = tokenizer or own_tokenizer
         self.model = net.to(device=self.device, dtype=cfg.dtype)
         self.config: ModelConfig = self.model.config
-        self.recurrent: RecurrentStates | None = None
-        components: tuple = ()
-        specs = self.config.layer_specs()
-        if cfg.checkpoint_every and specs.recurrent is None:
-            raise ValueError(f"checkpoint_every: {self.config.architecture} has no recurrent "
-                             "layers to checkpoint")  # fmt: skip
-        if specs.recurrent is not None:
-            pool = build_states(cfg, specs.recurrent, self.device)
-            self.model.use_states(pool)
-            self.recurrent = RecurrentStates(pool, cfg.max_checkpoints,
-                                             cfg.checkpoint_every // cfg.page_size)  # fmt: skip
-            components = (self.recurrent.component,)
-        memory = build_memory(cfg, self.config, self.device, components)
+        self.memory = CacheMemory(cfg, self.model, self.device)
+        memory = self.memory
         self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
         self.window = memory.window  # the sliding layers' own slot space, if any
         self.why_not_window = memory.why_not_window
+        self.recurrent, self.arena = memory.recurrent, memory.arena
         for line in self.memory_summary():
             log.info("%s", line)
         self.scheduler = Scheduler(cfg, self.mgr)
         retained = cfg.max_retained_tokens
-        retained = cfg.kv_tokens // 8 if retained is None else retained
+        capacity = self.mgr.allocator.capacity
+        retained = capacity // 8 if retained is None else retained
         states = self.recurrent.component if self.recurrent is not None else None
         # all namespaces together, shared fairly (salts are the client's to choose): by
         # default two namespaces at their quota fit, so one other tenant takes nothing
-        total = max(2 * retained, cfg.kv_tokens // 4)
+        total = max(2 * retained, capacity // 4)
         self.retention = Retention(self.cache, retained, total, states=states)
         self.scheduler.relieve = self.retention.relieve
         self.scheduler.on_admit = self._admitted
@@ -197,38 +182,26 @@ class Engine:
             if self.recurrent is not None:  # its checkpoints go down the tiers too
                 from radixkv.storage.states import StateTiers
 
-                host_states = cfg.max_checkpoints if cfg.host_tokens else 0
+                host_states = (memory.pools.checkpoint_cap or 0) if cfg.host_tokens else 0
                 self.recurrent.tiers = StateTiers(self.tier, self.recurrent, self.cache,
                                                   host_states)  # fmt: skip
 
     def memory_summary(self) -> list[str]:
-        """The pools as sized at start, one line each: full-attention KV, the sliding
-        layers' window KV, recurrent states, a file store's cap (what ``radixkv serve``
-        prints)."""
-        mib = 2**-20
-        kv, a = self.kv, self.mgr.allocator
-        full_layers = kv.num_layers - len(kv.window_layers)
-        lines = [f"full-attention KV: {a.size:,} tokens x {full_layers} layers = "
-                 f"{a.size * kv.bytes_per_token() * mib:,.1f} MiB"]  # fmt: skip
-        if self.window is not None:
-            w = self.window
-            lines.append(f"sliding-window KV: {w.allocator.size:,} tokens x "
-                         f"{len(kv.window_layers)} layers = "
-                         f"{w.allocator.size * kv.window_bytes_per_token() * mib:,.1f} MiB "
-                         f"(window {w.window}: a running request keeps its last window; "
-                         f"cached windows stay while there is room, those no match end "
-                         f"needs go first)")  # fmt: skip
-        elif self.why_not_window:
-            lines.append(f"sliding-window KV: in the full pool ({self.why_not_window})")
-        if self.recurrent is not None:
-            rec = self.recurrent
-            rows = rec.pool.first + rec.pool.spare
-            lines.append(f"recurrent states: {rows} rows x {rec.row_size * mib:.2f} MiB = "
-                         f"{rows * rec.row_size * mib:,.1f} MiB")  # fmt: skip
+        """The cache's memory as sized at start, one line each (what ``radixkv serve``
+        prints; `radixkv.engine.cache_memory`), and a file store's cap."""
+        lines = self.memory.summary()
         describe = getattr(getattr(getattr(self, "tier", None), "store", None), "describe", None)
         if describe is not None:  # a file store: its size cap
             lines.append(describe())
         return lines
+
+    def cache_bytes_held(self) -> dict[str, int]:
+        """Bytes held now per kind: ``full``, ``window``, ``states``."""
+        return self.memory.held_bytes()
+
+    def cache_bytes_evicted(self) -> dict[str, int]:
+        """Bytes evicted to make room since the start, per kind."""
+        return self.memory.evicted_bytes()
 
     def _admitted(self, r: EngineReq) -> None:
         """A request was just admitted: a recurrent model copies its state; a retained
@@ -459,8 +432,7 @@ class Engine:
 
     def kv_usage(self) -> float:
         """Fraction of the KV pool held by running requests and the cache."""
-        a = self.mgr.allocator
-        return 1.0 - a.available_size() / a.size
+        return self.memory.usage()
 
     def flush_cache(self) -> int:
         """Drop every cached token no running request holds, retained ones too; returns
@@ -581,6 +553,7 @@ class Engine:
 
     def _check(self) -> None:
         self.mgr.check_memory()
+        self.memory.check()
         self.retention.check()
         self.cache.check_integrity()
         if self.recurrent is not None:

@@ -8,7 +8,9 @@ cache. Must not touch: scheduling, the step, outputs (`radixkv.engine.engine`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from radixkv.engine.config import EngineConfig
+from radixkv.engine.config import SGLANG_STATE_RATIO, SGLANG_WINDOW_RATIO, EngineConfig
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.sources import smollm2_folder, smollm2_missing
 from radixkv.engine.tokenizer import (
@@ -27,6 +29,7 @@ from radixkv.engine.tokenizer import (
     smollm2_tokenizer,
 )
 from radixkv.engine.weights import load_hf_folder, random_model
+from radixkv.kvcache.arena import Arena, ArenaKV, ArenaPages
 from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.kvcache.spec import RecurrentSpec
@@ -34,7 +37,7 @@ from radixkv.kvcache.state_pool import StatePool
 from radixkv.kvcache.window_slots import WindowSlots
 from radixkv.tree import RadixCache
 from radixkv.tree.window import WindowKV
-from radixkv.units import align_down, align_up
+from radixkv.units import align_down, align_up, div_ceil
 
 log = logging.getLogger("radixkv.engine")
 
@@ -127,54 +130,162 @@ def plan_windows(cfg: EngineConfig, mc: ModelConfig) -> WindowPlan:
     size = asked
     if size is None:  # one request computing a chunk, and every other one's last window
         every = peak + (cfg.max_running - 1) * (span + p)
-        size = min(cfg.kv_tokens, max(cfg.kv_tokens // 4, every))
+        size = min(cfg.pool_tokens, max(cfg.pool_tokens // 4, every))
     size = align_down(size, p)
     if size < peak:
         if asked is not None:
             raise ValueError(f"window_tokens must hold one request's window and chunk "
                              f"(window {window}, chunk_size {cfg.chunk_size}, page "
                              f"{p}): at least {peak}, got {asked}")  # fmt: skip
-        return WindowPlan(why_not=f"kv_tokens={cfg.kv_tokens} is less than one request's "
+        return WindowPlan(why_not=f"kv_tokens={cfg.pool_tokens} is less than one request's "
                                   f"window and chunk ({peak})")  # fmt: skip
     return WindowPlan(layers, window, size)
 
 
+@dataclass
+class ArenaPlan:
+    """One arena for every kind of cache memory (`radixkv.kvcache.arena`), as sized."""
+
+    arena: Arena
+    group: int  # attention layers a unit spans
+    full_columns: int  # units of one full-attention page
+    window_columns: int = 0  # units of one window page (0: no window kind)
+    window: int = 0  # the sliding layers' longest window
+    window_layers: tuple[int, ...] = ()
+    state_units: int = 0  # units of one checkpoint
+    reserve: int = 0  # units one request's window and a checkpoint need besides its KV
+
+
+def plan_arena(cfg: EngineConfig, mc: ModelConfig, device: Any) -> ArenaPlan:
+    """The arena of ``cfg.cache_bytes`` for model ``mc``: its unit, and how many units
+    each kind's page or checkpoint takes.
+
+    Raises:
+        ValueError: a budget too small for one request (naming the minimum), a model
+            without a full-attention layer, or more than this machine holds.
+    """
+    from radixkv.engine.machine import check_fits
+
+    assert cfg.cache_bytes is not None
+    specs, p = mc.layer_specs(), cfg.page_size
+    sliding = specs.window_limited(cfg.max_context_len) if cfg.window_tokens != 0 else None
+    wl = sliding.layers if sliding is not None else ()
+    full = specs.kv_layers - len(wl)
+    if full < 1:
+        raise ValueError(f"cache_bytes: every attention layer of {mc.architecture} is "
+                         "sliding; one arena needs a full-attention layer (use kv_tokens "
+                         "and window_tokens)")  # fmt: skip
+    group = math.gcd(full, len(wl))
+    unit = p * group * 2 * mc.num_key_value_heads * mc.head_dim * cfg.dtype.itemsize
+    fc, wc = full // group, len(wl) // group
+    state = div_ceil(specs.recurrent.state_bytes, unit) if specs.recurrent else 0
+    peak = 0
+    if sliding is not None:
+        span, chunk = align_up(sliding.window, p), align_up(cfg.chunk_size, p)
+        peak = (2 * span + 2 * p + chunk) // p * wc
+    least = 2 * fc + peak + state
+    if cfg.cache_bytes < least * unit:
+        parts = [f"two pages of full-attention KV ({2 * fc * unit:,})"]
+        if peak:
+            parts.append(f"one request's window and chunk ({peak * unit:,})")
+        if state:
+            parts.append(f"one checkpoint ({state * unit:,})")
+        raise ValueError(f"cache_bytes: {cfg.cache_bytes:,} bytes is too small for this "
+                         f"model: {' + '.join(parts)} need at least {least * unit:,} "
+                         f"bytes")  # fmt: skip
+    check_fits({f"cache_bytes={cfg.cache_bytes:,}": cfg.cache_bytes,
+                f"max_running={cfg.max_running} x max_context_len={cfg.max_context_len:,}":
+                    8 * cfg.max_running * cfg.max_context_len}, device)  # fmt: skip
+    arena = Arena(cfg.cache_bytes // unit, unit, device)
+    window = sliding.window if sliding is not None else 0
+    return ArenaPlan(arena, group, fc, wc, window, wl, state, peak + state)
+
+
+def split_budget(cfg: EngineConfig, mc: ModelConfig) -> EngineConfig:
+    """The pools an engine builds: ``cfg`` itself, or with ``cache_split="sglang"`` its
+    ``cache_bytes`` split by SGLang's fixed ratios into ``kv_tokens``, ``window_tokens``
+    and ``max_checkpoints`` (recurrent states take ``mamba_full_memory_ratio`` x the full
+    KV's bytes; window KV ``swa_full_tokens_ratio`` x the full KV's tokens)."""
+    if cfg.cache_bytes is None or cfg.cache_split != "sglang":
+        return cfg
+    specs = mc.layer_specs()
+    sliding = specs.window_limited(cfg.max_context_len) if cfg.window_tokens != 0 else None
+    per_layer = 2 * mc.num_key_value_heads * mc.head_dim * cfg.dtype.itemsize
+    wl = len(sliding.layers) if sliding is not None else 0
+    full_bytes = cfg.cache_bytes / (1 + (SGLANG_STATE_RATIO if specs.recurrent else 0))
+    tokens = full_bytes / ((specs.kv_layers - wl + SGLANG_WINDOW_RATIO * wl) * per_layer)
+    p = cfg.page_size
+    kv_tokens = max(2 * p, align_down(int(tokens), p))
+    window = align_down(int(SGLANG_WINDOW_RATIO * tokens), p) if wl else None
+    if window is not None and sliding is not None:
+        peak = 2 * align_up(sliding.window, p) + 2 * p + align_up(cfg.chunk_size, p)
+        if window < peak:
+            raise ValueError(f"cache_bytes: {cfg.cache_bytes:,} bytes split by SGLang's "
+                             f"ratios leave the window pool {window} tokens, less than one "
+                             f"request's window and chunk ({peak})")  # fmt: skip
+    states = None
+    if specs.recurrent is not None:
+        states = max(1, int(cfg.cache_bytes - full_bytes) // specs.recurrent.state_bytes)
+    return dataclasses.replace(cfg, cache_bytes=None, cache_split="one", kv_tokens=kv_tokens,
+                               window_tokens=window, max_checkpoints=states)  # fmt: skip
+
+
 def build_memory(
-    cfg: EngineConfig, mc: ModelConfig, device: torch.device, components: tuple = ()
-) -> Memory:
+    cfg: EngineConfig, mc: ModelConfig, device: torch.device, components: tuple = (),
+    arena: ArenaPlan | None = None,
+) -> Memory:  # fmt: skip
     """Pools sized by ``cfg`` for a model of config ``mc``, and the cache. The engine
     locks every node it keeps right after matching or inserting it, so it opts in to
     chain merging (LRU) and precise eviction (see `radixkv.tree`). Sliding-window layers
-    get a slot space of their own, as `plan_windows` decides."""
-    plan = plan_windows(cfg, mc)
-    check_pools_fit(cfg, mc, plan, device)
-    allocator = TokenToKVPoolAllocator(cfg.kv_tokens, cfg.page_size, device=device)
-    walloc = wkv = None
-    if plan.layers:
-        walloc = TokenToKVPoolAllocator(plan.tokens, cfg.page_size, device=device)
+    get a slot space of their own, as `plan_windows` decides; with ``arena``
+    (`plan_arena`) every kind's pages come from it."""
+    p = cfg.page_size
+    if arena is None:
+        plan = plan_windows(cfg, mc)
+        check_pools_fit(cfg, mc, plan, device)
+        layers, window = plan.layers, plan.window
+        allocator = TokenToKVPoolAllocator(cfg.pool_tokens, p, device=device)
+        walloc = TokenToKVPoolAllocator(plan.tokens, p, device=device) if layers else None
+        why_not = plan.why_not
+    else:
+        layers, window, why_not = arena.window_layers, arena.window, ""
+        size = arena.arena.num_units * p
+        full = ArenaPages(arena.arena, "full", arena.full_columns)
+        allocator = TokenToKVPoolAllocator(size, p, device, pages=full)
+        allocator.capacity = (arena.arena.num_units - arena.reserve) // arena.full_columns * p
+        walloc = None
+        if layers:
+            wpages = ArenaPages(arena.arena, "window", arena.window_columns)
+            walloc = TokenToKVPoolAllocator(size, p, device, pages=wpages)
+    wkv = None
+    if walloc is not None:
         # windows stay while the pool has room; under pressure the spare go first
-        wkv = WindowKV(plan.window, walloc, retain="all")
+        wkv = WindowKV(window, walloc, retain="all")
         components = (*components, wkv)
     cache = RadixCache(
-        cfg.page_size,
+        p,
         cfg.eviction_policy,
         allocator,
         disable=not cfg.prefix_cache,
         # merging joins an insert to another request's finished leaf, whose window a
         # windowed insert (full KV first) would drop: windowed caches do not merge
-        eviction_mode="merge" if cfg.eviction_policy == "lru" and not plan.layers else "precise",
+        eviction_mode="merge" if cfg.eviction_policy == "lru" and not layers else "precise",
         components=components,
     )
     req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=device)
-    kv = KVPool(
-        mc.layer_specs().kv_layers, mc.num_key_value_heads, mc.head_dim,
-        allocator.size, cfg.dtype, device, plan.layers, plan.tokens,
-    )  # fmt: skip
-    window = None
+    heads, dim = mc.num_key_value_heads, mc.head_dim
+    if arena is None:
+        kv: Any = KVPool(mc.layer_specs().kv_layers, heads, dim, allocator.size, cfg.dtype,
+                         device, plan.layers, plan.tokens)  # fmt: skip
+    else:
+        kv = ArenaKV(arena.arena, mc.layer_specs().kv_layers, heads, dim, cfg.dtype, p,
+                     arena.group, allocator.source, walloc.source if walloc else None,
+                     layers, allocator.size)  # fmt: skip
+    slots = None
     if wkv is not None and walloc is not None:
-        window = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, plan.window)
-    mgr = CacheManager(cache, allocator, req_pool, window)
-    return Memory(allocator, cache, kv, mgr, window, plan.why_not)
+        slots = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, window)
+    mgr = CacheManager(cache, allocator, req_pool, slots)
+    return Memory(allocator, cache, kv, mgr, slots, why_not)
 
 
 def build_states(cfg: EngineConfig, spec: RecurrentSpec, device: torch.device) -> StatePool:
@@ -187,8 +298,12 @@ def build_states(cfg: EngineConfig, spec: RecurrentSpec, device: torch.device) -
     from radixkv.engine.machine import check_fits
     from radixkv.engine.recurrent import RecurrentStates
 
-    spare = RecurrentStates.spare_rows(cfg.max_running, cfg.max_checkpoints)
-    check_fits({f"max_checkpoints={cfg.max_checkpoints:,} (recurrent states)":
+    cap = cfg.checkpoint_cap or 0
+    spare = RecurrentStates.spare_rows(cfg.max_running, cap)
+    if cfg.one_arena:  # checkpoints live in the arena; spare rows hold pending snapshots
+        every = cfg.chunk_size // cfg.checkpoint_every if cfg.checkpoint_every else 0
+        spare = 2 * cfg.max_running + every
+    check_fits({f"max_checkpoints={cap:,} (recurrent states)":
                 (cfg.max_running + spare) * spec.state_bytes}, device)  # fmt: skip
     return StatePool(spec, cfg.max_running, spare, device)
 
@@ -206,7 +321,8 @@ def check_pools_fit(cfg: EngineConfig, mc: ModelConfig, plan: WindowPlan, device
     layers = mc.layer_specs().kv_layers
     per_layer = 2 * mc.num_key_value_heads * mc.head_dim * cfg.dtype.itemsize
     check_fits({
-        f"kv_tokens={cfg.kv_tokens:,}": (layers - len(plan.layers)) * per_layer * cfg.kv_tokens,
+        f"kv_tokens={cfg.pool_tokens:,}":
+            (layers - len(plan.layers)) * per_layer * cfg.pool_tokens,
         f"window_tokens={plan.tokens:,}": len(plan.layers) * per_layer * plan.tokens,
         f"max_running={cfg.max_running} x max_context_len={cfg.max_context_len:,}":
             8 * cfg.max_running * cfg.max_context_len,
@@ -240,6 +356,7 @@ def build_tiers(cfg: EngineConfig, memory: Memory, identity: bytes) -> Any:
 
 
 __all__ = [
+    "ArenaPlan",
     "Memory",
     "WindowPlan",
     "build_memory",
@@ -247,5 +364,7 @@ __all__ = [
     "build_tiers",
     "load_model",
     "load_tokenizer",
+    "plan_arena",
     "plan_windows",
+    "split_budget",
 ]

@@ -42,12 +42,14 @@ scheduling.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from radixkv.blockhash import event_hashes
 from radixkv.key import RadixKey
+from radixkv.kvcache.arena import ArenaCheckpoints
 from radixkv.kvcache.state_pool import StatePool
 from radixkv.tree import RadixCache
 from radixkv.tree.state import StateCheckpoints
@@ -58,9 +60,18 @@ class RecurrentStates:
     ``max_states`` spare ones (`spare_rows`); ``max_states`` checkpoints at most are
     held."""
 
-    def __init__(self, pool: StatePool, max_states: int, every_pages: int = 0) -> None:
+    def __init__(
+        self, pool: StatePool, max_states: int, every_pages: int = 0,
+        store: ArenaCheckpoints | None = None,
+    ) -> None:  # fmt: skip
         self.pool = pool
-        self.component = StateCheckpoints(max_states, self, every_pages=every_pages)
+        # with one arena (`radixkv.kvcache.arena`): checkpoints live in its units, the
+        # pool's spare rows hold pending snapshots only; ``room`` frees units for one
+        self.store = store
+        self.room: Callable[[int], bool] | None = None
+        state_bytes = store.per * store.arena.unit_bytes if store is not None else pool.row_size
+        self.component = StateCheckpoints(max_states, self, every_pages=every_pages,
+                                          state_bytes=state_bytes)  # fmt: skip
         self.sink: Any = None  # a KV event sink (`publish`)
         self.published: dict[int, int] = {}  # checkpoint row -> its block hash, told
         self.tiers: Any = None  # host pool and store of states (radixkv.storage.states)
@@ -83,19 +94,47 @@ class RecurrentStates:
             raise ValueError("KV events must be on before the first checkpoint")
         self.sink = sink
 
+    # --- where a checkpoint lives: a spare row of the pool, or units of the arena --------
+    def _keep(self, row: int) -> int | None:
+        """The pending snapshot in ``row`` as a checkpoint's slot: the row itself, or
+        (with an arena) units it is copied to, the row given back. ``None``: no room."""
+        if self.store is None:
+            return row
+        if self.room is not None:
+            self.room(self.store.per)
+        slot = self.store.store(self.pool.row_flat(row))
+        self.pool.give([row])
+        return slot
+
+    def _unkeep(self, slots: list[int]) -> None:
+        """Checkpoint slots (from `_keep`) back."""
+        if self.store is None:
+            self.pool.give(slots)
+        else:
+            self.store.give(slots)
+
+    def restore(self, slot: int, row: int) -> None:
+        """Running row ``row`` becomes a copy of checkpoint ``slot``."""
+        if self.store is None:
+            self.pool.copy(slot, row)
+        else:
+            self.pool.load_flat(row, self.store.load(slot))
+
     # the component's allocator: evicted checkpoints give their rows back
     def free(self, slots: torch.Tensor) -> None:
         rows = [int(s) for s in slots]
         if self.tiers is not None:  # before the rows are reused: they go down a tier
             self.tiers.evicted(rows)
-        self.pool.give(rows)
+        self._unkeep(rows)
         if self.sink is not None:
             gone = [self.published.pop(r) for r in rows if r in self.published]
             if gone:
                 self.sink.removed(gone)
 
     def row_bytes(self, row: int) -> bytes:
-        """A row's states, as bytes (`StatePool.row_bytes`)."""
+        """A checkpoint's states, as bytes (`StatePool.row_bytes`)."""
+        if self.store is not None:
+            return self.store.load(row).cpu().numpy().tobytes()
         return self.pool.row_bytes(row)
 
     def adopt(self, key: RadixKey, data: bytes, cache: RadixCache) -> bool:
@@ -106,9 +145,12 @@ class RecurrentStates:
         if row is None:
             return False
         self.pool.load_row(row, data)
+        row = self._keep(row)
+        if row is None:
+            return False
         node = cache.insert_node(key).last_node
         if not self.component.add(node, row, kind="end"):
-            self.pool.give([row])
+            self._unkeep([row])
             return False
         self._added(row, key, cache.page_size)
         return True
@@ -140,7 +182,7 @@ class RecurrentStates:
         if r.cached_len:
             slot = self.component.used(r.last_node)
             assert slot is not None, "a hit on a recurrent model ends at a checkpoint"
-            self.pool.copy(slot, r.row)
+            self.restore(slot, r.row)
         n = len(r.input_ids)
         if r.cache_read and not r.output_ids:  # the admission's walk was over the prompt
             full = r.full_hit
@@ -182,14 +224,17 @@ class RecurrentStates:
                 continue
             tokens = r.token_array() if tokens is None else tokens
             key = RadixKey(tokens, r.extra_key)[:pos]
+            slot = self._keep(row)  # (may evict: before the tree is asked)
+            if slot is None:
+                continue
             if cache.match_len(key, full=True) < pos:  # not (or no longer) in the tree
-                self.pool.give([row])
+                self._unkeep([slot])
                 continue
             node = cache.insert_node(key).last_node
-            if not self.component.add(node, row, kind=kind):
-                self.pool.give([row])
+            if not self.component.add(node, slot, kind=kind):
+                self._unkeep([slot])
             else:
-                self._added(row, key, cache.page_size)
+                self._added(slot, key, cache.page_size)
         r.snap_rows = keep
 
     def release(self, r: Any) -> None:
@@ -201,6 +246,11 @@ class RecurrentStates:
 
     def check(self, running: list[Any]) -> None:
         pending = [row for r in running for _, row, _ in r.snap_rows]
-        self.pool.check([*pending, *self.component.held])
+        if self.store is None:
+            self.pool.check([*pending, *self.component.held])
+        else:
+            self.pool.check(pending)
+            if sorted(self.store.held_ids) != sorted(self.component.held):
+                raise AssertionError("the arena's checkpoints are not those the tree holds")
         if self.sink is not None and self.published.keys() != self.component.held.keys():
             raise AssertionError("the checkpoints told as KV events are not those held")

@@ -88,7 +88,7 @@ class Scheduler:
         context and, with one page of slack for its partial page, the pool alone."""
         return min(
             self.mgr.req_pool.max_context_len,
-            self.mgr.allocator.size - self.mgr.allocator.page_size,
+            self.mgr.allocator.capacity - self.mgr.allocator.page_size,
         )
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -106,8 +106,9 @@ class Scheduler:
                              self.max_tokens(), prompt_tokens, max_new_tokens)  # fmt: skip
         if need > self.max_tokens():
             raise DoesNotFit(
-                f"{what} can never fit the KV pool of {self.mgr.allocator.size} tokens (at "
-                f"most {self.max_tokens()}): raise kv_tokens", self.max_tokens(),
+                f"{what} can never fit the KV pool of {self.mgr.allocator.capacity} tokens "
+                f"(at most {self.max_tokens()}): raise "
+                f"{'cache_bytes' if self.config.cache_bytes else 'kv_tokens'}", self.max_tokens(),
                 prompt_tokens, max_new_tokens,
             )  # fmt: skip
 

@@ -162,6 +162,9 @@ class CacheManager:
         self.window = window
         self.running: dict[int, Req] = {}  # row -> request
         self.evicted_tokens = 0  # evicted to make room, since the start
+        # with one arena for every kind (`radixkv.kvcache.arena.ArenaRoom`): frees room
+        # across kinds in the budget's order, and says what can be had
+        self.room: Any = None
 
     # --- helpers ------------------------------------------------------------------------
     def _key(self, req: Req, n: int) -> RadixKey:
@@ -186,7 +189,17 @@ class CacheManager:
 
     def available_tokens(self) -> int:
         """Slots that can be had now: free ones plus what eviction can free."""
+        if self.room is not None:
+            return self.room.available(self.allocator)
         return self.allocator.available_size() + self.cache.evictable_size()
+
+    def _evict_for(self, need: int) -> None:
+        """Make room for ``need`` more slots: the tree's eviction, or with one arena
+        the budget's across kinds."""
+        if self.room is not None:
+            self.evicted_tokens += self.room.evict_for(self.allocator, need)
+        else:
+            self.evicted_tokens += self.cache.evict(need)
 
     # --- arrival --------------------------------------------------------------------------
     def admit(self, req: Req) -> bool:
@@ -270,8 +283,7 @@ class CacheManager:
         try:
             slots = self.allocator.alloc_extend(last, n)
             if slots is None:
-                need = self.allocator.shortfall(np.array([last]), np.array([n]))
-                self.evicted_tokens += self.cache.evict(max(need, 0))
+                self._evict_for(max(self.allocator.shortfall(np.array([last]), np.array([n])), 0))
                 slots = self.allocator.alloc_extend(last, n)
         except BaseException:
             self._unalloc_window(*at)
@@ -329,8 +341,7 @@ class CacheManager:
         try:
             slots = self.allocator.alloc_extend_batch(last, n)
             if slots is None:
-                need = self.allocator.shortfall(last, n)
-                self.evicted_tokens += self.cache.evict(max(need, 0))
+                self._evict_for(max(self.allocator.shortfall(last, n), 0))
                 slots = self.allocator.alloc_extend_batch(last, n)
         except BaseException:
             self._unalloc_window(rows, kv, n)
@@ -523,7 +534,7 @@ class CacheManager:
         if len(lost):
             raise AssertionError(f"check_memory: slot {lost[0]} is leaked (owned by nobody)")
         total = (
-            alloc.available_size()
+            alloc.unbound_size()
             + cache.evictable_size()
             + cache.protected_size()
             + private_n

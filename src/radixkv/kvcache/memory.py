@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -76,6 +76,58 @@ def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
 
 
+class PageSource(Protocol):
+    """Where an allocator's free pages come from: its own stack (`FreePageStack`), or an
+    arena that other kinds of memory draw from too (`radixkv.kvcache.arena`). ``peek(k)``
+    names the next ``k`` pages without taking them; ``pop`` takes exactly those."""
+
+    num_pages: int
+
+    def clear(self) -> None: ...
+    def count(self) -> int: ...
+    def peek(self, k: int) -> np.ndarray: ...
+    def pop(self, pages: np.ndarray) -> None: ...
+    def push(self, pages: np.ndarray) -> None: ...
+    def out_mask(self) -> np.ndarray: ...
+    def check(self) -> None: ...
+
+
+class FreePageStack:
+    """An allocator's own free pages: a stack; popping from the end hands out pages
+    0, 1, 2, ... first."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.clear()
+
+    def clear(self) -> None:
+        self._stack = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
+        self._n = self.num_pages
+
+    def count(self) -> int:
+        return self._n
+
+    def peek(self, k: int) -> np.ndarray:
+        return self._stack[self._n - k : self._n][::-1].copy()
+
+    def pop(self, pages: np.ndarray) -> None:
+        self._n -= len(pages)
+
+    def push(self, pages: np.ndarray) -> None:
+        n = self._n
+        self._stack[n : n + len(pages)] = pages
+        self._n = n + len(pages)
+
+    def out_mask(self) -> np.ndarray:
+        out = np.ones(self.num_pages, dtype=bool)
+        out[self._stack[: self._n]] = False
+        return out
+
+    def check(self) -> None:
+        free = self._stack[: self._n]
+        assert len(np.unique(free)) == len(free), "a page is on the free stack twice"
+
+
 class TokenToKVPoolAllocator:
     """Hands out KV slots in whole pages; every slot is returned exactly once.
 
@@ -87,7 +139,13 @@ class TokenToKVPoolAllocator:
     ``alloc``/``alloc_extend`` cost O(pages); ``free`` O(k log k) for k slots (numpy).
     """
 
-    def __init__(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        size: int,
+        page_size: int = 1,
+        device: str | torch.device = "cpu",
+        pages: PageSource | None = None,
+    ) -> None:
         size = _check_count(size, "size")
         page_size = _check_count(page_size, "page_size")
         if page_size < 1:
@@ -95,15 +153,23 @@ class TokenToKVPoolAllocator:
         self.page_size = page_size
         self.num_pages = size // page_size
         self.size = self.num_pages * page_size
+        self.capacity = self.size  # the most tokens one request may hold (an arena's less)
         self.device = usable_device(device)
         self._group: list[np.ndarray] | None = None
+        self._source = pages
+        if pages is not None and pages.num_pages != self.num_pages:
+            raise ValueError(f"the page source has {pages.num_pages} pages, the allocator "
+                             f"{self.num_pages}")  # fmt: skip
         self.clear()
 
     def clear(self) -> None:
         """Every slot free again."""
-        # A stack of free pages; popping from the end hands out pages 0, 1, 2, ...
-        self._free_pages = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
-        self._num_free = self.num_pages
+        if self._source is None:
+            self._pages: PageSource = FreePageStack(self.num_pages)
+        else:
+            self._source.clear()
+            self._pages = self._source
+        self._pages_out = 0  # pages off the free stack (some slot of each handed out)
         self._owned = np.zeros(self.size, dtype=bool)
         # slot numbers by page: one row gather hands out pages (8 bytes a slot)
         self._page_slots = np.arange(self.size, dtype=np.int64).reshape(
@@ -113,10 +179,20 @@ class TokenToKVPoolAllocator:
         self._page_offsets = np.arange(self.page_size, dtype=np.int64)
         self._handed_out = 0
 
+    @property
+    def source(self) -> PageSource:
+        """Where its free pages come from."""
+        return self._pages
+
     # --- sizes -----------------------------------------------------------------------------
     def available_size(self) -> int:
         """Slots in free pages (what ``alloc`` can hand out)."""
-        return self._num_free * self.page_size
+        return self._pages.count() * self.page_size
+
+    def unbound_size(self) -> int:
+        """Slots of pages this allocator has not handed out (``available_size`` too,
+        unless its pages come from an arena that other kinds draw from)."""
+        return (self.num_pages - self._pages_out) * self.page_size
 
     def handed_out_size(self) -> int:
         """Slots handed out and not yet freed."""
@@ -124,7 +200,7 @@ class TokenToKVPoolAllocator:
 
     def reserved_tail_size(self) -> int:
         """Slots not handed out that sit in partly handed-out pages."""
-        return (self.num_pages - self._num_free) * self.page_size - self._handed_out
+        return self._pages_out * self.page_size - self._handed_out
 
     def free_slots(self) -> np.ndarray:
         """Every slot not handed out (free pages and reserved tails), ascending."""
@@ -139,9 +215,7 @@ class TokenToKVPoolAllocator:
     def _fresh(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(pages, slots): ``n`` slots from the top ``ceil(n / page_size)`` pages of the
         free stack (the caller checked there are enough). Changes nothing."""
-        pages = div_ceil(n, self.page_size)
-        nf = self._num_free
-        taken = self._free_pages[nf - pages : nf][::-1].copy()
+        taken = self._pages.peek(div_ceil(n, self.page_size))
         if self.page_size == 1:
             return taken, taken
         return taken, self._page_slots[taken].ravel()[:n]
@@ -154,7 +228,7 @@ class TokenToKVPoolAllocator:
         ``pages`` come off the free stack; ``extended`` is a page gaining ``tail`` slots."""
         out = self._tensor(slots)
         p = self.page_size
-        self._num_free -= len(pages)
+        self._take(pages)
         if len(pages):
             self._page_count[pages] = p
             self._page_count[pages[-1]] -= len(pages) * p - (len(slots) - tail)
@@ -169,7 +243,7 @@ class TokenToKVPoolAllocator:
         partial result) when not enough pages are free. The rest of the last page stays
         reserved for ``alloc_extend`` by the same owner."""
         n = _check_count(n, "n")
-        if div_ceil(n, self.page_size) > self._num_free:
+        if div_ceil(n, self.page_size) > self._pages.count():
             return None
         pages, slots = self._fresh(n)
         return self._hand_out(slots, pages)
@@ -197,7 +271,7 @@ class TokenToKVPoolAllocator:
         if self._owned[tail].any():
             raise ValueError(f"alloc_extend: the page of slot {last_slot} is already extended")
         rest = n - len(tail)
-        if div_ceil(rest, p) > self._num_free:
+        if div_ceil(rest, p) > self._pages.count():
             return None
         pages, fresh = self._fresh(rest)
         slots = np.concatenate((tail, fresh)) if rest else tail
@@ -254,11 +328,10 @@ class TokenToKVPoolAllocator:
                 raise ValueError("alloc_extend_batch: two requests extend the same page")
         rest = n - tail
         total_pages = int(pages.sum())
-        if total_pages > self._num_free:
+        if total_pages > self._pages.count():
             return None
         total = int(n.sum())
-        nf = self._num_free
-        taken = self._free_pages[nf - total_pages : nf][::-1].copy()
+        taken = self._pages.peek(total_pages)
         # fresh slots: each request's pages in turn, less the unused end of its last page
         fresh = taken if p == 1 else self._page_slots[taken].ravel()
         page_ends = np.cumsum(pages)
@@ -279,7 +352,7 @@ class TokenToKVPoolAllocator:
         else:
             slots = fresh
         out = self._tensor(slots)  # the one step that can fail: first
-        self._num_free = nf - total_pages
+        self._take(taken)
         if total_pages:
             self._page_count[taken] = p
             some = pages > 0
@@ -336,9 +409,18 @@ class TokenToKVPoolAllocator:
             runs = pages[bounds[:-1]]
             self._page_count[runs] -= bounds[1:] - bounds[:-1]
             emptied = runs[self._page_count[runs] == 0]
-        nf = self._num_free
-        self._free_pages[nf : nf + len(emptied)] = emptied
-        self._num_free = nf + len(emptied)
+        self._give(emptied)
+
+    def _take(self, pages: np.ndarray) -> None:
+        """Pages (from ``peek``) leave the free stack."""
+        self._pages.pop(pages)
+        self._pages_out += len(pages)
+
+    def _give(self, pages: np.ndarray) -> None:
+        """Emptied pages go back on the free stack."""
+        if len(pages):
+            self._pages.push(pages)
+            self._pages_out -= len(pages)
 
     def _free_pages_whole(self, slots: np.ndarray) -> bool:
         """The fast path of `_free` for whole pages (what eviction frees): each run of
@@ -362,9 +444,7 @@ class TokenToKVPoolAllocator:
         self._owned[slots] = False
         self._handed_out -= len(slots)
         self._page_count[pages] = 0
-        nf = self._num_free
-        self._free_pages[nf : nf + len(pages)] = pages
-        self._num_free = nf + len(pages)
+        self._give(pages)
         return True
 
     def free_group_begin(self) -> None:
@@ -396,10 +476,11 @@ class TokenToKVPoolAllocator:
         counts = self._owned.reshape(self.num_pages, p).sum(axis=1) if self.num_pages else []
         assert np.array_equal(counts, self._page_count), "page counts disagree with slots"
         assert int(self._owned.sum()) == self._handed_out, "handed-out count is off"
-        stack = self._free_pages[: self._num_free]
-        assert len(np.unique(stack)) == len(stack), "a page is on the free stack twice"
-        assert not self._page_count[stack].any(), "a free page has handed-out slots"
-        assert len(stack) == int((self._page_count == 0).sum()), "an empty page is lost"
+        out = self._pages.out_mask()  # pages off the free stack
+        assert int(out.sum()) == self._pages_out, "the count of pages handed out is off"
+        assert not self._page_count[~out].any(), "a free page has handed-out slots"
+        assert self._page_count[out].all(), "an empty page is lost (not on the free stack)"
+        self._pages.check()
 
 
 class KVPool:
@@ -446,6 +527,10 @@ class KVPool:
                   for n in sizes]  # fmt: skip
         self.v = [torch.zeros((n, num_kv_heads, head_dim), dtype=dtype, device=device)
                   for n in sizes]  # fmt: skip
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
 
     def _layer_bytes(self) -> int:
         t = self.k[0]

@@ -99,4 +99,17 @@ class LayerSpecs:
         return w if w is not None and w.window < max_context_len else None
 
 
-__all__ = ["FullAttentionSpec", "LayerSpecs", "RecurrentSpec", "SlidingWindowSpec"]
+def prefill_flops(
+    tokens: float, params: float, attn_dim: int, full_layers: int, window_layers: int = 0,
+    window: int = 0,
+) -> float:  # fmt: skip
+    """Prefill FLOPs of a prefix of ``tokens``: the weights' (2 x params a token) and the
+    attention's (2 x width a pair of tokens, a window layer's pairs within its window):
+    what a hit there saves (the budget's value of a checkpoint, as Marconi counts)."""
+    n = float(tokens)
+    attn = full_layers * n * n + window_layers * n * min(n, float(window))
+    return 2.0 * params * n + 2.0 * attn_dim * attn
+
+
+__all__ = ["FullAttentionSpec", "LayerSpecs", "RecurrentSpec", "SlidingWindowSpec",
+           "prefill_flops"]  # fmt: skip

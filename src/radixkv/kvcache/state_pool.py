@@ -60,10 +60,22 @@ class StatePool:
         for t in self.tensors:
             t[:, dst].copy_(t[:, src])
 
+    def row_flat(self, row: int) -> torch.Tensor:
+        """A row's states as one uint8 tensor (a copy): each tensor's layers in order."""
+        return torch.cat([t[:, row].reshape(-1) for t in self.tensors]).view(torch.uint8)
+
+    def load_flat(self, row: int, flat: torch.Tensor) -> None:
+        """Row ``row`` from `row_flat` of the same spec."""
+        values = flat.to(self.tensors[0].device).view(self.spec.dtype)
+        at = 0
+        for t in self.tensors:
+            n = t[:, row].numel()
+            t[:, row].copy_(values[at : at + n].view_as(t[:, row]))
+            at += n
+
     def row_bytes(self, row: int) -> bytes:
         """A row's states as bytes: each tensor's layers in order."""
-        flat = torch.cat([t[:, row].reshape(-1) for t in self.tensors])
-        return flat.cpu().numpy().tobytes()
+        return self.row_flat(row).cpu().numpy().tobytes()
 
     def load_row(self, row: int, data: bytes) -> None:
         """Row ``row`` from ``row_bytes`` of the same spec.
@@ -73,13 +85,7 @@ class StatePool:
         """
         if len(data) != self.row_size:
             raise ValueError(f"a state row is {self.row_size} bytes, got {len(data)}")
-        first = self.tensors[0]
-        flat = torch.frombuffer(bytearray(data), dtype=self.spec.dtype).to(first.device)
-        at = 0
-        for t in self.tensors:
-            n = t[:, row].numel()
-            t[:, row].copy_(flat[at : at + n].view_as(t[:, row]))
-            at += n
+        self.load_flat(row, torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def check(self, in_use: Iterable[int]) -> None:
         """Raises AssertionError unless every spare row is free or in use, once."""

@@ -78,6 +78,7 @@ class WindowSlots:
         self.own = np.zeros((max_reqs, max_context_len), dtype=bool)
         self.kept = np.zeros(max_reqs, dtype=np.int64)  # no slot of the row lies before it
         self.evicted = 0  # window units evicted from the tree to make room
+        self.room: object = None  # one arena's room across kinds (`CacheManager.room`)
 
     def peak(self, chunk: int) -> int:
         """The most window slots one request holds while it computes ``chunk`` tokens:
@@ -89,6 +90,8 @@ class WindowSlots:
         """Window slots that can be had now: free, plus (counted only when fewer than
         ``at_least`` are free, and only until there are ``at_least``) what evicting the
         tree's window KV frees."""
+        if self.room is not None:
+            return self.room.available(self.allocator)  # type: ignore[attr-defined]
         free = self.allocator.available_size()
         if free >= at_least:
             return free
@@ -137,8 +140,13 @@ class WindowSlots:
         slots = self.allocator.alloc_extend_batch(last, counts)
         if slots is None:
             short = self.allocator.shortfall(last, counts)
-            spare = self.component.evict_spare(short)  # no match loses an end for these
-            self.evicted += spare + self.component.evict(max(short - spare, 0))
+            if self.room is not None:  # one arena: the budget frees across kinds
+                held = self.component.held_units()
+                self.room.evict_for(self.allocator, short)  # type: ignore[attr-defined]
+                self.evicted += max(0, held - self.component.held_units())
+            else:
+                spare = self.component.evict_spare(short)  # no match loses an end for these
+                self.evicted += spare + self.component.evict(max(short - spare, 0))
             slots = self.allocator.alloc_extend_batch(last, counts)
             if slots is None:
                 return None

@@ -83,12 +83,18 @@ class EngineCollector(Collector):
                  "KV held by the prefix cache", held),
                 (GaugeMetricFamily, "prefix_cache_window_bytes", "Bytes of sliding-window KV "
                  "held by the prefix cache", held * e.kv.window_bytes_per_token()),
-                (GaugeMetricFamily, "window_kv_usage_perc", "Fraction of the sliding-window "
-                 "KV pool in use (running requests and cached windows)",
-                 1.0 - win.allocator.available_size() / win.allocator.size),
                 (CounterMetricFamily, "window_kv_evicted_tokens", "Sliding-window KV tokens "
                  "the cache freed to make room (its matches end earlier there)", win.evicted),
             ]  # fmt: skip
+            if e.arena is None:  # (with one budget there is no window pool of its own)
+                values.append((GaugeMetricFamily, "window_kv_usage_perc", "Fraction of the "
+                               "sliding-window KV pool in use (running requests and cached "
+                               "windows)", 1.0 - win.allocator.available_size()
+                               / win.allocator.size))  # fmt: skip
+        if e.arena is not None:
+            values.append((GaugeMetricFamily, "cache_budget_bytes", "The one byte budget "
+                           "every kind of cache memory draws from (--cache-bytes)",
+                           e.arena.arena.nbytes))  # fmt: skip
         rec = e.recurrent
         if rec is not None:  # a model with recurrent layers: its state checkpoints
             comp = rec.component
@@ -164,6 +170,21 @@ class EngineCollector(Collector):
         for reason in REASONS:
             released.add_metric([self.model_name, reason], e.retention.released[reason])
         yield released
+        held = GaugeMetricFamily(
+            "radixkv:cache_kind_bytes", "Bytes of cache memory held (running requests and "
+            "cached prefixes), by kind: full-attention KV, sliding-window KV, recurrent-state "
+            "checkpoints", labels=["model_name", "kind"],
+        )  # fmt: skip
+        evicted = CounterMetricFamily(
+            "radixkv:cache_kind_evicted_bytes", "Bytes of cache memory evicted to make room, "
+            "by kind", labels=["model_name", "kind"],
+        )  # fmt: skip
+        gone = e.cache_bytes_evicted()
+        for kind, n in e.cache_bytes_held().items():
+            held.add_metric([self.model_name, kind], n)
+            evicted.add_metric([self.model_name, kind], gone[kind])
+        yield held
+        yield evicted
 
 
 class ServerMetrics:

@@ -47,6 +47,7 @@ import torch
 
 from radixkv.key import RadixKey
 from radixkv.kvcache.budget import HybridBudget
+from radixkv.kvcache.spec import prefill_flops
 from radixkv.sim import marconi
 from radixkv.sim.traces import SimRequest, Trace
 from radixkv.tree import RadixCache
@@ -122,9 +123,8 @@ class ModelSpec:
 
     def flops(self, tokens: int) -> float:
         """Prefill FLOPs of a prefix of ``tokens``: the weights' and the attention's."""
-        n = float(tokens)
-        attn = self.full_layers * n * n + self.window_layers * n * min(n, float(self.window))
-        return 2.0 * self.params * n + 2.0 * self.attn_dim * attn
+        return prefill_flops(tokens, self.params, self.attn_dim, self.full_layers,
+                             self.window_layers, self.window)  # fmt: skip
 
     def vllm_block(self) -> int:
         """vLLM's attention block under ``--mamba-cache-mode align``: the smallest

@@ -22,6 +22,7 @@ from typing import Any
 
 from radixkv.sim.replay import BLOCK_POLICIES, POLICY_NAMES, SimResult, reuse_ceiling, simulate
 from radixkv.sim.traces import Trace
+from radixkv.units import BYTE_UNITS
 
 # KV bytes per token: 2 (K and V) x layers x KV heads x head dim x 2 bytes (bf16/fp16).
 MODELS: dict[str, int] = {
@@ -34,19 +35,7 @@ MODELS: dict[str, int] = {
 }
 
 _TOKENS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-_BYTES = {
-    "B": 1,
-    "bytes": 1,
-    "KiB": 2**10,
-    "MiB": 2**20,
-    "GiB": 2**30,
-    "TiB": 2**40,
-    "KB": 10**3,
-    "kB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-}
+_BYTES = BYTE_UNITS
 _BLOCKS = ("blocks", "block", "blk")
 CAPACITY_FORMS = "tokens (65536, 512k, 1M), blocks (2000blocks), KV bytes (8GiB, 8GB) or inf"
 

@@ -222,7 +222,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         b = batch.for_layer(self.window)
-        pool.write(self.layer_id, b.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
+        pool.write(self.layer_id, b.out_slots, k.to(pool.dtype), v.to(pool.dtype))
         out = attend(q, b, lambda slots: pool.read(self.layer_id, slots), self.window)
         return self.o_proj(out)
 

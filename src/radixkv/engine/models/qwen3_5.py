@@ -479,7 +479,7 @@ class GatedAttention(nn.Module):
         q = self._rope(self.q_norm(q), cos, sin)
         k = self._rope(self.k_norm(self.k_proj(x).view(t, self.nkv, self.hd)), cos, sin)
         v = self.v_proj(x).view(t, self.nkv, self.hd)
-        pool.write(self.kv_layer, batch.out_slots, k.to(pool.k[0].dtype), v.to(pool.v[0].dtype))
+        pool.write(self.kv_layer, batch.out_slots, k.to(pool.dtype), v.to(pool.dtype))
         out = attend(q, batch, lambda slots: pool.read(self.kv_layer, slots))
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 

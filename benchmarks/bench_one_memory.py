@@ -1,0 +1,132 @@
+"""One memory against SGLang's fixed split, in the engine, at equal bytes: tiny random
+hybrid models (written by transformers' own ``save_pretrained``) serving multi-turn
+chats behind 4 shared system prompts, two ways in the same run:
+
+* **one**: ``cache_bytes=B`` (`radixkv.kvcache.arena`): full-attention KV, window KV and
+  checkpoints draw from one arena, evicted in the simulator's ``radixkv`` order;
+* **sglang**: ``cache_bytes=B, cache_split="sglang"``: the same bytes split by SGLang's
+  default ratios into separate pools (recurrent states 0.9x the full KV's bytes; window
+  KV 0.8x the full KV's tokens), each evicting its own, least recently used first.
+
+Models: Qwen3.5-like (Gated DeltaNet : gated attention, 3 : 1) and Gemma-3-like (5
+sliding layers, window 64 : 1 global). Each round sends every conversation's next turn at
+once (its history, the engine's own previous answer, a new user message). Reported per
+budget: the token hit rate of each way and their ratio, the bytes each kind holds at the
+end, preemptions, wall time, and whether both ways gave the same tokens (they must:
+caching never changes a token). The rows go from the tightest budget up.
+
+    python benchmarks/bench_one_memory.py [--budgets 1MiB,2MiB,4MiB] [--chats 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from radixkv.units import parse_bytes
+
+DIMS = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)  # fmt: skip
+
+
+# the tightest is a little over what one request needs alone (Gemma: its window and
+# chunk of window-layer KV)
+BUDGETS = {"qwen3.5-like": "512KiB,1MiB,2MiB", "gemma-3-like": "1MiB,2MiB,4MiB"}
+
+
+def write_models(root: Path, window: int) -> dict[str, Path]:
+    import transformers
+
+    torch.manual_seed(0)
+    q = transformers.Qwen3_5TextConfig(**DIMS, num_hidden_layers=8, linear_key_head_dim=16,
+                                       linear_value_head_dim=16, linear_num_key_heads=2,
+                                       linear_num_value_heads=4)  # fmt: skip
+    transformers.Qwen3_5ForCausalLM(q).save_pretrained(root / "qwen3_5")
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    g = transformers.Gemma3TextConfig(**DIMS, num_hidden_layers=6, query_pre_attn_scalar=16,
+                                      sliding_window=window, layer_types=types)  # fmt: skip
+    transformers.Gemma3ForCausalLM(g).save_pretrained(root / "gemma3")
+    return {"qwen3.5-like": root / "qwen3_5", "gemma-3-like": root / "gemma3"}
+
+
+def run(folder: Path, budget: int, split: str, args: argparse.Namespace) -> dict:
+    from radixkv.engine.engine import Engine
+
+    engine = Engine(str(folder), page_size=args.page, chunk_size=args.chunk,
+                    max_running=args.running,
+                    cache_bytes=budget, cache_split=split, max_context_len=4096,
+                    check_memory=args.check)  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    systems = [torch.randint(3, 384, (args.system,), generator=g).tolist() for _ in range(4)]
+    history = [list(systems[i % 4]) for i in range(args.chats)]
+    prompt = cached = 0
+    outputs = []
+    t0 = time.perf_counter()
+    for _ in range(args.turns):
+        for h in history:
+            h.extend(torch.randint(3, 384, (args.user,), generator=g).tolist())
+        res = engine.generate(history, max_new_tokens=args.new, chat=False, ignore_eos=True)
+        prompt += res.stats.prompt_tokens
+        cached += res.stats.cached_tokens
+        for h, out in zip(history, res.outputs, strict=True):
+            h.extend(out.token_ids)
+            outputs.append(out.token_ids)
+    return {
+        "hit": cached / prompt,
+        "held": engine.cache_bytes_held(),
+        "wall": time.perf_counter() - t0,
+        "outputs": outputs,
+        "preemptions": engine.scheduler.preemptions,
+    }
+
+
+def kib(n: float) -> str:
+    return f"{n / 1024:,.0f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budgets", default=None,
+                   help="cache_bytes, one run per value and way, tightest first [per model: "
+                   + "; ".join(f"{k} {v}" for k, v in BUDGETS.items()) + "]")  # fmt: skip
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--chats", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system", type=int, default=256)
+    p.add_argument("--user", type=int, default=48)
+    p.add_argument("--new", type=int, default=16)
+    p.add_argument("--page", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=256, help="prefill tokens a step")
+    p.add_argument("--running", type=int, default=4, help="requests running at once")
+    p.add_argument("--models", default="qwen3.5-like,gemma-3-like")
+    p.add_argument("--check", action="store_true", help="check_memory after every step")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = write_models(Path(tmp), args.window)
+        print(f"{args.chats} chats x {args.turns} turns behind 4 system prompts of "
+              f"{args.system} tokens, +{args.user} user and {args.new} output tokens a "
+              f"turn; page {args.page}, {args.running} running at once")  # fmt: skip
+        print("| model | budget | hit one | hit sglang | one / sglang | one holds KiB "
+              "(full / window / states) | sglang holds KiB | preemptions one / sglang | "
+              "wall s one / sglang | same tokens |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name in args.models.split(","):
+            for budget in map(parse_bytes, (args.budgets or BUDGETS[name]).split(",")):
+                one = run(folders[name], budget, "one", args)
+                sgl = run(folders[name], budget, "sglang", args)
+                same = one["outputs"] == sgl["outputs"]
+                ratio = one["hit"] / sgl["hit"] if sgl["hit"] else float("inf")
+                held = [" / ".join(kib(r["held"][k]) for k in ("full", "window", "states"))
+                        for r in (one, sgl)]  # fmt: skip
+                print(f"| {name} | {kib(budget)} KiB | {one['hit']:.3f} | {sgl['hit']:.3f} | "
+                      f"{ratio:.2f}x | {held[0]} | {held[1]} | {one['preemptions']} / "
+                      f"{sgl['preemptions']} | {one['wall']:.1f} / {sgl['wall']:.1f} | "
+                      f"{'yes' if same else 'NO'} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
