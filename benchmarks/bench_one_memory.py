@@ -16,6 +16,12 @@ end, preemptions, wall time, and whether both ways gave the same tokens (they mu
 caching never changes a token). The rows go from the tightest budget up.
 
     python benchmarks/bench_one_memory.py [--budgets 1MiB,2MiB,4MiB] [--chats 16]
+        [--sweep 0.1,0.2,0.35,0.5,0.65,0.8] [--speed 5]
+
+``--sweep``: fixed splits of each budget (that share of it for checkpoints or window KV,
+the rest for full KV), the best of them against one budget. ``--speed``: the workload
+with room to spare (the same hits either way), separate pools against one arena of
+their bytes, interleaved runs, median wall time.
 """
 
 from __future__ import annotations
@@ -53,13 +59,31 @@ def write_models(root: Path, window: int) -> dict[str, Path]:
     return {"qwen3.5-like": root / "qwen3_5", "gemma-3-like": root / "gemma3"}
 
 
-def run(folder: Path, budget: int, split: str, args: argparse.Namespace) -> dict:
+def fixed_split(folder: Path, budget: int, share: float, page: int) -> dict:
+    """Separate pools of ``budget`` bytes together: ``share`` of them for the other kind
+    (recurrent checkpoints, or window KV), the rest for full-attention KV."""
     from radixkv.engine.engine import Engine
 
+    probe = Engine(str(folder), page_size=page, kv_tokens=1024, window_tokens=0)
+    kv, rec = probe.kv, probe.recurrent
+    other = int(budget * share)
+    if rec is not None:
+        full = (budget - other) // kv.bytes_per_token() // page * page
+        return {"kv_tokens": full, "max_checkpoints": max(1, other // rec.row_size)}
+    windowed = Engine(str(folder), page_size=page, kv_tokens=1024)
+    per_full, per_win = windowed.kv.bytes_per_token(), windowed.kv.window_bytes_per_token()
+    return {"kv_tokens": (budget - other) // per_full // page * page,
+            "window_tokens": other // per_win // page * page}  # fmt: skip
+
+
+def run(folder: Path, budget: int, split: str, args: argparse.Namespace,
+        pools: dict | None = None) -> dict:  # fmt: skip
+    from radixkv.engine.engine import Engine
+
+    size = pools or {"cache_bytes": budget, "cache_split": split}
     engine = Engine(str(folder), page_size=args.page, chunk_size=args.chunk,
-                    max_running=args.running,
-                    cache_bytes=budget, cache_split=split, max_context_len=4096,
-                    check_memory=args.check)  # fmt: skip
+                    max_running=args.running, max_context_len=4096, check_memory=args.check,
+                    **size)  # fmt: skip
     g = torch.Generator().manual_seed(7)
     systems = [torch.randint(3, 384, (args.system,), generator=g).tolist() for _ in range(4)]
     history = [list(systems[i % 4]) for i in range(args.chats)]
@@ -84,6 +108,41 @@ def run(folder: Path, budget: int, split: str, args: argparse.Namespace) -> dict
     }
 
 
+def sweep(folder: Path, budget: int, one: dict, args: argparse.Namespace) -> None:
+    """Fixed splits of ``budget``: each share's hit rate, the best against one."""
+    hits = {}
+    for share in (float(x) for x in args.sweep.split(",")):
+        try:
+            pools = fixed_split(folder, budget, share, args.page)
+            hits[share] = run(folder, budget, "", args, pools)["hit"]
+        except ValueError as e:  # a pool too small for one request
+            print(f"    share {share}: refused ({str(e)[:80]})")
+    if hits:
+        best = max(hits, key=hits.__getitem__)
+        each = ", ".join(f"{k}: {v:.3f}" for k, v in hits.items())
+        print(f"    fixed splits (share: hit) {each}; "
+              f"best {hits[best]:.3f} at {best}, one {one['hit']:.3f} "
+              f"({one['hit'] - hits[best]:+.3f})", flush=True)  # fmt: skip
+
+
+def speed(folder: Path, name: str, args: argparse.Namespace) -> None:
+    """Wall time of the workload with room to spare (no eviction: the same hits, the
+    same work), separate pools against one arena of their bytes, interleaved."""
+    import statistics
+
+    roomy = {"kv_tokens": 32768}
+    times: dict[str, list[float]] = {"pools": [], "one": []}
+    for _ in range(args.speed):
+        for way, size in (("pools", {"cache_bytes": None, **roomy}),
+                          ("one", {"cache_bytes": "auto", **roomy})):  # fmt: skip
+            times[way].append(run(folder, 0, "one", args, size)["wall"])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rng = {k: f"{min(v):.2f}-{max(v):.2f}" for k, v in times.items()}
+    print(f"    {name} with room to spare, wall s (median of {args.speed}, range): pools "
+          f"{med['pools']:.2f} ({rng['pools']}), one {med['one']:.2f} ({rng['one']}): one / "
+          f"pools {med['one'] / med['pools']:.2f}", flush=True)  # fmt: skip
+
+
 def kib(n: float) -> str:
     return f"{n / 1024:,.0f}"
 
@@ -104,6 +163,12 @@ def main() -> None:
     p.add_argument("--running", type=int, default=4, help="requests running at once")
     p.add_argument("--models", default="qwen3.5-like,gemma-3-like")
     p.add_argument("--check", action="store_true", help="check_memory after every step")
+    p.add_argument("--speed", type=int, default=0,
+                   help="also time the same workload with room to spare, the separate pools "
+                   "against one arena, this many interleaved runs each")  # fmt: skip
+    p.add_argument("--sweep", default="",
+                   help="also fixed splits: shares of the budget for checkpoints / window KV "
+                   "(e.g. 0.1,0.3,0.5,0.7); the best of them against one")  # fmt: skip
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folders = write_models(Path(tmp), args.window)
@@ -126,6 +191,10 @@ def main() -> None:
                       f"{ratio:.2f}x | {held[0]} | {held[1]} | {one['preemptions']} / "
                       f"{sgl['preemptions']} | {one['wall']:.1f} / {sgl['wall']:.1f} | "
                       f"{'yes' if same else 'NO'} |", flush=True)  # fmt: skip
+                if args.sweep:
+                    sweep(folders[name], budget, one, args)
+            if args.speed:
+                speed(folders[name], name, args)
 
 
 if __name__ == "__main__":

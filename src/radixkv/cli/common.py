@@ -90,7 +90,7 @@ def byte_size(text: str) -> int:
     try:
         return parse_bytes(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"must be {e}") from None
+        raise argparse.ArgumentTypeError(f"must be {e} (or auto, off)") from None
 
 
 port_number = number(int, 0, "a port number")

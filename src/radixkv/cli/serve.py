@@ -27,6 +27,13 @@ HELP = "an OpenAI-compatible server with prefix caching"
 CACHE_SPLITS = ("one", "sglang")  # (radixkv.engine.config's, without importing torch here)
 
 
+def cache_size(text: str) -> int | str | None:
+    """``--cache-bytes``: a byte size, ``auto`` or ``off`` (None)."""
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    return byte_size(text)
+
+
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     serve = sub.add_parser(
         "serve",
@@ -46,10 +53,13 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--served-model-name", help="the model id clients send [the model's]")
     serve.add_argument("--page-size", type=positive_int, default=16, help="[16]")
     serve.add_argument(
-        "--cache-bytes", type=byte_size, default=None, metavar="SIZE",
+        "--cache-bytes", type=cache_size, default="auto", metavar="SIZE",
         help="one byte budget (384KiB, 256MiB, 4GiB) for full-attention KV, sliding-window "
         "KV and recurrent-state checkpoints together, split as requests need it and "
-        "evicted in the simulator's radixkv order [off: --kv-tokens and the pools below]",
+        "evicted in the simulator's radixkv order; auto: on a hybrid model the bytes the "
+        "separate pools of --kv-tokens would take, in one budget; off: those separate "
+        "pools (--kv-tokens, --window-tokens, --max-checkpoints) [auto; off with "
+        "--window-tokens or tiers]",
     )  # fmt: skip
     serve.add_argument(
         "--cache-split", choices=CACHE_SPLITS, default="one",
@@ -60,7 +70,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--kv-tokens",
         type=positive_int,
         default=None,
-        help="full-attention KV pool, tokens (not with --cache-bytes) [65536]",
+        help="full-attention KV, tokens: the plain pool, or with --cache-bytes auto what "
+        "sizes the budget (not with a --cache-bytes SIZE) [65536]",
     )
     serve.add_argument(
         "--max-checkpoints", type=positive_int, default=None,
@@ -198,13 +209,15 @@ def run(args: argparse.Namespace) -> int:
     from radixkv.web.serving import bound_url
 
     hosts = args.allowed_hosts
+    budget = args.cache_bytes
+    if budget == "auto" and (args.window_tokens or args.storage or args.host_tokens):
+        budget = None  # those size or read the separate pools
     try:
         engine_config = EngineConfig(
             prefix_cache=not args.no_prefix_cache, page_size=args.page_size,
             schedule_policy=args.schedule_policy, chunk_size=args.chunk_size,
-            max_running=args.max_running, cache_bytes=args.cache_bytes,
-            cache_split=args.cache_split,
-            kv_tokens=args.kv_tokens if args.kv_tokens or args.cache_bytes else 65536,
+            max_running=args.max_running, cache_bytes=budget, cache_split=args.cache_split,
+            kv_tokens=args.kv_tokens or 65536 if budget in (None, "auto") else args.kv_tokens,
             max_context_len=args.max_context_len, eviction_policy=args.eviction_policy,
             check_memory=args.check_memory, storage=args.storage, host_tokens=args.host_tokens,
             write_policy=args.write_policy, storage_secret=args.storage_secret,

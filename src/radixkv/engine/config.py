@@ -38,8 +38,11 @@ class EngineConfig:
         cache_bytes: one byte budget for the whole cache (`radixkv.kvcache.arena`):
             full-attention KV, sliding-window KV and recurrent-state checkpoints draw
             from one arena of this many bytes, evicted in the simulator's ``radixkv``
-            order. ``None``: the separate pools of ``kv_tokens``, ``window_tokens``
-            and ``max_checkpoints``.
+            order. ``"auto"``: on a hybrid model, the bytes the separate pools would
+            take (``kv_tokens`` or its default of full KV, the window pool that
+            implies, 64 checkpoints), in one arena; on any other model the plain pool
+            of ``kv_tokens`` (``radixkv serve``'s default). ``None``: the separate
+            pools of ``kv_tokens``, ``window_tokens`` and ``max_checkpoints``.
         cache_split: with ``cache_bytes``: ``one`` (the arena) or ``sglang`` (the same
             bytes split by SGLang's fixed ratios into the separate pools, for
             comparison).
@@ -108,7 +111,8 @@ class EngineConfig:
     checkpoint_every: int = 0  # tokens; recurrent models also checkpoint on this grid
     max_retained_tokens: int | None = None  # per namespace; None: kv_tokens // 8
     window_tokens: int | None = None  # sliding layers' own pool; None: sized at start
-    cache_bytes: int | None = None  # one budget for every kind (radixkv.kvcache.arena)
+    cache_bytes: int | str | None = None  # one budget for every kind; "auto": sized
+    # as the separate pools' defaults would be (radixkv.kvcache.arena)
     cache_split: str = "one"  # with cache_bytes: "one" arena, or SGLang's fixed "sglang"
 
     @property
@@ -142,6 +146,8 @@ class EngineConfig:
                      "max_checkpoints", "cache_bytes"):  # fmt: skip
             value = getattr(self, name)
             if value is None and name in ("kv_tokens", "max_checkpoints", "cache_bytes"):
+                continue
+            if name == "cache_bytes" and value == "auto":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -192,7 +198,7 @@ class EngineConfig:
             if self.cache_split != "one":
                 raise ValueError("cache_split: splits a cache_bytes budget; set cache_bytes")
             return
-        if self.kv_tokens is not None:
+        if self.kv_tokens is not None and self.cache_bytes != "auto":
             raise ValueError("kv_tokens: with cache_bytes the budget sizes the full KV; "
                              "give one or the other")  # fmt: skip
         if self.window_tokens:

@@ -201,11 +201,31 @@ def plan_arena(cfg: EngineConfig, mc: ModelConfig, device: Any) -> ArenaPlan:
     return ArenaPlan(arena, group, fc, wc, window, wl, state, peak + state)
 
 
+def auto_budget(cfg: EngineConfig, mc: ModelConfig) -> EngineConfig:
+    """``cache_bytes="auto"`` resolved: on a model with sliding-window or recurrent
+    layers, the bytes of the separate pools ``kv_tokens`` (or its default) implies (its
+    full KV, the window pool `plan_windows` would size, ``max_checkpoints`` or 64
+    checkpoints) as one budget; on any other model the plain pool of ``kv_tokens``."""
+    if cfg.cache_bytes != "auto":
+        return cfg
+    specs = mc.layer_specs()
+    pools = dataclasses.replace(cfg, cache_bytes=None, cache_split="one")
+    plan = plan_windows(pools, mc)
+    if not plan.layers and specs.recurrent is None:
+        return pools
+    per_layer = 2 * mc.num_key_value_heads * mc.head_dim * cfg.dtype.itemsize
+    full = (specs.kv_layers - len(plan.layers)) * per_layer * pools.pool_tokens
+    window = len(plan.layers) * per_layer * plan.tokens
+    states = (pools.checkpoint_cap or 0) * specs.recurrent.state_bytes if specs.recurrent else 0
+    return dataclasses.replace(cfg, cache_bytes=full + window + states, kv_tokens=None)
+
+
 def split_budget(cfg: EngineConfig, mc: ModelConfig) -> EngineConfig:
     """The pools an engine builds: ``cfg`` itself, or with ``cache_split="sglang"`` its
     ``cache_bytes`` split by SGLang's fixed ratios into ``kv_tokens``, ``window_tokens``
     and ``max_checkpoints`` (recurrent states take ``mamba_full_memory_ratio`` x the full
     KV's bytes; window KV ``swa_full_tokens_ratio`` x the full KV's tokens)."""
+    cfg = auto_budget(cfg, mc)
     if cfg.cache_bytes is None or cfg.cache_split != "sglang":
         return cfg
     specs = mc.layer_specs()

@@ -311,12 +311,17 @@ class ArenaRoom:
         return max(0, before - cache.total_size())
 
     def available(self, allocator: Any) -> int:
-        """Slots of ``allocator``'s kind that can be had now, at most: free units, and
-        what eviction may free (windows and checkpoints counted whole, so an admission
-        may be optimistic; an allocation that still fails waits or preempts)."""
-        held = self.arena.held
-        full = self.budget.cache.evictable_size() // self.page * self.full_columns
-        units = self.arena.free_units() + full + held["window"] + held["states"]
+        """Slots of ``allocator``'s kind that can be had now: free units and the full
+        KV eviction may free; with no lock held (nothing running), every held unit
+        (evicting every node frees its windows and checkpoints too). Windows and
+        checkpoints beside locks are not counted: an admission waits rather than
+        evict what running requests' neighbours cached."""
+        cache, arena = self.budget.cache, self.arena
+        if not cache.protected_size():
+            full = cache.evictable_size() // self.page * self.full_columns
+            units = arena.num_units - arena.held["full"] + full
+        else:
+            units = arena.free_units() + cache.evictable_size() // self.page * self.full_columns
         return units // allocator.source.columns * self.page
 
 
