@@ -313,3 +313,58 @@ def test_byte_sizes_read_as_written(text, n):
 def test_unreadable_byte_sizes_are_refused(text):
     with pytest.raises(ValueError, match="byte size"):
         parse_bytes(text)
+
+
+# --- radixkv serve ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_served_from_one_budget_with_the_openai_client(models):
+    """`radixkv serve` on the Qwen3.5-like folder with a 2 MiB budget and the official
+    client: two chats sharing a system message, the second served it from a checkpoint
+    kept in arena units; /metrics shows the budget and the bytes each kind holds."""
+    import re
+
+    import httpx
+    import openai
+    from helpers import cached_chats
+
+    from radixkv.web.process import ServerProcess
+
+    args = ["--model", models["qwen3.5"], "--page-size", "16", "--cache-bytes", "2MiB",
+            "--check-memory"]  # fmt: skip
+    with ServerProcess(*args, timeout=90) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        chats = cached_chats(client, model, "Answer in one short sentence. " * 6,
+                             ("A colour?", "A fruit?"))  # fmt: skip
+        text = httpx.get(f"{srv.url}/metrics").text
+    assert chats[0] == 0 and chats[1] >= 160
+
+    def metric(name: str, kind: str = "") -> float:
+        label = f'kind="{kind}",' if kind else ""
+        m = re.search(rf"radixkv:{name}\{{{label}[^}}]*\}} ([0-9.e+]+)", text)
+        assert m, name
+        return float(m.group(1))
+
+    assert 2**20 < metric("cache_budget_bytes") <= 2**21
+    assert metric("cache_kind_bytes", "states") > 0 and metric("cache_kind_bytes", "full") > 0
+    assert metric("cache_kind_evicted_bytes_total", "full") == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--cache-bytes", "4x"], "argument --cache-bytes: must be a byte size"),
+        (["--cache-bytes", "1KiB", "--model", "random"], "--cache-bytes: 1,024 bytes is too small"),
+        (["--cache-bytes", "1MiB", "--kv-tokens", "64"], "--kv-tokens: with cache_bytes"),
+        (["--cache-split", "even"], "argument --cache-split: invalid choice"),
+    ],
+)
+def test_serve_refuses_a_bad_budget_in_one_line(flags, named):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "radixkv.cli", "serve", "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {named}"), done.stderr

@@ -127,10 +127,15 @@ def test_config_and_tokenizer_files_must_be_regular_files(tmp_path):
 
 @pytest.mark.slow
 def test_an_absurd_pool_is_refused_naming_its_flag(tmp_path):
-    """Only the allocator's refusal stopped --max-checkpoints 1e9 (5,000 GiB of states)."""
+    """Only the allocator's refusal stopped --max-checkpoints 1e9 (5,000 GiB of states)
+    in the separate pools (in one budget it is a cap and allocates nothing); a budget the
+    machine cannot hold is refused naming the flag that sized it."""
     folder = qwen3_5_folder(tmp_path / "q")
-    refused(["--model", folder, "--max-checkpoints", "1000000000"], "max_checkpoints")
+    refused(["--model", folder, "--cache-bytes", "off", "--max-checkpoints", "1000000000"],
+            "max_checkpoints")  # fmt: skip
     refused(["--model", "random", "--kv-tokens", "100000000000"], "kv_tokens")
+    refused(["--model", folder, "--kv-tokens", "100000000000"], "--kv-tokens: ")
+    refused(["--model", folder, "--cache-bytes", "4TiB"], "--cache-bytes: ")
 
 
 # --- each names its file and field --------------------------------------------------------

@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server, aeng = build_server(serve, engine_config)
     except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
-        if str(e).startswith("cache_bytes:"):  # the budget against this model
+        if str(e).startswith(("cache_bytes:", "kv_tokens:")):  # the budget against this model
             raise flag_error(e) from None
         raise CliError(f"--model {args.model}: {e}") from None
     except Exception as e:

@@ -41,7 +41,15 @@ class CacheMemory:
             raise ValueError(f"checkpoint_every: {mc.architecture} has no recurrent "
                              "layers to checkpoint")  # fmt: skip
         self.pools = pools = split_budget(cfg, mc)  # cache_split="sglang": the three pools
-        self.arena = plan_arena(pools, mc, device) if pools.one_arena else None
+        try:
+            self.arena = plan_arena(pools, mc, device) if pools.one_arena else None
+        except ValueError as e:  # "auto" was sized by kv_tokens: name that
+            if cfg.cache_bytes != "auto":
+                raise
+            raise ValueError(
+                f"kv_tokens: {pools.pool_tokens:,} tokens size the budget "
+                f"(--cache-bytes auto): {str(e).removeprefix('cache_bytes: ')}"
+            ) from None
         self.recurrent: RecurrentStates | None = None
         components: tuple = ()
         if specs.recurrent is not None:

@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-from radixkv.engine.config import SGLANG_STATE_RATIO, SGLANG_WINDOW_RATIO, EngineConfig
+from radixkv.engine.config import (
+    DEFAULT_CHECKPOINTS,
+    SGLANG_STATE_RATIO,
+    SGLANG_WINDOW_RATIO,
+    EngineConfig,
+)
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.sources import smollm2_folder, smollm2_missing
 from radixkv.engine.tokenizer import (
@@ -193,9 +198,12 @@ def plan_arena(cfg: EngineConfig, mc: ModelConfig, device: Any) -> ArenaPlan:
         raise ValueError(f"cache_bytes: {cfg.cache_bytes:,} bytes is too small for this "
                          f"model: {' + '.join(parts)} need at least {least * unit:,} "
                          f"bytes")  # fmt: skip
-    check_fits({f"cache_bytes={cfg.cache_bytes:,}": cfg.cache_bytes,
-                f"max_running={cfg.max_running} x max_context_len={cfg.max_context_len:,}":
-                    8 * cfg.max_running * cfg.max_context_len}, device)  # fmt: skip
+    try:
+        check_fits({f"cache_bytes={cfg.cache_bytes:,}": cfg.cache_bytes,
+                    f"max_running={cfg.max_running} x max_context_len={cfg.max_context_len:,}":
+                        8 * cfg.max_running * cfg.max_context_len}, device)  # fmt: skip
+    except ValueError as e:  # (named by the flag that sized it)
+        raise ValueError(f"cache_bytes: {e}") from None
     arena = Arena(cfg.cache_bytes // unit, unit, device)
     window = sliding.window if sliding is not None else 0
     return ArenaPlan(arena, group, fc, wc, window, wl, state, peak + state)
@@ -216,7 +224,8 @@ def auto_budget(cfg: EngineConfig, mc: ModelConfig) -> EngineConfig:
     per_layer = 2 * mc.num_key_value_heads * mc.head_dim * cfg.dtype.itemsize
     full = (specs.kv_layers - len(plan.layers)) * per_layer * pools.pool_tokens
     window = len(plan.layers) * per_layer * plan.tokens
-    states = (pools.checkpoint_cap or 0) * specs.recurrent.state_bytes if specs.recurrent else 0
+    # (sized for the default count: a max_checkpoints given is a cap inside the budget)
+    states = DEFAULT_CHECKPOINTS * specs.recurrent.state_bytes if specs.recurrent else 0
     return dataclasses.replace(cfg, cache_bytes=full + window + states, kv_tokens=None)
 
 
