@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from workloads import engine_chats
 
 from radixkv.units import parse_bytes
 
@@ -84,21 +85,9 @@ def run(folder: Path, budget: int, split: str, args: argparse.Namespace,
     engine = Engine(str(folder), page_size=args.page, chunk_size=args.chunk,
                     max_running=args.running, max_context_len=4096, check_memory=args.check,
                     **size)  # fmt: skip
-    g = torch.Generator().manual_seed(7)
-    systems = [torch.randint(3, 384, (args.system,), generator=g).tolist() for _ in range(4)]
-    history = [list(systems[i % 4]) for i in range(args.chats)]
-    prompt = cached = 0
-    outputs = []
     t0 = time.perf_counter()
-    for _ in range(args.turns):
-        for h in history:
-            h.extend(torch.randint(3, 384, (args.user,), generator=g).tolist())
-        res = engine.generate(history, max_new_tokens=args.new, chat=False, ignore_eos=True)
-        prompt += res.stats.prompt_tokens
-        cached += res.stats.cached_tokens
-        for h, out in zip(history, res.outputs, strict=True):
-            h.extend(out.token_ids)
-            outputs.append(out.token_ids)
+    prompt, cached, outputs = engine_chats(engine, args.chats, args.turns, args.system,
+                                           args.user, args.new)  # fmt: skip
     return {
         "hit": cached / prompt,
         "held": engine.cache_bytes_held(),

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from workloads import engine_chats
 
 DIMS = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -52,21 +53,9 @@ def run(folder: Path, kv_tokens: int, window_tokens: int, args: argparse.Namespa
     engine = Engine(str(folder), page_size=16, chunk_size=512, max_running=16,
                     kv_tokens=kv_tokens, window_tokens=window_tokens,
                     max_context_len=4096)  # fmt: skip
-    g = torch.Generator().manual_seed(7)
-    systems = [torch.randint(3, 384, (args.system,), generator=g).tolist() for _ in range(4)]
-    history = [list(systems[i % 4]) for i in range(args.chats)]
-    prompt = cached = 0
-    outputs = []
     t0 = time.perf_counter()
-    for _ in range(args.turns):
-        for h in history:
-            h.extend(torch.randint(3, 384, (args.user,), generator=g).tolist())
-        res = engine.generate(history, max_new_tokens=args.new, chat=False, ignore_eos=True)
-        prompt += res.stats.prompt_tokens
-        cached += res.stats.cached_tokens
-        for h, out in zip(history, res.outputs, strict=True):
-            h.extend(out.token_ids)
-            outputs.append(out.token_ids)
+    prompt, cached, outputs = engine_chats(engine, args.chats, args.turns, args.system,
+                                           args.user, args.new)  # fmt: skip
     wall = time.perf_counter() - t0
     kv, cache = engine.kv, engine.cache
     held = cache.total_size() * kv.bytes_per_token()

@@ -19,8 +19,9 @@ import torch
 from helpers import qwen3_5_folder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, invariant
+from hypothesis.stateful import invariant
 from test_families import folder, greedy
+from test_window_engine import prompts
 from test_window_lifecycle import WindowLifecycleMachine
 
 from radixkv import RadixCache
@@ -134,16 +135,9 @@ class ArenaLifecycleMachine(WindowLifecycleMachine):
     both slot spaces in one arena: a short kind frees the other's units through the
     budget. After every step the arena's units are each held once."""
 
-    @initialize(
-        page=st.sampled_from([1, 2, 4]),
-        window=st.integers(1, 7),
-        pages=st.integers(6, 16),
-        wpages=st.integers(5, 12),
-        mode=st.sampled_from(["merge", "precise", "leaf"]),
-        retain=st.sampled_from(["ends", "all"]),
-    )
-    def setup(self, page, window, pages, wpages, mode, retain="ends"):
-        # one request alone fits (44 tokens, its window and chunk), and a little more
+    def manager(self, page, window, pages, wpages, mode, retain) -> CacheManager:
+        """Both slot spaces in one small arena: one request alone fits (44 tokens, its
+        window and chunk), and a little more."""
         peak = 2 * (window + page) + 2 * page + 9
         units = 44 // page + 1 + 2 * (peak // page + 1) + pages + wpages
         self.arena = Arena(units, 8)
@@ -153,15 +147,11 @@ class ArenaLifecycleMachine(WindowLifecycleMachine):
         comp = WindowKV(window, walloc, retain)
         cache = RadixCache(page, "lru", full, eviction_mode=mode, components=(comp,))
         slots = WindowSlots(comp, walloc, 4, 64, window)
-        self.m = CacheManager(cache, full, ReqToTokenPool(4, 64), slots)
+        m = CacheManager(cache, full, ReqToTokenPool(4, 64), slots)
         budget = HybridBudget(cache, None, comp, token_bytes=8 // page or 1,
                               window_bytes=16 // page or 1)  # fmt: skip
-        room = ArenaRoom(self.arena, budget, 1, comp, 2, page)
-        self.m.room = slots.room = room
-        self.full: dict[int, tuple] = {}
-        self.win: dict[int, tuple] = {}
-        self.reqs = []
-        self.rid = 0
+        m.room = slots.room = ArenaRoom(self.arena, budget, 1, comp, 2, page)
+        return m
 
     @invariant()
     def units_held_once(self):
@@ -187,13 +177,6 @@ def models(tmp_path_factory):
     }
 
 
-def prompts(n=10, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    stems = [torch.randint(3, 384, (k,), generator=g).tolist() for k in (40, 70)]
-    return [stems[i % 2] + torch.randint(3, 384, (5 + 7 * i,), generator=g).tolist()
-            for i in range(n)]  # fmt: skip
-
-
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
 @pytest.mark.parametrize("page", [1, 4])
 def test_one_budget_serves_the_same_tokens_under_pressure(models, name, page):
@@ -207,7 +190,7 @@ def test_one_budget_serves_the_same_tokens_under_pressure(models, name, page):
     one = Engine(path, cache_bytes=budget, **small)
     roomy = Engine(path, kv_tokens=4096, **small)
     assert one.arena is not None and roomy.arena is None
-    ps = prompts()
+    ps = prompts(10)
     for temperature in (0.0, 0.8):
         a = one.generate(ps, max_new_tokens=20, temperature=temperature, chat=False,
                          ignore_eos=True)  # fmt: skip

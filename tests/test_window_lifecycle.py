@@ -175,12 +175,16 @@ class WindowLifecycleMachine(RuleBasedStateMachine):
         retain=st.sampled_from(["ends", "all"]),
     )
     def setup(self, page, window, pages, wpages, mode, retain="ends"):
-        wsize = max(wpages * page, 4 * (window + 3 * page) + 8)  # every request's peak fits
-        self.m = make(window, pages * page * 4, wsize, page, 4, 64, "lru", mode, retain)
+        self.m = self.manager(page, window, pages, wpages, mode, retain)
         self.full: dict[int, tuple] = {}  # slot -> fingerprint of the KV it holds
         self.win: dict[int, tuple] = {}
         self.reqs: list[Req] = []
         self.rid = 0
+
+    def manager(self, page, window, pages, wpages, mode, retain) -> CacheManager:
+        """The memory under test: two slot spaces of their own."""
+        wsize = max(wpages * page, 4 * (window + 3 * page) + 8)  # every request's peak fits
+        return make(window, pages * page * 4, wsize, page, 4, 64, "lru", mode, retain)
 
     def fp(self, req: Req, i: int) -> tuple:
         return tuple(req.all_ids[: i + 1])
