@@ -164,7 +164,7 @@ ArenaLifecycleMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )  # fmt: skip
-TestArenaLifecycleMachine = ArenaLifecycleMachine.TestCase
+TestArenaLifecycleMachine = pytest.mark.slow(ArenaLifecycleMachine.TestCase)
 
 
 # --- the engine ------------------------------------------------------------------------------
@@ -177,6 +177,7 @@ def models(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
 @pytest.mark.parametrize("page", [1, 4])
 def test_one_budget_serves_the_same_tokens_under_pressure(models, name, page):
