@@ -112,7 +112,7 @@ def test_arena_kv_reads_what_the_separate_pool_reads(page):
     fp, wp = ArenaPages(arena, "full", 3), ArenaPages(arena, "window", 2)
     full = TokenToKVPoolAllocator(64 * page, page, pages=fp)
     win = TokenToKVPoolAllocator(64 * page, page, pages=wp)
-    kv = ArenaKV(arena, layers, heads, dim, torch.float32, page, 1, fp, wp, wl, 64 * page)
+    kv = ArenaKV(arena, layers, heads, dim, torch.float32, page, 1, fp, wp, wl)
     ref = KVPool(layers, heads, dim, 64 * page, torch.float32, "cpu", wl, 64 * page)
     assert kv.bytes_per_token() == ref.bytes_per_token() == 3 * 2 * heads * dim * 4
     g = torch.Generator().manual_seed(0)

@@ -39,7 +39,7 @@ from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.kvcache.spec import RecurrentSpec
 from radixkv.kvcache.state_pool import StatePool
-from radixkv.kvcache.window_slots import WindowSlots
+from radixkv.kvcache.window_slots import WindowSlots, window_peak
 from radixkv.tree import RadixCache
 from radixkv.tree.window import WindowKV
 from radixkv.units import align_down, align_up, div_ceil
@@ -130,11 +130,10 @@ def plan_windows(cfg: EngineConfig, mc: ModelConfig) -> WindowPlan:
     if asked is None and (cfg.storage is not None or cfg.host_tokens):
         return WindowPlan(why_not="host / store tiers keep whole pages of every layer")
     layers, window, p = sliding.layers, sliding.window, cfg.page_size
-    span, chunk = align_up(window, p), align_up(cfg.chunk_size, p)
-    peak = 2 * span + 2 * p + chunk  # one request's windows, partial page and chunk (alone)
+    peak = window_peak(window, p, cfg.chunk_size)  # one request alone
     size = asked
     if size is None:  # one request computing a chunk, and every other one's last window
-        every = peak + (cfg.max_running - 1) * (span + p)
+        every = peak + (cfg.max_running - 1) * (align_up(window, p) + p)
         size = min(cfg.pool_tokens, max(cfg.pool_tokens // 4, every))
     size = align_down(size, p)
     if size < peak:
@@ -184,10 +183,7 @@ def plan_arena(cfg: EngineConfig, mc: ModelConfig, device: Any) -> ArenaPlan:
     unit = p * group * 2 * mc.num_key_value_heads * mc.head_dim * cfg.dtype.itemsize
     fc, wc = full // group, len(wl) // group
     state = div_ceil(specs.recurrent.state_bytes, unit) if specs.recurrent else 0
-    peak = 0
-    if sliding is not None:
-        span, chunk = align_up(sliding.window, p), align_up(cfg.chunk_size, p)
-        peak = (2 * span + 2 * p + chunk) // p * wc
+    peak = window_peak(sliding.window, p, cfg.chunk_size) // p * wc if sliding else 0
     least = 2 * fc + peak + state
     if cfg.cache_bytes < least * unit:
         parts = [f"two pages of full-attention KV ({2 * fc * unit:,})"]
@@ -247,7 +243,7 @@ def split_budget(cfg: EngineConfig, mc: ModelConfig) -> EngineConfig:
     kv_tokens = max(2 * p, align_down(int(tokens), p))
     window = align_down(int(SGLANG_WINDOW_RATIO * tokens), p) if wl else None
     if window is not None and sliding is not None:
-        peak = 2 * align_up(sliding.window, p) + 2 * p + align_up(cfg.chunk_size, p)
+        peak = window_peak(sliding.window, p, cfg.chunk_size)
         if window < peak:
             raise ValueError(f"cache_bytes: {cfg.cache_bytes:,} bytes split by SGLang's "
                              f"ratios leave the window pool {window} tokens, less than one "
@@ -309,7 +305,7 @@ def build_memory(
     else:
         kv = ArenaKV(arena.arena, mc.layer_specs().kv_layers, heads, dim, cfg.dtype, p,
                      arena.group, allocator.source, walloc.source if walloc else None,
-                     layers, allocator.size)  # fmt: skip
+                     layers)  # fmt: skip
     slots = None
     if wkv is not None and walloc is not None:
         slots = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, window)

@@ -135,6 +135,7 @@ class ArenaPages:
         self.num_pages = arena.num_units
         self.table = np.full((self.num_pages, columns), -1, dtype=np.int64)
         self.table_t = torch.from_numpy(self.table)  # the same memory, for KV indexing
+        self._peeked = np.empty((0, columns), dtype=np.int64)  # the last peek's units
 
     def clear(self) -> None:
         bound = self.out_mask()
@@ -146,10 +147,12 @@ class ArenaPages:
         return self.arena.free_units() // self.columns
 
     def peek(self, k: int) -> np.ndarray:
-        return self.arena.peek(k * self.columns)[:: self.columns].copy()
+        self._peeked = self.arena.peek(k * self.columns).reshape(k, self.columns)
+        return self._peeked[:, 0].copy()
 
     def pop(self, pages: np.ndarray) -> None:
-        units = self.arena.peek(len(pages) * self.columns).reshape(-1, self.columns)
+        """Take the pages the last `peek` named (the allocator's commit step)."""
+        units = self._peeked
         assert np.array_equal(units[:, 0], pages), "pop: not the pages peek named"
         self.arena.pop(units.ravel(), self.kind)
         self.table[pages] = units
@@ -184,12 +187,10 @@ class ArenaKV:
     def __init__(
         self, arena: Arena, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
         page_size: int, group: int, full: ArenaPages | None, window: ArenaPages | None,
-        window_layers: tuple[int, ...], window_size: int,
+        window_layers: tuple[int, ...],
     ) -> None:  # fmt: skip
         self.num_layers, self.dtype, self.page = num_layers, dtype, page_size
         self.window_layers = tuple(sorted(window_layers))
-        self.window_size = window_size if window_layers else 0
-        self.size = arena.num_units * page_size  # slot ids of either kind
         self._layer = 2 * kv_heads * head_dim * dtype.itemsize  # one token of one layer
         if arena.unit_bytes != page_size * group * self._layer:
             raise ValueError("the arena's unit is not one page of the layer group")

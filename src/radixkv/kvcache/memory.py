@@ -156,19 +156,15 @@ class TokenToKVPoolAllocator:
         self.capacity = self.size  # the most tokens one request may hold (an arena's less)
         self.device = usable_device(device)
         self._group: list[np.ndarray] | None = None
-        self._source = pages
         if pages is not None and pages.num_pages != self.num_pages:
             raise ValueError(f"the page source has {pages.num_pages} pages, the allocator "
                              f"{self.num_pages}")  # fmt: skip
+        self._pages: PageSource = pages if pages is not None else FreePageStack(self.num_pages)
         self.clear()
 
     def clear(self) -> None:
         """Every slot free again."""
-        if self._source is None:
-            self._pages: PageSource = FreePageStack(self.num_pages)
-        else:
-            self._source.clear()
-            self._pages = self._source
+        self._pages.clear()
         self._pages_out = 0  # pages off the free stack (some slot of each handed out)
         self._owned = np.zeros(self.size, dtype=bool)
         # slot numbers by page: one row gather hands out pages (8 bytes a slot)

@@ -52,6 +52,14 @@ from radixkv.tree.window import WindowKV
 from radixkv.units import align_down, align_up
 
 
+def window_peak(window: int, page: int, chunk: int) -> int:
+    """The most window slots one request holds while it computes ``chunk`` tokens: the
+    window before its lock end (the tree's), its own last window and partial page, and
+    the chunk's pages."""
+    span = align_up(window, page)
+    return 2 * span + 2 * page + align_up(chunk, page)
+
+
 class WindowSlots:
     """The window slots of the request table's rows (see the module docstring).
 
@@ -81,10 +89,8 @@ class WindowSlots:
         self.room: object = None  # one arena's room across kinds (`CacheManager.room`)
 
     def peak(self, chunk: int) -> int:
-        """The most window slots one request holds while it computes ``chunk`` tokens:
-        the window before its lock end (the tree's), its own last window and partial
-        page, and the chunk's pages."""
-        return 2 * self.span + 2 * self.page + align_up(chunk, self.page)
+        """`window_peak` of the tree's window."""
+        return window_peak(self.component.window, self.page, chunk)
 
     def available(self, at_least: int) -> int:
         """Window slots that can be had now: free, plus (counted only when fewer than
@@ -233,4 +239,4 @@ class WindowSlots:
             )
 
 
-__all__ = ["WindowSlots"]
+__all__ = ["WindowSlots", "window_peak"]
