@@ -285,6 +285,32 @@ def test_a_batch_decodes_together_token_for_token(folder, reference, page):
         assert out.token_ids == greedy(reference, p, 10)
 
 
+@pytest.mark.parametrize("cache_bytes", [None, 2**20])
+@pytest.mark.parametrize("page", [4, 16])
+def test_a_chats_next_turn_starts_at_the_last_page_its_answer_reached(
+    folder, reference, page, cache_bytes
+):
+    """A decode step that ends on a page boundary snapshots the state there (replacing
+    the request's previous one), so the next turn (prompt + answer + a new message) hits
+    every whole page but the answer's last token, whose KV is never computed; before, it
+    hit only the prompt's end unless prompt + answer - 1 happened to be page-aligned. The
+    next turn still equals transformers'."""
+    engine = Engine(str(folder), page_size=page, chunk_size=64, check_memory=True,
+                    cache_bytes=cache_bytes)  # fmt: skip
+    prompt = rand(37, 51)
+    first = engine.generate([prompt], max_new_tokens=40, chat=False, ignore_eos=True)
+    answer = first.outputs[0].token_ids
+    turn = prompt + answer + rand(5, 52)
+    second = engine.generate([turn], max_new_tokens=6, chat=False, ignore_eos=True).outputs[0]
+    assert second.cached_tokens == (37 + 40 - 1) // page * page > 37
+    assert second.token_ids == greedy(reference, turn, 6)
+    cache = engine.cache
+    depths = sorted(len(cache.path_values(c.node)) - len(c.node) + c.offset
+                    for c in engine.recurrent.component.held.values())  # fmt: skip
+    answer_end = (37 + 40 - 1) // page * page  # one snapshot kept, not one per page
+    assert [d for d in depths if 37 < d <= answer_end] == [answer_end]
+
+
 def test_a_hit_copies_the_state_never_lends_it(folder):
     """Two requests start from the same checkpoint at once and run different suffixes;
     the checkpoint stays as it was (a later request still gets the first's answer)."""

@@ -192,8 +192,10 @@ class RecurrentStates:
 
     def snapshots(self, plan: list[tuple[Any, int]]) -> list[tuple[int, int, int]]:
         """The step's snapshots: ``(index in plan, new tokens before it, row)`` for each
-        planned position its new tokens reach (a free row each; none left: skipped)."""
+        planned position its new tokens reach (a free row each; none left: skipped),
+        and a decode step that ends on a page boundary (`_roll`)."""
         out = []
+        page = self.component.cache.page_size
         for i, (r, n) in enumerate(plan):
             start = r.kv_len - n
             while r.snap_plan and r.snap_plan[0][0] <= r.kv_len:
@@ -202,7 +204,22 @@ class RecurrentStates:
                 if row is not None:
                     out.append((i, pos - start, row))
                     r.snap_rows.append((pos, row, kind))
+            if start >= len(r.input_ids) and r.kv_len % page == 0:
+                self._roll(r, i, n, out)
         return out
+
+    def _roll(self, r: Any, i: int, n: int, out: list[tuple[int, int, int]]) -> None:
+        """A decode step reaching a page boundary: the state there replaces the
+        request's previous decode snapshot (its row is written again), so at finish the
+        sequence's last page boundary has one; the next turn of a chat starts there
+        rather than at this turn's prompt end. (The last sampled token is never
+        computed, so that boundary is the furthest a later request can hit.)"""
+        prompt = len(r.input_ids)
+        old = next((k for k, (pos, _, _) in enumerate(r.snap_rows) if pos > prompt), None)
+        row = self.pool.take() if old is None else r.snap_rows.pop(old)[1]
+        if row is not None:
+            out.append((i, n, row))
+            r.snap_rows.append((r.kv_len, row, "end"))
 
     def at_finish(self, r: Any, page: int) -> None:
         """Before the request's row goes: its state after prompt + output, when that
