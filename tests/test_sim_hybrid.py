@@ -66,10 +66,12 @@ def test_radixkv_leads_on_chat_at_equal_bytes(name):
         r = rates(trace, spec, int(frac * total))
         assert r["radixkv"] >= max(r["marconi"], r["sglang"]), (frac, r)
         assert r["radixkv"] >= 2 * r["vllm"], (frac, r)
-    # unbounded: the same admission reaches the same hits; radixkv's boundaries add the
-    # second conversation behind each system prompt; vLLM's grid loses up to a block
+    # unbounded: radixkv's boundaries add the second conversation behind each system
+    # prompt; Marconi's simulator caches a turn's whole output, SGLang (as every engine)
+    # all but its last token, whose KV is never computed, so its next turn starts a
+    # little earlier; vLLM's grid loses up to a block
     r = rates(trace, spec, UNBOUNDED)
-    assert r["radixkv"] > r["marconi"] == r["sglang"] > r["vllm"]
+    assert r["radixkv"] > r["marconi"] > r["sglang"] > r["vllm"]
 
 
 def test_a_shared_prefix_shorter_than_vllms_block_hits():

@@ -10,13 +10,18 @@ A capacity in bytes holds the full KV, the window KV and the checkpoints togethe
 Policies (`POLICIES`), each as the system it is named after caches, on the same
 requests (prompt units, output units, and where known a chat template's boundary):
 
-    radixkv   checkpoints at each prompt's end, each output's end, the branch point
-              where a request leaves a cached path (so the next sharer hits) and the
-              boundaries the server knows (the end of a system message); window KV
-              kept only within a window of the ends a match can use (leaf ends, branch
-              points); one budget, evicting dead KV first (past a path's last
-              checkpoint, useless to the recurrent layers), then the lowest utility
-              (recency + prefill FLOPs saved per byte) among checkpoints and leaves.
+    radixkv   what radixkv's engine serves (`radixkv.kvcache.arena`): checkpoints
+              where the engine takes them (each prompt's end, where the same prompt
+              sent again starts, the last page its output reached, the branch point
+              where a request leaves a cached path, the boundaries the server knows:
+              the end of a system message; each in whole arena units); window KV kept
+              while there is room, the windows no match can end at evicted first; one
+              budget, evicting dead KV first (past a path's last checkpoint, useless to
+              the recurrent layers), then the lowest utility (recency + prefill FLOPs
+              saved per byte) among checkpoints and leaves. With room to spare and
+              requests in arrival order it hits exactly where the engine does
+              (tests/test_serve_replay.py); under pressure it is a model of the
+              engine's on-demand eviction (`radixkv.sim.serve_replay` is the engine).
     marconi   Marconi (MLSys 2025), its published simulator's V2 replayed by its own
     sglang+   rules (`radixkv.sim.marconi`), and its two baselines: SGLang+ (V1, LRU
     vllm+     leaves) and vLLM+ (a state every 32 tokens). Their rows equal Marconi's
@@ -31,6 +36,12 @@ requests (prompt units, output units, and where known a chat template's boundary
               grid (a prompt's last full block, blocks finished while decoding), hits in
               whole blocks, blocks evicted least recently used; window KV kept until
               evicted.
+
+Every engine's policy (radixkv, sglang, vllm) caches a request's prompt and its output
+but the last token, whose KV is never computed; by default (``accounting="served"``) a
+request's new KV counts against the budget before it runs, as an engine holds it while
+it runs; ``"after"`` fits the budget after each request instead, as Marconi's simulator
+(and so its rows) count.
 
 Owns: the replay, the budgets and the accounting. Must not touch: the components'
 internals (it drives them through their API).
@@ -125,6 +136,14 @@ class ModelSpec:
         """Prefill FLOPs of a prefix of ``tokens``: the weights' and the attention's."""
         return prefill_flops(tokens, self.params, self.attn_dim, self.full_layers,
                              self.window_layers, self.window)  # fmt: skip
+
+    def arena_checkpoint(self, page: int) -> int:
+        """Bytes a checkpoint takes in the engine's arena (`radixkv.kvcache.arena`):
+        whole units, a unit being one page of K and V over gcd(full, window layers)."""
+        import math
+
+        unit = page * math.gcd(self.full_layers, self.window_layers) * self.kv_bytes
+        return div_ceil(self.checkpoint, unit) * unit
 
     def vllm_block(self) -> int:
         """vLLM's attention block under ``--mamba-cache-mode align``: the smallest
@@ -222,6 +241,11 @@ def model_spec(name: str) -> ModelSpec:
 
 
 POLICIES = ("radixkv", *marconi.POLICIES, "sglang", "vllm")
+# when a request's new KV counts against the budget: "served", from before it runs (the
+# engine holds it while it runs: room is made first); "after", once it is cached (the
+# budget fit after each request, as Marconi's simulator counts: a running request may
+# overflow the budget)
+ACCOUNTING = ("served", "after")
 
 
 @dataclass
@@ -256,8 +280,11 @@ class _Slots:
 class _Sim:
     """One policy's cache over a trace."""
 
-    def __init__(self, trace: Trace, spec: ModelSpec, cap: int, policy: str) -> None:
+    def __init__(
+        self, trace: Trace, spec: ModelSpec, cap: int, policy: str, accounting: str = "served"
+    ) -> None:
         self.trace, self.spec, self.cap, self.policy = trace, spec, cap, policy
+        self.accounting = accounting
         self.unit = trace.block_size  # tokens a unit
         grid = spec.vllm_block() if policy == "vllm" else self.unit
         self.page = max(1, grid // self.unit) if policy == "vllm" else 1
@@ -265,15 +292,16 @@ class _Sim:
         if policy == "sglang" and spec.checkpoint:
             full_share = cap / (1 + SGLANG_STATE_RATIO)
             states = max(1, int(cap - full_share) // spec.checkpoint)
+        # radixkv's checkpoints take whole arena units, as the engine stores them
+        self.ckpt = spec.arena_checkpoint(self.unit) if policy == "radixkv" else spec.checkpoint
         self.state = StateCheckpoints(
             states, _Slots(), "utility" if policy == "radixkv" else "lru",
-            prefill_flops=lambda units: spec.flops(units * self.unit), state_bytes=spec.checkpoint,
+            prefill_flops=lambda units: spec.flops(units * self.unit), state_bytes=self.ckpt,
         )  # fmt: skip
         comps: list[Any] = [self.state] if spec.recurrent_layers else []
         self.window = None
         if spec.window_layers:
-            retain = "ends" if policy == "radixkv" else "all"
-            self.window = WindowKV(div_ceil(spec.window, self.unit), _Slots(), retain)
+            self.window = WindowKV(div_ceil(spec.window, self.unit), _Slots(), "all")
             comps.append(self.window)
         self.cache = RadixCache(self.page, eviction_mode="precise", components=tuple(comps))
         self.budget = HybridBudget(
@@ -296,14 +324,17 @@ class _Sim:
     # --- one request --------------------------------------------------------------------
     def serve(self, req: SimRequest, outputs: bool) -> int:
         P = req.num_prompt_units
-        units = req.units if outputs else req.units[:P]
+        units = req.units[: self._cached_units(req, outputs)]
         key = RadixKey(np.asarray(units, dtype=np.int64))
         prompt = key[: max(P - 1, 0) if P * self.unit > req.prompt_tokens - 1 else P]
         _, last, hit, full = self.cache.match_parts(prompt)  # one walk: the hit, the branch
         if hit and self.spec.recurrent_layers:
             self.state.used(last)
         self.cache.inc_lock_ref(last)
-        for pos, kind in self._positions(req, full, hit, outputs):
+        positions = self._positions(req, full, hit, outputs)
+        if self.accounting == "served":  # room for what it will hold, made before it runs
+            self._fit(len(units) - hit, len(positions))
+        for pos, kind in positions:
             self._insert(key[:pos], kind)
         self._insert(key[: len(units)], None)
         self.cache.dec_lock_ref(last)
@@ -312,19 +343,32 @@ class _Sim:
             self.bytes_sum[k] += v
         return hit
 
+    def _cached_units(self, req: SimRequest, outputs: bool) -> int:
+        """Units the request leaves cached: its prompt's, or with its output those of
+        every token but the last, whose KV no engine computes (it is sampled, never fed
+        back: SGLang, vLLM and radixkv's engine cache ``prompt + output - 1`` tokens)."""
+        if not outputs or not req.output_tokens:
+            return req.num_prompt_units
+        computed = (req.prompt_tokens + req.output_tokens - 1) // self.unit
+        return max(req.num_prompt_units, min(len(req.units), computed))
+
     def _positions(
         self, req: SimRequest, full: int, hit: int, outputs: bool
     ) -> list[tuple[int, str]]:
         """Where this policy takes checkpoints (units, increasing), and why."""
         P = min(req.num_prompt_units, req.prompt_tokens // self.unit)  # whole pages
-        n = len(req.units) if outputs else P
+        n = self._cached_units(req, outputs)
         if not self.spec.recurrent_layers:  # a window kept at the boundaries
             if self.policy != "radixkv" or self.window is None:
                 return []
             return [(b, "boundary") for b in req.boundaries if hit < b <= n]
-        if self.policy == "radixkv":  # the component's own plan, then the output's end
-            marks = dict(self.state.plan(P, full, hit, req.boundaries, prompt_end=not outputs))
-            marks.setdefault(n, "end")
+        if self.policy == "radixkv":  # as the engine (`radixkv.engine.recurrent`): the
+            # component's plan, where the same prompt sent again starts, the last page a
+            # decode step reached
+            marks = dict(self.state.plan(P, full, hit, req.boundaries))
+            marks.setdefault((req.prompt_tokens - 1) // self.unit, "resend")
+            if n * self.unit > req.prompt_tokens:
+                marks.setdefault(n, "end")
         elif self.policy == "vllm":  # the grid: the prompt's last full block, decode blocks
             g = self.page
             marks = dict.fromkeys({P - P % g} | set(range(P - P % g + g, n + 1, g)), "end")
@@ -353,31 +397,36 @@ class _Sim:
             self.checkpoints += 1
 
     # --- the budget ---------------------------------------------------------------------
-    def _fit(self) -> None:
+    def _fit(self, units: int = 0, checkpoints: int = 0) -> None:
+        """Evict until what is held, plus ``units`` new units and ``checkpoints`` new
+        checkpoints a request is about to hold, fits the capacity (each policy in its
+        own order; SGLang's in its separate pools)."""
         spec, u = self.spec, self.unit
-        unit_bytes = u * (spec.full_kv + spec.window_kv)
         if self.policy == "sglang":
             full_cap = self.cap / (1 + (SGLANG_STATE_RATIO if spec.checkpoint else 0))
             if self.window is not None:
                 # the window pool holds 0.8 of the full pool's tokens
                 tokens = full_cap / (spec.full_kv + SGLANG_WINDOW_RATIO * spec.window_kv)
-                over = self.window.held_units() * u - int(SGLANG_WINDOW_RATIO * tokens)
+                over = (self.window.held_units() + units) * u - int(SGLANG_WINDOW_RATIO * tokens)
                 if over > 0:
                     self.window.evict(div_ceil(over, u))
                 full_cap = tokens * spec.full_kv
-            over = self.cache.total_size() * u * spec.full_kv - full_cap
+            over = (self.cache.total_size() + units) * u * spec.full_kv - full_cap
             if over > 0:
                 self.cache.evict(div_ceil(int(over), u * spec.full_kv))
-            return
+            return  # (its state pool evicts as a checkpoint is added)
+        unit_bytes = u * (spec.full_kv + spec.window_kv)
+        need = units * unit_bytes + checkpoints * self.ckpt
         for _ in range(1 << 20):
-            total = sum(self.held().values())
-            if total <= self.cap or not self.cache.evictable_size():
+            over = sum(self.held().values()) + need - self.cap
+            if over <= 0 or not self.cache.evictable_size():
                 return
-            over = total - self.cap
             if self.policy == "vllm":
                 self.cache.evict(max(1, div_ceil(over, unit_bytes)))
-            else:
-                self.budget.fit(self.cap)
+            else:  # as the engine's arena: windows no match end needs go first
+                if self.window is not None:
+                    self.window.evict_spare(div_ceil(over, u * spec.window_kv))
+                self.budget.fit(max(self.cap - need, 0))
                 return
 
 
@@ -412,14 +461,19 @@ class _MarconiSim:
 
 
 def simulate_hybrid(
-    trace: Trace, spec: ModelSpec, capacity_bytes: int, policy: str, cache_outputs: bool = True
-) -> HybridResult:
-    """Replay ``trace`` through one policy's cache of ``capacity_bytes``."""
+    trace: Trace, spec: ModelSpec, capacity_bytes: int, policy: str, cache_outputs: bool = True,
+    accounting: str = "served",
+) -> HybridResult:  # fmt: skip
+    """Replay ``trace`` through one policy's cache of ``capacity_bytes``; ``accounting``
+    (`ACCOUNTING`) for the engines' policies (Marconi's keep their own)."""
     if policy not in POLICIES:
         raise ValueError(f"policy: unknown {policy!r}; valid: {', '.join(POLICIES)}")
-    sim: Any = (_Sim if policy not in marconi.POLICIES else _MarconiSim)(
-        trace, spec, capacity_bytes, policy
-    )
+    if accounting not in ACCOUNTING:
+        raise ValueError(f"accounting: unknown {accounting!r}; valid: {', '.join(ACCOUNTING)}")
+    if policy in marconi.POLICIES:
+        sim: Any = _MarconiSim(trace, spec, capacity_bytes, policy)
+    else:
+        sim = _Sim(trace, spec, capacity_bytes, policy, accounting)
     hit_tokens = prompt_tokens = 0
     saved = total = 0.0
     for req in trace.requests:
@@ -468,6 +522,7 @@ def sweep_hybrid(
     policies: list[str],
     cache_outputs: bool = True,
     progress: Any = None,
+    accounting: str = "served",
 ) -> list[HybridResult]:
     """Every policy at every capacity (bytes), capacity-major."""
     for p in policies:
@@ -476,7 +531,7 @@ def sweep_hybrid(
     results = []
     for cap in capacities:
         for p in policies:
-            results.append(simulate_hybrid(trace, spec, cap, p, cache_outputs))
+            results.append(simulate_hybrid(trace, spec, cap, p, cache_outputs, accounting))
             if progress is not None:
                 progress(results[-1])
     return results
@@ -537,6 +592,7 @@ def plot_hybrid(results: list[HybridResult], trace: Trace, spec: ModelSpec, path
 
 
 __all__ = [
+    "ACCOUNTING",
     "POLICIES",
     "PRESETS",
     "UNBOUNDED",

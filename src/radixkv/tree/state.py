@@ -120,6 +120,7 @@ class StateCheckpoints(TreeComponent):
         self._lru: list[tuple[int, int]] = []  # (tick, slot), lazily invalidated
         self.evictions = 0  # checkpoints evicted to stay within max_states
         self.hits = 0  # matches served from a checkpoint
+        self.added = 0  # checkpoints taken
         self.protected: dict[int, int] = {}  # slot -> protections (never evicted)
         # told of each node whose checkpoints were added or dropped (`HybridBudget`)
         self.on_change: Callable[[TreeNode], None] | None = None
@@ -214,6 +215,7 @@ class StateCheckpoints(TreeComponent):
             tuple(sorted((*cps, c), key=lambda x: x.offset)) if cps else (c,)
         )
         self.held[slot] = c
+        self.added += 1
         if self.on_change is not None:
             self.on_change(node)
         heapq.heappush(self._lru, (c.tick, slot))
