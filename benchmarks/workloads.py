@@ -160,12 +160,15 @@ CACHED_TOKENS_F = 100 * 2000 + 10_000 * 80
 
 
 def engine_chats(
-    engine: object, chats: int, turns: int, system: int, user: int, new: int
-) -> tuple[int, int, list[list[int]]]:
+    engine: object, chats: int, turns: int, system: int, user: int, new: int,
+    records: list[dict] | None = None,
+) -> tuple[int, int, list[list[int]]]:  # fmt: skip
     """Multi-turn chats behind 4 system prompts of ``system`` tokens, served by an
     `Engine`: each round sends every chat's next turn at once (its history, the engine's
     own previous answer, ``user`` new tokens; ``new`` generated). Returns (prompt
-    tokens, cached tokens, every turn's output ids)."""
+    tokens, cached tokens, every turn's output ids). ``records``: each request is
+    appended as a token-trace record (its round as its timestamp, and the tokens the
+    engine served from its cache as ``cached``)."""
     import torch
 
     g = torch.Generator().manual_seed(7)
@@ -173,13 +176,16 @@ def engine_chats(
     history = [list(systems[i % 4]) for i in range(chats)]
     prompt = cached = 0
     outputs = []
-    for _ in range(turns):
+    for turn in range(turns):
         for h in history:
             h.extend(torch.randint(3, 384, (user,), generator=g).tolist())
         res = engine.generate(history, max_new_tokens=new, chat=False, ignore_eos=True)  # type: ignore[attr-defined]
         prompt += res.stats.prompt_tokens
         cached += res.stats.cached_tokens
         for h, out in zip(history, res.outputs, strict=True):
+            if records is not None:
+                records.append({"token_ids": list(h), "output_ids": out.token_ids,
+                                "timestamp": turn, "cached": out.cached_tokens})  # fmt: skip
             h.extend(out.token_ids)
             outputs.append(out.token_ids)
     return prompt, cached, outputs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from radixkv.cli.common import (
@@ -21,6 +22,9 @@ from radixkv.cli.common import (
 )
 from radixkv.cli.common import write_output as write
 from radixkv.router.policies import KV_OVERLAP_WEIGHT
+from radixkv.units import BYTE_UNITS, parse_bytes
+
+BYTE_SUFFIXES = tuple(u for u in BYTE_UNITS if u)  # "B", "KiB", ... "GB"
 
 HELP = "replay a trace through the radix cache: hit rate vs capacity and policy"
 
@@ -57,7 +61,25 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                      "preset (qwen3.5-4b, nemotron-h, gemma-3), a JSON file, or a model "
                      "folder (its config.json, in the bytes serve holds); replays with "
                      "the hybrid policies (radixkv; marconi, sglang+, vllm+ by Marconi's "
-                     "own rules; sglang, vllm); capacities in bytes")  # fmt: skip
+                     "own rules; sglang, vllm; and, with a model folder, serve: the "
+                     "engine's own scheduler and memory replayed without the model); "
+                     "capacities in bytes")  # fmt: skip
+    sim.add_argument("--accounting", choices=["served", "after"], default=None,
+                     help="with --model-spec: when a request's new KV counts against the "
+                     "budget: served (while it runs, as the engine holds it) or after (once "
+                     "cached, as Marconi's simulator counts) [served]")  # fmt: skip
+    sim.add_argument(
+        "--concurrency",
+        type=positive_int,
+        default=None,
+        help="with --policy serve: requests the engine runs at once [1]",
+    )
+    sim.add_argument(
+        "--chunk-size",
+        type=positive_int,
+        default=None,
+        help="with --policy serve: prefill tokens a step, as serve's [512]",
+    )
     sim.add_argument("--tokenizer",
                      help="for token traces whose lines carry text: 'byte' (UTF-8 bytes), "
                      "'smollm2', or a gguf_tokenizer.json written by the engine's weight "
@@ -153,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--warmup: must be a fraction in [0, 1), got {args.warmup}")
     if args.model_spec is not None:
         return _hybrid(args)
+    for flag, dest in _HYBRID_ONLY:
+        if getattr(args, dest) is not None:
+            raise CliError(f"{flag}: only with --model-spec (the hybrid replay)")
     if args.model and args.bytes_per_token:
         raise CliError("--bytes-per-token: give it or --model, not both")
     bpt = args.bytes_per_token
@@ -266,6 +291,23 @@ _NOT_HYBRID = (("--model", "model"), ("--bytes-per-token", "bytes_per_token"),
                ("--warmup", "warmup"), ("--csv", "csv_out"), ("--workers", "workers"))  # fmt: skip
 
 
+_HYBRID_ONLY = (("--accounting", "accounting"), ("--concurrency", "concurrency"),
+                ("--chunk-size", "chunk_size"))  # fmt: skip
+
+
+def _serve(args: argparse.Namespace, trace: Any, spec: Any, cap: int, outputs: bool) -> Any:
+    from radixkv.sim.serve_replay import serve_result
+
+    try:
+        return serve_result(trace, args.model_spec, spec, cap, args.concurrency or 1, outputs,
+                            chunk_size=args.chunk_size or 512)  # fmt: skip
+    except ValueError as e:
+        text = str(e)
+        if text.startswith("cache_bytes: "):
+            raise CliError(f"--capacity: {text.removeprefix('cache_bytes: ')}") from None
+        raise CliError(f"--policy serve: {text}") from None
+
+
 def _hybrid(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
@@ -283,10 +325,18 @@ def _hybrid(args: argparse.Namespace) -> int:
     except OSError as e:
         raise CliError(f"--model-spec {args.model_spec}: {e.strerror or e}") from None
     policies = (args.policy or ",".join(hybrid.POLICIES)).split(",")
-    bad = [p for p in policies if p not in hybrid.POLICIES]
+    valid = (*hybrid.POLICIES, "serve")
+    bad = [p for p in policies if p not in valid]
     if bad:
         raise CliError(f"--policy: unknown {bad[0]!r} with --model-spec; valid: "
-                       f"{', '.join(hybrid.POLICIES)}")  # fmt: skip
+                       f"{', '.join(valid)}")  # fmt: skip
+    serve = "serve" in policies
+    if serve and not Path(args.model_spec).is_dir():
+        raise CliError("--policy serve: needs --model-spec FOLDER (the engine is built from "
+                       "its config.json), not a preset or a JSON spec")  # fmt: skip
+    for flag, value in (("--concurrency", args.concurrency), ("--chunk-size", args.chunk_size)):
+        if value is not None and not serve:
+            raise CliError(f"{flag}: only with --policy serve (the engine's own knob)")
     trace = _load_trace(args)
     if trace.block_size == traces.MOONCAKE_BLOCK:  # hybrid caches work in pages
         try:
@@ -299,18 +349,31 @@ def _hybrid(args: argparse.Namespace) -> int:
     caps = []
     try:
         for text in args.capacity.split(","):
-            units = sweep.parse_capacity(text, trace.block_size, per_token)
-            caps.append(hybrid.UNBOUNDED if units is None else units * trace.block_size * per_token)
+            units = sweep.parse_capacity(text, trace.block_size, per_token)  # validates
+            if units is None:
+                caps.append(hybrid.UNBOUNDED)
+            elif text.strip().endswith(BYTE_SUFFIXES):  # bytes, exactly
+                caps.append(parse_bytes(text))
+            else:  # tokens or blocks
+                caps.append(units * trace.block_size * per_token)
     except ValueError as e:
         raise CliError(f"--capacity: {e}") from None
+    if serve and hybrid.UNBOUNDED in caps:
+        raise CliError("--capacity: the serve policy holds a real arena; give bytes, not inf")
     outputs = trace.carries_outputs() if args.cache_outputs is None else args.cache_outputs
     console = make_console(stderr=args.json_out == "-")
+    results = []
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task(f"replaying {len(trace.requests):,} requests",
                             total=len(caps) * len(policies))  # fmt: skip
-        results = hybrid.sweep_hybrid(
-            trace, spec, caps, policies, outputs, progress=lambda _r: bar.advance(task)
-        )
+        for cap in caps:
+            for policy in policies:
+                if policy == "serve":
+                    results.append(_serve(args, trace, spec, cap, outputs))
+                else:
+                    results.append(hybrid.simulate_hybrid(trace, spec, cap, policy, outputs,
+                                                          args.accounting or "served"))  # fmt: skip
+                bar.advance(task)
     hybrid.print_hybrid_table(results, trace, spec, console)
     rows = {"model": spec.__dict__, "results": [r.to_dict() for r in results]}
     write("--json", args.json_out, lambda: json.dumps(rows, indent=2))

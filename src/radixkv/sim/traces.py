@@ -37,6 +37,10 @@ class SimRequest:
         output_tokens: output length in tokens.
         boundaries: unit counts where the prompt's template has a boundary a server
             knows (the end of the system message): hybrid caches checkpoint there.
+        prompt_ids, output_ids: a token trace's token ids (``output_ids``: ``None``
+            when it gives only their count), for the serve replay
+            (`radixkv.sim.serve_replay`); ``None`` in a Mooncake trace.
+        token_boundaries, extra_key: the boundaries in tokens, the cache namespace.
     """
 
     units: list[int]
@@ -45,6 +49,10 @@ class SimRequest:
     timestamp: float = 0.0
     output_tokens: int = 0
     boundaries: tuple[int, ...] = ()
+    prompt_ids: list[int] | None = field(default=None, repr=False)
+    output_ids: list[int] | None = field(default=None, repr=False)
+    token_boundaries: tuple[int, ...] = ()
+    extra_key: Any = None
 
 
 @dataclass
@@ -419,19 +427,22 @@ def _from_tokens(name: str, records: list[tuple[list[int], dict]], block: int) -
     interner, trace = Interner(), Trace(name, block)
     fresh = -1  # output tokens nobody else has: negative ids never collide with prompts
     for prompt, rec in records:
-        output = rec.get("output_ids")
+        known = rec.get("output_ids")
+        output = known
         if output is None:
             output = list(range(fresh, fresh - int(rec.get("output_length", 0)), -1))
             fresh -= len(output)
         ns = rec.get("extra_key")
         units = interner.units(prompt + list(output), block, ns)
         n_prompt = len(prompt) // block
-        marks = tuple(sorted({b // block for b in rec.get("boundaries", ()) if b >= block}))
+        tokens = tuple(sorted(set(rec.get("boundaries", ()))))
+        marks = tuple(sorted({b // block for b in tokens if b >= block}))
         trace.requests.append(
             SimRequest(
-                units, n_prompt, len(prompt), float(rec.get("timestamp", 0)), len(output), marks
+                units, n_prompt, len(prompt), float(rec.get("timestamp", 0)), len(output), marks,
+                prompt_ids=prompt, output_ids=known, token_boundaries=tokens, extra_key=ns,
             )
-        )
+        )  # fmt: skip
     return trace
 
 

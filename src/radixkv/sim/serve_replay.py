@@ -1,0 +1,185 @@
+"""What `radixkv serve` caches, replayed without the model: the engine's own scheduler,
+request lifecycle and memory (`radixkv.engine`, `radixkv.kvcache`: one arena on a
+hybrid model) run a token trace, each request's recorded output standing in for the
+model's sampling.
+
+Why it is exact: nothing the cache decides (what a request matches, when it is admitted,
+allocated, preempted, inserted, checkpointed, evicted) reads a KV value or a logit; it
+reads token ids, positions and sizes. So a replay that feeds the engine the tokens it
+produced, with the same configuration and the same arrivals, makes the same decisions
+and caches the same tokens per request. The model is built from ``config.json`` without
+its weights (never run); the arena is the real one, so the capacity is real memory.
+
+The budget simulator (`radixkv.sim.hybrid`, policy ``radixkv``) models the same order of
+eviction in the tree alone, one request at a time, fitting the budget after each
+request; this replay also holds what a running request holds (its new pages, its window,
+its chunk, pending checkpoints) and evicts as the engine does, on demand. docs/hybrid.md
+compares the two (``benchmarks/bench_fidelity.py``).
+
+Arrivals: requests with the same timestamp arrive together (one wave, as one
+``Engine.generate`` call); the next wave arrives when the previous one has finished.
+``concurrency`` is the engine's ``max_running``.
+
+Owns: driving an `Engine` through a trace. Must not touch: the engine's internals (it
+replaces only its model runner, through `ReplayRunner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.model_runner import ModelRunner
+from radixkv.engine.request import CacheSpec, MarkedIds, SamplingParams
+from radixkv.sim.hybrid import HybridResult, ModelSpec
+from radixkv.sim.traces import SimRequest, Trace
+
+REPLAY_TOKEN = 0  # an output the trace does not list is replayed as this token
+
+
+class ReplayRunner(ModelRunner):
+    """The model runner with the trace in place of the model: a request whose prompt is
+    done "samples" its recorded next output token (logits that are 1 there, 0 elsewhere,
+    so greedy and seeded sampling both pick it). Nothing is computed or written."""
+
+    def __init__(self, base: ModelRunner, outputs: dict[Any, list[int]], vocab: int) -> None:
+        super().__init__(base.model, base.kv, base.device, base.window)
+        self.outputs, self.vocab = outputs, vocab
+
+    def forward(self, plan: list, table: Any, snapshots: Any = ()) -> torch.Tensor:
+        logits = torch.zeros(len(plan), self.vocab)
+        for i, (r, _) in enumerate(plan):
+            out = self.outputs[r.rid]
+            k = len(r.output_ids)
+            logits[i, out[k] if k < len(out) else REPLAY_TOKEN] = 1.0
+        return logits
+
+
+@dataclass
+class ServeReplay:
+    """One replay: each request's cached prompt tokens (trace order) and the totals."""
+
+    capacity_bytes: int
+    concurrency: int
+    cached: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    preemptions: int = 0
+    mean_bytes: dict[str, float] = field(default_factory=dict)  # full, window, states
+    checkpoints: int = 0
+
+    @property
+    def hit_tokens(self) -> int:
+        return sum(self.cached)
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def empty_model(folder: str | Path) -> torch.nn.Module:
+    """The model of ``folder``'s ``config.json`` with uninitialised weights (its weight
+    files, if any, are not read): what the engine sizes its memory from.
+
+    Raises:
+        ValueError (UnsupportedModel, FolderError): an architecture or config field
+            radixkv does not serve, a bad config.
+    """
+    from radixkv.engine.files import read_json
+    from radixkv.engine.models import architecture_of, config_from_dict, family
+
+    raw = read_json(Path(folder) / "config.json")
+    fam, cfg = family(architecture_of(raw)), config_from_dict(raw)
+    with torch.device("meta"):
+        model = fam.MODEL_CLASS(cfg)
+    return model.to_empty(device="cpu")
+
+
+def replay_serve(
+    trace: Trace, model: str | Path | torch.nn.Module, capacity_bytes: int,
+    config: EngineConfig | None = None, *, concurrency: int = 1, cache_outputs: bool = True,
+) -> ServeReplay:  # fmt: skip
+    """Replay ``trace`` (a token trace: its requests carry ``prompt_ids``) through an
+    engine serving ``model`` (a folder, or a model) from one budget of
+    ``capacity_bytes``, at most ``concurrency`` requests at once; the trace's block size
+    is the engine's page. ``config``: the engine's other knobs (serve's defaults
+    otherwise). ``cache_outputs=False``: each request caches its prompt only.
+
+    Raises:
+        ValueError: a trace without token ids, a token the model's vocabulary lacks, a
+            capacity the engine refuses (naming its minimum), bad knobs.
+    """
+    if any(r.prompt_ids is None for r in trace.requests):
+        raise ValueError("trace: the serve replay needs token ids (a token or Marconi trace "
+                         "that lists them, not Mooncake's hash ids)")  # fmt: skip
+    net = model if isinstance(model, torch.nn.Module) else empty_model(model)
+    base = config or EngineConfig()
+    cfg = dataclasses.replace(
+        base, page_size=trace.block_size, cache_bytes=capacity_bytes, max_running=concurrency,
+        max_context_len=max([base.max_context_len, *(_length(r) for r in trace.requests)]),
+    )  # fmt: skip
+    from radixkv.engine.engine import Engine
+
+    engine = Engine(net, cfg)
+    outputs: dict[Any, list[int]] = {}
+    engine.runner = ReplayRunner(engine.runner, outputs, engine.config.vocab_size)
+    result = ServeReplay(capacity_bytes, concurrency)
+    sums = dict.fromkeys(("full", "window", "states"), 0.0)
+    waves = itertools.groupby(enumerate(trace.requests), key=lambda x: x[1].timestamp)
+    for _, wave in waves:
+        rids = []
+        for i, req in wave:
+            outputs[i] = list(req.output_ids or ())
+            n = max(1, req.output_tokens)
+            spec = None if cache_outputs else CacheSpec(limit=len(req.prompt_ids))
+            sampling = SamplingParams(n, ignore_eos=True)
+            prompt = MarkedIds(req.prompt_ids, req.token_boundaries)
+            try:
+                rids.append(engine.add_request(prompt, sampling, rid=i, chat=False,
+                                               extra_key=req.extra_key, cache=spec))  # fmt: skip
+            except ValueError as e:  # a token the model lacks, a request too long
+                raise ValueError(f"trace request {i}: {e}") from None
+        reqs = [engine.requests[rid] for rid in rids]
+        while engine.has_unfinished():
+            engine.step()
+        for r in reqs:
+            result.cached.append(max(r.prompt_cached, 0))
+            result.prompt_tokens += len(r.input_ids)
+            for k, v in engine.cache_bytes_held().items():
+                sums[k] += v
+    result.preemptions = engine.scheduler.preemptions
+    result.mean_bytes = {k: v / max(len(trace.requests), 1) for k, v in sums.items()}
+    if engine.recurrent is not None:
+        result.checkpoints = engine.recurrent.component.added
+    return result
+
+
+def serve_result(
+    trace: Trace, folder: str | Path, spec: ModelSpec, capacity_bytes: int,
+    concurrency: int = 1, cache_outputs: bool = True, chunk_size: int = 512,
+) -> HybridResult:  # fmt: skip
+    """`replay_serve` as a row of the hybrid simulator's table (policy ``serve``), with
+    ``radixkv serve``'s other defaults."""
+    rep = replay_serve(trace, folder, capacity_bytes, EngineConfig(chunk_size=chunk_size),
+                       concurrency=concurrency, cache_outputs=cache_outputs)  # fmt: skip
+    saved = sum(spec.flops(c) for c in rep.cached)
+    total = sum(spec.flops(r.prompt_tokens) for r in trace.requests)
+    return HybridResult(
+        trace=trace.name, model=spec.name, policy="serve", capacity_bytes=capacity_bytes,
+        requests=len(trace.requests), prompt_tokens=rep.prompt_tokens,
+        hit_tokens=rep.hit_tokens, token_hit_rate=rep.token_hit_rate,
+        flops_saved=saved / total if total else 0.0, mean_bytes=rep.mean_bytes,
+        checkpoints=rep.checkpoints, block_tokens=trace.block_size,
+    )  # fmt: skip
+
+
+def _length(r: SimRequest) -> int:
+    return len(r.prompt_ids or ()) + max(1, r.output_tokens)
+
+
+__all__ = ["ReplayRunner", "ServeReplay", "empty_model", "replay_serve", "serve_result"]

@@ -1,0 +1,168 @@
+"""Fidelity: what the engine caches, replayed without the model
+(`radixkv.sim.serve_replay`, ``radixkv simulate --policy serve``), and the budget
+simulator's ``radixkv`` policy against the engine.
+
+A Qwen3.5-like and a Gemma-3-like tiny model serve multi-turn chats behind shared system
+prompts (boundaries marked, two cache namespaces) from one byte budget tight enough to
+evict every kind; the trace of what they served (prompts, real outputs, rounds) is
+replayed. At concurrency 1 and 8 the replay's cached tokens equal the engine's request for
+request. With room to spare and requests served in order, the budget simulator's
+admission equals the engine's too (same hits per request); under pressure it is a model
+(``benchmarks/bench_fidelity.py`` measures how close).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import qwen3_5_folder
+from test_arena import GEMMA
+from test_families import folder
+
+from radixkv.cli import main
+from radixkv.engine.config import EngineConfig
+from radixkv.engine.engine import Engine
+from radixkv.engine.request import MarkedIds, SamplingParams
+from radixkv.sim import traces
+from radixkv.sim.hybrid import ModelSpec, simulate_hybrid
+from radixkv.sim.serve_replay import replay_serve
+
+PAGE = 4
+# a few requests wide: full KV, windows and checkpoints are all evicted
+BUDGETS = {"qwen3.5": 48_000, "gemma3": 40_000}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    arch, config = GEMMA
+    return {
+        "qwen3.5": qwen3_5_folder(tmp_path_factory.mktemp("q") / "ckpt"),
+        "gemma3": str(folder(tmp_path_factory.mktemp("g") / "ckpt", arch, **config)),
+    }
+
+
+def serve_chats(engine: Engine, chats: int = 8, turns: int = 3) -> list[dict]:
+    """Multi-turn chats behind 2 system prompts (their ends marked as boundaries), in two
+    namespaces; each round sends every chat's next turn at once. Returns the token trace
+    of what was served, with the engine's cached tokens per request."""
+    g = torch.Generator().manual_seed(5)
+    systems = [torch.randint(3, 384, (40,), generator=g).tolist() for _ in range(2)]
+    history = [list(systems[i % 2]) for i in range(chats)]
+    records = []
+    for turn in range(turns):
+        rids = []
+        for i, h in enumerate(history):
+            h.extend(torch.randint(3, 384, (12,), generator=g).tolist())
+            prompt = MarkedIds(h, (40,))
+            rids.append(engine.add_request(prompt, SamplingParams(6, ignore_eos=True),
+                                           extra_key=f"ns{i % 2}", chat=False))  # fmt: skip
+        reqs = [engine.requests[r] for r in rids]
+        while engine.has_unfinished():
+            engine.step()
+        for i, (h, r) in enumerate(zip(history, reqs, strict=True)):
+            records.append({"token_ids": list(h), "output_ids": list(r.output_ids),
+                            "boundaries": [40], "extra_key": f"ns{i % 2}",
+                            "timestamp": turn, "cached": r.prompt_cached})  # fmt: skip
+            h.extend(r.output_ids)
+    return records
+
+
+def write_trace(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return traces.load_trace(path, "tokens", PAGE)
+
+
+def config(concurrency: int, **kw) -> EngineConfig:
+    return EngineConfig(page_size=PAGE, chunk_size=16, max_running=concurrency,
+                        max_context_len=512, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_the_replay_caches_what_the_engine_cached_request_for_request(
+    tmp_path, models, name, concurrency
+):
+    cfg = config(concurrency, cache_bytes=BUDGETS[name], check_memory=True)
+    engine = Engine(models[name], cfg)
+    records = serve_chats(engine)
+    served = [r["cached"] for r in records]
+    assert sum(served) > 0  # hits, and
+    gone = engine.cache_bytes_evicted()  # pressure on the full KV and the other kind
+    assert gone["full"] > 0 and (gone["states"] if name == "qwen3.5" else gone["window"]) > 0
+    trace = write_trace(tmp_path / "served.jsonl", records)
+    replay = replay_serve(trace, models[name], BUDGETS[name], cfg, concurrency=concurrency)
+    assert replay.cached == served
+    assert replay.prompt_tokens == sum(len(r["token_ids"]) for r in records)
+    # another budget changes the answer: the replay is not reading the records' hits
+    roomy = replay_serve(trace, models[name], 8 * BUDGETS[name], cfg, concurrency=concurrency)
+    assert roomy.hit_tokens > replay.hit_tokens
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
+def test_the_budget_simulator_admits_as_the_engine_does(tmp_path, models, name):
+    """With room to spare, in arrival order (fcfs, one at a time), the budget simulator's
+    ``radixkv`` policy hits exactly where the engine did: the same checkpoints (prompt
+    end, resend point, boundaries, branch points, the last page a decode step reached),
+    all but the last output token cached, a window wherever a match ends."""
+    cfg = config(1, cache_bytes=2**22, schedule_policy="fcfs")
+    records = serve_chats(Engine(models[name], cfg))
+    trace = write_trace(tmp_path / "served.jsonl", records)
+    spec = ModelSpec.from_folder(models[name])
+    sim = simulate_hybrid(trace, spec, 2**22, "radixkv")
+    assert sim.hit_tokens == sum(r["cached"] for r in records) > 0
+
+
+def test_simulate_policy_serve_from_the_command_line(tmp_path, models):
+    cfg = config(8, cache_bytes=BUDGETS["qwen3.5"])
+    records = serve_chats(Engine(models["qwen3.5"], cfg))
+    path = tmp_path / "served.jsonl"
+    write_trace(path, records)
+    cmd = [sys.executable, "-m", "radixkv.cli", "simulate", "--trace", str(path),
+           "--model-spec", models["qwen3.5"], "--capacity", str(BUDGETS["qwen3.5"]) + "B",
+           "--policy", "serve,radixkv", "--concurrency", "8", "--chunk-size", "16",
+           "--block-size", str(PAGE), "--json", "-"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {r["policy"]: r for r in json.loads(out.stdout)["results"]}
+    assert rows["serve"]["hit_tokens"] == sum(r["cached"] for r in records)
+    assert rows["serve"]["capacity_bytes"] == BUDGETS["qwen3.5"]
+
+
+def test_the_serve_policy_refuses_what_it_cannot_replay(tmp_path, models, capsys):
+    def refused(*args):
+        assert main(["simulate", *args]) == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    mooncake = tmp_path / "m.jsonl"
+    mooncake.write_text(json.dumps({"timestamp": 0, "input_length": 600, "output_length": 4,
+                                    "hash_ids": [1, 2]}) + "\n")  # fmt: skip
+    q = models["qwen3.5"]
+    assert refused("--trace", str(mooncake), "--model-spec", q, "--capacity", "1MiB",
+                   "--policy", "serve").startswith("error: --policy serve: trace: the serve "
+                                                   "replay needs token ids")  # fmt: skip
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps({"token_ids": [5, 999_999], "output_ids": [1]}) + "\n")
+    assert refused("--trace", str(big), "--model-spec", q, "--capacity", "1MiB", "--policy",
+                   "serve") == ("error: --policy serve: trace request 0: token ids must lie "
+                                "in [0, 384)")  # fmt: skip
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text(json.dumps({"token_ids": [5, 6, 7], "output_ids": [1]}) + "\n")
+    assert refused(
+        "--trace", str(ok), "--model-spec", q, "--capacity", "4KiB", "--policy", "serve"
+    ).startswith("error: --capacity: 4,096 bytes is too small")
+    assert refused("--trace", str(ok), "--model-spec", "qwen3.5-4b", "--capacity", "1GiB",
+                   "--policy", "serve").startswith("error: --policy serve: needs --model-spec "
+                                                   "FOLDER")  # fmt: skip
+    assert refused(
+        "--trace", str(ok), "--model-spec", q, "--capacity", "inf", "--policy", "serve"
+    ).startswith("error: --capacity: the serve policy")
+    assert refused("--trace", str(ok), "--model-spec", q, "--capacity", "1MiB",
+                   "--concurrency", "2").startswith("error: --concurrency: only with --policy "
+                                                    "serve")  # fmt: skip
+    assert refused("--trace", str(ok), "--concurrency", "2") == (
+        "error: --concurrency: only with --model-spec (the hybrid replay)"
+    )
