@@ -332,11 +332,20 @@ class _Sim:
             self.state.used(last)
         self.cache.inc_lock_ref(last)
         positions = self._positions(req, full, hit, outputs)
-        if self.accounting == "served":  # room for what it will hold, made before it runs
-            self._fit(len(units) - hit, len(positions))
-        for pos, kind in positions:
-            self._insert(key[:pos], kind)
-        self._insert(key[: len(units)], None)
+        served, n = self.accounting == "served", len(units)
+        held = n  # pages it holds at its peak: with its last, partial one
+        if served:  # room for its KV before it runs, as the engine's arena makes it
+            held = max(n, div_ceil(req.prompt_tokens + max(req.output_tokens - 1, 0), self.unit))
+            self._fit(held - hit)
+        for pos, kind in positions:  # its KV to each checkpoint, then the checkpoint
+            node = self._insert(key[:pos], kind)
+            if served:  # locked while it runs; the KV past it is still the request's
+                self.cache.inc_lock_ref(node)
+                self.cache.dec_lock_ref(last)
+                last = node
+                self._fit(held - pos, 1 if self.spec.recurrent_layers else 0)
+            self._checkpoint(node, kind)
+        self._insert(key[:n], None)
         self.cache.dec_lock_ref(last)
         self._fit()
         for k, v in self.held().items():
@@ -378,7 +387,7 @@ class _Sim:
                 marks[full] = "branch"
         return sorted((p, k) for p, k in marks.items() if hit < p <= n and p % self.page == 0)
 
-    def _insert(self, key: RadixKey, kind: str | None) -> None:
+    def _insert(self, key: RadixKey, kind: str | None) -> Any:
         extras = None
         if self.window is not None:
             n = len(key)
@@ -387,11 +396,13 @@ class _Sim:
         node = self.cache.insert_node(key, extras=extras).last_node
         if kind == "boundary" and self.window is not None and node is not self.cache.root:
             self.window.mark(node)
-        if not self.spec.recurrent_layers:
-            return
+        return node
+
+    def _checkpoint(self, node: Any, kind: str) -> None:
         if (
-            kind is not None
+            self.spec.recurrent_layers
             and node is not self.cache.root
+            and node.parent is not None  # (evicted while the request ran: none)
             and self.state.add(node, self._slot(), kind=kind)
         ):
             self.checkpoints += 1
