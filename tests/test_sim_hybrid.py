@@ -249,3 +249,14 @@ def test_model_spec_from_a_folder_counts_the_bytes_the_engine_holds(tmp_path, fa
 def test_cli_model_spec_errors(args, msg):
     r = cli(*args, "--workload", "chat", "--requests", "5")
     assert r.returncode == 2 and r.stderr.startswith(f"error: {msg}"), r.stderr
+
+
+def test_a_prompt_cached_alone_is_checkpointed_on_its_whole_pages(tmp_path):
+    """Without outputs, a Mooncake prompt's trailing partial block is cached KV but no
+    checkpoint lies past its whole pages (one engine-planned checkpoint: its end)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 600, "output_length": 4,
+                                "hash_ids": [1, 2]}) + "\n")  # fmt: skip
+    trace = traces.load_trace(path)
+    r = simulate_hybrid(trace, PRESETS["qwen3.5-4b"], UNBOUNDED, "radixkv", cache_outputs=False)
+    assert r.checkpoints == 1

@@ -366,7 +366,7 @@ class _Sim:
     ) -> list[tuple[int, str]]:
         """Where this policy takes checkpoints (units, increasing), and why."""
         P = min(req.num_prompt_units, req.prompt_tokens // self.unit)  # whole pages
-        n = self._cached_units(req, outputs)
+        n = self._cached_units(req, outputs) if outputs else P
         if not self.spec.recurrent_layers:  # a window kept at the boundaries
             if self.policy != "radixkv" or self.window is None:
                 return []
