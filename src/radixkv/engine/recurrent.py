@@ -53,6 +53,7 @@ from radixkv.kvcache.arena import ArenaCheckpoints
 from radixkv.kvcache.state_pool import StatePool
 from radixkv.tree import RadixCache
 from radixkv.tree.state import StateCheckpoints
+from radixkv.units import align_down
 
 
 class RecurrentStates:
@@ -183,11 +184,10 @@ class RecurrentStates:
             slot = self.component.used(r.last_node)
             assert slot is not None, "a hit on a recurrent model ends at a checkpoint"
             self.restore(slot, r.row)
+        # the prompt's full-attention match, from the admission's one walk (which covered
+        # a preempted request's outputs too: the prompt's is its whole pages up to n - 1)
         n = len(r.input_ids)
-        if r.cache_read and not r.output_ids:  # the admission's walk was over the prompt
-            full = r.full_hit
-        else:  # (a preempted request's matched its outputs too; one that reads no cache)
-            full = cache.match_len(RadixKey(r.token_array(), r.extra_key)[: n - 1], full=True)
+        full = align_down(min(r.full_hit, n - 1), cache.page_size)
         r.snap_plan = self.component.plan(n, full, r.cached_len, r.boundaries, resend=True)
 
     def snapshots(self, plan: list[tuple[Any, int]]) -> list[tuple[int, int, int]]:

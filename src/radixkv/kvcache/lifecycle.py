@@ -233,8 +233,10 @@ class CacheManager:
         try:  # the last token is always computed
             if req.cache_read:
                 parts, last, hit, req.full_hit = self.cache.match_parts(key[: n - 1])
-            else:
-                parts, last, hit, req.full_hit = [], self.cache.root, 0, 0
+            else:  # it reads nothing; its full-attention match still says where it
+                # leaves a cached path (a recurrent model checkpoints that branch point)
+                parts, last, hit = [], self.cache.root, 0
+                req.full_hit = self.cache.match_len(key[: n - 1], full=True)
             self.req_pool.write_parts(row, parts)
         except BaseException:
             self.req_pool.free(row)  # nothing else changed yet (a split is harmless)
