@@ -265,8 +265,11 @@ def test_a_budget_too_small_for_one_request_is_refused_naming_the_minimum(models
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(cache_bytes=2**20, kv_tokens=100), "kv_tokens: with cache_bytes"),
-        (dict(cache_bytes=2**20, window_tokens=64), "window_tokens: with cache_bytes"),
+        (
+            dict(cache_bytes=2**20, cache_split="sglang", kv_tokens=100),
+            "kv_tokens, window_tokens: with cache_split='sglang'",
+        ),
+        (dict(cache_bytes="auto", window_tokens=64), "window_tokens: with cache_bytes='auto'"),
         (dict(cache_bytes=2**20, host_tokens=64), "cache_bytes: host and store tiers"),
         (dict(cache_split="sglang"), "cache_split: splits a cache_bytes budget"),
         (dict(cache_bytes=2**20, cache_split="even"), "cache_split must be one of"),
@@ -277,6 +280,40 @@ def test_a_budget_too_small_for_one_request_is_refused_naming_the_minimum(models
 def test_bad_budget_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
+
+
+def arena_units(engine: Engine) -> int:
+    return engine.arena.arena.num_units
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
+def test_kv_and_window_tokens_cap_their_kind_inside_the_budget(models, name):
+    """``kv_tokens`` (and ``window_tokens``) inside a budget are caps: the arena has room
+    for more, but a kind at its cap frees its own pages; the tokens stay those of
+    roomy separate pools, and every request finishes (no admission waits forever on a
+    kind whose own cached pages it could free)."""
+    caps = dict(kv_tokens=96) if name == "qwen3.5" else dict(kv_tokens=96, window_tokens=48)
+    small = dict(page_size=4, chunk_size=16, max_running=4, check_memory=True)
+    capped = Engine(models[name], cache_bytes=200_000, **caps, **small)
+    roomy = Engine(models[name], kv_tokens=4096, **small)
+    ps = [p[:60] for p in prompts(8)]
+    arena, peak = capped.arena.arena, {"full": 0, "window": 0, "free": arena_units(capped)}
+
+    def watch(_done: int, _all: int) -> None:
+        for kind in ("full", "window"):
+            peak[kind] = max(peak[kind], arena.held[kind])
+        peak["free"] = min(peak["free"], arena.free_units())
+
+    a = capped.generate(ps, max_new_tokens=16, chat=False, ignore_eos=True, on_step=watch)
+    b = roomy.generate(ps, max_new_tokens=16, chat=False, ignore_eos=True)
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert a.stats.cached_tokens > 0 and capped.mgr.allocator.capacity == 96
+    assert peak["full"] == 96 // 4 * capped.arena.full_columns  # at its cap, never beyond
+    assert peak["free"] > 0 and capped.cache_bytes_evicted()["full"] > 0  # the cap evicted
+    if name == "gemma3":
+        assert peak["window"] == 48 // 4 * capped.arena.window_columns
+    with pytest.raises(ValueError, match=r"window_tokens: 8 tokens cap the window KV below"):
+        Engine(models["gemma3"], cache_bytes=200_000, window_tokens=8, **small)
 
 
 def test_a_model_whose_every_layer_slides_is_refused_one_arena(tmp_path):
@@ -339,7 +376,10 @@ def test_served_from_one_budget_with_the_openai_client(models):
     [
         (["--cache-bytes", "4x"], "argument --cache-bytes: must be a byte size"),
         (["--cache-bytes", "1KiB", "--model", "random"], "--cache-bytes: 1,024 bytes is too small"),
-        (["--cache-bytes", "1MiB", "--kv-tokens", "64"], "--kv-tokens: with cache_bytes"),
+        (
+            ["--cache-bytes", "1MiB", "--kv-tokens", "16"],
+            "--kv-tokens: kv_tokens must hold at least two pages",
+        ),
         (["--cache-split", "even"], "argument --cache-split: invalid choice"),
     ],
 )

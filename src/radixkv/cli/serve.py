@@ -70,8 +70,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--kv-tokens",
         type=positive_int,
         default=None,
-        help="full-attention KV, tokens: the plain pool, or with --cache-bytes auto what "
-        "sizes the budget (not with a --cache-bytes SIZE) [65536]",
+        help="full-attention KV, tokens: the plain pool; with --cache-bytes auto what "
+        "sizes the budget; with a --cache-bytes SIZE the most the budget holds (a cap) "
+        "[65536]",
     )
     serve.add_argument(
         "--max-checkpoints", type=positive_int, default=None,
@@ -87,8 +88,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "--window-tokens", type=number(int, 0, "a non-negative integer"), default=None,
         help="the sliding-window layers' own KV pool (Gemma 3, Mistral, Qwen with sliding "
         "layers): running requests keep only their last window, the cache the windows a "
-        "match can end at; 0: keep them in the full pool [sized at start; 0 with "
-        "--kv-events or tiers]",
+        "match can end at; 0: keep them in the full pool; with a --cache-bytes SIZE the "
+        "most window KV the budget holds (a cap) [sized at start; 0 with --kv-events or "
+        "tiers]",
     )  # fmt: skip
     serve.add_argument(
         "--max-retained-tokens", type=number(int, 0, "a non-negative integer"), default=None,

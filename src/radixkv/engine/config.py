@@ -33,8 +33,10 @@ class EngineConfig:
         schedule_policy: ``fcfs``, or ``lpm`` (longest cached prefix first).
         chunk_size: prefill tokens per step, all requests together.
         max_running: requests running at once (rows of the request table).
-        kv_tokens: KV pool size in tokens (``None``: 8192; with ``cache_bytes`` it
-            must stay ``None``: the budget sizes the full KV).
+        kv_tokens: KV pool size in tokens (``None``: 8192). With a ``cache_bytes``
+            size: the most tokens of full-attention KV the budget holds (a cap; at
+            full, it frees its own least recently used leaves); with ``"auto"``: what
+            sizes the budget.
         cache_bytes: one byte budget for the whole cache (`radixkv.kvcache.arena`):
             full-attention KV, sliding-window KV and recurrent-state checkpoints draw
             from one arena of this many bytes, evicted in the simulator's ``radixkv``
@@ -84,7 +86,9 @@ class EngineConfig:
             than one request needs, or with host / store tiers, which store whole
             pages); 0: keep the sliding layers' KV in the full pool, unfreed. A pool
             too small for every running request's window costs preemptions, not
-            progress (`radixkv.engine.scheduler`).
+            progress (`radixkv.engine.scheduler`). With a ``cache_bytes`` size: the
+            most tokens of window KV the budget holds (a cap: at full, its spare
+            windows go first, then its least recently used).
         storage_secret: a secret shared by the engines of one store: every page carries
             a MAC under it and a page whose MAC fails is a counted miss. ``None``:
             ``RADIXKV_STORAGE_SECRET`` from the environment, if set.
@@ -95,7 +99,7 @@ class EngineConfig:
     schedule_policy: str = "lpm"
     chunk_size: int = 512
     max_running: int = 16
-    kv_tokens: int | None = None  # None: DEFAULT_KV_TOKENS (or, with cache_bytes, the budget)
+    kv_tokens: int | None = None  # None: DEFAULT_KV_TOKENS; with cache_bytes a cap
     max_context_len: int = 2048
     eviction_policy: str = "lru"
     device: str | torch.device = "cpu"
@@ -198,12 +202,12 @@ class EngineConfig:
             if self.cache_split != "one":
                 raise ValueError("cache_split: splits a cache_bytes budget; set cache_bytes")
             return
-        if self.kv_tokens is not None and self.cache_bytes != "auto":
-            raise ValueError("kv_tokens: with cache_bytes the budget sizes the full KV; "
-                             "give one or the other")  # fmt: skip
-        if self.window_tokens:
-            raise ValueError("window_tokens: with cache_bytes the budget sizes the window "
-                             "KV (0 keeps the sliding layers' KV whole)")  # fmt: skip
+        if self.cache_split == "sglang" and (self.kv_tokens is not None or self.window_tokens):
+            raise ValueError("kv_tokens, window_tokens: with cache_split='sglang' the split "
+                             "sizes the pools; give cache_bytes alone")  # fmt: skip
+        if self.cache_bytes == "auto" and self.window_tokens:
+            raise ValueError("window_tokens: with cache_bytes='auto' the window KV is sized "
+                             "in the budget; give a size to cap it inside")  # fmt: skip
         if self.cache_split == "one" and (self.storage is not None or self.host_tokens):
             raise ValueError("cache_bytes: host and store tiers read the separate pools; "
                              "use cache_split='sglang' or kv_tokens with them")  # fmt: skip

@@ -158,6 +158,8 @@ class ArenaPlan:
     window_layers: tuple[int, ...] = ()
     state_units: int = 0  # units of one checkpoint
     reserve: int = 0  # units one request's window and a checkpoint need besides its KV
+    full_cap: int | None = None  # pages of full KV at most (kv_tokens inside the budget)
+    window_cap: int | None = None  # pages of window KV at most (window_tokens)
 
 
 def plan_arena(cfg: EngineConfig, mc: ModelConfig, device: Any) -> ArenaPlan:
@@ -200,9 +202,23 @@ def plan_arena(cfg: EngineConfig, mc: ModelConfig, device: Any) -> ArenaPlan:
                         8 * cfg.max_running * cfg.max_context_len}, device)  # fmt: skip
     except ValueError as e:  # (named by the flag that sized it)
         raise ValueError(f"cache_bytes: {e}") from None
+    full_cap, window_cap = _caps(cfg, peak // wc * p if peak else 0)
     arena = Arena(cfg.cache_bytes // unit, unit, device)
     window = sliding.window if sliding is not None else 0
-    return ArenaPlan(arena, group, fc, wc, window, wl, state, peak + state)
+    return ArenaPlan(arena, group, fc, wc, window, wl, state, peak + state, full_cap, window_cap)
+
+
+def _caps(cfg: EngineConfig, window_least: int) -> tuple[int | None, int | None]:
+    """``kv_tokens`` and ``window_tokens`` as caps inside a budget, in pages (the
+    config holds ``kv_tokens`` to two pages at least).
+
+    Raises:
+        ValueError: a window cap under one request's window and chunk."""
+    p, full, window = cfg.page_size, cfg.kv_tokens, cfg.window_tokens or None
+    if window is not None and window < window_least:
+        raise ValueError(f"window_tokens: {window} tokens cap the window KV below one "
+                         f"request's window and chunk ({window_least})")  # fmt: skip
+    return (full // p if full else None), (window // p if window else None)
 
 
 def auto_budget(cfg: EngineConfig, mc: ModelConfig) -> EngineConfig:
@@ -275,12 +291,14 @@ def build_memory(
     else:
         layers, window, why_not = arena.window_layers, arena.window, ""
         size = arena.arena.num_units * p
-        full = ArenaPages(arena.arena, "full", arena.full_columns)
+        full = ArenaPages(arena.arena, "full", arena.full_columns, arena.full_cap)
         allocator = TokenToKVPoolAllocator(size, p, device, pages=full)
         allocator.capacity = (arena.arena.num_units - arena.reserve) // arena.full_columns * p
+        if arena.full_cap is not None:
+            allocator.capacity = min(allocator.capacity, arena.full_cap * p)
         walloc = None
         if layers:
-            wpages = ArenaPages(arena.arena, "window", arena.window_columns)
+            wpages = ArenaPages(arena.arena, "window", arena.window_columns, arena.window_cap)
             walloc = TokenToKVPoolAllocator(size, p, device, pages=wpages)
     wkv = None
     if walloc is not None:

@@ -108,9 +108,19 @@ class Scheduler:
             raise DoesNotFit(
                 f"{what} can never fit the KV pool of {self.mgr.allocator.capacity} tokens "
                 f"(at most {self.max_tokens()}): raise "
-                f"{'cache_bytes' if self.config.cache_bytes else 'kv_tokens'}", self.max_tokens(),
+                f"{'cache_bytes' if self._budget_limits() else 'kv_tokens'}", self.max_tokens(),
                 prompt_tokens, max_new_tokens,
             )  # fmt: skip
+
+    def _budget_limits(self) -> bool:
+        """Whether a byte budget, not a ``kv_tokens`` cap inside it, sets the capacity."""
+        cfg, alloc = self.config, self.mgr.allocator
+        if not cfg.cache_bytes:
+            return False
+        return (
+            cfg.kv_tokens is None
+            or alloc.capacity < cfg.kv_tokens // alloc.page_size * alloc.page_size
+        )
 
     def add(self, req: EngineReq) -> None:
         """Queue a request (`check_fits` first)."""
@@ -161,8 +171,11 @@ class Scheduler:
             need = r.num_tokens - hits[id(r)] + mgr.allocator.page_size
             if need > mgr.available_tokens() and not self.running and self.relieve is not None:
                 self.relieve(need - mgr.available_tokens())  # retention never blocks it
-            if need > mgr.available_tokens() or not self._window_room(r, hits[id(r)]):
-                break
+            room = need <= mgr.available_tokens() and self._window_room(r, hits[id(r)])
+            if not room and self.running:
+                break  # (with nothing running it fits alone (`check_fits`) and nothing is
+                # locked, so its allocations can evict all they need: an estimate of room
+                # that says otherwise must not leave the engine waiting forever)
             if not mgr.admit(r):
                 break
             if self.on_admit is not None:

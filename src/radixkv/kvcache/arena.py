@@ -126,12 +126,13 @@ class Arena:
 
 class ArenaPages:
     """A kind's pages from the arena (a `radixkv.kvcache.memory.PageSource`): a page is
-    ``columns`` units; its id is its first unit, ``table[page]`` all of them."""
+    ``columns`` units; its id is its first unit, ``table[page]`` all of them. ``cap``:
+    the most pages the kind may hold (``None``: as many as the arena has)."""
 
-    def __init__(self, arena: Arena, kind: str, columns: int) -> None:
-        if kind not in KINDS[:2] or columns < 1:
-            raise ValueError(f"pages of kind {kind!r} with {columns} columns")
-        self.arena, self.kind, self.columns = arena, kind, columns
+    def __init__(self, arena: Arena, kind: str, columns: int, cap: int | None = None) -> None:
+        if kind not in KINDS[:2] or columns < 1 or (cap is not None and cap < 1):
+            raise ValueError(f"pages of kind {kind!r} with {columns} columns, cap {cap}")
+        self.arena, self.kind, self.columns, self.cap = arena, kind, columns, cap
         self.num_pages = arena.num_units
         self.table = np.full((self.num_pages, columns), -1, dtype=np.int64)
         self.table_t = torch.from_numpy(self.table)  # the same memory, for KV indexing
@@ -143,8 +144,16 @@ class ArenaPages:
             self.arena.push(self.table[bound].ravel(), self.kind)
         self.table[:] = -1
 
+    def held_pages(self) -> int:
+        return self.arena.held[self.kind] // self.columns
+
+    def over_cap(self, pages: int) -> int:
+        """Pages the kind must free before ``pages`` more fit under its cap."""
+        return 0 if self.cap is None else self.held_pages() + pages - self.cap
+
     def count(self) -> int:
-        return self.arena.free_units() // self.columns
+        free = self.arena.free_units() // self.columns
+        return free if self.cap is None else max(0, min(free, self.cap - self.held_pages()))
 
     def peek(self, k: int) -> np.ndarray:
         self._peeked = self.arena.peek(k * self.columns).reshape(k, self.columns)
@@ -288,9 +297,12 @@ class ArenaRoom:
 
     def make(self, units: int) -> bool:
         arena = self.arena
-        if arena.free_units() >= units:
-            return True
-        before = dict(arena.held)
+        if arena.free_units() < units:
+            self._counted(lambda: self._free(units))
+        return arena.free_units() >= units
+
+    def _free(self, units: int) -> None:
+        arena = self.arena
         if self.window is not None:  # windows no match can end at go first
             short = units - arena.free_units()
             self.window.evict_spare(div_ceil(short, self.window_columns) * self.page)
@@ -298,17 +310,36 @@ class ArenaRoom:
             short = units - arena.free_units()
             if self.budget.evict_bytes(short * arena.unit_bytes) <= 0:
                 break
+
+    def _evict_own(self, kind: str, tokens: int) -> None:
+        """A kind at its cap: its own least recently used pages go (window KV: the spare
+        windows first)."""
+        if kind == "full":
+            self.budget.cache.evict(tokens)
+        elif self.window is not None:
+            freed = self.window.evict_spare(tokens)
+            if freed < tokens:
+                self.window.evict(tokens - freed)
+
+    def _counted(self, evict: Any) -> None:
+        """Run ``evict``, adding what each kind lost to the arena's evicted counts."""
+        before = dict(self.arena.held)
+        evict()
         for kind, n in before.items():
-            arena.evicted[kind] += max(0, n - arena.held[kind])
-        return arena.free_units() >= units
+            self.arena.evicted[kind] += max(0, n - self.arena.held[kind])
 
     def evict_for(self, allocator: Any, need: int) -> int:
         """Free units until ``allocator`` (a kind's pages) has ``need`` more slots
-        free; returns the full-attention tokens the tree lost."""
-        cols, p = allocator.source.columns, self.page
+        free; returns the full-attention tokens the tree lost. A kind at its cap frees
+        its own pages first (full KV: the tree's least recently used leaves; window KV:
+        the spare windows, then the least recently used)."""
+        src, p = allocator.source, self.page
         cache = self.budget.cache
         before = cache.total_size()
-        self.make((allocator.available_size() // p + div_ceil(need, p)) * cols)
+        over = src.over_cap(allocator.available_size() // p + div_ceil(need, p))
+        if over > 0:
+            self._counted(lambda: self._evict_own(src.kind, over * p))
+        self.make((allocator.available_size() // p + div_ceil(need, p)) * src.columns)
         return max(0, before - cache.total_size())
 
     def available(self, allocator: Any) -> int:
@@ -317,13 +348,20 @@ class ArenaRoom:
         (evicting every node frees its windows and checkpoints too). Windows and
         checkpoints beside locks are not counted: an admission waits rather than
         evict what running requests' neighbours cached."""
-        cache, arena = self.budget.cache, self.arena
+        cache, arena, src = self.budget.cache, self.arena, allocator.source
         if not cache.protected_size():
             full = cache.evictable_size() // self.page * self.full_columns
             units = arena.num_units - arena.held["full"] + full
         else:
             units = arena.free_units() + cache.evictable_size() // self.page * self.full_columns
-        return units // allocator.source.columns * self.page
+        slots = units // src.columns * self.page
+        if src.cap is not None:  # what its cap leaves, and what of its own may go
+            if src.kind == "full":
+                evictable = cache.evictable_size()
+            else:
+                evictable = self.window.evictable_units() if self.window is not None else 0
+            slots = min(slots, (src.cap - src.held_pages()) * self.page + evictable)
+        return slots
 
 
 def layer_group(full: int, window: int) -> int:
