@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench_one_memory import BUDGETS, write_models
-from workloads import engine_chats
+from workloads import chat_args, engine_chats
 
 from radixkv.units import parse_bytes
 
@@ -69,14 +69,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default=None,
                    help="per model, comma-separated [bench_one_memory's]")  # fmt: skip
-    p.add_argument("--window", type=int, default=64)
-    p.add_argument("--chats", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system", type=int, default=256)
-    p.add_argument("--user", type=int, default=48)
-    p.add_argument("--new", type=int, default=16)
-    p.add_argument("--page", type=int, default=16)
-    p.add_argument("--chunk", type=int, default=256)
+    chat_args(p)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

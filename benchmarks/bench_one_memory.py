@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from workloads import engine_chats
+from workloads import chat_args, engine_chats
 
 from radixkv.units import parse_bytes
 
@@ -141,14 +141,7 @@ def main() -> None:
     p.add_argument("--budgets", default=None,
                    help="cache_bytes, one run per value and way, tightest first [per model: "
                    + "; ".join(f"{k} {v}" for k, v in BUDGETS.items()) + "]")  # fmt: skip
-    p.add_argument("--window", type=int, default=64)
-    p.add_argument("--chats", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system", type=int, default=256)
-    p.add_argument("--user", type=int, default=48)
-    p.add_argument("--new", type=int, default=16)
-    p.add_argument("--page", type=int, default=16)
-    p.add_argument("--chunk", type=int, default=256, help="prefill tokens a step")
+    chat_args(p)
     p.add_argument("--running", type=int, default=4, help="requests running at once")
     p.add_argument("--models", default="qwen3.5-like,gemma-3-like")
     p.add_argument("--check", action="store_true", help="check_memory after every step")

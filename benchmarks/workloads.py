@@ -159,6 +159,20 @@ def memory_leaves(
 CACHED_TOKENS_F = 100 * 2000 + 10_000 * 80
 
 
+def chat_args(p: object) -> None:
+    """The chat workload's flags (`engine_chats`), on an argparse parser, with the tiny
+    models' window, page and prefill chunk."""
+    add = p.add_argument  # type: ignore[attr-defined]
+    add("--window", type=int, default=64, help="the Gemma-3-like model's sliding window")
+    add("--chats", type=int, default=16)
+    add("--turns", type=int, default=4)
+    add("--system", type=int, default=256, help="tokens of each of the 4 system prompts")
+    add("--user", type=int, default=48, help="new tokens a turn")
+    add("--new", type=int, default=16, help="generated tokens a turn")
+    add("--page", type=int, default=16)
+    add("--chunk", type=int, default=256, help="prefill tokens a step")
+
+
 def engine_chats(
     engine: object, chats: int, turns: int, system: int, user: int, new: int,
     records: list[dict] | None = None,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import qwen3_5_folder
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant
@@ -168,24 +167,15 @@ TestArenaLifecycleMachine = pytest.mark.slow(ArenaLifecycleMachine.TestCase)
 
 
 # --- the engine ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    arch, config = GEMMA
-    return {
-        "qwen3.5": qwen3_5_folder(tmp_path_factory.mktemp("q") / "ckpt"),
-        "gemma3": str(folder(tmp_path_factory.mktemp("g") / "ckpt", arch, **config)),
-    }
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
 @pytest.mark.parametrize("page", [1, 4])
-def test_one_budget_serves_the_same_tokens_under_pressure(models, name, page):
+def test_one_budget_serves_the_same_tokens_under_pressure(hybrid_models, name, page):
     """A budget a few requests wide: every kind is evicted and requests are preempted,
     and every token equals what separate, roomy pools compute (greedy and seeded), and
     transformers'. `check_memory` (the arena's units each held once, the tree, the
     windows, the checkpoints) runs after every step."""
-    path = models[name]
+    path = hybrid_models[name]
     small = dict(page_size=page, chunk_size=16, max_running=4, check_memory=True)
     budget = 90_000 if name == "qwen3.5" else 60_000
     one = Engine(path, cache_bytes=budget, **small)
@@ -213,10 +203,10 @@ def test_one_budget_serves_the_same_tokens_under_pressure(models, name, page):
         assert out.token_ids == greedy(reference, p, 12)
 
 
-def test_a_hit_restores_a_checkpoint_from_arena_units(models):
+def test_a_hit_restores_a_checkpoint_from_arena_units(hybrid_models):
     """The same prompt twice on Qwen3.5-like: the second hits a checkpoint stored in
     arena units (copied back into its running row) and computes the same tokens."""
-    eng = Engine(models["qwen3.5"], cache_bytes=2**20, page_size=4, check_memory=True)
+    eng = Engine(hybrid_models["qwen3.5"], cache_bytes=2**20, page_size=4, check_memory=True)
     p = prompts(1)[0]
     first = eng.generate([p], max_new_tokens=8, chat=False, ignore_eos=True).outputs[0]
     assert eng.arena.arena.held["states"] > 0 and eng.recurrent.store.held_ids
@@ -224,8 +214,8 @@ def test_a_hit_restores_a_checkpoint_from_arena_units(models):
     assert again.cached_tokens > 0 and again.token_ids == first.token_ids
 
 
-def test_aborts_at_every_stage_return_every_unit(models):
-    eng = Engine(models["gemma3"], cache_bytes=60_000, page_size=4, chunk_size=16,
+def test_aborts_at_every_stage_return_every_unit(hybrid_models):
+    eng = Engine(hybrid_models["gemma3"], cache_bytes=60_000, page_size=4, chunk_size=16,
                  max_running=4, check_memory=True)  # fmt: skip
     rids = [eng.add_request(p, chat=False) for p in prompts(6)]
     for i, rid in enumerate(rids):
@@ -240,26 +230,26 @@ def test_aborts_at_every_stage_return_every_unit(models):
 
 
 # --- sizes, refusals -------------------------------------------------------------------------
-def test_sglang_split_divides_the_same_bytes_by_its_ratios(models):
+def test_sglang_split_divides_the_same_bytes_by_its_ratios(hybrid_models):
     """``cache_split="sglang"``: states 0.9x the full KV's bytes, window 0.8x its tokens,
     in the separate pools; every pool's bytes together within the budget."""
-    q = Engine(models["qwen3.5"], cache_bytes=2**20, cache_split="sglang", page_size=4)
+    q = Engine(hybrid_models["qwen3.5"], cache_bytes=2**20, cache_split="sglang", page_size=4)
     assert q.arena is None
     full = q.mgr.allocator.size * q.kv.bytes_per_token()
     states = q.recurrent.component.max_states * q.recurrent.row_size
     assert full + states <= 2**20 and abs(states / full - 0.9) < 0.05
-    g = Engine(models["gemma3"], cache_bytes=2**20, cache_split="sglang", page_size=4)
+    g = Engine(hybrid_models["gemma3"], cache_bytes=2**20, cache_split="sglang", page_size=4)
     tokens, wtokens = g.mgr.allocator.size, g.window.allocator.size
     assert abs(wtokens / tokens - 0.8) < 0.01
     assert tokens * g.kv.bytes_per_token() + wtokens * g.kv.window_bytes_per_token() <= 2**20
 
 
-def test_a_budget_too_small_for_one_request_is_refused_naming_the_minimum(models):
+def test_a_budget_too_small_for_one_request_is_refused_naming_the_minimum(hybrid_models):
     with pytest.raises(ValueError, match=r"cache_bytes: 4,096 bytes is too small .*one "
                        r"checkpoint .* at least [\d,]+ bytes"):  # fmt: skip
-        Engine(models["qwen3.5"], cache_bytes=4096)
+        Engine(hybrid_models["qwen3.5"], cache_bytes=4096)
     with pytest.raises(ValueError, match=r"window and chunk .* at least"):
-        Engine(models["gemma3"], cache_bytes=4096)
+        Engine(hybrid_models["gemma3"], cache_bytes=4096)
 
 
 @pytest.mark.parametrize(
@@ -287,15 +277,15 @@ def arena_units(engine: Engine) -> int:
 
 
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
-def test_kv_and_window_tokens_cap_their_kind_inside_the_budget(models, name):
+def test_kv_and_window_tokens_cap_their_kind_inside_the_budget(hybrid_models, name):
     """``kv_tokens`` (and ``window_tokens``) inside a budget are caps: the arena has room
     for more, but a kind at its cap frees its own pages; the tokens stay those of
     roomy separate pools, and every request finishes (no admission waits forever on a
     kind whose own cached pages it could free)."""
     caps = dict(kv_tokens=96) if name == "qwen3.5" else dict(kv_tokens=96, window_tokens=48)
     small = dict(page_size=4, chunk_size=16, max_running=4, check_memory=True)
-    capped = Engine(models[name], cache_bytes=200_000, **caps, **small)
-    roomy = Engine(models[name], kv_tokens=4096, **small)
+    capped = Engine(hybrid_models[name], cache_bytes=200_000, **caps, **small)
+    roomy = Engine(hybrid_models[name], kv_tokens=4096, **small)
     ps = [p[:60] for p in prompts(8)]
     arena, peak = capped.arena.arena, {"full": 0, "window": 0, "free": arena_units(capped)}
 
@@ -313,7 +303,7 @@ def test_kv_and_window_tokens_cap_their_kind_inside_the_budget(models, name):
     if name == "gemma3":
         assert peak["window"] == 48 // 4 * capped.arena.window_columns
     with pytest.raises(ValueError, match=r"window_tokens: 8 tokens cap the window KV below"):
-        Engine(models["gemma3"], cache_bytes=200_000, window_tokens=8, **small)
+        Engine(hybrid_models["gemma3"], cache_bytes=200_000, window_tokens=8, **small)
 
 
 def test_a_model_whose_every_layer_slides_is_refused_one_arena(tmp_path):
@@ -338,7 +328,7 @@ def test_unreadable_byte_sizes_are_refused(text):
 
 # --- radixkv serve ---------------------------------------------------------------------------
 @pytest.mark.slow
-def test_served_from_one_budget_with_the_openai_client(models):
+def test_served_from_one_budget_with_the_openai_client(hybrid_models):
     """`radixkv serve` on the Qwen3.5-like folder with a 2 MiB budget and the official
     client: two chats sharing a system message, the second served it from a checkpoint
     kept in arena units; /metrics shows the budget and the bytes each kind holds."""
@@ -350,7 +340,7 @@ def test_served_from_one_budget_with_the_openai_client(models):
 
     from radixkv.web.process import ServerProcess
 
-    args = ["--model", models["qwen3.5"], "--page-size", "16", "--cache-bytes", "2MiB",
+    args = ["--model", hybrid_models["qwen3.5"], "--page-size", "16", "--cache-bytes", "2MiB",
             "--check-memory"]  # fmt: skip
     with ServerProcess(*args, timeout=90) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)

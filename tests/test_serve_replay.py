@@ -19,9 +19,6 @@ import sys
 
 import pytest
 import torch
-from helpers import qwen3_5_folder
-from test_arena import GEMMA
-from test_families import folder
 
 from radixkv.cli import main
 from radixkv.engine.config import EngineConfig
@@ -34,15 +31,6 @@ from radixkv.sim.serve_replay import replay_serve
 PAGE = 4
 # a few requests wide: full KV, windows and checkpoints are all evicted
 BUDGETS = {"qwen3.5": 48_000, "gemma3": 40_000}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    arch, config = GEMMA
-    return {
-        "qwen3.5": qwen3_5_folder(tmp_path_factory.mktemp("q") / "ckpt"),
-        "gemma3": str(folder(tmp_path_factory.mktemp("g") / "ckpt", arch, **config)),
-    }
 
 
 def serve_chats(engine: Engine, chats: int = 8, turns: int = 3) -> list[dict]:
@@ -84,45 +72,47 @@ def config(concurrency: int, **kw) -> EngineConfig:
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_the_replay_caches_what_the_engine_cached_request_for_request(
-    tmp_path, models, name, concurrency
+    tmp_path, hybrid_models, name, concurrency
 ):
     cfg = config(concurrency, cache_bytes=BUDGETS[name], check_memory=True)
-    engine = Engine(models[name], cfg)
+    engine = Engine(hybrid_models[name], cfg)
     records = serve_chats(engine)
     served = [r["cached"] for r in records]
     assert sum(served) > 0  # hits, and
     gone = engine.cache_bytes_evicted()  # pressure on the full KV and the other kind
     assert gone["full"] > 0 and (gone["states"] if name == "qwen3.5" else gone["window"]) > 0
     trace = write_trace(tmp_path / "served.jsonl", records)
-    replay = replay_serve(trace, models[name], BUDGETS[name], cfg, concurrency=concurrency)
+    replay = replay_serve(trace, hybrid_models[name], BUDGETS[name], cfg, concurrency=concurrency)
     assert replay.cached == served
     assert replay.prompt_tokens == sum(len(r["token_ids"]) for r in records)
     # another budget changes the answer: the replay is not reading the records' hits
-    roomy = replay_serve(trace, models[name], 8 * BUDGETS[name], cfg, concurrency=concurrency)
+    roomy = replay_serve(
+        trace, hybrid_models[name], 8 * BUDGETS[name], cfg, concurrency=concurrency
+    )
     assert roomy.hit_tokens > replay.hit_tokens
 
 
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
-def test_the_budget_simulator_admits_as_the_engine_does(tmp_path, models, name):
+def test_the_budget_simulator_admits_as_the_engine_does(tmp_path, hybrid_models, name):
     """With room to spare, in arrival order (fcfs, one at a time), the budget simulator's
     ``radixkv`` policy hits exactly where the engine did: the same checkpoints (prompt
     end, resend point, boundaries, branch points, the last page a decode step reached),
     all but the last output token cached, a window wherever a match ends."""
     cfg = config(1, cache_bytes=2**22, schedule_policy="fcfs")
-    records = serve_chats(Engine(models[name], cfg))
+    records = serve_chats(Engine(hybrid_models[name], cfg))
     trace = write_trace(tmp_path / "served.jsonl", records)
-    spec = ModelSpec.from_folder(models[name])
+    spec = ModelSpec.from_folder(hybrid_models[name])
     sim = simulate_hybrid(trace, spec, 2**22, "radixkv")
     assert sim.hit_tokens == sum(r["cached"] for r in records) > 0
 
 
-def test_simulate_policy_serve_from_the_command_line(tmp_path, models):
+def test_simulate_policy_serve_from_the_command_line(tmp_path, hybrid_models):
     cfg = config(8, cache_bytes=BUDGETS["qwen3.5"])
-    records = serve_chats(Engine(models["qwen3.5"], cfg))
+    records = serve_chats(Engine(hybrid_models["qwen3.5"], cfg))
     path = tmp_path / "served.jsonl"
     write_trace(path, records)
     cmd = [sys.executable, "-m", "radixkv.cli", "simulate", "--trace", str(path),
-           "--model-spec", models["qwen3.5"], "--capacity", str(BUDGETS["qwen3.5"]) + "B",
+           "--model-spec", hybrid_models["qwen3.5"], "--capacity", str(BUDGETS["qwen3.5"]) + "B",
            "--policy", "serve,radixkv", "--concurrency", "8", "--chunk-size", "16",
            "--block-size", str(PAGE), "--json", "-"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -132,7 +122,7 @@ def test_simulate_policy_serve_from_the_command_line(tmp_path, models):
     assert rows["serve"]["capacity_bytes"] == BUDGETS["qwen3.5"]
 
 
-def test_the_serve_policy_refuses_what_it_cannot_replay(tmp_path, models, capsys):
+def test_the_serve_policy_refuses_what_it_cannot_replay(tmp_path, hybrid_models, capsys):
     def refused(*args):
         assert main(["simulate", *args]) == 2
         return capsys.readouterr().err.strip().splitlines()[-1]
@@ -140,7 +130,7 @@ def test_the_serve_policy_refuses_what_it_cannot_replay(tmp_path, models, capsys
     mooncake = tmp_path / "m.jsonl"
     mooncake.write_text(json.dumps({"timestamp": 0, "input_length": 600, "output_length": 4,
                                     "hash_ids": [1, 2]}) + "\n")  # fmt: skip
-    q = models["qwen3.5"]
+    q = hybrid_models["qwen3.5"]
     assert refused("--trace", str(mooncake), "--model-spec", q, "--capacity", "1MiB",
                    "--policy", "serve").startswith("error: --policy serve: trace: the serve "
                                                    "replay needs token ids")  # fmt: skip
