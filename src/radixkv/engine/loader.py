@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from radixkv.engine.tokenizer import (
     smollm2_tokenizer,
 )
 from radixkv.engine.weights import load_hf_folder, random_model
-from radixkv.kvcache.arena import Arena, ArenaKV, ArenaPages
+from radixkv.kvcache.arena import Arena, ArenaKV, ArenaPages, layer_group
 from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.kvcache.spec import RecurrentSpec
@@ -181,8 +180,10 @@ def plan_arena(cfg: EngineConfig, mc: ModelConfig, device: Any) -> ArenaPlan:
         raise ValueError(f"cache_bytes: every attention layer of {mc.architecture} is "
                          "sliding; one arena needs a full-attention layer (use kv_tokens "
                          "and window_tokens)")  # fmt: skip
-    group = math.gcd(full, len(wl))
-    unit = p * group * 2 * mc.num_key_value_heads * mc.head_dim * cfg.dtype.itemsize
+    layer_page = p * 2 * mc.num_key_value_heads * mc.head_dim * cfg.dtype.itemsize
+    state_bytes = specs.recurrent.state_bytes if specs.recurrent else 0
+    group = layer_group(full, len(wl), layer_page, state_bytes)
+    unit = group * layer_page
     fc, wc = full // group, len(wl) // group
     state = div_ceil(specs.recurrent.state_bytes, unit) if specs.recurrent else 0
     peak = window_peak(sliding.window, p, cfg.chunk_size) // p * wc if sliding else 0

@@ -8,8 +8,9 @@ table hold. An arena of fixed units needs neither: it is allocated once, at the 
 and a unit is whatever kind needs it next.
 
     unit          one page (``page_size`` tokens) of K and V over ``group`` attention
-                  layers, where ``group`` is the gcd of the full and the sliding layers'
-                  counts (vLLM groups layers the same way for one block pool)
+                  layers, ``group`` a divisor of the gcd of the full and the sliding
+                  layers' counts (vLLM groups layers the same way for one block pool):
+                  the one that wastes the least of a checkpoint (`layer_group`)
     full page     ``full layers / group`` units (``columns``); its page id is its first
                   unit, so a full layer of the first column reads its KV by slot, as the
                   separate pool did; the other columns go through ``ArenaPages.table``
@@ -364,9 +365,16 @@ class ArenaRoom:
         return slots
 
 
-def layer_group(full: int, window: int) -> int:
-    """Layers a unit spans: the gcd of the two kinds' layer counts."""
-    return math.gcd(full, window)
+def layer_group(full: int, window: int, layer_page: int, state_bytes: int = 0) -> int:
+    """Layers a unit spans: a divisor of the gcd of the two kinds' layer counts (a page of
+    either kind is then whole units). The one whose units waste the least of a
+    checkpoint (``state_bytes``, rounded up to whole units), the largest of those (fewer
+    units a page, fewer table lookups): a tiny Qwen3.5-like model's 33 KiB state took 40
+    KiB in units of two layers' page and takes 36 KiB in one layer's, which lifted the
+    tightest budget's hit rate from 0.341 to 0.385. ``layer_page``: one layer's page."""
+    g = math.gcd(full, window)
+    divisors = [d for d in range(g, 0, -1) if g % d == 0]
+    return min(divisors, key=lambda d: div_ceil(state_bytes, d * layer_page) * d * layer_page)
 
 
 __all__ = ["Arena", "ArenaCheckpoints", "ArenaKV", "ArenaPages", "ArenaRoom", "layer_group"]

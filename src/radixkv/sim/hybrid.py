@@ -139,11 +139,12 @@ class ModelSpec:
 
     def arena_checkpoint(self, page: int) -> int:
         """Bytes a checkpoint takes in the engine's arena (`radixkv.kvcache.arena`):
-        whole units, a unit being one page of K and V over gcd(full, window layers)."""
-        import math
+        whole units, a unit being one page of K and V over its layer group."""
+        from radixkv.kvcache.arena import layer_group
 
-        unit = page * math.gcd(self.full_layers, self.window_layers) * self.kv_bytes
-        return div_ceil(self.checkpoint, unit) * unit
+        layer_page = page * self.kv_bytes
+        g = layer_group(self.full_layers, self.window_layers, layer_page, self.checkpoint)
+        return div_ceil(self.checkpoint, g * layer_page) * g * layer_page
 
     def vllm_block(self) -> int:
         """vLLM's attention block under ``--mamba-cache-mode align``: the smallest
