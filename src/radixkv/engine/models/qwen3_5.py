@@ -325,8 +325,10 @@ class GatedDeltaNet(nn.Module):
             snaps.setdefault(i, []).append((offset, dst))
         lens, firsts = batch.extend_lens, batch.first_positions
         offsets = [0, *itertools.accumulate(lens)]
-        # one-token steps (decodes) run together; the others (prefill chunks) one by one
-        single = [i for i, n in enumerate(lens) if n == 1 and i not in snaps]
+        # one-token steps (decodes) run together, a snapshot after their token too; the
+        # others (prefill chunks) one by one
+        single = [i for i, n in enumerate(lens)
+                  if n == 1 and all(c == 1 for c, _ in snaps.get(i, ()))]  # fmt: skip
         if not (len(single) > 1 or len(single) == len(lens)):
             single = []  # a lone decode among prefill chunks runs with them
         if single:
@@ -334,6 +336,10 @@ class GatedDeltaNet(nn.Module):
             rows = [batch.state_slots[i] for i in single]
             out[at] = self._decode(mixed[at], g[at], beta[at], weight, rows,
                                    [firsts[i] for i in single], states).to(x.dtype)  # fmt: skip
+            for i, row in zip(single, rows, strict=True):  # the state after it, copied
+                for _, dst in snaps.get(i, ()):
+                    states.ssm[self.index, dst].copy_(states.ssm[self.index, row])
+                    states.conv[self.index, dst].copy_(states.conv[self.index, row])
         decoded = set(single)
         rest = [i for i in range(len(lens)) if i not in decoded]
         for members in _prefill_groups(rest, lens, snaps):
