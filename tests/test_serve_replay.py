@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,3 +157,31 @@ def test_the_serve_policy_refuses_what_it_cannot_replay(tmp_path, hybrid_models,
     assert refused("--trace", str(ok), "--concurrency", "2") == (
         "error: --concurrency: only with --model-spec (the hybrid replay)"
     )
+
+
+def test_the_replay_builds_a_model_of_any_size_without_its_memory(tmp_path, hybrid_models):
+    """A Qwen3.5-4B-sized config (no weights): the replay's model takes a few bytes a
+    tensor, counts its parameters, and serves a trace (only the arena and the state rows
+    are real memory)."""
+    from radixkv.engine.files import read_json
+    from radixkv.sim.serve_replay import empty_model
+
+    big = tmp_path / "big"
+    big.mkdir()
+    cfg = read_json(Path(hybrid_models["qwen3.5"]) / "config.json")
+    layers = ["linear_attention"] * 3 + ["full_attention"]
+    cfg.update(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+               layer_types=layers * 8, num_attention_heads=16, num_key_value_heads=4,
+               head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+               linear_num_key_heads=16, linear_num_value_heads=32, vocab_size=248_320)  # fmt: skip
+    (big / "config.json").write_text(json.dumps(cfg))
+    model = empty_model(big)
+    params = list(model.parameters())
+    assert sum(p.numel() for p in params) > 3e9  # the weights of a 4B model, counted
+    assert sum(p.untyped_storage().nbytes() for p in params) < 64 * len(params)  # not held
+    trace = write_trace(tmp_path / "t.jsonl", [
+        {"token_ids": list(range(100, 140)), "output_ids": [7, 8], "timestamp": 0},
+        {"token_ids": list(range(100, 140)) + [7, 9, 9], "output_ids": [5], "timestamp": 1},
+    ])  # fmt: skip
+    rep = replay_serve(trace, big, 2**30, config(1))
+    assert rep.cached == [0, 40]  # the second hits the first's prompt + answer, page-aligned

@@ -83,8 +83,11 @@ class ServeReplay:
 
 
 def empty_model(folder: str | Path) -> torch.nn.Module:
-    """The model of ``folder``'s ``config.json`` with uninitialised weights (its weight
-    files, if any, are not read): what the engine sizes its memory from.
+    """The model of ``folder``'s ``config.json`` with no weights (its weight files, if
+    any, are not read): built on the meta device, then each parameter and buffer one
+    zero broadcast to its shape, so a model of any size takes no memory and still counts
+    its parameters (the budget's FLOPs). What the engine sizes its memory from; it is
+    never run.
 
     Raises:
         ValueError (UnsupportedModel, FolderError): an architecture or config field
@@ -97,7 +100,13 @@ def empty_model(folder: str | Path) -> torch.nn.Module:
     fam, cfg = family(architecture_of(raw)), config_from_dict(raw)
     with torch.device("meta"):
         model = fam.MODEL_CLASS(cfg)
-    return model.to_empty(device="cpu")
+    for module in model.modules():
+        for name, t in module.named_parameters(recurse=False):
+            zero = torch.zeros((), dtype=t.dtype).expand(t.shape)
+            setattr(module, name, torch.nn.Parameter(zero, requires_grad=False))
+        for name, t in module.named_buffers(recurse=False):
+            module._buffers[name] = torch.zeros((), dtype=t.dtype).expand(t.shape)
+    return model
 
 
 def replay_serve(
