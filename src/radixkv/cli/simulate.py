@@ -67,7 +67,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     sim.add_argument("--accounting", choices=["served", "after"], default=None,
                      help="with --model-spec: when a request's new KV counts against the "
                      "budget: served (while it runs, as the engine holds it) or after (once "
-                     "cached, as Marconi's simulator counts) [served]")  # fmt: skip
+                     "cached, as Marconi's simulator counts); for radixkv, sglang and "
+                     "vllm (serve is the engine; Marconi's rows count after) "
+                     "[served]")  # fmt: skip
     sim.add_argument(
         "--concurrency",
         type=positive_int,
