@@ -475,19 +475,21 @@ def test_a_bad_state_in_the_store_is_refused_and_written_again(folder, reference
 
 
 @pytest.mark.parametrize("tokens", [True, False])
-def test_kv_events_advertise_exactly_the_prefixes_it_serves(folder, tokens):
+@pytest.mark.parametrize("cache_bytes", [None, 2**20])
+def test_kv_events_advertise_exactly_the_prefixes_it_serves(folder, tokens, cache_bytes):
     """A prefix is servable only up to a checkpoint: the events (through the wire) tell
     one block per checkpoint, an index of them credits each prompt with the deepest one
     it passes, and that is what the engine then serves, prompt after prompt, while
     checkpoints beyond ``max_checkpoints`` are evicted and removed (with token ids, and
-    hash-only in a salted namespace)."""
+    hash-only in a salted namespace), from the separate pools or one arena (its
+    checkpoints in arena units, ``max_checkpoints`` a cap inside the budget)."""
     from radixkv.engine.request import SamplingParams
     from radixkv.events import decode_batch, encode_batch, salt_tag
     from radixkv.router.index import KvIndex
 
     batches: list = []
     engine = Engine(str(folder), page_size=16, chunk_size=64, max_checkpoints=3,
-                    check_memory=True)  # fmt: skip
+                    check_memory=True, cache_bytes=cache_bytes)  # fmt: skip
     engine.publish_kv_events(batches.append, salt_key=b"fleet key", tokens=tokens)
     index = KvIndex(16)
     index.sparse.add("w")
