@@ -58,7 +58,8 @@ def one(folder: Path, budget: int, policy: str, running: int, args, tmp: Path) -
     serve = replay_serve(trace, folder, budget, cfg, concurrency=running)
     t_serve = time.perf_counter() - t0
     equal = sum(a == r["cached"] for a, r in zip(serve.cached, records, strict=True))
-    model = simulate_hybrid(trace, ModelSpec.from_folder(folder), budget, "radixkv")
+    model = simulate_hybrid(trace, ModelSpec.from_folder(folder), budget, "radixkv",
+                            schedule=policy)  # fmt: skip
     hit, sim = cached / prompt, model.token_hit_rate
     return (f"{policy:>5} {running:>3}  {hit:7.3f} {serve.token_hit_rate:7.3f} "
             f"{equal:>3}/{len(records):<3} {sim:7.3f} {sim - hit:+7.3f}  "

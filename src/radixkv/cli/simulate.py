@@ -70,6 +70,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                      "cached, as Marconi's simulator counts); for radixkv, sglang and "
                      "vllm (serve is the engine; Marconi's rows count after) "
                      "[served]")  # fmt: skip
+    sim.add_argument("--schedule", choices=["fcfs", "lpm"], default=None,
+                     help="with --model-spec: the order requests are served in: fcfs (the "
+                     "trace's) or lpm (the engine's default: of the requests that arrive "
+                     "together, the longest cached prefix first) [lpm for serve, as "
+                     "radixkv serve runs; fcfs for the others]")  # fmt: skip
     sim.add_argument(
         "--concurrency",
         type=positive_int,
@@ -293,8 +298,8 @@ _NOT_HYBRID = (("--model", "model"), ("--bytes-per-token", "bytes_per_token"),
                ("--warmup", "warmup"), ("--csv", "csv_out"), ("--workers", "workers"))  # fmt: skip
 
 
-_HYBRID_ONLY = (("--accounting", "accounting"), ("--concurrency", "concurrency"),
-                ("--chunk-size", "chunk_size"))  # fmt: skip
+_HYBRID_ONLY = (("--accounting", "accounting"), ("--schedule", "schedule"),
+                ("--concurrency", "concurrency"), ("--chunk-size", "chunk_size"))  # fmt: skip
 
 
 def _serve(args: argparse.Namespace, trace: Any, spec: Any, cap: int, outputs: bool) -> Any:
@@ -302,7 +307,8 @@ def _serve(args: argparse.Namespace, trace: Any, spec: Any, cap: int, outputs: b
 
     try:
         return serve_result(trace, args.model_spec, spec, cap, args.concurrency or 1, outputs,
-                            chunk_size=args.chunk_size or 512)  # fmt: skip
+                            chunk_size=args.chunk_size or 512,
+                            schedule=args.schedule or "lpm")  # fmt: skip
     except ValueError as e:
         text = str(e)
         if text.startswith("cache_bytes: "):
@@ -373,8 +379,9 @@ def _hybrid(args: argparse.Namespace) -> int:
                 if policy == "serve":
                     results.append(_serve(args, trace, spec, cap, outputs))
                 else:
-                    results.append(hybrid.simulate_hybrid(trace, spec, cap, policy, outputs,
-                                                          args.accounting or "served"))  # fmt: skip
+                    results.append(hybrid.simulate_hybrid(
+                        trace, spec, cap, policy, outputs, args.accounting or "served",
+                        args.schedule or "fcfs"))  # fmt: skip
                 bar.advance(task)
     hybrid.print_hybrid_table(results, trace, spec, console)
     rows = {"model": spec.__dict__, "results": [r.to_dict() for r in results]}

@@ -49,6 +49,8 @@ internals (it drives them through their API).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -247,6 +249,7 @@ POLICIES = ("radixkv", *marconi.POLICIES, "sglang", "vllm")
 # budget fit after each request, as Marconi's simulator counts: a running request may
 # overflow the budget)
 ACCOUNTING = ("served", "after")
+SCHEDULES = ("fcfs", "lpm")  # the order requests are served in (the engine's schedule_policy)
 
 
 @dataclass
@@ -352,6 +355,12 @@ class _Sim:
         for k, v in self.held().items():
             self.bytes_sum[k] += v
         return hit
+
+    def cached_prefix(self, req: SimRequest) -> int:
+        """Units of the request's prompt a match would serve now (what the engine's
+        ``lpm`` schedule ranks waiting requests by); no change to the cache."""
+        key = RadixKey(np.asarray(req.units[: req.num_prompt_units], dtype=np.int64))
+        return self.cache.match_len(key)
 
     def _cached_units(self, req: SimRequest, outputs: bool) -> int:
         """Units the request leaves cached: its prompt's, or with its output those of
@@ -472,23 +481,39 @@ class _MarconiSim:
         return hit
 
 
+def lpm_order(trace: Trace, sim: Any) -> Iterator[SimRequest]:
+    """The trace's requests in the order the engine's default ``lpm`` schedule serves
+    them one at a time: requests with the same timestamp arrive together, and each time
+    the one with the longest cached prefix goes next (the earliest among ties); the next
+    group arrives when they are done. O(group size ^ 2) matches a group."""
+    for _, group in itertools.groupby(trace.requests, key=lambda r: r.timestamp):
+        waiting = list(group)
+        while waiting:
+            best = max(range(len(waiting)), key=lambda i: (sim.cached_prefix(waiting[i]), -i))
+            yield waiting.pop(best)
+
+
 def simulate_hybrid(
     trace: Trace, spec: ModelSpec, capacity_bytes: int, policy: str, cache_outputs: bool = True,
-    accounting: str = "served",
+    accounting: str = "served", schedule: str = "fcfs",
 ) -> HybridResult:  # fmt: skip
     """Replay ``trace`` through one policy's cache of ``capacity_bytes``; ``accounting``
-    (`ACCOUNTING`) for the engines' policies (Marconi's keep their own)."""
+    (`ACCOUNTING`) for the engines' policies (Marconi's keep their own); ``schedule``:
+    ``fcfs`` (the trace's order) or ``lpm`` (`lpm_order`, for the engines' policies)."""
     if policy not in POLICIES:
         raise ValueError(f"policy: unknown {policy!r}; valid: {', '.join(POLICIES)}")
     if accounting not in ACCOUNTING:
         raise ValueError(f"accounting: unknown {accounting!r}; valid: {', '.join(ACCOUNTING)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: unknown {schedule!r}; valid: {', '.join(SCHEDULES)}")
     if policy in marconi.POLICIES:
         sim: Any = _MarconiSim(trace, spec, capacity_bytes, policy)
     else:
         sim = _Sim(trace, spec, capacity_bytes, policy, accounting)
     hit_tokens = prompt_tokens = 0
     saved = total = 0.0
-    for req in trace.requests:
+    lpm = schedule == "lpm" and policy not in marconi.POLICIES
+    for req in lpm_order(trace, sim) if lpm else trace.requests:
         hit = sim.serve(req, cache_outputs)
         tokens = trace.hit_tokens(req, hit)
         hit_tokens += tokens
@@ -607,9 +632,11 @@ __all__ = [
     "ACCOUNTING",
     "POLICIES",
     "PRESETS",
+    "SCHEDULES",
     "UNBOUNDED",
     "HybridResult",
     "ModelSpec",
+    "lpm_order",
     "model_spec",
     "plot_hybrid",
     "print_hybrid_table",

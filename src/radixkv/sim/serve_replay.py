@@ -171,11 +171,13 @@ def replay_serve(
 def serve_result(
     trace: Trace, folder: str | Path, spec: ModelSpec, capacity_bytes: int,
     concurrency: int = 1, cache_outputs: bool = True, chunk_size: int = 512,
+    schedule: str = "lpm",
 ) -> HybridResult:  # fmt: skip
     """`replay_serve` as a row of the hybrid simulator's table (policy ``serve``), with
     ``radixkv serve``'s other defaults."""
-    rep = replay_serve(trace, folder, capacity_bytes, EngineConfig(chunk_size=chunk_size),
-                       concurrency=concurrency, cache_outputs=cache_outputs)  # fmt: skip
+    cfg = EngineConfig(chunk_size=chunk_size, schedule_policy=schedule)
+    rep = replay_serve(trace, folder, capacity_bytes, cfg, concurrency=concurrency,
+                       cache_outputs=cache_outputs)  # fmt: skip
     saved = sum(spec.flops(c) for c in rep.cached)
     total = sum(spec.flops(r.prompt_tokens) for r in trace.requests)
     return HybridResult(
