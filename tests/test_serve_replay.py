@@ -128,19 +128,26 @@ def test_under_pressure_the_budget_simulator_follows_the_lpm_schedule(
 
 
 def test_simulate_policy_serve_from_the_command_line(tmp_path, hybrid_models):
-    cfg = config(8, cache_bytes=BUDGETS["qwen3.5"])
-    records = serve_chats(Engine(hybrid_models["qwen3.5"], cfg))
+    """``--policy serve`` is the engine with one budget, ``serve-sglang`` the engine with
+    SGLang's split of the same bytes (``cache_split="sglang"``): each row equals its
+    engine's cached tokens on the same requests."""
+    q, budget = hybrid_models["qwen3.5"], 2 * BUDGETS["qwen3.5"]  # (a split fits a turn)
+    records = serve_chats(Engine(q, config(8, cache_bytes=budget)))
+    split = serve_chats(Engine(q, config(8, cache_bytes=budget, cache_split="sglang")))
+    assert [r["token_ids"] for r in split] == [r["token_ids"] for r in records]
     path = tmp_path / "served.jsonl"
     write_trace(path, records)
     cmd = [sys.executable, "-m", "radixkv.cli", "simulate", "--trace", str(path),
-           "--model-spec", hybrid_models["qwen3.5"], "--capacity", str(BUDGETS["qwen3.5"]) + "B",
-           "--policy", "serve,radixkv", "--concurrency", "8", "--chunk-size", "16",
+           "--model-spec", q, "--capacity", f"{budget}B", "--policy",
+           "serve,serve-sglang,radixkv", "--concurrency", "8", "--chunk-size", "16",
            "--block-size", str(PAGE), "--json", "-"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rows = {r["policy"]: r for r in json.loads(out.stdout)["results"]}
     assert rows["serve"]["hit_tokens"] == sum(r["cached"] for r in records)
-    assert rows["serve"]["capacity_bytes"] == BUDGETS["qwen3.5"]
+    assert rows["serve-sglang"]["hit_tokens"] == sum(r["cached"] for r in split)
+    assert rows["serve"]["hit_tokens"] != rows["serve-sglang"]["hit_tokens"]
+    assert rows["serve"]["capacity_bytes"] == budget
 
 
 def test_the_serve_policy_refuses_what_it_cannot_replay(tmp_path, hybrid_models, capsys):

@@ -62,7 +62,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                      "folder (its config.json, in the bytes serve holds); replays with "
                      "the hybrid policies (radixkv; marconi, sglang+, vllm+ by Marconi's "
                      "own rules; sglang, vllm; and, with a model folder, serve: the "
-                     "engine's own scheduler and memory replayed without the model); "
+                     "engine's own scheduler and memory replayed without the model, "
+                     "serve-sglang: the same with SGLang's fixed split of the bytes); "
                      "capacities in bytes")  # fmt: skip
     sim.add_argument("--accounting", choices=["served", "after"], default=None,
                      help="with --model-spec: when a request's new KV counts against the "
@@ -302,13 +303,18 @@ _HYBRID_ONLY = (("--accounting", "accounting"), ("--schedule", "schedule"),
                 ("--concurrency", "concurrency"), ("--chunk-size", "chunk_size"))  # fmt: skip
 
 
-def _serve(args: argparse.Namespace, trace: Any, spec: Any, cap: int, outputs: bool) -> Any:
+SERVE = {"serve": "one", "serve-sglang": "sglang"}  # the engine, and its --cache-split
+
+
+def _serve(
+    args: argparse.Namespace, trace: Any, spec: Any, cap: int, outputs: bool, policy: str
+) -> Any:
     from radixkv.sim.serve_replay import serve_result
 
     try:
         return serve_result(trace, args.model_spec, spec, cap, args.concurrency or 1, outputs,
-                            chunk_size=args.chunk_size or 512,
-                            schedule=args.schedule or "lpm")  # fmt: skip
+                            chunk_size=args.chunk_size or 512, schedule=args.schedule or "lpm",
+                            split=SERVE[policy])  # fmt: skip
     except ValueError as e:
         text = str(e)
         if text.startswith("cache_bytes: "):
@@ -333,12 +339,12 @@ def _hybrid(args: argparse.Namespace) -> int:
     except OSError as e:
         raise CliError(f"--model-spec {args.model_spec}: {e.strerror or e}") from None
     policies = (args.policy or ",".join(hybrid.POLICIES)).split(",")
-    valid = (*hybrid.POLICIES, "serve")
+    valid = (*hybrid.POLICIES, *SERVE)
     bad = [p for p in policies if p not in valid]
     if bad:
         raise CliError(f"--policy: unknown {bad[0]!r} with --model-spec; valid: "
                        f"{', '.join(valid)}")  # fmt: skip
-    serve = "serve" in policies
+    serve = bool(SERVE.keys() & set(policies))
     if serve and not Path(args.model_spec).is_dir():
         raise CliError("--policy serve: needs --model-spec FOLDER (the engine is built from "
                        "its config.json), not a preset or a JSON spec")  # fmt: skip
@@ -376,8 +382,8 @@ def _hybrid(args: argparse.Namespace) -> int:
                             total=len(caps) * len(policies))  # fmt: skip
         for cap in caps:
             for policy in policies:
-                if policy == "serve":
-                    results.append(_serve(args, trace, spec, cap, outputs))
+                if policy in SERVE:
+                    results.append(_serve(args, trace, spec, cap, outputs, policy))
                 else:
                     results.append(hybrid.simulate_hybrid(
                         trace, spec, cap, policy, outputs, args.accounting or "served",

@@ -171,17 +171,21 @@ def replay_serve(
 def serve_result(
     trace: Trace, folder: str | Path, spec: ModelSpec, capacity_bytes: int,
     concurrency: int = 1, cache_outputs: bool = True, chunk_size: int = 512,
-    schedule: str = "lpm",
+    schedule: str = "lpm", split: str = "one",
 ) -> HybridResult:  # fmt: skip
-    """`replay_serve` as a row of the hybrid simulator's table (policy ``serve``), with
-    ``radixkv serve``'s other defaults."""
-    cfg = EngineConfig(chunk_size=chunk_size, schedule_policy=schedule)
+    """`replay_serve` as a row of the hybrid simulator's table, with ``radixkv serve``'s
+    other defaults: policy ``serve`` (one arena), or ``serve-sglang`` with ``split=
+    "sglang"`` (the engine with SGLang's fixed split of the same bytes, ``serve
+    --cache-split sglang``)."""
+    cfg = EngineConfig(chunk_size=chunk_size, schedule_policy=schedule,
+                       cache_bytes=capacity_bytes, cache_split=split)  # fmt: skip
     rep = replay_serve(trace, folder, capacity_bytes, cfg, concurrency=concurrency,
                        cache_outputs=cache_outputs)  # fmt: skip
     saved = sum(spec.flops(c) for c in rep.cached)
     total = sum(spec.flops(r.prompt_tokens) for r in trace.requests)
     return HybridResult(
-        trace=trace.name, model=spec.name, policy="serve", capacity_bytes=capacity_bytes,
+        trace=trace.name, model=spec.name, capacity_bytes=capacity_bytes,
+        policy="serve" if split == "one" else f"serve-{split}",
         requests=len(trace.requests), prompt_tokens=rep.prompt_tokens,
         hit_tokens=rep.hit_tokens, token_hit_rate=rep.token_hit_rate,
         flops_saved=saved / total if total else 0.0, mean_bytes=rep.mean_bytes,
