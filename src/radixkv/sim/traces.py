@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,8 +50,8 @@ class SimRequest:
     timestamp: float = 0.0
     output_tokens: int = 0
     boundaries: tuple[int, ...] = ()
-    prompt_ids: list[int] | None = field(default=None, repr=False)
-    output_ids: list[int] | None = field(default=None, repr=False)
+    prompt_ids: array | None = field(default=None, repr=False)  # 8 bytes a token
+    output_ids: array | None = field(default=None, repr=False)
     token_boundaries: tuple[int, ...] = ()
     extra_key: Any = None
 
@@ -440,7 +441,8 @@ def _from_tokens(name: str, records: list[tuple[list[int], dict]], block: int) -
         trace.requests.append(
             SimRequest(
                 units, n_prompt, len(prompt), float(rec.get("timestamp", 0)), len(output), marks,
-                prompt_ids=prompt, output_ids=known, token_boundaries=tokens, extra_key=ns,
+                prompt_ids=array("q", prompt), token_boundaries=tokens, extra_key=ns,
+                output_ids=None if known is None else array("q", known),
             )
         )  # fmt: skip
     return trace
