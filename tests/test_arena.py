@@ -298,6 +298,7 @@ def test_kv_and_window_tokens_cap_their_kind_inside_the_budget(hybrid_models, na
     b = roomy.generate(ps, max_new_tokens=16, chat=False, ignore_eos=True)
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert a.stats.cached_tokens > 0 and capped.mgr.allocator.capacity == 96
+    assert "capped at 96 tokens" in "\n".join(capped.memory_summary())  # said at start
     assert peak["full"] == 96 // 4 * capped.arena.full_columns  # at its cap, never beyond
     assert peak["free"] > 0 and capped.cache_bytes_evicted()["full"] > 0  # the cap evicted
     if name == "gemma3":

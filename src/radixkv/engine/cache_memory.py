@@ -127,15 +127,20 @@ class CacheMemory:
         kinds = ["full-attention KV"]
         kinds += ["sliding-window KV"] if plan.window_columns else []
         kinds += ["recurrent-state checkpoints"] if self.recurrent is not None else []
+        layers = f"{plan.group} attention layer" + ("s'" if plan.group > 1 else "'s")
         lines = [f"one cache budget: {ar.nbytes * MIB:,.1f} MiB, {ar.num_units:,} units of "
-                 f"{ar.unit_bytes:,} bytes (a page of {plan.group} attention layers' KV); "
+                 f"{ar.unit_bytes:,} bytes (a page of {layers} KV); "
                  f"{', '.join(kinds)} draw from it, evicted in the simulator's radixkv "
                  f"order"]  # fmt: skip
+        p = self.mgr.allocator.page_size
+        capped = lambda cap: f"; capped at {cap * p:,} tokens" if cap else ""  # noqa: E731
         lines.append(f"full-attention KV page: {plan.full_columns} units (one request "
-                     f"holds at most {self.mgr.allocator.capacity:,} tokens)")  # fmt: skip
+                     f"holds at most {self.mgr.allocator.capacity:,} tokens"
+                     f"{capped(plan.full_cap)})")  # fmt: skip
         if plan.window_columns:
             lines.append(f"sliding-window KV page: {plan.window_columns} units (window "
-                         f"{plan.window}: a running request keeps its last window)")  # fmt: skip
+                         f"{plan.window}: a running request keeps its last window"
+                         f"{capped(plan.window_cap)})")  # fmt: skip
         if self.recurrent is not None:
             rec = self.recurrent
             rows = rec.pool.first + rec.pool.spare
