@@ -155,7 +155,7 @@ class ArenaLifecycleMachine(WindowLifecycleMachine):
     @invariant()
     def units_held_once(self):
         if hasattr(self, "m"):
-            full, win = self.m.allocator.source, self.m.window.allocator.source
+            full, win = self.m.allocator.source, self.m.manager("window").allocator.source
             self.arena.check({"full": [full.units()], "window": [win.units()], "states": []})
 
 

@@ -129,7 +129,7 @@ def test_two_workers_and_removal():
 
 def test_a_recurrent_workers_checkpoint_blocks_stand_alone():
     """A recurrent worker's events store one block per checkpoint, its parent never told
-    (`radixkv.engine.recurrent`): its overlap is the deepest page of the request whose
+    (`radixkv.kvcache.recurrent`): its overlap is the deepest page of the request whose
     hash it holds. A full-attention worker's is the run from the root: the same block
     with an unknown parent is skipped."""
     from radixkv.blockhash import event_hashes

@@ -146,7 +146,7 @@ def test_a_request_whose_logits_go_non_finite_fails_alone(poisoned):
 
 
 @pytest.mark.parametrize("model", ["random", "qwen3_5"])
-@pytest.mark.parametrize("where", ["append", "at_finish"])
+@pytest.mark.parametrize("where", ["append", "finishing"])
 def test_an_exception_for_one_request_fails_it_alone_and_frees_everything(tmp_path, model, where):
     """A fault injected for one request (its token's processing raises, at its first
     token or at its finish, where a recurrent model has just taken a snapshot row): it
@@ -157,9 +157,9 @@ def test_an_exception_for_one_request_fails_it_alone_and_frees_everything(tmp_pa
 
     name = qwen3_5_folder(tmp_path / "q") if model == "qwen3_5" else "random"
     eng = Engine(name, kv_tokens=1024, page_size=4, check_memory=True)
-    if where == "at_finish" and eng.recurrent is None:
+    if where == "finishing" and eng.recurrent is None:
         where = "_save_to_tiers"
-    owner = eng.recurrent if where == "at_finish" else eng if where != "append" else eng.outputs
+    owner = eng.recurrent if where == "finishing" else eng if where != "append" else eng.outputs
     real = getattr(owner, where)
 
     def faulty(r, *args):

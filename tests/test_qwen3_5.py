@@ -1,7 +1,7 @@
 """Qwen3.5 (Gated DeltaNet + gated attention) against transformers' own
 ``Qwen3_5ForCausalLM`` on tiny random folders written by ``save_pretrained``, and its
 prefix cache: recurrent-state checkpoints at prompt ends, output ends and branch points
-(`radixkv.engine.recurrent`), a hit copying a checkpoint's state, outputs identical with
+(`radixkv.kvcache.recurrent`), a hit copying a checkpoint's state, outputs identical with
 the cache on and off through chunked prefill, preemption and sampling."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def seq(start, n):
 
 def test_a_request_keeps_its_last_window_and_the_tree_the_ends():
     m = make(window=4)
-    win = m.window
+    win = m.manager("window")
     req = Req(1, seq(10, 60))
     assert m.admit(req)
     most = 0
@@ -112,7 +112,7 @@ def test_window_pressure_tombstones_the_tree_not_the_running(page):
     m = make(window=4, wsize=32, page=page)
     for i in range(7):
         serve(m, seq(1000 * i, 32))
-    assert m.window.component.held_units() <= 28
+    assert m.manager("window").component.held_units() <= 28
     a, b = Req("a", seq(0, 50)), Req("b", seq(7000, 50))
     assert m.admit(a) and m.admit(b)
     while a.kv_len < 50:
@@ -120,7 +120,7 @@ def test_window_pressure_tombstones_the_tree_not_the_running(page):
             assert m.allocate(r, min(4, 50 - r.kv_len)) is not None
             m.cache_unfinished_req(r)
             m.check_memory()
-    assert m.window.evicted > 0
+    assert m.manager("window").evicted > 0
     hits = [m.cache.match_len(RadixKey(seq(1000 * i, 32))) for i in range(7)]
     assert 0 in hits and 32 in hits  # the least recent lost their windows, not all
 
@@ -131,7 +131,7 @@ def test_the_engine_way_keeps_windows_while_there_is_room_and_frees_the_spare_fi
     m = make(window=4, wsize=64, retain="all")
     serve(m, seq(0, 30) + seq(100, 10))
     assert serve(m, seq(0, 30) + seq(200, 10)).cached_len == 30  # "ends": only the third
-    comp = m.window.component
+    comp = m.manager("window").component
     held = comp.held_units()
     assert comp.evict_spare(10**6) == held - 3 * 4  # the two leaves' and the branch's windows
     for tail in (100, 200, 300):  # every end still serves
@@ -193,14 +193,14 @@ class WindowLifecycleMachine(RuleBasedStateMachine):
         row = self.m.req_pool.read(req.row, 0, req.kv_len).tolist()
         for i, slot in enumerate(row):
             assert self.full.get(slot) == self.fp(req, i), f"full slot {slot} at {i}"
-        w = self.m.window
+        w = self.m.manager("window")
         for i in range(max(0, req.kv_len - w.window + 1), req.kv_len):
             slot = int(w.table[req.row, i])
             assert self.win.get(slot) == self.fp(req, i), f"window slot {slot} at {i}"
 
     def compute(self, req: Req, slots: torch.Tensor) -> None:
         start = req.kv_len - len(slots)
-        wrow = self.m.window.table[req.row]
+        wrow = self.m.manager("window").table[req.row]
         for j, slot in enumerate(slots.tolist()):
             self.full[slot] = self.win[int(wrow[start + j])] = self.fp(req, start + j)
 
@@ -261,7 +261,7 @@ class WindowLifecycleMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 30), window=st.booleans())
     def evict(self, n, window):
         if window:
-            self.m.window.component.evict(n)
+            self.m.manager("window").component.evict(n)
         else:
             self.m.cache.evict(n)
 
@@ -278,7 +278,7 @@ class WindowLifecycleMachine(RuleBasedStateMachine):
         if site in ("match_parts", "insert_node"):
             target = self.m.cache
         else:
-            target = self.m.allocator if space == "full" else self.m.window.allocator
+            target = self.m.allocator if space == "full" else self.m.manager("window").allocator
         with inject_fault(target, site, after):
             try:
                 if op == "arrive":
@@ -292,7 +292,7 @@ class WindowLifecycleMachine(RuleBasedStateMachine):
             except InjectedFault:
                 pass
         self.reqs = [r for r in self.reqs if r.admitted]
-        self.m.window.component.flush()  # a failed window free is retried
+        self.m.manager("window").component.flush()  # a failed window free is retried
 
     @invariant()
     def exact(self):
@@ -320,7 +320,7 @@ def test_the_fingerprint_check_catches_a_stale_window_read():
     machine.arrive(seq(5, 12), [])
     machine.step_all(12, None)
     req = machine.reqs[0]
-    w = machine.m.window
+    w = machine.m.manager("window")
     w.table[req.row, req.kv_len - 1] = np.int64(next(iter(set(machine.win) - {
         int(w.table[req.row, req.kv_len - 1])}), 0))  # fmt: skip
     with pytest.raises(AssertionError):

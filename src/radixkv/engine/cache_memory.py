@@ -22,9 +22,9 @@ import torch
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.loader import build_memory, build_states, plan_arena, split_budget
-from radixkv.engine.recurrent import RecurrentStates
 from radixkv.kvcache.arena import ArenaCheckpoints, ArenaRoom
 from radixkv.kvcache.budget import HybridBudget
+from radixkv.kvcache.recurrent import RecurrentStates
 from radixkv.kvcache.spec import prefill_flops
 
 MIB = 2**-20
@@ -51,7 +51,7 @@ class CacheMemory:
                 f"(--cache-bytes auto): {str(e).removeprefix('cache_bytes: ')}"
             ) from None
         self.recurrent: RecurrentStates | None = None
-        components: tuple = ()
+        managers: tuple = ()
         if specs.recurrent is not None:
             pool = build_states(pools, specs.recurrent, device)
             model.use_states(pool)  # type: ignore[operator]
@@ -61,8 +61,8 @@ class CacheMemory:
                 cap = cap or max(1, self.arena.arena.num_units // store.per)
             self.recurrent = RecurrentStates(pool, cap or 1, cfg.checkpoint_every // cfg.page_size,
                                              store=store)  # fmt: skip
-            components = (self.recurrent.component,)
-        memory = build_memory(pools, mc, device, components, self.arena)
+            managers = (self.recurrent,)
+        memory = build_memory(pools, mc, device, managers, self.arena)
         self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
         self.window = memory.window  # the sliding layers' own slot space, if any
         self.why_not_window = memory.why_not_window

@@ -163,8 +163,6 @@ class Engine:
         self.retention = Retention(self.cache, retained, total, states=states)
         self.scheduler.relieve = self.retention.relieve
         self.scheduler.on_admit = self._admitted
-        if self.recurrent is not None:
-            self.scheduler.on_leave = self.recurrent.release
         self.runner = ModelRunner(self.model, self.kv, self.device, self.window)
         self.outputs = OutputProcessor(self.tokenizer)
         self.counters = EngineCounters()
@@ -204,10 +202,8 @@ class Engine:
         return self.memory.evicted_bytes()
 
     def _admitted(self, r: EngineReq) -> None:
-        """A request was just admitted: a recurrent model copies its state; a retained
-        prefix its hit used whole lives on from now."""
-        if self.recurrent is not None:
-            self.recurrent.admitted(r, self.cache)
+        """A request was just admitted: a retained prefix its hit used whole lives on
+        from now."""
         if r.last_node is not None:
             self.retention.hit(r.last_node)
 
@@ -248,7 +244,7 @@ class Engine:
         and block hashes over as arrays, for a ``publish`` that only encodes them
         (`radixkv.events.EventCollector`). On a recurrent model a prefix is servable
         only up to a checkpoint, so the events tell one block per checkpoint
-        (`radixkv.engine.recurrent`), never the pages between."""
+        (`radixkv.kvcache.recurrent`), never the pages between."""
         from radixkv.events import EventCollector
 
         if self.window is not None:
@@ -279,7 +275,7 @@ class Engine:
             return self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
             ids = self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
-            if self.recurrent is None and self.window is None:  # only they use the marks
+            if not self.mgr.managers:  # only the managers (window, states) use the marks
                 return ids
             return self.chat_boundaries(prompt, ids)  # type: ignore[arg-type]
         ids = list(prompt)
@@ -449,8 +445,8 @@ class Engine:
         produced this step."""
         self.retention.expire()
         plan = self.scheduler.schedule()
-        snaps = self.recurrent.snapshots(plan) if self.recurrent is not None else []
-        logits = self.runner.forward(plan, self.mgr.req_pool, snaps) if plan else None
+        inputs = self.mgr.step_inputs(plan)  # each cache manager's part (snapshots)
+        logits = self.runner.forward(plan, self.mgr.req_pool, inputs) if plan else None
         outputs = self._process(plan, logits)
         if self.engine_config.check_memory:
             self._check()
@@ -472,7 +468,6 @@ class Engine:
         self.counters.steps += 1
         now = time.perf_counter()
         computed, finished = [], []
-        rec = self.recurrent
         finite = torch.isfinite(logits).all(dim=-1).tolist()  # type: ignore[union-attr]
         for (r, n), row_logits, ok in zip(plan, logits, finite, strict=True):  # type: ignore[arg-type]
             was_prefill = r.kv_len - n < len(r.input_ids)
@@ -490,8 +485,7 @@ class Engine:
                 self.counters.generation_tokens += 1
                 reason = self.outputs.append(r, token)
                 if reason is not None:
-                    if rec is not None:
-                        rec.at_finish(r, self.cache.page_size)
+                    self.mgr.finishing(r)  # (a recurrent model's end state)
                     self._save_to_tiers(r)
             except Exception as e:  # this request's own failure: it fails alone
                 if isinstance(e, NonFiniteLogits) and self.faults.sampled(r, e):
@@ -507,11 +501,6 @@ class Engine:
             outputs.append(self.outputs.output(r))
         self.mgr.cache_unfinished_batch(computed)
         self.scheduler.finish(finished)
-        if rec is not None:
-            for r in computed:
-                rec.attach(r, self.cache, r.cache_protected_len)
-            for r in finished:
-                rec.attach(r, self.cache, r.num_tokens)
         if finished:
             self._retain([r for r in finished if r.cache_spec], outputs)
         return outputs
@@ -556,8 +545,6 @@ class Engine:
         self.memory.check()
         self.retention.check()
         self.cache.check_integrity()
-        if self.recurrent is not None:
-            self.recurrent.check(self.scheduler.running)
         if self.tier is not None:
             self.tier.check()
             if self.recurrent is not None and self.recurrent.tiers is not None:

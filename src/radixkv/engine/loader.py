@@ -35,6 +35,7 @@ from radixkv.engine.tokenizer import (
 from radixkv.engine.weights import load_hf_folder, random_model
 from radixkv.kvcache.arena import Arena, ArenaKV, ArenaPages, layer_group
 from radixkv.kvcache.lifecycle import CacheManager
+from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.kvcache.spec import RecurrentSpec
 from radixkv.kvcache.state_pool import StatePool
@@ -273,14 +274,16 @@ def split_budget(cfg: EngineConfig, mc: ModelConfig) -> EngineConfig:
 
 
 def build_memory(
-    cfg: EngineConfig, mc: ModelConfig, device: torch.device, components: tuple = (),
-    arena: ArenaPlan | None = None,
+    cfg: EngineConfig, mc: ModelConfig, device: torch.device,
+    managers: tuple[LayerManager, ...] = (), arena: ArenaPlan | None = None,
 ) -> Memory:  # fmt: skip
     """Pools sized by ``cfg`` for a model of config ``mc``, and the cache. The engine
     locks every node it keeps right after matching or inserting it, so it opts in to
     chain merging (LRU) and precise eviction (see `radixkv.tree`). Sliding-window layers
-    get a slot space of their own, as `plan_windows` decides; with ``arena``
-    (`plan_arena`) every kind's pages come from it."""
+    get a slot space of their own and their manager, as `plan_windows` decides; with
+    ``arena`` (`plan_arena`) every kind's pages come from it. ``managers``: the other
+    specs' (a recurrent model's states), whose tree components join the cache."""
+    components = tuple(m.component for m in managers)
     p = cfg.page_size
     if arena is None:
         plan = plan_windows(cfg, mc)
@@ -328,7 +331,8 @@ def build_memory(
     slots = None
     if wkv is not None and walloc is not None:
         slots = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, window)
-    mgr = CacheManager(cache, allocator, req_pool, slots)
+        managers = (slots, *managers)
+    mgr = CacheManager(cache, allocator, req_pool, *managers)
     return Memory(allocator, cache, kv, mgr, slots, why_not)
 
 
@@ -340,7 +344,7 @@ def build_states(cfg: EngineConfig, spec: RecurrentSpec, device: torch.device) -
         ValueError: more rows than this machine can hold (naming ``max_checkpoints``).
     """
     from radixkv.engine.machine import check_fits
-    from radixkv.engine.recurrent import RecurrentStates
+    from radixkv.kvcache.recurrent import RecurrentStates
 
     cap = cfg.checkpoint_cap or 0
     spare = RecurrentStates.spare_rows(cfg.max_running, cap)

@@ -5,7 +5,7 @@ the scheduler, outputs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -29,11 +29,13 @@ class ModelRunner:
         self,
         plan: list[tuple[EngineReq, int]],
         table: ReqToTokenPool,
-        snapshots: Sequence[tuple[int, int, int]] = (),
+        inputs: Mapping[str, Sequence] | None = None,
     ) -> torch.Tensor:
         """Logits of the last new token of each planned request (``[len(plan), vocab]``):
-        request ``r`` computes its tokens ``[kv_len - n, kv_len)``; ``snapshots`` as
-        `ForwardBatch` takes them (recurrent models)."""
+        request ``r`` computes its tokens ``[kv_len - n, kv_len)``. ``inputs``: the cache
+        managers' parts of the step (`CacheManager.step_inputs`): a recurrent model's
+        ``"states"`` are the snapshots `ForwardBatch` takes."""
+        snapshots = (inputs or {}).get("states", ())
         ids, pos, out, lens, kv = [], [], [], [], []
         for r, n in plan:
             start = r.kv_len - n

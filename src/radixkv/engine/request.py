@@ -121,7 +121,7 @@ class SamplingParams:
 class MarkedIds(list):
     """Token ids with ``boundaries``: positions worth caching a prefix at (the end of a
     chat's system message), where a recurrent model writes a state checkpoint during
-    the prefill (`radixkv.engine.recurrent`). A list, so it goes wherever ids go."""
+    the prefill (`radixkv.kvcache.recurrent`). A list, so it goes wherever ids go."""
 
     boundaries: tuple[int, ...] = ()
 
@@ -173,11 +173,6 @@ class EngineReq(Req):
     sent_tokens: int = 0  # output tokens already handed out
     # per output token (with sampling.logprobs): (its logprob, [(token, logprob), ...])
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    # recurrent models (radixkv.engine.recurrent): positions to snapshot the state at
-    # during the prefill with why each (Req.boundaries among them), and the snapshots
-    # taken but not yet in the tree
-    snap_plan: list[tuple[int, str]] = field(default_factory=list)
-    snap_rows: list[tuple[int, int, str]] = field(default_factory=list)
     retain: tuple[tuple[int, float], ...] = ()  # CacheSpec.retain
     cache_spec: bool = False  # it came with a CacheSpec: report cache_write_tokens
     error: str | None = None  # why it failed (finish reason "error")

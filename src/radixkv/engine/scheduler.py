@@ -74,14 +74,11 @@ class Scheduler:
         self.hit_tokens = 0  # of which served from the cache
         # called once per request before its first admission (loads shared-store pages)
         self.prefetch: Callable[[EngineReq], None] | None = None
-        # called right after a request is admitted, and when it leaves uncached
-        # (preempted, aborted): recurrent models copy and free states there
+        # called right after a request is admitted (a retained prefix it hit lives on)
         self.on_admit: Callable[[EngineReq], None] | None = None
-        self.on_leave: Callable[[EngineReq], None] | None = None
         # frees retained prefixes to make at least n more tokens evictable (returns how
         # many it made): called when a request cannot run otherwise (radixkv.kvcache.retention)
         self.relieve: Callable[[int], int] | None = None
-        self._window_reserved = 0  # window slots this step's admissions reserved
 
     def max_tokens(self) -> int:
         """The most tokens (prompt + output) one request may need: it must fit the
@@ -156,7 +153,7 @@ class Scheduler:
                 if r.prefilling:
                     in_flight.insert(RadixKey(r.token_array(), r.extra_key)[: len(r.input_ids)])
         admitted = []
-        self._window_reserved = 0
+        mgr.new_round()  # the managers' reservations for this round's admissions
         cap = max(1, int(cfg.max_running * GROUP_SHARE))
         groups = Counter(r.group for r in self.running if r.group is not None)
         for r in order:
@@ -171,7 +168,8 @@ class Scheduler:
             need = r.num_tokens - hits[id(r)] + mgr.allocator.page_size
             if need > mgr.available_tokens() and not self.running and self.relieve is not None:
                 self.relieve(need - mgr.available_tokens())  # retention never blocks it
-            room = need <= mgr.available_tokens() and self._window_room(r, hits[id(r)])
+            chunk = min(r.num_tokens - hits[id(r)], cfg.chunk_size)
+            room = need <= mgr.available_tokens() and mgr.reserve(r, hits[id(r)], chunk)
             if not room and self.running:
                 break  # (with nothing running it fits alone (`check_fits`) and nothing is
                 # locked, so its allocations can evict all they need: an estimate of room
@@ -191,21 +189,6 @@ class Scheduler:
         if admitted:
             gone = {id(r) for r in admitted}
             self.waiting = deque(r for r in self.waiting if id(r) not in gone)
-
-    def _window_room(self, r: EngineReq, hit: int) -> bool:
-        """With the sliding layers' KV apart (`radixkv.kvcache.window_slots`): the window pool
-        has room for the request's window and first chunk besides what this step's
-        earlier admissions reserved (so requests admitted together cannot starve each
-        other's windows). Reserves it."""
-        win = self.mgr.window
-        if win is None:
-            return True
-        need = win.peak(min(r.num_tokens - hit, self.config.chunk_size))
-        reserved = self._window_reserved
-        if need + reserved > win.available(need + reserved):
-            return False
-        self._window_reserved = reserved + need
-        return True
 
     def _plan(self) -> Plan:
         budget = self.config.chunk_size
@@ -267,8 +250,6 @@ class Scheduler:
     # --- moving requests ------------------------------------------------------------------
     def preempt(self, req: EngineReq) -> None:
         """Free the request's KV and put it first in line (it recomputes later)."""
-        if self.on_leave is not None:
-            self.on_leave(req)
         self.mgr.abort(req)
         self.running.remove(req)
         self.waiting.appendleft(req)
@@ -285,8 +266,6 @@ class Scheduler:
     def abort(self, req: EngineReq) -> None:
         """Drop the request wherever it is; frees its KV (nothing is cached)."""
         if req in self.running:
-            if self.on_leave is not None:
-                self.on_leave(req)
             self.mgr.abort(req)
             self.running.remove(req)
         elif req in self.waiting:

@@ -10,7 +10,8 @@ A request's row in the `ReqToTokenPool` holds its slot indices, one per token wh
     chunk done     cache_unfinished_req: insert what is computed, free slots the tree
                    already had (duplicates), move the lock to where the insert ends,
                    point the row at the tree's slots
-    finished       cache_finished_req: insert prompt + output, free duplicates and the
+    finished       finishing (the managers' last look at its row), then
+                   cache_finished_req: insert prompt + output, free duplicates and the
                    unaligned tail, release the lock and the row
     abort          free exactly what the request owns, release the lock and the row
 
@@ -18,13 +19,16 @@ A scheduler step uses the batched forms: `CacheManager.allocate_batch` (one allo
 and one row-table write for every chunk and decode of the step), then
 `cache_unfinished_batch` and `cache_finished_batch` (one free call each).
 
-With sliding-window layers whose KV lives in a slot space of its own (``window``: a
-`radixkv.kvcache.window_slots.WindowSlots` beside a `WindowKV` in the tree) every step above
-does the same for a request's window slots: the match copies the tree's last window,
-allocation gives window slots too (after trimming what the request no longer needs),
-an insert locks its new end before releasing the old one (so the window on the
-request's path stays while it reads it) and then offers the request's own window slots,
-and the request's ``boundaries`` become marked ends that keep their window.
+Full attention is this module's own work (the tree's values are its slots). Every other
+layer spec has a manager (`radixkv.kvcache.managers.LayerManager`), and each step above
+is also a loop over them: with sliding-window layers in a slot space of their own
+(`radixkv.kvcache.window_slots.WindowSlots`) the match copies the tree's last window,
+allocation gives window slots too, an insert locks its new end before releasing the old
+one (so the window on the request's path stays while it reads it) and then offers the
+request's own window slots, and the request's ``boundaries`` become marked ends that
+keep their window; a recurrent model's states (`radixkv.kvcache.recurrent`) copy a
+checkpoint into the request's row at the match and turn its snapshots into checkpoints
+once the tree holds their prefix.
 
 The accounting identity, checked by `CacheManager.check_memory` after any step:
 
@@ -50,8 +54,8 @@ import numpy as np
 import torch
 
 from radixkv.key import RadixKey, check_namespace
+from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
-from radixkv.kvcache.window_slots import WindowSlots
 from radixkv.tree import RadixCache, TreeNode
 from radixkv.units import align_down
 
@@ -79,7 +83,7 @@ class Req:
             the prompt cache).
         boundaries: positions worth caching a prefix at (the end of a chat's system
             message): with window KV the tree keeps a window there; a recurrent model
-            checkpoints its state there (`radixkv.engine.recurrent`).
+            checkpoints its state there (`radixkv.kvcache.recurrent`).
     """
 
     rid: Any
@@ -95,6 +99,11 @@ class Req:
     cache_limit: int | None = None
     cache_read: bool = True
     boundaries: tuple[int, ...] = ()
+    # a recurrent model's (`radixkv.kvcache.recurrent`): positions to snapshot the
+    # state at during the prefill with why each (``boundaries`` among them), and the
+    # snapshots taken but not yet in the tree
+    snap_plan: list[tuple[int, str]] = field(default_factory=list)
+    snap_rows: list[tuple[int, int, str]] = field(default_factory=list)
     _tokens: array | None = field(default=None, init=False, repr=False)
 
     @property
@@ -137,13 +146,14 @@ class CacheManager:
             slots there), and its page size the allocator's.
         allocator: the slot allocator.
         req_pool: the request-to-token table.
-        window: the window slots of a model with sliding-window layers in a slot space of
-            their own (its `WindowKV` must be one of ``cache``'s components).
+        managers: one per layer spec beyond full attention (`LayerManager`: the window
+            slots of a model with sliding-window layers in a slot space of their own,
+            a recurrent model's states), each joined to ``cache`` and ``req_pool``.
     """
 
     def __init__(
         self, cache: RadixCache, allocator: TokenToKVPoolAllocator, req_pool: ReqToTokenPool,
-        window: WindowSlots | None = None,
+        *managers: LayerManager,
     ) -> None:  # fmt: skip
         if cache.allocator is not allocator and not cache.disable:
             raise ValueError("cache.allocator must be the allocator, so evictions free slots")
@@ -151,20 +161,56 @@ class CacheManager:
             raise ValueError(
                 f"page sizes differ: cache {cache.page_size} != allocator {allocator.page_size}"
             )
-        if window is not None:
-            if getattr(window.component, "cache", None) is not cache:
-                raise ValueError("window: its WindowKV is not a component of the cache")
-            if window.page != cache.page_size or cache.is_eagle:
-                raise ValueError("window: needs the cache's page size and no EAGLE view")
-            if window.table.shape != req_pool._np.shape:
-                raise ValueError("window: its table must have the request table's shape")
+        for m in managers:
+            if not isinstance(m, LayerManager):
+                raise TypeError(f"managers must be LayerManagers, got {type(m).__name__}")
+            m.join(cache, req_pool)
         self.cache, self.allocator, self.req_pool = cache, allocator, req_pool
-        self.window = window
+        self.managers = managers
+        # the old end stays locked across an insert while a manager reads the path
+        self._late_unlock = any(m.reads_path for m in managers)
+        self._marks = [m for m in managers if m.marks_ends]
         self.running: dict[int, Req] = {}  # row -> request
         self.evicted_tokens = 0  # evicted to make room, since the start
         # with one arena for every kind (`radixkv.kvcache.arena.ArenaRoom`): frees room
         # across kinds in the budget's order, and says what can be had
         self.room: Any = None
+
+    def manager(self, kind: str) -> LayerManager | None:
+        """The manager of ``kind`` (``"window"``, ``"states"``), if the model has one."""
+        return next((m for m in self.managers if m.kind == kind), None)
+
+    # --- the managers' steps (`radixkv.kvcache.managers`) ----------------------------------
+    def new_round(self) -> None:
+        """An admission round starts: no manager holds a reservation."""
+        for m in self.managers:
+            m.new_round()
+
+    def reserve(self, req: Req, hit: int, chunk: int) -> bool:
+        """Every manager has room for the request's first ``chunk`` tokens after a hit
+        of ``hit`` (each reserves it for this round)."""
+        return all(m.reserve(req, hit, chunk) for m in self.managers)
+
+    def step_inputs(self, plan: Sequence[tuple[Req, int]]) -> dict[str, list]:
+        """What the model needs of each manager for the step ``plan``, by kind."""
+        return {m.kind: m.forward(plan) for m in self.managers}
+
+    def _allocate_managers(
+        self, reqs: Sequence[Req], rows: np.ndarray, kv: np.ndarray, counts: np.ndarray
+    ) -> bool:
+        """Every manager's room for the tokens; one short undoes the ones before it."""
+        for i, m in enumerate(self.managers):
+            if not m.allocate(reqs, rows, kv, counts):
+                self._unallocate_managers(rows, kv, counts, self.managers[:i])
+                return False
+        return True
+
+    def _unallocate_managers(
+        self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray,
+        managers: Sequence[LayerManager] | None = None,
+    ) -> None:  # fmt: skip
+        for m in self.managers if managers is None else managers:
+            m.unallocate(rows, kv, counts)
 
     # --- helpers ------------------------------------------------------------------------
     def _key(self, req: Req, n: int) -> RadixKey:
@@ -242,11 +288,15 @@ class CacheManager:
             self.req_pool.free(row)  # nothing else changed yet (a split is harmless)
             raise
         self.cache.inc_lock_ref(last)
-        if self.window is not None:
-            self.window.admit(row, last, hit)
         req.row, req.last_node = row, last
         req.kv_len = req.cache_protected_len = req.cached_len = hit
         self.running[row] = req
+        try:
+            for m in self.managers:
+                m.admitted(req)
+        except BaseException:
+            self._release(req)  # every manager frees what it took (none owns more)
+            raise
         return True
 
     # --- allocation -------------------------------------------------------------------------
@@ -279,8 +329,8 @@ class CacheManager:
         last = -1
         if req.kv_len % p and req.kv_len > req.cache_protected_len:
             last = self.req_pool.slot_at(req.row, req.kv_len - 1)
-        at = np.array([req.row]), np.array([req.kv_len]), np.array([n])
-        if self.window is not None and self._alloc_window(*at, [req]) is None:
+        at = np.array([req.row]), np.array([req.kv_len]), np.array([n], dtype=np.int64)
+        if not self._allocate_managers([req], *at):
             return None
         try:
             slots = self.allocator.alloc_extend(last, n)
@@ -288,10 +338,10 @@ class CacheManager:
                 self._evict_for(max(self.allocator.shortfall(np.array([last]), np.array([n])), 0))
                 slots = self.allocator.alloc_extend(last, n)
         except BaseException:
-            self._unalloc_window(*at)
+            self._unallocate_managers(*at)
             raise
         if slots is None:
-            self._unalloc_window(*at)
+            self._unallocate_managers(*at)
             return None
         self.req_pool.write(req.row, req.kv_len, slots)
         req.kv_len = end
@@ -333,12 +383,13 @@ class CacheManager:
             kvs.append(req.kv_len)
             protected.append(req.cache_protected_len)
         p = self.allocator.page_size
-        rows, kv, n = np.array(rows), np.array(kvs, dtype=np.int64), np.array(counts)
+        rows, kv = np.array(rows), np.array(kvs, dtype=np.int64)
+        n = np.array(counts, dtype=np.int64)
         last = np.full(len(reqs), -1, dtype=np.int64)
         if p > 1:  # a partial page of the request's own continues; the tree's never does
             own = (kv % p != 0) & (kv > np.array(protected))
             last[own] = self.req_pool._np[rows[own], kv[own] - 1]
-        if self.window is not None and self._alloc_window(rows, kv, n, reqs) is None:
+        if not self._allocate_managers(reqs, rows, kv, n):
             return None
         try:
             slots = self.allocator.alloc_extend_batch(last, n)
@@ -346,30 +397,15 @@ class CacheManager:
                 self._evict_for(max(self.allocator.shortfall(last, n), 0))
                 slots = self.allocator.alloc_extend_batch(last, n)
         except BaseException:
-            self._unalloc_window(rows, kv, n)
+            self._unallocate_managers(rows, kv, n)
             raise
         if slots is None:
-            self._unalloc_window(rows, kv, n)
+            self._unallocate_managers(rows, kv, n)
             return None
         self.req_pool.write_batch(rows, kv, n, slots)
         for req, k in zip(reqs, counts, strict=True):
             req.kv_len += k
         return slots
-
-    def _alloc_window(
-        self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray, reqs: Sequence[Req]
-    ) -> torch.Tensor | None:
-        """Trim the requests' windows (what no read or insert needs goes), then give
-        window slots for their next tokens (`WindowSlots`)."""
-        win = self.window
-        assert win is not None
-        for req in reqs:
-            win.trim(req.row, req.kv_len)
-        return win.alloc(rows, kv, np.asarray(counts, dtype=np.int64))
-
-    def _unalloc_window(self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray) -> None:
-        if self.window is not None:  # the full slots could not be had: undo the window's
-            self.window.unalloc(rows, kv, np.asarray(counts, dtype=np.int64))
 
     # --- caching ----------------------------------------------------------------------------
     def _insert_computed(self, req: Req, key: RadixKey | None = None) -> int:
@@ -397,8 +433,7 @@ class CacheManager:
             return req.cache_protected_len
         old = req.last_node
         assert old is not None
-        win = self.window
-        early = win is None  # with window KV the old end stays locked (see the docstring)
+        early = not self._late_unlock  # with window KV the old end stays locked (see above)
         if early:
             self.cache.dec_lock_ref(old)
         try:
@@ -426,24 +461,22 @@ class CacheManager:
         if not early:
             self.cache.dec_lock_ref(old)
         req.last_node, req.cache_protected_len = last, stored
-        if win is not None:  # the whole key is cached and locked: offer the window
-            self.cache.insert_node(key, extras={"window": win.offer(req.row, len(key))})
-            win.took(req.row)
+        for m in self.managers:  # the whole key is cached and locked (the window's offer)
+            m.inserted(req, key)
         return stored
 
     def _insert_marked(self, req: Req, key: RadixKey | None = None) -> None:
         """`_insert_computed`, first up to each of the request's boundaries it computed
         since the last insert, marking the end there so the tree keeps a window at it
         (a chat's system message: the next request sharing it hits)."""
-        win = self.window
         key = self._cacheable_key(req) if key is None else key
-        if win is not None and req.boundaries:
+        if self._marks and req.boundaries:
             p = self.cache.page_size
             for b in sorted({align_down(b, p) for b in req.boundaries}):
                 if req.cache_protected_len < b <= len(key):
                     self._insert_computed(req, key[:b])
-                    assert req.last_node is not None
-                    win.component.mark(req.last_node)
+                    for m in self._marks:
+                        m.boundary(req)
         self._insert_computed(req, key)
 
     def cache_unfinished_req(self, req: Req) -> None:
@@ -451,20 +484,54 @@ class CacheManager:
         row at the tree's slots and move the lock to the new last node."""
         self._require_admitted(req, "cache_unfinished_req")
         self._insert_marked(req)
+        self._cached(req, req.cache_protected_len)
 
     def cache_finished_req(self, req: Req) -> None:
         """The request is done: cache prompt + output, free duplicates and the unaligned
         tail, release its lock and its row."""
         self._require_admitted(req, "cache_finished_req")
+        self._insert_final(req)
+        self._leave([req])
+
+    def finishing(self, req: Req) -> None:
+        """The request has its last token: the managers' last look at its row (a
+        recurrent model's state after prompt + output). Call it per request before
+        `cache_finished_req` or `cache_finished_batch`, so that a failure here fails
+        that request alone (it can still be aborted)."""
+        self._require_admitted(req, "finishing")
+        for m in self.managers:
+            m.finishing(req)
+
+    def _insert_final(self, req: Req) -> None:
+        """A finished request's insert: its unaligned tail freed, prompt + output
+        handed to the tree."""
         key = self._cacheable_key(req)
         stored = max(self.cache.cacheable_len(key), req.cache_protected_len)
         if req.kv_len > stored:  # the unaligned tail first: if this raises, nothing changed
             self.allocator.free(self._slots(req, stored, req.kv_len).copy())
-            if self.window is not None:
-                self.window.free_tail(req.row, stored)
+            for m in self.managers:
+                m.free_tail(req, stored)
             req.kv_len = stored  # it no longer owns the freed tail
         self._insert_marked(req, key)
-        self._release(req)
+
+    def _cached(self, req: Req, upto: int) -> None:
+        """The managers' part once the tree holds the request's tokens up to ``upto``
+        (outside any group of frees: a checkpoint kept there may evict)."""
+        for m in self.managers:
+            m.cached(req, upto)
+
+    def _leave(self, reqs: Sequence[Req]) -> None:
+        """Finished requests whose inserts are done: the managers' part of what they
+        cached, then each releases its lock and its row (even if that part raises)."""
+        error: BaseException | None = None
+        for req in reqs:
+            try:
+                self._cached(req, req.num_tokens)
+            except BaseException as e:  # the others leave all the same
+                error = error or e
+            self._release(req)
+        if error is not None:
+            raise error
 
     def cache_unfinished_batch(self, reqs: Sequence[Req]) -> None:
         """`cache_unfinished_req` for every request of a step; the duplicates they free go
@@ -474,6 +541,8 @@ class CacheManager:
         with self.allocator.free_group():
             for req in reqs:
                 self._insert_marked(req)
+        for req in reqs:
+            self._cached(req, req.cache_protected_len)
 
     def cache_finished_batch(self, reqs: Sequence[Req]) -> None:
         """`cache_finished_req` for every request of a step; tails and duplicates go to
@@ -482,9 +551,14 @@ class CacheManager:
         propagates after the tree has taken what it caches."""
         for req in reqs:
             self._require_admitted(req, "cache_finished_batch")
-        with self.allocator.free_group():
-            for req in reqs:
-                self.cache_finished_req(req)
+        done: list[Req] = []
+        try:
+            with self.allocator.free_group():
+                for req in reqs:
+                    self._insert_final(req)
+                    done.append(req)
+        finally:  # those whose inserts are done leave, as `cache_finished_req` does
+            self._leave(done)
 
     def abort(self, req: Req) -> None:
         """Drop the request at any point: free exactly its own slots, nothing cached."""
@@ -495,8 +569,8 @@ class CacheManager:
 
     def _release(self, req: Req) -> None:
         assert req.last_node is not None
-        if self.window is not None:
-            self.window.release(req.row)
+        for m in self.managers:
+            m.release(req)
         self.cache.dec_lock_ref(req.last_node)
         self.req_pool.free(req.row)
         del self.running[req.row]
@@ -544,8 +618,8 @@ class CacheManager:
         )
         assert total == alloc.size, f"check_memory: sizes add to {total} != {alloc.size}"
         assert alloc.handed_out_size() == len(tree) + private_n, "handed-out count is off"
-        if self.window is not None:
-            self.window.check(self.running)
+        for m in self.managers:
+            m.check(self.running)
         for r in self.running.values():
             protected = self._slots(r, 0, r.cache_protected_len)
             assert r.last_node is not None and r.last_node.lock_ref > 0, "a request lost its lock"

@@ -11,7 +11,7 @@ Invariant (``check``): the free rows are distinct spare rows; with the rows in u
 spare row is free or in use exactly once.
 
 Owns: the state tensors and the spare rows. Must not touch: the tree, what a row holds
-(the model's), which checkpoint a row is (`radixkv.engine.recurrent`).
+(the model's), which checkpoint a row is (`radixkv.kvcache.recurrent`).
 """
 
 from __future__ import annotations

@@ -3,21 +3,24 @@ ones: the second slot space of a model with sliding-window layers (SGLang's SWA 
 
 A sliding layer attends to its last ``window`` tokens only, so a request needs window KV
 for those alone, and the tree (`radixkv.tree.window.WindowKV`) keeps it only where a match
-can end. Row ``r`` of ``table`` holds request ``r``'s window slots by position, ``-1``
-where it has none; ``own`` says which of them the request owns (the others are the
-tree's, on the request's locked path).
+can end. It is the sliding-window spec's manager (`radixkv.kvcache.managers`): the
+request lifecycle calls the hooks named below at each step. Row ``r`` of ``table``
+holds request ``r``'s window slots by position, ``-1`` where it has none; ``own`` says
+which of them the request owns (the others are the tree's, on the request's locked
+path).
 
-    admission   the match ends where the tree holds the window before it: those slots
-                (its last ``span`` positions) go to the row, as the tree's
-    allocation  first the request gives up its own slots behind
+    admission   (`admitted`) the match ends where the tree holds the window before
+                it: those slots (its last ``span`` positions) go to the row, as the
+                tree's; `reserve` first checks the pool can take its window and chunk
+    allocation  (`allocate`) first the request gives up its own slots behind
                 ``align_down(kv_len, page) - span`` (`trim`): no read and no later
                 insert needs them; then a window slot for every new token, its own;
                 when short, window KV is evicted from the tree (tombstones)
-    insert      once the full-attention insert is done and the request's lock is on
-                its new end, the request offers its own slots for the key (`offer`,
-                ``-1`` elsewhere); those the tree takes (`took`) are the tree's from
-                then on, on the request's locked path
-    leaving     it frees everything it still owns (`release`)
+    insert      (`inserted`) once the full-attention insert is done and the
+                request's lock is on its new end, the request offers its own slots for
+                the key (`offer`, ``-1`` elsewhere); those the tree takes are the
+                tree's from then on, on the request's locked path
+    leaving     (`release`) it frees everything it still owns
 
 Frees go through the component (``WindowKV.release``), which never raises: a free that
 fails stays pending and is retried, so no lifecycle step is left half done by one.
@@ -44,9 +47,14 @@ the full KV, the tree's structure, scheduling.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import torch
 
+from radixkv.key import RadixKey
+from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.memory import TokenToKVPoolAllocator, _runs
 from radixkv.tree.window import WindowKV
 from radixkv.units import align_down, align_up
@@ -60,8 +68,9 @@ def window_peak(window: int, page: int, chunk: int) -> int:
     return 2 * span + 2 * page + align_up(chunk, page)
 
 
-class WindowSlots:
-    """The window slots of the request table's rows (see the module docstring).
+class WindowSlots(LayerManager):
+    """The window slots of the request table's rows (see the module docstring): the
+    sliding-window spec's manager (`radixkv.kvcache.managers`).
 
     Args:
         component: the tree's `WindowKV`; its allocator must be ``allocator``.
@@ -87,6 +96,19 @@ class WindowSlots:
         self.kept = np.zeros(max_reqs, dtype=np.int64)  # no slot of the row lies before it
         self.evicted = 0  # window units evicted from the tree to make room
         self.room: object = None  # one arena's room across kinds (`CacheManager.room`)
+        self._reserved = 0  # window slots this admission round's requests reserved
+
+    kind = "window"
+    reads_path = True  # the reads stay valid only with the old end locked (see above)
+    marks_ends = True
+
+    def join(self, cache: Any, req_pool: Any) -> None:
+        if getattr(self.component, "cache", None) is not cache:
+            raise ValueError("window: its WindowKV is not a component of the cache")
+        if self.page != cache.page_size or cache.is_eagle:
+            raise ValueError("window: needs the cache's page size and no EAGLE view")
+        if self.table.shape != (req_pool.max_reqs, req_pool.max_context_len):
+            raise ValueError("window: its table must have the request table's shape")
 
     def peak(self, chunk: int) -> int:
         """`window_peak` of the tree's window."""
@@ -103,14 +125,68 @@ class WindowSlots:
             return free
         return free + self.component.evictable_units(enough=at_least - free)
 
-    # --- a request's row --------------------------------------------------------------
-    def admit(self, row: int, node: object, hit: int) -> None:
-        """The match ends at ``node`` after ``hit`` units: its last window's slots (the
-        tree's) go to the row."""
+    # --- the lifecycle's hooks (`LayerManager`) -------------------------------------
+    def new_round(self) -> None:
+        self._reserved = 0
+
+    def reserve(self, req: Any, hit: int, chunk: int) -> bool:
+        """Room for the request's window and first chunk besides what this round's
+        earlier admissions reserved (so requests admitted together cannot starve each
+        other's windows)."""
+        need, reserved = self.peak(chunk), self._reserved
+        if need + reserved > self.available(need + reserved):
+            return False
+        self._reserved = reserved + need
+        return True
+
+    def admitted(self, req: Any) -> None:
+        """The match ends at the request's lock after its hit: the last window's slots
+        there (the tree's) go to its row."""
+        row, node, hit = req.row, req.last_node, req.cached_len
         lo = max(0, hit - self.span)
         self.table[row, lo:hit] = self.component.tail_slots(node, hit - lo).numpy()  # type: ignore[arg-type]
         self.kept[row] = lo
 
+    def allocate(
+        self, reqs: Sequence[Any], rows: np.ndarray, kv: np.ndarray, counts: np.ndarray
+    ) -> bool:
+        """Trim the requests' windows (what no read or insert needs goes), then give
+        window slots for their next tokens (`alloc`)."""
+        for req in reqs:
+            self.trim(req.row, req.kv_len)
+        return self.alloc(rows, kv, counts) is not None
+
+    def unallocate(self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray) -> None:
+        """Undo `alloc` (the full slots of the same tokens could not be had)."""
+        at = np.repeat(rows, counts), _runs(kv, counts)
+        self._free(self.table[at])
+        self.table[at] = -1
+        self.own[at] = False
+
+    def inserted(self, req: Any, key: RadixKey) -> None:
+        """The whole key is cached and locked: offer the request's own window slots
+        for it in a second insert; what the tree takes is its own from then on."""
+        row = req.row
+        self.component.cache.insert_node(key, extras={"window": self.offer(row, len(key))})  # type: ignore[arg-type]
+        taken = self.component.taken  # one entry per unit the insert stored
+        self.own[row, : len(taken)] &= ~taken
+
+    def boundary(self, req: Any) -> None:
+        """Keep the window at the request's boundary (a marked end)."""
+        self.component.mark(req.last_node)
+
+    def free_tail(self, req: Any, start: int) -> None:
+        """Free the row's own slots from ``start`` on (a finished request's unaligned
+        tail, which the tree never takes)."""
+        self._clear(req.row, start)
+
+    def release(self, req: Any) -> None:
+        """The request leaves: free what it owns, clear its row."""
+        row = req.row
+        self._clear(row, int(self.kept[row]))
+        self.kept[row] = 0
+
+    # --- a request's row --------------------------------------------------------------
     def _free(self, slots: np.ndarray) -> None:
         """Hand slots back through the component, which never raises: a free that
         fails stays pending and is retried (`radixkv.tree.component`)."""
@@ -127,9 +203,8 @@ class WindowSlots:
         self.own[row, lo:upto] = False
         self.kept[row] = upto
 
-    def free_tail(self, row: int, start: int) -> None:
-        """Free the row's own slots from ``start`` on (a finished request's unaligned
-        tail, which the tree never takes)."""
+    def _clear(self, row: int, start: int) -> None:
+        """Free the row's own slots from ``start`` on and clear them."""
         self._free(self.table[row, start:][self.own[row, start:]])
         self.table[row, start:] = -1
         self.own[row, start:] = False
@@ -139,6 +214,7 @@ class WindowSlots:
         ``kv[i]``), one allocator call; evicts the tree's window KV when short.
         ``None`` (nothing changed but evictions): short even then."""
         p = self.page
+        counts = np.asarray(counts, dtype=np.int64)
         last = np.full(len(rows), -1, dtype=np.int64)
         if p > 1:  # a row's partial page is always its own (the tree takes whole pages)
             part = kv % p != 0
@@ -161,29 +237,12 @@ class WindowSlots:
         self.own[at] = True
         return slots
 
-    def unalloc(self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray) -> None:
-        """Undo `alloc` (the full slots of the same tokens could not be had)."""
-        at = np.repeat(rows, counts), _runs(kv, counts)
-        self._free(self.table[at])
-        self.table[at] = -1
-        self.own[at] = False
-
     def offer(self, row: int, n: int) -> np.ndarray:
         """The row's own slots of its first ``n`` positions, ``-1`` elsewhere (an
         insert's ``extras["window"]``)."""
         given = self.table[row, :n].copy()
         given[~self.own[row, :n]] = -1
         return given
-
-    def took(self, row: int) -> None:
-        """After an insert with `offer`: what the tree took is its own."""
-        taken = self.component.taken  # one entry per unit the insert stored
-        self.own[row, : len(taken)] &= ~taken
-
-    def release(self, row: int) -> None:
-        """The request leaves: free what it owns, clear its row."""
-        self.free_tail(row, int(self.kept[row]))
-        self.kept[row] = 0
 
     # --- the invariants ---------------------------------------------------------------
     def check(self, running: dict) -> None:

@@ -17,7 +17,7 @@ worker, how many leading pages it holds: O(pages + workers matched).
 
 Workers with recurrent layers (``sparse``: their cards say ``"events": "checkpoints"``)
 serve a prefix only up to a state checkpoint, so their events store one block per
-checkpoint, never the pages between (`radixkv.engine.recurrent`): such a block stands
+checkpoint, never the pages between (`radixkv.kvcache.recurrent`): such a block stands
 alone, its parent is not told. Their blocks are keyed by hash (``("fast", hash)`` for
 the event chain of `radixkv.blockhash`, ``("hash", hash)`` for hash-only events), and a
 worker's overlap is the deepest page of the request whose hash it holds, not a run.

@@ -381,7 +381,7 @@ class _Sim:
             if self.policy != "radixkv" or self.window is None:
                 return []
             return [(b, "boundary") for b in req.boundaries if hit < b <= n]
-        if self.policy == "radixkv":  # as the engine (`radixkv.engine.recurrent`): the
+        if self.policy == "radixkv":  # as the engine (`radixkv.kvcache.recurrent`): the
             # component's plan, where the same prompt sent again starts, the last page a
             # decode step reached
             marks = dict(self.state.plan(P, full, hit, req.boundaries))

@@ -52,7 +52,7 @@ class ReplayRunner(ModelRunner):
         super().__init__(base.model, base.kv, base.device, base.window)
         self.outputs, self.vocab = outputs, vocab
 
-    def forward(self, plan: list, table: Any, snapshots: Any = ()) -> torch.Tensor:
+    def forward(self, plan: list, table: Any, inputs: Any = None) -> torch.Tensor:
         logits = torch.zeros(len(plan), self.vocab)
         for i, (r, _) in enumerate(plan):
             out = self.outputs[r.rid]

@@ -2,7 +2,7 @@
 and the shared store, beside the KV pages of `radixkv.storage.tier`.
 
 A cached prefix helps a recurrent layer only from a checkpoint of its state
-(`radixkv.engine.recurrent`), so the KV pages of a prefix alone are no hit on such a
+(`radixkv.kvcache.recurrent`), so the KV pages of a prefix alone are no hit on such a
 model: the tiers keep the checkpoints too.
 
     key      the KV page key of the page a checkpoint ends (model identity + the page's

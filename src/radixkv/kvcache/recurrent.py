@@ -42,7 +42,7 @@ scheduling.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,16 +50,20 @@ import torch
 from radixkv.blockhash import event_hashes
 from radixkv.key import RadixKey
 from radixkv.kvcache.arena import ArenaCheckpoints
+from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.state_pool import StatePool
 from radixkv.tree import RadixCache
 from radixkv.tree.state import StateCheckpoints
 from radixkv.units import align_down
 
 
-class RecurrentStates:
-    """See the module docstring. ``pool``: ``max_running`` running rows and at least
+class RecurrentStates(LayerManager):
+    """See the module docstring: the recurrent spec's manager
+    (`radixkv.kvcache.managers`). ``pool``: ``max_running`` running rows and at least
     ``max_states`` spare ones (`spare_rows`); ``max_states`` checkpoints at most are
     held."""
+
+    kind = "states"
 
     def __init__(
         self, pool: StatePool, max_states: int, every_pages: int = 0,
@@ -107,6 +111,17 @@ class RecurrentStates:
         self.pool.give([row])
         return slot
 
+    def _take(self, fill: Callable[[int], None]) -> int | None:
+        """A free spare row, filled by ``fill(row)`` (given back if that raises)."""
+        row = self.pool.take()
+        if row is not None:
+            try:
+                fill(row)
+            except BaseException:
+                self.pool.give([row])
+                raise
+        return row
+
     def _unkeep(self, slots: list[int]) -> None:
         """Checkpoint slots (from `_keep`) back."""
         if self.store is None:
@@ -142,10 +157,9 @@ class RecurrentStates:
         """Make ``data`` (`row_bytes` of a state after ``key``, from a lower tier) the
         checkpoint at the end of ``key``, which the tree holds. False: no free row, or
         one is there already."""
-        row = self.pool.take()
+        row = self._take(lambda row: self.pool.load_row(row, data))
         if row is None:
             return False
-        self.pool.load_row(row, data)
         row = self._keep(row)
         if row is None:
             return False
@@ -176,10 +190,19 @@ class RecurrentStates:
         self.published[row] = hashes[-1]
         self.sink.stored([hashes[-1]], parent, list(tokens[-page:]), page, key.extra_key)
 
-    def admitted(self, r: Any, cache: RadixCache) -> None:
+    # --- the lifecycle's hooks (`LayerManager`) -------------------------------------
+    def join(self, cache: RadixCache, req_pool: Any) -> None:
+        if self.component.cache is not cache:
+            raise ValueError("states: its StateCheckpoints is not a component of the cache")
+        if self.pool.first < req_pool.max_reqs:
+            raise ValueError(f"states: {self.pool.first} running rows for "
+                             f"{req_pool.max_reqs} requests")  # fmt: skip
+
+    def admitted(self, r: Any) -> None:
         """After the match: copy the checkpoint the hit ends at into the request's row,
         and plan where its prefill snapshots."""
         self.release(r)
+        cache = self.component.cache
         if r.cached_len:
             slot = self.component.used(r.last_node)
             assert slot is not None, "a hit on a recurrent model ends at a checkpoint"
@@ -190,7 +213,7 @@ class RecurrentStates:
         full = align_down(min(r.full_hit, n - 1), cache.page_size)
         r.snap_plan = self.component.plan(n, full, r.cached_len, r.boundaries, resend=True)
 
-    def snapshots(self, plan: list[tuple[Any, int]]) -> list[tuple[int, int, int]]:
+    def forward(self, plan: Sequence[tuple[Any, int]]) -> list[tuple[int, int, int]]:
         """The step's snapshots: ``(index in plan, new tokens before it, row)`` for each
         planned position its new tokens reach (a free row each; none left: skipped),
         and a decode step that ends on a page boundary (`_roll`)."""
@@ -221,38 +244,52 @@ class RecurrentStates:
             out.append((i, n, row))
             r.snap_rows.append((r.kv_len, row, "end"))
 
-    def at_finish(self, r: Any, page: int) -> None:
+    def finishing(self, r: Any) -> None:
         """Before the request's row goes: its state after prompt + output, when that
         length is page-aligned (the tree caches whole pages only)."""
+        page = self.component.cache.page_size
         if r.kv_len and r.kv_len % page == 0 and all(p != r.kv_len for p, _, _ in r.snap_rows):
-            row = self.pool.take()
+            row = self._take(lambda row: self.pool.copy(r.row, row))
             if row is not None:
-                self.pool.copy(r.row, row)
                 r.snap_rows.append((r.kv_len, row, "end"))
 
-    def attach(self, r: Any, cache: RadixCache, upto: int) -> None:
+    def cached(self, r: Any, upto: int) -> None:
         """Make the request's snapshots at positions ``<= upto`` checkpoints of the
-        tree (which holds that prefix now)."""
-        keep = []
-        tokens = None
-        for pos, row, kind in r.snap_rows:
+        tree (which holds that prefix now). A call that raises midway leaves every
+        snapshot not yet handled pending, and the one it was handling freed."""
+        pending, r.snap_rows = r.snap_rows, []
+        for i, (pos, row, kind) in enumerate(pending):
             if pos > upto:
-                keep.append((pos, row, kind))
+                r.snap_rows.append((pos, row, kind))
                 continue
-            tokens = r.token_array() if tokens is None else tokens
-            key = RadixKey(tokens, r.extra_key)[:pos]
-            slot = self._keep(row)  # (may evict: before the tree is asked)
+            try:
+                slot = self._keep(row)  # (may evict: before the tree is asked)
+            except BaseException:
+                r.snap_rows += pending[i:]
+                raise
             if slot is None:
                 continue
-            if cache.match_len(key, full=True) < pos:  # not (or no longer) in the tree
-                self._unkeep([slot])
-                continue
-            node = cache.insert_node(key).last_node
-            if not self.component.add(node, slot, kind=kind):
-                self._unkeep([slot])
-            else:
-                self._added(slot, key, cache.page_size)
-        r.snap_rows = keep
+            try:
+                self._attach(r, pos, slot, kind)
+            except BaseException:
+                r.snap_rows += pending[i + 1 :]
+                raise
+
+    def _attach(self, r: Any, pos: int, slot: int, kind: str) -> None:
+        """Checkpoint ``slot`` (kept) on the node ending at ``pos``, if the tree holds
+        that prefix and has no checkpoint there; else freed."""
+        cache = self.component.cache
+        key = RadixKey(r.token_array(), r.extra_key)[:pos]
+        try:
+            held = cache.match_len(key, full=True) >= pos  # not (or no longer) in the tree
+            added = held and self.component.add(cache.insert_node(key).last_node, slot, kind=kind)
+        except BaseException:
+            self._unkeep([slot])
+            raise
+        if not added:
+            self._unkeep([slot])
+        else:
+            self._added(slot, key, cache.page_size)
 
     def release(self, r: Any) -> None:
         """A request leaves without caching (preempted, aborted): free its pending
@@ -261,8 +298,8 @@ class RecurrentStates:
         r.snap_rows = []
         r.snap_plan = []
 
-    def check(self, running: list[Any]) -> None:
-        pending = [row for r in running for _, row, _ in r.snap_rows]
+    def check(self, running: dict) -> None:
+        pending = [row for r in running.values() for _, row, _ in r.snap_rows]
         if self.store is None:
             self.pool.check([*pending, *self.component.held])
         else:

@@ -1,0 +1,120 @@
+"""`LayerManager`: one layer spec's part of a request's memory, behind one small interface
+that the request lifecycle (`radixkv.kvcache.lifecycle.CacheManager`) loops over, as
+vLLM's ``KVCacheCoordinator`` loops over its single-type managers.
+
+A model declares one spec per layer type (`radixkv.kvcache.spec`); the engine's memory
+(`radixkv.engine.cache_memory`) builds one manager per spec beyond full attention:
+
+    FullAttentionSpec   the lifecycle itself: the tree's values are full-attention
+                        slots, so matching, locking and inserting them is its own work
+    SlidingWindowSpec   `radixkv.kvcache.window_slots.WindowSlots`: a running
+                        request's window slots, beside its full ones
+    RecurrentSpec       `radixkv.kvcache.recurrent.RecurrentStates`: a running
+                        request's state row, its snapshots and the tree's checkpoints
+
+The steps of a request's life, in the order the lifecycle calls them; each is a loop over
+the managers, and a manager leaves alone what it has no part in (every hook here does
+nothing):
+
+    reserve(req, hit, chunk)  before admission: can it take the request's first chunk
+                            besides what this round's earlier admissions reserved?
+                            (`new_round` starts a round)
+    admitted(req)           after the match: the request's row holds the hit's
+                            full-attention slots and its lock is on ``req.last_node``
+    allocate(...)           before its next tokens get full slots (False: short; then
+                            `unallocate` undoes it when the full slots cannot be had)
+    forward(plan)           what the model needs of this manager in the step (a
+                            recurrent model's snapshot positions)
+    inserted(req, key)      after an insert of ``key``, the lock on its new end
+    cached(req, upto)       after the step's inserts of the request, outside any group
+                            of frees (it may evict): what it computed up to ``upto`` is
+                            in the tree
+    finishing(req)          the request has its last token; its row is still there
+                            (called by the lifecycle's caller, per request)
+    free_tail(req, start)   the request's own slots from ``start`` on are freed
+    release(req)            it leaves (finished, preempted, aborted): free what it owns
+    check(running)          its invariants, with ``running`` the lifecycle's rows
+
+Two flags say how a manager bends the lifecycle's own steps: ``reads_path`` (it reads
+the tree's slots on a request's locked path across an insert, so the old end stays
+locked until the new one is) and ``marks_ends`` (an insert stops at each of a request's
+boundaries and tells it, `boundary`, so it can keep what a match ending there needs).
+`join` checks, once, that the manager fits the lifecycle's tree and row table.
+
+Eviction is not a manager's: each spec's cached part is a tree component
+(`radixkv.tree.window.WindowKV`, `radixkv.tree.state.StateCheckpoints`) that the tree
+evicts with its nodes, and with one arena the budget (`radixkv.kvcache.budget`) orders
+victims across kinds.
+
+Owns: the interface. Must not touch: any manager's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+class LayerManager:
+    """One spec's part of a request's memory; see the module docstring for when each hook
+    runs. ``kind`` names it in reports (``"window"``, ``"states"``)."""
+
+    kind = ""
+    component: Any = None  # its cached part: a component of the tree, evicted with it
+    reads_path = False
+    marks_ends = False
+
+    def join(self, cache: Any, req_pool: Any) -> None:
+        """Raise ``ValueError`` when this manager cannot serve a lifecycle over
+        ``cache`` and ``req_pool``."""
+
+    def new_round(self) -> None:
+        """An admission round starts: nothing is reserved."""
+
+    def reserve(self, req: Any, hit: int, chunk: int) -> bool:
+        """Whether the request, hitting ``hit`` tokens, can compute its first ``chunk``
+        besides this round's earlier reservations; reserves it when so."""
+        return True
+
+    def admitted(self, req: Any) -> None:
+        """The request was just admitted (row, lock and hit set)."""
+
+    def allocate(
+        self, reqs: Sequence[Any], rows: np.ndarray, kv: np.ndarray, counts: np.ndarray
+    ) -> bool:
+        """Room for ``counts[i]`` more tokens of ``reqs[i]`` (at row ``rows[i]``, from
+        ``kv[i]``). False: short (nothing changed but evictions)."""
+        return True
+
+    def unallocate(self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray) -> None:
+        """Undo the last `allocate` of these (the full slots could not be had)."""
+
+    def forward(self, plan: Sequence[tuple[Any, int]]) -> list:
+        """What the model needs of this manager for the step ``plan``."""
+        return []
+
+    def inserted(self, req: Any, key: Any) -> None:
+        """``key`` (the request's first tokens) was inserted; its end is locked."""
+
+    def boundary(self, req: Any) -> None:
+        """An insert ended at one of the request's boundaries (``req.last_node``)."""
+
+    def cached(self, req: Any, upto: int) -> None:
+        """The tree holds what the request computed up to ``upto``."""
+
+    def finishing(self, req: Any) -> None:
+        """The request has its last token; its row still holds its state."""
+
+    def free_tail(self, req: Any, start: int) -> None:
+        """The request's own slots from ``start`` on were freed."""
+
+    def release(self, req: Any) -> None:
+        """The request leaves: free what it still owns."""
+
+    def check(self, running: dict) -> None:
+        """Raise ``AssertionError`` when an invariant does not hold."""
+
+
+__all__ = ["LayerManager"]
