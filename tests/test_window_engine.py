@@ -11,6 +11,7 @@ import torch
 from helpers import cached_chats
 from test_families import folder, greedy
 
+from radixkv import RadixKey
 from radixkv.engine.engine import Engine, SamplingParams
 
 GEMMA = ("Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 10,
@@ -137,9 +138,12 @@ def test_window_tokens_is_checked(model, tmp_path):
     assert tiers.window is None and "tiers" in tiers.memory_summary()[-1]
     with pytest.raises(ValueError, match="window_tokens: LlamaForCausalLM has no sliding"):
         Engine("random", window_tokens=512)
-    with pytest.raises(ValueError, match="window_tokens=0"):
-        Engine(str(path)).publish_kv_events(lambda batch: None)
-    Engine(str(path), window_tokens=0).publish_kv_events(lambda batch: None)
+    split = Engine(str(path))  # KV events with the window apart: servable blocks only
+    split.publish_kv_events(lambda batch: None)
+    assert split.window is not None and split.event_blocks == "windows"
+    whole = Engine(str(path), window_tokens=0)
+    whole.publish_kv_events(lambda batch: None)
+    assert whole.event_blocks == "pages"
 
 
 def test_the_pools_are_sized_per_layer_type_and_said(model):
@@ -158,7 +162,7 @@ def test_the_pools_are_sized_per_layer_type_and_said(model):
 def test_served_with_the_openai_client(tmp_path):
     """`radixkv serve` on a Gemma 3 folder, the official client: the pools' sizes are
     printed at start, a chat sharing a long system message hits it, and /metrics shows
-    the window KV the cache holds; KV events with window freeing are refused."""
+    the window KV the cache holds; windows apart with host or store tiers are refused."""
     import re
     import subprocess
     import sys
@@ -187,8 +191,129 @@ def test_served_with_the_openai_client(tmp_path):
     assert held and float(held.group(1)) > 0 and size and float(size.group(1)) > 0
     assert re.search(r"radixkv:window_kv_usage_perc\{[^}]*\} ", text)
     bad = subprocess.run(
-        [sys.executable, "-m", "radixkv.cli", "serve", "--model", str(path), "--kv-events",
-         "tcp://127.0.0.1:5999", "--window-tokens", "1024"],
+        [sys.executable, "-m", "radixkv.cli", "serve", "--model", str(path), "--host-tokens",
+         "256", "--window-tokens", "1024"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("error: --window-tokens")
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_kv_events_tell_the_blocks_a_match_can_end_at_under_window_pressure(model, page):
+    """KV events with the window apart (`radixkv.tree.servable`): after every step the
+    blocks told are exactly the pages a match may end at (full KV in the tree and the
+    window before it held), as windows are evicted while their full KV stays; a router
+    index fed the stream credits this worker where its cache would hit, each block
+    alone; the outputs equal an engine that keeps every window."""
+    from test_servable_events import servable_blocks
+
+    from radixkv.events import BlockRemoved, BlockStored
+    from radixkv.router.index import KvIndex
+
+    _, path = model
+    small = dict(page_size=page, chunk_size=16, max_running=4, kv_tokens=640, check_memory=True)
+    split = Engine(str(path), window_tokens=4 * 16 + 64 if page == 16 else 60, **small)
+    whole = Engine(str(path), window_tokens=0, **small)
+    batches: list = []
+    split.publish_kv_events(batches.append)
+    told: set[int] = set()
+    index = KvIndex(page)
+    index.sparse.add("w")
+    ps = prompts()
+    for i, p in enumerate(ps):
+        split.add_request(p, SamplingParams(12, ignore_eos=True), i, chat=False)
+    outputs: dict = {}
+    while split.has_unfinished():
+        for out in split.step():
+            outputs.setdefault(out.rid, []).extend(out.token_ids)
+        for b in batches:
+            index.apply("w", b)
+            for e in b.events:
+                if isinstance(e, BlockStored):
+                    assert told.isdisjoint(e.block_hashes)
+                    told.update(e.block_hashes)
+                elif isinstance(e, BlockRemoved):
+                    assert set(e.block_hashes) <= told
+                    told.difference_update(e.block_hashes)
+        batches.clear()
+        assert told == servable_blocks(split.cache, False)
+    assert split.window.evicted > 0 and told  # windows went, and blocks are still told
+    ref = whole.generate(ps, max_new_tokens=12, chat=False, ignore_eos=True)
+    assert [outputs[i] for i in range(len(ps))] == [o.token_ids for o in ref.outputs]
+    # the router credits the deepest told page of a prompt; the engine hits there
+    credits = [index.overlap(p).get("w", 0) for p in ps]
+    assert credits == [split.cache.match_len(RadixKey(p)) // page for p in ps]
+    assert any(credits)
+
+
+@pytest.mark.slow
+def test_a_windowed_fleet_routes_on_the_blocks_its_workers_can_serve(tmp_path):
+    """Two `radixkv serve` workers on a Gemma 3 folder, the sliding layers' KV apart
+    under one byte budget, publish KV events; `radixkv route --policy kv` indexes them
+    (each block alone: the cards say ``"events": "windows"``). Four interleaved
+    multi-turn conversations: each one's later turns hit, and what routing captured is
+    within 5% of what the engines delivered."""
+    import time
+
+    import httpx
+
+    from radixkv.web.process import ServerProcess, free_port_pair
+
+    arch, config = GEMMA
+    path = folder(tmp_path / "g", arch, **config)
+
+    def counter(url: str, name: str) -> float:
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith(f"{name} ") or line.startswith(f"{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    ports = [free_port_pair() for _ in range(2)]
+    # a budget where windows are evicted while their full KV stays: the told pages
+    # have holes, so a router that chained them from the root would credit too little
+    args = ["--model", str(path), "--page-size", "16", "--cache-bytes", "320KiB"]
+    workers = [ServerProcess(*args, "--kv-events", f"tcp://127.0.0.1:{p}", timeout=90)
+               for p in ports]  # fmt: skip
+    specs = [a for w, p in zip(workers, ports, strict=True)
+             for a in ("--worker", f"{w.url},tcp://127.0.0.1:{p}")]  # fmt: skip
+    router = ServerProcess("--model", str(path), "--policy", "kv", *specs,
+                           command="route", timeout=90)  # fmt: skip
+    try:
+        card = httpx.get(f"{workers[0].url}/v1/models").json()["data"][0]["radixkv"]
+        assert card["events"] == "windows"
+
+        def settle() -> None:  # bounded: the index holds what the workers told
+            deadline = time.monotonic() + 30
+            while True:
+                rows = httpx.get(f"{router.url}/route/state").json()["workers"]
+                state = {w["url"]: w["indexed_blocks"] for w in rows}
+                told = {w.url: counter(w.url, "radixkv:prefix_cache_servable_blocks")
+                        for w in workers}  # fmt: skip
+                if all(state[u] == told[u] for u in told):
+                    return
+                assert time.monotonic() < deadline, (state, told)
+                time.sleep(0.05)
+
+        talks = [f"Conversation {c}: tell me about the number {c * 37}. " * 3 for c in range(4)]
+        cached: list[list[int]] = [[] for _ in talks]
+        for turn in range(4):
+            for c in range(len(talks)):
+                body = {"prompt": talks[c], "max_tokens": 3, "temperature": 0}
+                r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                cached[c].append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+                talks[c] += f" Reply {turn}: noted. Next question, number {turn}? " * 2
+                settle()
+        captured = counter(router.url, "radixkv_router:routing_captured_tokens_total")
+        delivered = counter(router.url, "radixkv_router:engine_delivered_tokens_total")
+        evicted = sum(float(line.rsplit(" ", 1)[1]) for w in workers
+                      for line in httpx.get(f"{w.url}/metrics").text.splitlines()
+                      if line.startswith("radixkv:cache_kind_evicted_bytes_total{")
+                      and 'kind="window"' in line)  # fmt: skip
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()
+    assert evicted > 0
+    assert all(x[0] == 0 and all(n > 0 for n in x[1:]) for x in cached), cached
+    assert delivered > 0 and abs(captured - delivered) <= 0.05 * delivered, (captured, delivered)

@@ -89,7 +89,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="the sliding-window layers' own KV pool (Gemma 3, Mistral, Qwen with sliding "
         "layers): running requests keep only their last window, the cache the windows a "
         "match can end at; 0: keep them in the full pool; with a --cache-bytes SIZE the "
-        "most window KV the budget holds (a cap) [sized at start; 0 with --kv-events or "
+        "most window KV the budget holds (a cap) [sized at start; 0 with host or store "
         "tiers]",
     )  # fmt: skip
     serve.add_argument(
@@ -225,10 +225,7 @@ def run(args: argparse.Namespace) -> int:
             write_policy=args.write_policy, storage_secret=args.storage_secret,
             storage_max_bytes=args.storage_max_bytes, max_checkpoints=args.max_checkpoints,
             checkpoint_every=args.checkpoint_every,
-            max_retained_tokens=args.max_retained_tokens,
-            # KV events advertise whole pages: the sliding layers keep theirs unless asked
-            window_tokens=0 if args.kv_events and args.window_tokens is None
-            else args.window_tokens,
+            max_retained_tokens=args.max_retained_tokens, window_tokens=args.window_tokens,
         )  # fmt: skip
         access = Access.for_bind(
             args.host, api_key=args.api_key, admin_key=args.admin_key,
@@ -242,10 +239,6 @@ def run(args: argparse.Namespace) -> int:
         args.log_level, args.kv_events, args.kv_events_replay, access, args.kv_events_key,
         args.kv_events_mode == "tokens",
     )  # fmt: skip
-    if args.kv_events and args.window_tokens:
-        raise CliError("--window-tokens: KV events advertise whole pages, and with the "
-                       "sliding layers' KV apart a page is servable only where a window "
-                       "is kept; use --window-tokens 0 with --kv-events")  # fmt: skip
     if args.kv_events:
         problem = exposure_problem(args.kv_events, args.kv_events_replay, args.kv_events_insecure)
         if problem:

@@ -242,22 +242,29 @@ class Engine:
         request (the cache must be empty). ``salt_key`` keys the namespace tags;
         ``tokens=False`` publishes block hashes only; ``arrays`` hands token ids
         and block hashes over as arrays, for a ``publish`` that only encodes them
-        (`radixkv.events.EventCollector`). On a recurrent model a prefix is servable
-        only up to a checkpoint, so the events tell one block per checkpoint
-        (`radixkv.kvcache.recurrent`), never the pages between."""
+        (`radixkv.events.EventCollector`). Only blocks a match could end at are told
+        (`event_blocks`): on a recurrent model a prefix is servable only up to a
+        checkpoint, so the events tell one block per checkpoint
+        (`radixkv.kvcache.recurrent`), never the pages between; with the sliding layers'
+        KV apart, a page only while the window before it is held, withdrawn when that
+        window goes (`radixkv.tree.servable`)."""
         from radixkv.events import EventCollector
 
-        if self.window is not None:
-            raise ValueError("KV events advertise whole pages, but this engine frees the "
-                             "sliding layers' KV outside the windows it keeps (a page is "
-                             "servable only where a window is): use window_tokens=0 "
-                             "(serve --window-tokens 0) with KV events")  # fmt: skip
         collector = EventCollector(salt_key, tokens, arrays)
         if self.recurrent is not None:
             self.recurrent.publish(collector)
         else:
             self.cache.set_event_sink(collector)
         self._events = (collector, publish)
+
+    @property
+    def event_blocks(self) -> str:
+        """What this engine's KV events' blocks are: ``"pages"`` (each with the run
+        before it), ``"checkpoints"`` (a recurrent model's, each alone) or
+        ``"windows"`` (pages whose window is held, each alone: the runs have holes)."""
+        if self.recurrent is not None:
+            return "checkpoints"
+        return "windows" if self.window is not None else "pages"
 
     def _flush_events(self) -> None:
         if self._events is not None:

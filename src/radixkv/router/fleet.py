@@ -357,8 +357,9 @@ class Router:
         blocks = info.get("kv_blocks")
         if isinstance(blocks, int) and blocks > 0:  # a worker never holds more than its pool
             self.core.index.max_blocks[spec.url] = blocks
-        # a recurrent model's events name its checkpoints, each block alone
-        if info.get("events") == "checkpoints":
+        # a recurrent model's events name its checkpoints, a windowed model's the pages
+        # whose window is held: each block alone
+        if info.get("events") in ("checkpoints", "windows"):
             self.core.index.sparse.add(spec.url)
         else:
             self.core.index.sparse.discard(spec.url)

@@ -594,9 +594,10 @@ def build_app(
                 "page_size": engine.cache.page_size,
                 # the most pages its KV pool holds: a router never believes it holds more
                 "kv_blocks": engine.mgr.allocator.size // engine.cache.page_size,
-                # what its KV events' blocks are: pages (each with the run before it), or
-                # a recurrent model's checkpoints (each alone: a servable prefix's end)
-                "events": "pages" if engine.recurrent is None else "checkpoints",
+                # what its KV events' blocks are: pages (each with the run before it), a
+                # recurrent model's checkpoints or the pages whose sliding window is held
+                # (each alone: a servable prefix's end; Engine.event_blocks)
+                "events": engine.event_blocks,
                 "tokenizer": tokenizer_fingerprint(engine.tokenizer),
                 # what a router without --model loads to tokenize as this worker does
                 # (byte, smollm2 or a path on this machine, as vLLM's card shows its root)

@@ -86,6 +86,11 @@ class EngineCollector(Collector):
                 (CounterMetricFamily, "window_kv_evicted_tokens", "Sliding-window KV tokens "
                  "the cache freed to make room (its matches end earlier there)", win.evicted),
             ]  # fmt: skip
+            gate = e.cache.component("servable")  # with KV events (radixkv.tree.servable)
+            if gate is not None:
+                values.append((GaugeMetricFamily, "prefix_cache_servable_blocks", "Pages a "
+                               "match can end at now (their window held), as the KV events "
+                               "told them", gate.told))  # fmt: skip
             if e.arena is None:  # (with one budget there is no window pool of its own)
                 values.append((GaugeMetricFamily, "window_kv_usage_perc", "Fraction of the "
                                "sliding-window KV pool in use (running requests and cached "

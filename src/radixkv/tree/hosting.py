@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from radixkv.tree.component import TreeComponent
-from radixkv.tree.hashes import CacheEventSink, EventHashes, hash_components
+from radixkv.tree.hashes import BlockHashes, CacheEventSink, EventHashes, hash_components
+from radixkv.tree.servable import Muted, ServableBlocks
+from radixkv.tree.window import WindowKV
 
 if TYPE_CHECKING:
     pass
@@ -33,7 +35,7 @@ class ComponentHost:
         if component.index >= 0:
             raise ValueError(f"component {component.name!r} belongs to a cache already")
         self._own.append(component)
-        self._set_components(self._own + hash_components(self._sink, self._evict_hook))
+        self._set_components(self._own + self._hash_components())
 
     def component(self, name: str) -> TreeComponent | None:
         """The component called ``name``, if the cache has one."""
@@ -104,16 +106,32 @@ class ComponentHost:
         """Which chains the nodes keep (`radixkv.tree.hashes.hash_components`): new ones
         only while empty; a chain no longer asked for leaves at any time."""
         if self._num_nodes:
-            wanted = hash_components(self._sink, self._evict_hook)
+            wanted = self._hash_components()
             kinds = {type(c) for c in wanted}
             now = [c for c in self._components if c in self._own or type(c) in kinds]
         else:
-            now = self._own + hash_components(self._sink, self._evict_hook)
+            now = self._own + self._hash_components()
         self._set_components(now)
+        window = next((c for c in self._own if isinstance(c, WindowKV)), None)
+        if window is not None and not any(isinstance(c, ServableBlocks) for c in now):
+            window.watch = None  # no sink hears of windows any more
+
+    def _hash_components(self) -> list[TreeComponent]:
+        """The chains the sink and the evict hook ask for; with sliding-window KV, the
+        event sink hears only servable blocks (`radixkv.tree.servable`), through a gate
+        that reads the chain's hashes."""
+        sink, hook = self._sink, self._evict_hook
+        window = next((c for c in self._own if isinstance(c, WindowKV)), None)
+        if window is None or sink is None:
+            return hash_components(sink, hook)
+        strong = bool(getattr(sink, "strong_hashes", False))
+        out: list[TreeComponent] = hash_components(Muted(strong), hook)
+        chain = next(c for c in out if isinstance(c, BlockHashes if strong else EventHashes))
+        return [*out, ServableBlocks(sink, chain, window)]  # type: ignore[arg-type]
 
     def flush_events(self) -> None:
         """Hash the pages inserted since the last flush and report them to the event
         sink (`radixkv.tree.hashes.EventHashes.flush`); a no-op without one."""
         for c in self._components:
-            if isinstance(c, EventHashes):
+            if isinstance(c, EventHashes | ServableBlocks):
                 c.flush()

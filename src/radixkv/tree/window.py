@@ -155,6 +155,9 @@ class WindowKV(TreeComponent):
         # reach changes, the only ways to gain spare (a split or trim shortens a node's
         # covered tail as much as its need); one found without is dropped
         self._holders, self._spares = _Order(), _Order()
+        # told of every node whose window slots change (`radixkv.tree.servable`: KV
+        # events that tell only the blocks a match can end at)
+        self.watch: Callable[[TreeNode], None] | None = None
 
     def attach(self, cache: Any, index: int) -> None:
         super().attach(cache, index)
@@ -297,6 +300,7 @@ class WindowKV(TreeComponent):
                 joins = first == start  # what came before joins the covered tail
                 w.slots = (prior if joins else _NONE) + given[first:n].tobytes()  # type: ignore[index]
                 self._queue(leaf)
+                self._changed(leaf)
                 self.taken[first:n] = True
                 self.held += n - first
                 if not joins:
@@ -323,12 +327,14 @@ class WindowKV(TreeComponent):
             cut = (have - need) << 3
             self._freed.append(w.slots[:cut])
             w.slots = w.slots[cut:]
+            self._changed(node)
         elif have < need and given is not None:
             lo, hi = end - need, end - have  # the absolute units to take
             lo += _run_start(given[lo:hi])  # only the run up to the covered tail
             if lo < hi:
                 w.slots = given[lo:hi].tobytes() + w.slots
                 self._queue(node)
+                self._changed(node)
                 self.taken[lo:hi] = True
                 self.held += hi - lo
 
@@ -368,6 +374,10 @@ class WindowKV(TreeComponent):
         if freed:
             self.release(torch.frombuffer(bytearray(b"".join(freed)), dtype=torch.int64))
 
+    def _changed(self, node: TreeNode) -> None:
+        if self.watch is not None:
+            self.watch(node)
+
     # --- the tree changes ---------------------------------------------------------------
     def split(self, lower: TreeNode, upper: TreeNode, units: int) -> None:
         w = self._w(lower)
@@ -381,6 +391,8 @@ class WindowKV(TreeComponent):
             self._queue(upper)
         # the mark stays with the lower half, whose end it is
         w.slots = w.slots[up << 3 :]
+        self._changed(upper)
+        self._changed(lower)
 
     def merge(self, leaf: TreeNode, parent: TreeNode) -> None:
         # ``inserted`` (next, in the same insert) joins the parent's covered tail, which
@@ -407,6 +419,7 @@ class WindowKV(TreeComponent):
                 keep = max(have - take, 0)
                 self._freed.append(w.slots[keep << 3 :])
                 w.slots = w.slots[: keep << 3]
+                self._changed(node)
             self._refresh(node)
         parents, self._parents = self._parents, []
         for node in {id(p): p for p in parents}.values():
@@ -509,6 +522,7 @@ class WindowKV(TreeComponent):
                     cut = self._spare(node)
                     self._freed.append(w.slots[: cut << 3])
                     w.slots = w.slots[cut << 3 :]
+                    self._changed(node)
                     freed += cut
                     if freed >= units:
                         break
@@ -537,6 +551,7 @@ class WindowKV(TreeComponent):
             return 0
         self._freed.append(w.slots)
         w.slots = _NONE
+        self._changed(node)
         return len(self._freed[-1]) >> 3
 
     # --- checks -------------------------------------------------------------------------
