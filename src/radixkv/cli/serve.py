@@ -89,8 +89,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="the sliding-window layers' own KV pool (Gemma 3, Mistral, Qwen with sliding "
         "layers): running requests keep only their last window, the cache the windows a "
         "match can end at; 0: keep them in the full pool; with a --cache-bytes SIZE the "
-        "most window KV the budget holds (a cap) [sized at start; 0 with host or store "
-        "tiers]",
+        "most window KV the budget holds (a cap) [sized at start]",
     )  # fmt: skip
     serve.add_argument(
         "--max-retained-tokens", type=number(int, 0, "a non-negative integer"), default=None,

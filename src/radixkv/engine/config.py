@@ -169,9 +169,6 @@ class EngineConfig:
             as_count(self.max_retained_tokens, "max_retained_tokens")
         if self.window_tokens is not None:
             as_count(self.window_tokens, "window_tokens")
-            if self.window_tokens and (self.storage is not None or self.host_tokens):
-                raise ValueError("window_tokens: host and store tiers keep whole pages "
-                                 "of every layer; use 0 (or None) with them")  # fmt: skip
         as_bool(self.prefix_cache, "prefix_cache")
         as_bool(self.check_memory, "check_memory")
         as_count(self.seed, "seed")

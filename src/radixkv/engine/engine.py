@@ -174,9 +174,15 @@ class Engine:
         self._source_files = getattr(net, "source_files", None)
         self._identity: bytes | None = None
         self.tier: Any = None  # host pool and shared store (radixkv.storage), if any
+        self.window_tiers: Any = None  # their window pages, with the sliding KV apart
         if cfg.storage is not None or cfg.host_tokens:
             self.tier = build_tiers(cfg, memory, self.model_identity())
             self.scheduler.prefetch = self._prefetch
+            if self.window is not None:  # window pages go down the tiers apart
+                from radixkv.storage.windows import WindowTiers
+
+                host_pages = cfg.host_tokens // cfg.page_size
+                self.window_tiers = WindowTiers(self.tier, self.window, host_pages)
             if self.recurrent is not None:  # its checkpoints go down the tiers too
                 from radixkv.storage.states import StateTiers
 
@@ -229,6 +235,8 @@ class Engine:
             self.recurrent.tiers.load(r.token_array(), r.extra_key, usable, alloc)
         else:
             self.tier.load(r.token_array(), r.extra_key, usable, alloc)
+        if self.window_tiers is not None:  # then the window before the deepest end
+            self.window_tiers.load(r.token_array(), r.extra_key, usable)
 
     def publish_kv_events(
         self,
@@ -546,6 +554,8 @@ class Engine:
             n = r.kv_len - r.kv_len % self.cache.page_size
             slots = self.mgr.req_pool.read(r.row, 0, n).clone()
             self.tier.save(r.token_array()[:n], r.extra_key, slots)
+            if self.window_tiers is not None:
+                self.window_tiers.save(r.token_array()[:n], r.extra_key, r.row, n)
 
     def _check(self) -> None:
         self.mgr.check_memory()
@@ -556,6 +566,8 @@ class Engine:
             self.tier.check()
             if self.recurrent is not None and self.recurrent.tiers is not None:
                 self.recurrent.tiers.check()
+            if self.window_tiers is not None:
+                self.window_tiers.check()
 
     def _finish(self, r: EngineReq, reason: str) -> None:
         r.finish_reason = reason

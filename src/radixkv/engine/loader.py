@@ -127,8 +127,6 @@ def plan_windows(cfg: EngineConfig, mc: ModelConfig) -> WindowPlan:
         return WindowPlan()
     if asked == 0:
         return WindowPlan(why_not="window_tokens=0")
-    if asked is None and (cfg.storage is not None or cfg.host_tokens):
-        return WindowPlan(why_not="host / store tiers keep whole pages of every layer")
     layers, window, p = sliding.layers, sliding.window, cfg.page_size
     peak = window_peak(window, p, cfg.chunk_size)  # one request alone
     size = asked

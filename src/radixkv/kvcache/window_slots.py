@@ -221,20 +221,34 @@ class WindowSlots(LayerManager):
             last[part] = self.table[rows[part], kv[part] - 1]
         slots = self.allocator.alloc_extend_batch(last, counts)
         if slots is None:
-            short = self.allocator.shortfall(last, counts)
-            if self.room is not None:  # one arena: the budget frees across kinds
-                held = self.component.held_units()
-                self.room.evict_for(self.allocator, short)  # type: ignore[attr-defined]
-                self.evicted += max(0, held - self.component.held_units())
-            else:
-                spare = self.component.evict_spare(short)  # no match loses an end for these
-                self.evicted += spare + self.component.evict(max(short - spare, 0))
+            self._evict(self.allocator.shortfall(last, counts))
             slots = self.allocator.alloc_extend_batch(last, counts)
             if slots is None:
                 return None
         at = np.repeat(rows, counts), _runs(kv, counts)
         self.table[at] = slots.numpy(force=True)
         self.own[at] = True
+        return slots
+
+    def _evict(self, short: int) -> None:
+        """Free window KV of the tree for ``short`` more slots: with one arena the
+        budget's order across kinds, else the spare windows first."""
+        if self.room is not None:
+            held = self.component.held_units()
+            self.room.evict_for(self.allocator, short)  # type: ignore[attr-defined]
+            self.evicted += max(0, held - self.component.held_units())
+        else:
+            spare = self.component.evict_spare(short)  # no match loses an end for these
+            self.evicted += spare + self.component.evict(max(short - spare, 0))
+
+    def take(self, n: int) -> torch.Tensor | None:
+        """``n`` window slots (whole pages) outside any row, for window pages a tier
+        brings back (`radixkv.storage.windows`); evicts as `alloc` does. ``None``:
+        short even then."""
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            self._evict(n - self.allocator.available_size())
+            slots = self.allocator.alloc(n)
         return slots
 
     def offer(self, row: int, n: int) -> np.ndarray:

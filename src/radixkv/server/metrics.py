@@ -123,6 +123,16 @@ class EngineCollector(Collector):
                     (CounterMetricFamily, "state_checkpoints_bad", "Stored checkpoints "
                      "refused: corrupt or unauthenticated", st_tiers.bad),
                 ]  # fmt: skip
+        wt = e.window_tiers
+        if wt is not None:  # window pages below the device (radixkv.storage.windows)
+            values += [
+                (CounterMetricFamily, "window_pages_loaded", "Window pages brought back from "
+                 "the host tier or the shared store", wt.loaded),
+                (GaugeMetricFamily, "host_window_pages", "Window pages held by the host "
+                 "tier", len(wt.host)),
+                (CounterMetricFamily, "window_pages_bad", "Stored window pages refused: "
+                 "corrupt or unauthenticated", wt.bad),
+            ]  # fmt: skip
         tier = e.tier
         if tier is not None:
             st = tier.stats

@@ -26,6 +26,14 @@ _FLAG_MAC = 1
 _HEADER = struct.Struct(">4sH16s16sBQI")
 
 
+def layout_identity(identity: bytes, layout: str) -> bytes:
+    """16 bytes for values of another payload layout under the model's ``identity``
+    (the full-attention layers alone, the window layers' pages): pages of one layout
+    are never read as another's, as a key and a header name them."""
+    return hashlib.blake2b(identity + layout.encode(), digest_size=16,
+                           person=b"rkv-layout").digest()  # fmt: skip
+
+
 class PageError(ValueError):
     """A stored value that must not be used; ``kind`` is ``corrupt`` (the header, length
     or CRC check failed: another format, model or key, truncated, flipped bits) or

@@ -23,7 +23,10 @@ are synchronous (the prefill needs the data).
 Keys: ``model identity (16 bytes) + page hash (16 bytes)``, the page hash chained over
 the pages and salted with the namespace (`radixkv.tree.page_hash`, BLAKE2b-128), the
 identity naming every byte of the weights, the config, tokenizer, dtype, page size and
-KV layout (`radixkv.storage.identity`).
+KV layout (`radixkv.storage.identity`). With the sliding layers' KV apart (a slot space
+of their own), a page holds the full-attention layers only, under a variant of the
+identity that names them (`layout_identity`): the window layers' pages are
+`radixkv.storage.windows`', and neither layout is ever read as the other.
 
 Self-repair: the writer remembers which pages the store has, to skip asking again. A
 page a read finds missing is forgotten; one it finds corrupt or unauthenticated is
@@ -55,7 +58,7 @@ import torch
 from radixkv.key import RadixKey
 from radixkv.kvcache.memory import KVPool
 from radixkv.storage import WRITE_POLICIES
-from radixkv.storage.page import PageCodec, PageError
+from radixkv.storage.page import PageCodec, PageError, layout_identity
 from radixkv.storage.store import PageStore, StoreStats
 from radixkv.tree import HASH_BYTES, RadixCache, chain_hashes
 
@@ -63,6 +66,28 @@ log = logging.getLogger("radixkv.storage")
 KNOWN_KEYS = 1 << 16  # keys remembered as stored, to skip asking the store again
 STAGING_MAX_BYTES = 256 << 20  # the staging buffer a tier keeps between loads, at most
 WRITE_QUEUE = 256  # page batches waiting for the writer; beyond, writes are dropped
+
+
+def gather_pages(kv: KVPool, layers: list[int], slots: torch.Tensor, page: int) -> torch.Tensor:
+    """``layers``' KV at ``slots`` (whole pages) as ``[pages, 2, layers, page, H, D]``."""
+    by_page = slots.view(-1, page)
+    if not layers:  # (every layer slides: a full page holds no tensor)
+        k0 = kv.k[0]
+        return torch.empty((len(by_page), 2, 0, page, *k0.shape[1:]), dtype=k0.dtype)
+    k = torch.stack([kv.k[i][by_page] for i in layers], dim=1)
+    v = torch.stack([kv.v[i][by_page] for i in layers], dim=1)
+    return torch.stack((k, v), dim=1)
+
+
+def scatter_pages(
+    kv: KVPool, layers: list[int], slots: torch.Tensor, page: int, pages: torch.Tensor
+) -> None:
+    """Write ``[pages, 2, layers, page, H, D]`` into ``layers``' KV at ``slots``."""
+    by_page = slots.view(-1, page)
+    pages = pages.to(kv.k[0].device, non_blocking=True)
+    for j, i in enumerate(layers):
+        kv.k[i][by_page] = pages[:, 0, j]
+        kv.v[i][by_page] = pages[:, 1, j]
 
 
 class TierStats(StoreStats):
@@ -108,12 +133,18 @@ class KVTiers:
             raise ValueError(f"host_pages must be >= 0, got {host_pages}")
         self.kv, self.cache, self.store = kv, cache, store
         self.page = cache.page_size
+        self.identity = fingerprint  # the model's (window pages and states derive theirs)
+        # the layers a page holds: every layer, or the full-attention ones when the
+        # sliding layers' KV is apart (their pages are `radixkv.storage.windows`')
+        self.layers = [i for i in range(kv.num_layers) if i not in kv.window_layers]
+        if kv.window_layers:
+            fingerprint = layout_identity(fingerprint, f"full-layers{self.layers}")
         self.codec = PageCodec(fingerprint, secret)
         self.prefix = fingerprint
         self.write_policy = write_policy
         self.stats = TierStats()
         k0 = kv.k[0]
-        self._page_shape = (2, kv.num_layers, self.page, k0.shape[1], k0.shape[2])
+        self._page_shape = (2, len(self.layers), self.page, k0.shape[1], k0.shape[2])
         self._page_bytes = int(np.prod(self._page_shape)) * k0.element_size()
         self._staging: np.ndarray | None = None  # store pages on their way to the device
         self.host_pages = host_pages
@@ -166,18 +197,11 @@ class KVTiers:
     # --- pages <-> pools ----------------------------------------------------------------
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Device pages at ``slots`` (whole pages) as ``[pages, 2, layers, page, H, D]``."""
-        by_page = slots.view(-1, self.page)
-        k = torch.stack([self.kv.k[i][by_page] for i in range(self.kv.num_layers)], dim=1)
-        v = torch.stack([self.kv.v[i][by_page] for i in range(self.kv.num_layers)], dim=1)
-        return torch.stack((k, v), dim=1)
+        return gather_pages(self.kv, self.layers, slots, self.page)
 
     def _scatter(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
         """Write ``[pages, 2, layers, page, H, D]`` into the device at ``slots``."""
-        by_page = slots.view(-1, self.page)
-        pages = pages.to(self.kv.k[0].device, non_blocking=True)
-        for i in range(self.kv.num_layers):
-            self.kv.k[i][by_page] = pages[:, 0, i]
-            self.kv.v[i][by_page] = pages[:, 1, i]
+        scatter_pages(self.kv, self.layers, slots, self.page, pages)
 
     def _staging_pages(self, n: int) -> np.ndarray:
         """A ``[n, page bytes]`` buffer for store pages on their way to the device, kept
@@ -353,7 +377,7 @@ class KVTiers:
         keys = [self._key(h) for h in hashes]
         wanted = list(range(n_pages))
         if self.write_policy == "write_through_selective":
-            wanted = [i for i in wanted if self._count(keys[i]) >= 2]
+            wanted = [i for i in wanted if self.seen(keys[i]) >= 2]
         with self._lock:
             rewrite = {k for k in keys if k in self._rewrite}
         wanted = [i for i in wanted if keys[i] not in self._known or keys[i] in rewrite]
@@ -371,7 +395,9 @@ class KVTiers:
         pages = self._gather(slots.view(n_pages, p)[idx].reshape(-1))
         self._queue_write([keys[i] for i in wanted], [hashes[i] for i in wanted], pages)
 
-    def _count(self, key: bytes) -> int:
+    def seen(self, key: bytes) -> int:
+        """Count one more finish carrying ``key`` (``write_through_selective``: written
+        from the second); returns the count."""
         n = self._seen.get(key, 0) + 1
         self._seen[key] = n
         self._seen.move_to_end(key)

@@ -158,6 +158,11 @@ class WindowKV(TreeComponent):
         # told of every node whose window slots change (`radixkv.tree.servable`: KV
         # events that tell only the blocks a match can end at)
         self.watch: Callable[[TreeNode], None] | None = None
+        # ``demote(node, start, slots)``: the window slots of ``node``'s units from
+        # ``start`` on (its offset in the node) are about to be freed, by an eviction or
+        # under pressure: a host tier copies their pages out (`radixkv.storage.windows`).
+        # Best effort: one that raises is logged.
+        self.demote: Callable[[TreeNode, int, torch.Tensor], None] | None = None
 
     def attach(self, cache: Any, index: int) -> None:
         super().attach(cache, index)
@@ -404,6 +409,33 @@ class WindowKV(TreeComponent):
         self, victims: list[TreeNode], trim: tuple[TreeNode, int] | None, slots: Any
     ) -> None:
         self._parents = [v.parent for v in victims if v.parent is not None]
+        if self.demote is not None:  # (nothing is cut yet: a trimmed node is whole)
+            for v in victims:
+                self._demoting(v, len(v) - self.covered(v), self._w(v))
+            if trim is not None:
+                node, units = trim
+                w, have = self._w(node), self.covered(node)
+                take = min(have, units)
+                if take:
+                    self._demoting(node, len(node) - take, w, have - take)
+
+    def _demoting(self, node: TreeNode, start: int, w: _Win | None, skip: int = 0,
+                  upto: int | None = None) -> None:  # fmt: skip
+        """Tell ``demote`` of ``node``'s window slots ``w.slots[skip:upto]`` (units from
+        ``start`` in the node) before they are freed."""
+        if self.demote is None or w is None or not w.slots:
+            return
+        raw = w.slots[skip << 3 : None if upto is None else upto << 3]
+        if not raw:
+            return
+        try:
+            self.demote(node, start, torch.frombuffer(bytearray(raw), dtype=torch.int64))
+        except Exception:
+            import logging
+
+            logging.getLogger("radixkv.tree").exception(
+                "the window demote hook failed; the window pages are dropped"
+            )
 
     def evicted(self, victims: list[TreeNode], trim: tuple[TreeNode, int] | None) -> None:
         for v in victims:
@@ -520,6 +552,7 @@ class WindowKV(TreeComponent):
                     w = self._w(node)
                     assert w is not None
                     cut = self._spare(node)
+                    self._demoting(node, len(node) - self.covered(node), w, 0, cut)
                     self._freed.append(w.slots[: cut << 3])
                     w.slots = w.slots[cut << 3 :]
                     self._changed(node)
@@ -549,6 +582,7 @@ class WindowKV(TreeComponent):
         w = self._w(node)
         if w is None or not w.slots:
             return 0
+        self._demoting(node, len(node) - self.covered(node), w)
         self._freed.append(w.slots)
         w.slots = _NONE
         self._changed(node)
