@@ -128,3 +128,70 @@ def qwen3_5_folder(path: Any, tweak: Any = None) -> str:
         tweak(model)
     model.save_pretrained(path)
     return str(path)
+
+
+def metric(url: str, name: str) -> float:
+    """A metric's value from a server's ``/metrics`` (0 when absent)."""
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(f"{name} ") or line.startswith(f"{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def routed_conversations(router: Any, workers: list, told: str) -> tuple[list, float, float]:
+    """Four interleaved 4-turn conversations through a ``radixkv route`` process; after
+    each request, waits (bounded) until the router's index holds what each worker's
+    ``told`` gauge says its events told. Returns each conversation's ``cached_tokens``
+    per turn, and what routing captured and the engines delivered."""
+    import time
+
+    import httpx
+
+    def settle() -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            rows = httpx.get(f"{router.url}/route/state").json()["workers"]
+            state = {w["url"]: w["indexed_blocks"] for w in rows}
+            held = {w.url: metric(w.url, told) for w in workers}
+            if all(state[u] == held[u] for u in held):
+                return
+            assert time.monotonic() < deadline, (state, held)
+            time.sleep(0.05)
+
+    talks = [f"Conversation {c}: tell me about the number {c * 37}. " * 3 for c in range(4)]
+    cached: list[list[int]] = [[] for _ in talks]
+    for turn in range(4):
+        for c in range(len(talks)):
+            body = {"prompt": talks[c], "max_tokens": 3, "temperature": 0}
+            r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            cached[c].append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            talks[c] += f" Reply {turn}: noted. Next question, number {turn}? " * 2
+            settle()
+    captured = metric(router.url, "radixkv_router:routing_captured_tokens_total")
+    delivered = metric(router.url, "radixkv_router:engine_delivered_tokens_total")
+    return cached, captured, delivered
+
+
+def engine_process(folder: Any, storage: str, prompts: list[list[int]], **kw: Any) -> list:
+    """A second Python process: an `Engine` on ``folder`` with ``storage`` (and ``kw``)
+    generates 6 greedy tokens for each prompt, one after another, and waits for its
+    writes; returns ``[[output ids, cached tokens], ...]``."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\n"
+        "from radixkv.engine.engine import Engine\n"
+        f"e = Engine({str(folder)!r}, storage={storage!r}, **json.loads(sys.argv[2]))\n"
+        "prompts = json.loads(sys.argv[1])\n"
+        "out = [e.generate([p], max_new_tokens=6, chat=False, ignore_eos=True) for p in prompts]\n"
+        "e.tier.flush()\n"
+        "print(json.dumps([[o.outputs[0].token_ids, o.stats.cached_tokens] for o in out]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(prompts), json.dumps(kw)],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    return json.loads(done.stdout)

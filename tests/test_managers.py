@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import step_plan
 from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule
-from test_lifecycle import InjectedFault, inject_fault
-from test_window_lifecycle import SITES, WindowLifecycleMachine, prompts
+from test_lifecycle import InjectedFault
+from test_window_lifecycle import WindowLifecycleMachine
 
 from radixkv import RadixCache
 from radixkv.kvcache.lifecycle import CacheManager, Req
@@ -169,80 +166,11 @@ class AllManagersMachine(WindowLifecycleMachine):
             req, n = plan[i]
             self.pool.tensors[0][0, row, 0] = state_of(req.all_ids[: req.kv_len - n + before])
 
-    @rule(chunk=st.integers(1, 9), data=st.data())
-    def step_all(self, chunk, data):
-        if not self.reqs:
-            return
-        draw = lambda: data.draw(st.integers(0, 2))  # noqa: E731
-        batch, counts = step_plan(self.reqs, chunk, draw, 44)
-        slots = self.m.allocate_batch(batch, counts)
-        if slots is None:
-            self.m.abort(self.reqs.pop())
-            return
-        self.run(list(zip(batch, counts, strict=True)), slots)
-        self.m.cache_unfinished_batch(batch)
-
-    @rule(data=st.data())
-    def step_one(self, data):
-        if not self.reqs:
-            return
-        req = data.draw(st.sampled_from(self.reqs))
-        if req.kv_len < len(req.input_ids):
-            n = min(5, len(req.input_ids) - req.kv_len)
-        elif req.num_tokens < 44:
-            req.output_ids.append(data.draw(st.integers(0, 2)))
-            n = 1
-        else:
-            return
-        slots = self.m.allocate(req, n)
-        if slots is None:
-            self.m.abort(req)
-            self.reqs.remove(req)
-            return
-        self.run([(req, n)], slots)
-        self.m.cache_unfinished_req(req)
-
-    @precondition(lambda self: self.reqs)
-    @rule()
-    def finish_all(self):
-        """Requests with their last token: each is finished (the recurrent manager
-        snapshots its end state), then all are cached at once."""
-        done = [r for r in self.reqs if r.kv_len >= len(r.input_ids) and r.kv_len == r.num_tokens]
-        for r in done:
-            self.m.finishing(r)
-        self.m.cache_finished_batch(done)
-        self.reqs = [r for r in self.reqs if r.admitted]
-
-    @rule(
-        data=st.data(),
-        site=st.sampled_from(SITES),
-        space=st.sampled_from(["full", "window", "states"]),
-        op=st.sampled_from(["arrive", "step_all", "step_one", "finish_all", "abort"]),
-        after=st.integers(0, 2),
-    )
-    def fault(self, data, site, space, op, after):
-        """An operation while a call in one manager's pool (or the tree) raises midway."""
-        if site in ("match_parts", "insert_node"):
-            target, name = self.m.cache, site
-        elif space == "states":  # the state rows: taking one, or copying into it
-            target, name = self.pool, "take" if site.startswith("alloc") else "copy"
-        else:
-            target = self.m.allocator if space == "full" else self.m.manager("window").allocator
-            name = site
-        with inject_fault(target, name, after):
-            try:
-                if op == "arrive":
-                    self.arrive(data.draw(prompts), [])
-                elif op == "finish_all":
-                    self.finish_all()
-                elif op == "step_all":
-                    self.step_all(3, data)
-                elif self.reqs:
-                    getattr(self, op)(data)
-            except InjectedFault:
-                pass
-        self.reqs = [r for r in self.reqs if r.admitted]
-        self.m.manager("window").component.flush()
+    def target(self, site: str, space: str) -> tuple[object, str]:
+        """Faults strike the state rows too: taking one, or copying into it."""
+        if space == "states" and site not in ("match_parts", "insert_node"):
+            return self.pool, "take" if site.startswith("alloc") else "copy"
+        return super().target(site, space)
 
 
 AllManagersMachine.TestCase.settings = settings(

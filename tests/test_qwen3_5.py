@@ -6,12 +6,11 @@ the cache on and off through chunked prefill, preemption and sampling."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import cached_chats, qwen3_5_folder
+from helpers import cached_chats, engine_process, qwen3_5_folder, routed_conversations
 from test_families import greedy
 
 from radixkv.engine.engine import Engine
@@ -382,10 +381,6 @@ def test_checkpoints_go_down_the_tiers_and_come_back(folder, reference, tier, tm
 def test_two_processes_share_a_checkpoint_through_redis(folder):
     """The first process makes a branch point; a second process, on the same Redis,
     starts from the store (state and KV), with the first's output."""
-    import json
-    import subprocess
-    import sys
-
     import redis
 
     url = "redis://127.0.0.1:6379/15"
@@ -393,24 +388,10 @@ def test_two_processes_share_a_checkpoint_through_redis(folder):
     client.flushdb()
     shared = rand(300, 1)
     prompts = [shared + rand(20, 10 + i) for i in range(3)]
-    script = (
-        "import json, sys\n"
-        "from radixkv.engine.engine import Engine\n"
-        f"e = Engine({str(folder)!r}, page_size=16, chunk_size=64, storage={url!r})\n"
-        "prompts = json.loads(sys.argv[1])\n"
-        "out = [e.generate([p], max_new_tokens=6, chat=False, ignore_eos=True) for p in prompts]\n"
-        "e.tier.flush()\n"
-        "print(json.dumps([[o.outputs[0].token_ids, o.stats.cached_tokens] for o in out]))\n"
-    )
-
-    def run(ps: list) -> list:
-        done = subprocess.run([sys.executable, "-c", script, json.dumps(ps)],
-                              capture_output=True, text=True, check=True)  # fmt: skip
-        return json.loads(done.stdout)
-
+    kw = {"page_size": 16, "chunk_size": 64}
     try:
-        first = run(prompts)
-        second = run(prompts[2:])
+        first = engine_process(folder, url, prompts, **kw)
+        second = engine_process(folder, url, prompts[2:], **kw)
     finally:
         client.flushdb()
     assert [c for _, c in first] == [0, 0, 288]
@@ -563,15 +544,7 @@ def test_a_hybrid_fleet_routes_on_what_its_workers_can_serve(folder):
     conversations: what routing captured (the index's prefix on the chosen worker) is
     within 5% of what the engines delivered (their ``cached_tokens``), each
     conversation's later turns hit, and no worker is credited past a checkpoint."""
-    import httpx
-
     from radixkv.web.process import ServerProcess, free_port_pair
-
-    def counter(url: str, name: str) -> float:
-        for line in httpx.get(f"{url}/metrics").text.splitlines():
-            if line.startswith(f"{name} ") or line.startswith(f"{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
 
     ports = [free_port_pair() for _ in range(2)]
     args = ["--model", str(folder), "--page-size", "16", "--kv-tokens", "8192",
@@ -583,30 +556,9 @@ def test_a_hybrid_fleet_routes_on_what_its_workers_can_serve(folder):
     router = ServerProcess("--model", str(folder), "--policy", "kv", *specs,
                            command="route", timeout=90)  # fmt: skip
     try:
-
-        def settle() -> None:  # bounded: the index holds what the workers hold
-            deadline = time.monotonic() + 30
-            while True:
-                rows = httpx.get(f"{router.url}/route/state").json()["workers"]
-                state = {w["url"]: w["indexed_blocks"] for w in rows}
-                held = {w.url: counter(w.url, "radixkv:state_checkpoints") for w in workers}
-                if all(state[u] == held[u] for u in held):
-                    return
-                assert time.monotonic() < deadline, (state, held)
-                time.sleep(0.05)
-
-        talks = [f"Conversation {c}: tell me about the number {c * 37}. " * 3 for c in range(4)]
-        cached: list[list[int]] = [[] for _ in talks]
-        for turn in range(4):
-            for c in range(len(talks)):
-                body = {"prompt": talks[c], "max_tokens": 3, "temperature": 0}
-                r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
-                assert r.status_code == 200, r.text
-                cached[c].append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-                talks[c] += f" Reply {turn}: noted. Next question, number {turn}? " * 2
-                settle()
-        captured = counter(router.url, "radixkv_router:routing_captured_tokens_total")
-        delivered = counter(router.url, "radixkv_router:engine_delivered_tokens_total")
+        cached, captured, delivered = routed_conversations(
+            router, workers, "radixkv:state_checkpoints"
+        )
     finally:
         router.stop()
         for w in workers:

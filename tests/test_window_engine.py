@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cached_chats
+from helpers import cached_chats, routed_conversations
 from test_families import folder, greedy
 
 from radixkv import RadixKey
@@ -254,21 +254,12 @@ def test_a_windowed_fleet_routes_on_the_blocks_its_workers_can_serve(tmp_path):
     (each block alone: the cards say ``"events": "windows"``). Four interleaved
     multi-turn conversations: each one's later turns hit, and what routing captured is
     within 5% of what the engines delivered."""
-    import time
-
     import httpx
 
     from radixkv.web.process import ServerProcess, free_port_pair
 
     arch, config = GEMMA
     path = folder(tmp_path / "g", arch, **config)
-
-    def counter(url: str, name: str) -> float:
-        for line in httpx.get(f"{url}/metrics").text.splitlines():
-            if line.startswith(f"{name} ") or line.startswith(f"{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
-
     ports = [free_port_pair() for _ in range(2)]
     # a budget where windows are evicted while their full KV stays: the told pages
     # have holes, so a router that chained them from the root would credit too little
@@ -282,31 +273,9 @@ def test_a_windowed_fleet_routes_on_the_blocks_its_workers_can_serve(tmp_path):
     try:
         card = httpx.get(f"{workers[0].url}/v1/models").json()["data"][0]["radixkv"]
         assert card["events"] == "windows"
-
-        def settle() -> None:  # bounded: the index holds what the workers told
-            deadline = time.monotonic() + 30
-            while True:
-                rows = httpx.get(f"{router.url}/route/state").json()["workers"]
-                state = {w["url"]: w["indexed_blocks"] for w in rows}
-                told = {w.url: counter(w.url, "radixkv:prefix_cache_servable_blocks")
-                        for w in workers}  # fmt: skip
-                if all(state[u] == told[u] for u in told):
-                    return
-                assert time.monotonic() < deadline, (state, told)
-                time.sleep(0.05)
-
-        talks = [f"Conversation {c}: tell me about the number {c * 37}. " * 3 for c in range(4)]
-        cached: list[list[int]] = [[] for _ in talks]
-        for turn in range(4):
-            for c in range(len(talks)):
-                body = {"prompt": talks[c], "max_tokens": 3, "temperature": 0}
-                r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
-                assert r.status_code == 200, r.text
-                cached[c].append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-                talks[c] += f" Reply {turn}: noted. Next question, number {turn}? " * 2
-                settle()
-        captured = counter(router.url, "radixkv_router:routing_captured_tokens_total")
-        delivered = counter(router.url, "radixkv_router:engine_delivered_tokens_total")
+        cached, captured, delivered = routed_conversations(
+            router, workers, "radixkv:prefix_cache_servable_blocks"
+        )
         evicted = sum(float(line.rsplit(" ", 1)[1]) for w in workers
                       for line in httpx.get(f"{w.url}/metrics").text.splitlines()
                       if line.startswith("radixkv:cache_kind_evicted_bytes_total{")

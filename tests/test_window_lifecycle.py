@@ -221,9 +221,13 @@ class WindowLifecycleMachine(RuleBasedStateMachine):
         if slots is None:  # short: preempt the newest
             self.m.abort(self.reqs.pop())
             return
-        for req, part in zip(batch, torch.split(slots, counts), strict=True):
-            self.compute(req, part)
+        self.run(list(zip(batch, counts, strict=True)), slots)
         self.m.cache_unfinished_batch(batch)
+
+    def run(self, plan: list[tuple[Req, int]], slots: torch.Tensor) -> None:
+        """The model's step: KV for each planned request's new tokens."""
+        for (req, _), part in zip(plan, torch.split(slots, [n for _, n in plan]), strict=True):
+            self.compute(req, part)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -241,13 +245,15 @@ class WindowLifecycleMachine(RuleBasedStateMachine):
             self.m.abort(req)
             self.reqs.remove(req)
             return
-        self.compute(req, slots)
+        self.run([(req, n)], slots)
         self.m.cache_unfinished_req(req)
 
     @precondition(lambda self: self.reqs)
     @rule()
     def finish_all(self):
         done = [r for r in self.reqs if r.kv_len >= len(r.input_ids) and r.kv_len == r.num_tokens]
+        for r in done:  # each has its last token (a recurrent manager snapshots its end)
+            self.m.finishing(r)
         self.m.cache_finished_batch(done)
         self.reqs = [r for r in self.reqs if r.admitted]
 
@@ -268,18 +274,14 @@ class WindowLifecycleMachine(RuleBasedStateMachine):
     @rule(
         data=st.data(),
         site=st.sampled_from(SITES),
-        space=st.sampled_from(["full", "window"]),
+        space=st.sampled_from(["full", "window", "states"]),
         op=st.sampled_from(["arrive", "step_all", "step_one", "finish_all", "abort"]),
         after=st.integers(0, 2),
     )
     def fault(self, data, site, space, op, after):
         """An operation while a call it makes raises midway: nothing leaks, and every
         request still reads its own KV."""
-        if site in ("match_parts", "insert_node"):
-            target = self.m.cache
-        else:
-            target = self.m.allocator if space == "full" else self.m.manager("window").allocator
-        with inject_fault(target, site, after):
+        with inject_fault(*self.target(site, space), after):
             try:
                 if op == "arrive":
                     self.arrive(data.draw(prompts), [])
@@ -293,6 +295,13 @@ class WindowLifecycleMachine(RuleBasedStateMachine):
                 pass
         self.reqs = [r for r in self.reqs if r.admitted]
         self.m.manager("window").component.flush()  # a failed window free is retried
+
+    def target(self, site: str, space: str) -> tuple[object, str]:
+        """What a fault strikes: the tree's call, or the allocator of a space (a space
+        this memory lacks: the window's)."""
+        if site in ("match_parts", "insert_node"):
+            return self.m.cache, site
+        return (self.m.allocator if space == "full" else self.m.manager("window").allocator), site
 
     @invariant()
     def exact(self):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import engine_process
 from test_families import folder, greedy
 from test_servable_events import servable_blocks
 from test_window_engine import GEMMA, MISTRAL
@@ -109,10 +110,6 @@ def test_two_processes_share_full_and_window_pages_through_redis(model):
     """The first process serves two prompts sharing a stem; a second process on the same
     Redis starts the third from the store (full pages and the window before their end)
     with the first's output for it."""
-    import json
-    import subprocess
-    import sys
-
     import redis
 
     _, path = model
@@ -121,25 +118,10 @@ def test_two_processes_share_full_and_window_pages_through_redis(model):
     client.flushdb()
     stem = rand(96, 4)
     prompts = [stem + rand(8, 20 + i) for i in range(3)]
-    script = (
-        "import json, sys\n"
-        "from radixkv.engine.engine import Engine\n"
-        f"e = Engine({str(path)!r}, page_size=16, chunk_size=32, storage={url!r})\n"
-        "assert e.window is not None\n"
-        "prompts = json.loads(sys.argv[1])\n"
-        "out = [e.generate([p], max_new_tokens=6, chat=False, ignore_eos=True) for p in prompts]\n"
-        "e.tier.flush()\n"
-        "print(json.dumps([[o.outputs[0].token_ids, o.stats.cached_tokens] for o in out]))\n"
-    )
-
-    def run(ps: list) -> list:
-        done = subprocess.run([sys.executable, "-c", script, json.dumps(ps)],
-                              capture_output=True, text=True, check=True)  # fmt: skip
-        return json.loads(done.stdout)
-
+    kw = {"page_size": 16, "chunk_size": 32}
     try:
-        first = run(prompts)
-        second = run(prompts[2:])
+        first = engine_process(path, url, prompts, **kw)
+        second = engine_process(path, url, prompts[2:], **kw)
     finally:
         client.flushdb()
     assert first[0][1] == 0 and first[2][1] == 96
