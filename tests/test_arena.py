@@ -24,7 +24,7 @@ from test_window_engine import prompts
 from test_window_lifecycle import WindowLifecycleMachine
 
 from radixkv import RadixCache
-from radixkv.engine.engine import Engine, EngineConfig
+from radixkv.engine.engine import Engine, EngineConfig, SamplingParams
 from radixkv.kvcache.arena import Arena, ArenaCheckpoints, ArenaKV, ArenaPages, ArenaRoom
 from radixkv.kvcache.budget import HybridBudget
 from radixkv.kvcache.lifecycle import CacheManager
@@ -307,10 +307,49 @@ def test_kv_and_window_tokens_cap_their_kind_inside_the_budget(hybrid_models, na
         Engine(hybrid_models["gemma3"], cache_bytes=200_000, window_tokens=8, **small)
 
 
-def test_a_model_whose_every_layer_slides_is_refused_one_arena(tmp_path):
+@pytest.mark.parametrize("page", [1, 16])
+def test_a_model_whose_every_layer_slides_serves_from_one_arena(tmp_path, page):
+    """Mistral (every layer sliding) under one byte budget: the arena holds its window
+    pages, the tree's full slots are an index that costs no KV. Under a budget that
+    evicts windows, with KV events on, the tokens equal an engine that keeps every
+    window and transformers'; the blocks told are the servable pages; `auto` (serve's
+    default) sizes it, where it was refused before."""
+    import transformers
+    from test_servable_events import servable_blocks
+
+    from radixkv.events import BlockRemoved, BlockStored
+
     path = folder(tmp_path / "m", "MistralForCausalLM", sliding_window=12)
-    with pytest.raises(ValueError, match=r"every attention layer of .* is sliding"):
-        Engine(str(path), cache_bytes=2**20)
+    auto = Engine(str(path), cache_bytes="auto")
+    assert auto.arena is not None and "none (every layer slides)" in auto.memory_summary()[1]
+    g = torch.Generator().manual_seed(1)
+    stems = [torch.randint(3, 384, (k,), generator=g).tolist() for k in (40, 70)]
+    ps = [stems[i % 2] + torch.randint(3, 384, (5 + 7 * i,), generator=g).tolist()
+          for i in range(8)]  # fmt: skip
+    one = Engine(str(path), cache_bytes=40_000 if page == 16 else 24_000, page_size=page,
+                 chunk_size=16, max_running=4, check_memory=True)  # fmt: skip
+    whole = Engine(str(path), window_tokens=0, kv_tokens=4096, page_size=page)
+    batches: list = []
+    one.publish_kv_events(batches.append)
+    told: set[int] = set()
+    for i, p in enumerate(ps):
+        one.add_request(p, SamplingParams(10, ignore_eos=True), i, chat=False)
+    outs: dict = {}
+    while one.has_unfinished():
+        for o in one.step():
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+        for e in (e for b in batches for e in b.events):
+            if isinstance(e, BlockStored):
+                told.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                told.difference_update(e.block_hashes)
+        batches.clear()
+        assert told == servable_blocks(one.cache, False)
+    ref = whole.generate(ps, max_new_tokens=10, chat=False, ignore_eos=True)
+    assert [outs[i] for i in range(len(ps))] == [o.token_ids for o in ref.outputs]
+    assert one.cache_bytes_evicted()["window"] > 0 and one.scheduler.hit_tokens > 0
+    reference = transformers.MistralForCausalLM.from_pretrained(path).eval()
+    assert outs[0] == greedy(reference, ps[0], 10)
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,8 @@ class CacheMemory:
         )  # fmt: skip
         self.room = ArenaRoom(plan.arena, self.budget, plan.full_columns, win,
                               max(plan.window_columns, 1), p)  # fmt: skip
-        self.mgr.room = self.room
+        if plan.full_columns:  # (every layer sliding: full slots cost no unit)
+            self.mgr.room = self.room
         if self.window is not None:
             self.window.room = self.room
         if self.recurrent is not None:
@@ -124,7 +125,7 @@ class CacheMemory:
         plan = self.arena
         assert plan is not None
         ar = plan.arena
-        kinds = ["full-attention KV"]
+        kinds = ["full-attention KV"] if plan.full_columns else []
         kinds += ["sliding-window KV"] if plan.window_columns else []
         kinds += ["recurrent-state checkpoints"] if self.recurrent is not None else []
         layers = f"{plan.group} attention layer" + ("s'" if plan.group > 1 else "'s")
@@ -134,9 +135,13 @@ class CacheMemory:
                  f"order"]  # fmt: skip
         p = self.mgr.allocator.page_size
         capped = lambda cap: f"; capped at {cap * p:,} tokens" if cap else ""  # noqa: E731
-        lines.append(f"full-attention KV page: {plan.full_columns} units (one request "
-                     f"holds at most {self.mgr.allocator.capacity:,} tokens"
-                     f"{capped(plan.full_cap)})")  # fmt: skip
+        if plan.full_columns:
+            lines.append(f"full-attention KV page: {plan.full_columns} units (one request "
+                         f"holds at most {self.mgr.allocator.capacity:,} tokens"
+                         f"{capped(plan.full_cap)})")  # fmt: skip
+        else:
+            lines.append(f"full-attention KV: none (every layer slides); the tree indexes "
+                         f"up to {self.mgr.allocator.size:,} tokens")  # fmt: skip
         if plan.window_columns:
             lines.append(f"sliding-window KV page: {plan.window_columns} units (window "
                          f"{plan.window}: a running request keeps its last window"
@@ -189,8 +194,8 @@ class CacheMemory:
         """With an arena: every unit is free or held once, by the kind that says so."""
         if self.arena is None:
             return
-        holders: dict[str, list[Any]] = {"full": [self.mgr.allocator.source.units()],
-                                         "window": [], "states": []}  # fmt: skip
+        full = [self.mgr.allocator.source.units()] if self.arena.full_columns else []
+        holders: dict[str, list[Any]] = {"full": full, "window": [], "states": []}
         if self.window is not None:
             holders["window"] = [self.window.allocator.source.units()]
         if self.recurrent is not None and self.recurrent.store is not None:

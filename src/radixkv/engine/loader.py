@@ -164,9 +164,13 @@ def plan_arena(cfg: EngineConfig, mc: ModelConfig, device: Any) -> ArenaPlan:
     """The arena of ``cfg.cache_bytes`` for model ``mc``: its unit, and how many units
     each kind's page or checkpoint takes.
 
+    A model whose every attention layer slides (Mistral) has no full-attention
+    pages: the arena holds its window pages (and checkpoints), and the tree's full
+    slots are an index space of their own that costs no KV (`build_memory`).
+
     Raises:
-        ValueError: a budget too small for one request (naming the minimum), a model
-            without a full-attention layer, or more than this machine holds.
+        ValueError: a budget too small for one request (naming the minimum), or more
+            than this machine holds.
     """
     from radixkv.engine.machine import check_fits
 
@@ -175,10 +179,6 @@ def plan_arena(cfg: EngineConfig, mc: ModelConfig, device: Any) -> ArenaPlan:
     sliding = specs.window_limited(cfg.max_context_len) if cfg.window_tokens != 0 else None
     wl = sliding.layers if sliding is not None else ()
     full = specs.kv_layers - len(wl)
-    if full < 1:
-        raise ValueError(f"cache_bytes: every attention layer of {mc.architecture} is "
-                         "sliding; one arena needs a full-attention layer (use kv_tokens "
-                         "and window_tokens)")  # fmt: skip
     layer_page = p * 2 * mc.num_key_value_heads * mc.head_dim * cfg.dtype.itemsize
     state_bytes = specs.recurrent.state_bytes if specs.recurrent else 0
     group = layer_group(full, len(wl), layer_page, state_bytes)
@@ -188,7 +188,7 @@ def plan_arena(cfg: EngineConfig, mc: ModelConfig, device: Any) -> ArenaPlan:
     peak = window_peak(sliding.window, p, cfg.chunk_size) // p * wc if sliding else 0
     least = 2 * fc + peak + state
     if cfg.cache_bytes < least * unit:
-        parts = [f"two pages of full-attention KV ({2 * fc * unit:,})"]
+        parts = [f"two pages of full-attention KV ({2 * fc * unit:,})"] if fc else []
         if peak:
             parts.append(f"one request's window and chunk ({peak * unit:,})")
         if state:
@@ -293,11 +293,14 @@ def build_memory(
     else:
         layers, window, why_not = arena.window_layers, arena.window, ""
         size = arena.arena.num_units * p
-        full = ArenaPages(arena.arena, "full", arena.full_columns, arena.full_cap)
-        allocator = TokenToKVPoolAllocator(size, p, device, pages=full)
-        allocator.capacity = (arena.arena.num_units - arena.reserve) // arena.full_columns * p
-        if arena.full_cap is not None:
-            allocator.capacity = min(allocator.capacity, arena.full_cap * p)
+        if arena.full_columns:
+            full = ArenaPages(arena.arena, "full", arena.full_columns, arena.full_cap)
+            allocator = TokenToKVPoolAllocator(size, p, device, pages=full)
+            allocator.capacity = (arena.arena.num_units - arena.reserve) // arena.full_columns * p
+            if arena.full_cap is not None:
+                allocator.capacity = min(allocator.capacity, arena.full_cap * p)
+        else:  # every layer slides: full slots index tokens and hold no KV
+            allocator = TokenToKVPoolAllocator(index_tokens(cfg, size), p, device)
         walloc = None
         if layers:
             wpages = ArenaPages(arena.arena, "window", arena.window_columns, arena.window_cap)
@@ -324,14 +327,26 @@ def build_memory(
                          device, plan.layers, plan.tokens)  # fmt: skip
     else:
         kv = ArenaKV(arena.arena, mc.layer_specs().kv_layers, heads, dim, cfg.dtype, p,
-                     arena.group, allocator.source, walloc.source if walloc else None,
-                     layers)  # fmt: skip
+                     arena.group, allocator.source if arena.full_columns else None,
+                     walloc.source if walloc else None, layers)  # fmt: skip
     slots = None
     if wkv is not None and walloc is not None:
         slots = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, window)
         managers = (slots, *managers)
     mgr = CacheManager(cache, allocator, req_pool, *managers)
     return Memory(allocator, cache, kv, mgr, slots, why_not)
+
+
+def index_tokens(cfg: EngineConfig, arena_tokens: int) -> int:
+    """The full slots of a model whose every layer slides, under one arena: an index
+    of tokens the tree holds, no KV behind them (the window pages are in the arena).
+    ``kv_tokens`` when given (a cap), else room for every running request's context
+    and four times the tokens the arena's pages could hold (a node whose window was
+    evicted costs only its index)."""
+    if cfg.kv_tokens:
+        return cfg.kv_tokens
+    p = cfg.page_size
+    return align_up(cfg.max_running * cfg.max_context_len + 4 * arena_tokens, p)
 
 
 def build_states(cfg: EngineConfig, spec: RecurrentSpec, device: torch.device) -> StatePool:

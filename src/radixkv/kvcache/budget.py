@@ -100,8 +100,8 @@ class HybridBudget(TreeComponent):
         flops: Callable[[int], float] = float,
         alpha: float = 1.0,
     ) -> None:
-        if token_bytes < 1 or window_bytes < 0:
-            raise ValueError("token_bytes must be >= 1 and window_bytes >= 0")
+        if token_bytes < 0 or window_bytes < 0 or token_bytes + window_bytes < 1:
+            raise ValueError("token_bytes and window_bytes must be >= 0, one of them > 0")
         self.state, self.window = state, window
         self.token_bytes, self.window_bytes = token_bytes, window_bytes
         self.flops, self.alpha = flops, alpha
