@@ -547,13 +547,13 @@ def test_every_default_shows_in_help_and_an_unknown_flag_points_to_its_command(c
     demo's --max-new-tokens/--page-size hid their defaults; `serve --bogus` pointed to
     `radixkv --help`."""
     from radixkv.cli import SUBPARSERS, build_parser
-    from radixkv.cli.common import _default_shown
+    from radixkv.cli.common import default_shown
 
     build_parser()
     for name, sub in SUBPARSERS.items():
         formatter = sub._get_formatter()
         for action in sub._actions:
-            if _default_shown(action):
+            if default_shown(action):
                 text = formatter._format_action(action)
                 assert "[" in text, (name, action.option_strings, text)
     with pytest.raises(SystemExit) as e:

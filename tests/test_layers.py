@@ -72,3 +72,41 @@ def test_the_checker_sees_a_forbidden_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from radixkv.server.app import build_app\n")
     assert _imports(bad) == {"server"}
+
+
+def _foreign_privates(path: Path) -> list[str]:
+    """Private names (``_x``, not dunder) a module takes from another radixkv module: an
+    import of one, or an attribute of a name it imported (``RadixKey._view``). Reads of
+    another module's objects' private fields through instances are not seen here."""
+    out = []
+    tree = ast.parse(path.read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(
+            "radixkv"
+        ):  # fmt: skip
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    out.append(f"from {node.module} import {a.name}")
+                imported.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            imported.update(a.asname or a.name for a in node.names if a.name.startswith("radixkv"))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in imported and node.attr.startswith("_")
+                and not node.attr.startswith("__")):  # fmt: skip
+            out.append(f"{node.value.id}.{node.attr}")
+    return out
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_no_module_imports_another_modules_private_names(path):
+    assert not _foreign_privates(path), f"{path.name}: {_foreign_privates(path)}"
+
+
+def test_the_checker_sees_a_private_name_taken(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from radixkv.key import RadixKey, _to_token_array\n"
+                   "k = RadixKey._view\n")  # fmt: skip
+    assert _foreign_privates(bad) == ["from radixkv.key import _to_token_array",
+                                      "RadixKey._view"]  # fmt: skip

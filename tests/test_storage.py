@@ -194,10 +194,10 @@ def test_an_error_reply_mid_read_is_a_soft_failure_and_the_next_read_works(share
 
 
 def test_the_reply_reader_parses_what_redis_sends_and_refuses_what_it_would_not():
-    """`_RespReader` on a socket pair: many small replies in one read and one larger than
+    """`RespReader` on a socket pair: many small replies in one read and one larger than
     a read, nil in RESP2 and RESP3, an error reply, a line with no end, a peer that
     hangs up mid-reply."""
-    from radixkv.storage.resp import _RespReader
+    from radixkv.storage.resp import RespReader
 
     ours, theirs = socket.socketpair()
     big = bytes(range(256)) * 1000
@@ -205,7 +205,7 @@ def test_the_reply_reader_parses_what_redis_sends_and_refuses_what_it_would_not(
     wire = b"".join(b"$4\r\n%s\r\n" % v for v in small)
     wire += b"$%d\r\n%s\r\n$-1\r\n_\r\n$3\r\nabc\r\n-WRONGTYPE no\r\n" % (len(big), big)
     threading.Thread(target=theirs.sendall, args=(wire,), daemon=True).start()
-    reader = _RespReader(ours)
+    reader = RespReader(ours)
     got = []
     for _ in small:
         buf = bytearray(4)
@@ -225,12 +225,12 @@ def test_the_reply_reader_parses_what_redis_sends_and_refuses_what_it_would_not(
     garbage = threading.Thread(target=theirs.sendall, args=(b"x" * 150_000,), daemon=True)
     garbage.start()  # no line end: not Redis
     with pytest.raises(ConnectionError, match="longer than"):
-        _RespReader(ours).bulk_into(lambda n: None)
+        RespReader(ours).bulk_into(lambda n: None)
     ours2, theirs2 = socket.socketpair()
     theirs2.sendall(b"$100\r\nonly-part")
     theirs2.close()
     with pytest.raises(ConnectionError, match="closed"):
-        _RespReader(ours2).bulk_into(lambda n: [memoryview(bytearray(n))])
+        RespReader(ours2).bulk_into(lambda n: [memoryview(bytearray(n))])
     ours.close(), theirs.close(), ours2.close()
 
 

@@ -30,7 +30,7 @@ _INT64_MAX = 2**63 - 1
 _NOT_SEQUENCES = (str, bytes, bytearray, set, frozenset, dict, Mapping)
 
 
-def _to_token_array(token_ids: Any, name: str = "token_ids") -> array:
+def to_token_array(token_ids: Any, name: str = "token_ids") -> array:
     """Convert any sequence of ints to ``array('q')`` (no copy for an ``array('q')``).
 
     ``name`` is the argument named in error messages.
@@ -160,7 +160,7 @@ class RadixKey:
         extra_key: str | None = None,
         is_bigram: bool = False,
     ) -> None:
-        base = _to_token_array(token_ids)
+        base = to_token_array(token_ids)
         if extra_key is not None:
             check_namespace(extra_key)
         self._base = base
@@ -170,7 +170,7 @@ class RadixKey:
         self.is_bigram = as_bool(is_bigram, "is_bigram")
 
     @classmethod
-    def _view(
+    def view_of(
         cls, base: array, start: int, stop: int, extra_key: str | None, is_bigram: bool
     ) -> RadixKey:
         key = cls.__new__(cls)
@@ -245,9 +245,9 @@ class RadixKey:
         s = self._start
         if self.is_bigram:
             if stop > start:
-                return RadixKey._view(self._base, s + start, s + stop + 1, self.extra_key, True)
-            return RadixKey._view(self._base, s + start, s + start, self.extra_key, True)
-        return RadixKey._view(self._base, s + start, s + stop, self.extra_key, False)
+                return RadixKey.view_of(self._base, s + start, s + stop + 1, self.extra_key, True)
+            return RadixKey.view_of(self._base, s + start, s + start, self.extra_key, True)
+        return RadixKey.view_of(self._base, s + start, s + stop, self.extra_key, False)
 
     def __repr__(self) -> str:
         t = self.raw_view()
@@ -273,7 +273,7 @@ class RadixKey:
         ``value``, when given, is truncated to the bigram length. Returns ``(key, value)``.
         """
         if is_eagle and not self.is_bigram:
-            key = RadixKey._view(self._base, self._start, self._stop, self.extra_key, True)
+            key = RadixKey.view_of(self._base, self._start, self._stop, self.extra_key, True)
             if value is not None:
                 value = value[: len(key)]
             return key, value

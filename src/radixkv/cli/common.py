@@ -34,19 +34,19 @@ class DefaultsFormatter(argparse.HelpFormatter):
     whose help names its default already, ``[...]``, is left as it is)."""
 
     def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and _default_shown(action):  # no help: its default alone
+        if action.help is None and default_shown(action):  # no help: its default alone
             action.help = "[" + str(action.default).replace("%", "%%") + "]"
         return super()._format_action(action)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = (action.help or "").strip()
-        if "[" not in text and _default_shown(action):
+        if "[" not in text and default_shown(action):
             default = str(action.default).replace("%", "%%")
             text = f"{text} [{default}]" if text else f"[{default}]"
         return text
 
 
-def _default_shown(action: argparse.Action) -> bool:
+def default_shown(action: argparse.Action) -> bool:
     return bool(action.option_strings) and action.default not in (
         None, False, argparse.SUPPRESS
     ) and action.nargs != 0  # fmt: skip

@@ -216,7 +216,7 @@ class CacheManager:
     def _key(self, req: Req, n: int) -> RadixKey:
         """The first ``n`` tokens as a key in the cache's view: under EAGLE a bigram view,
         so slicing counts the units the tree stores (pairs), not raw tokens."""
-        return RadixKey._view(req.token_array(), 0, n, req.extra_key, self.cache.is_eagle)
+        return RadixKey.view_of(req.token_array(), 0, n, req.extra_key, self.cache.is_eagle)
 
     def _cacheable_key(self, req: Req) -> RadixKey:
         """The computed tokens the request hands to the tree (up to its ``cache_limit``)."""

@@ -69,7 +69,7 @@ def usable_device(device: Any) -> torch.device:
     return dev
 
 
-def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The concatenated ranges ``starts[i] .. starts[i] + lengths[i] - 1``."""
     total = int(lengths.sum())
     offsets = np.cumsum(lengths) - lengths
@@ -334,13 +334,13 @@ class TokenToKVPoolAllocator:
         unused = pages * p - rest
         if unused.any():
             keep = np.ones(len(fresh), dtype=bool)
-            keep[_runs(page_ends * p - unused, unused)] = False
+            keep[runs(page_ends * p - unused, unused)] = False
             fresh = fresh[keep]
         # then each request's tail (the rest of its partial page) goes in front of them
         if tail.any():
             starts = np.cumsum(n) - n
             slots = np.empty(total, dtype=np.int64)
-            at = _runs(starts, tail)
+            at = runs(starts, tail)
             slots[at] = at - np.repeat(starts - last - 1, tail)
             is_fresh = np.ones(total, dtype=bool)
             is_fresh[at] = False
@@ -402,9 +402,9 @@ class TokenToKVPoolAllocator:
             # wrappers diff/append/flatnonzero cost more than the work here)
             pages = s // p
             bounds = np.concatenate(((0,), (pages[1:] != pages[:-1]).nonzero()[0] + 1, (len(s),)))
-            runs = pages[bounds[:-1]]
-            self._page_count[runs] -= bounds[1:] - bounds[:-1]
-            emptied = runs[self._page_count[runs] == 0]
+            firsts = pages[bounds[:-1]]
+            self._page_count[firsts] -= bounds[1:] - bounds[:-1]
+            emptied = firsts[self._page_count[firsts] == 0]
         self._give(emptied)
 
     def _take(self, pages: np.ndarray) -> None:
@@ -654,7 +654,7 @@ class ReqToTokenPool:
         if not long.all():  # short runs (decodes): one scatter for all of them
             short = ~long
             c = counts[short]
-            cols, at = _runs(starts[short], c), _runs(offsets[short], c)
+            cols, at = runs(starts[short], c), runs(offsets[short], c)
             self._np[np.repeat(rows[short], c), cols] = src[at]
 
     def slot_at(self, row: int, i: int) -> int:

@@ -55,7 +55,7 @@ import torch
 
 from radixkv.key import RadixKey
 from radixkv.kvcache.managers import LayerManager
-from radixkv.kvcache.memory import TokenToKVPoolAllocator, _runs
+from radixkv.kvcache.memory import TokenToKVPoolAllocator, runs
 from radixkv.tree.window import WindowKV
 from radixkv.units import align_down, align_up
 
@@ -158,7 +158,7 @@ class WindowSlots(LayerManager):
 
     def unallocate(self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray) -> None:
         """Undo `alloc` (the full slots of the same tokens could not be had)."""
-        at = np.repeat(rows, counts), _runs(kv, counts)
+        at = np.repeat(rows, counts), runs(kv, counts)
         self._free(self.table[at])
         self.table[at] = -1
         self.own[at] = False
@@ -225,7 +225,7 @@ class WindowSlots(LayerManager):
             slots = self.allocator.alloc_extend_batch(last, counts)
             if slots is None:
                 return None
-        at = np.repeat(rows, counts), _runs(kv, counts)
+        at = np.repeat(rows, counts), runs(kv, counts)
         self.table[at] = slots.numpy(force=True)
         self.own[at] = True
         return slots

@@ -34,7 +34,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from radixkv.storage.store import Parts, _SoftStore
+from radixkv.storage.store import Parts, SoftStore
 
 MAX_VALUE_BYTES = 256 << 20  # what `get` reads of one value, at most
 PRUNE_TO = 0.9  # a folder over its cap is pruned to this share of it
@@ -45,7 +45,7 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
 _ENTRY_ERRORS = (errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENXIO)
 
 
-class FileStore(_SoftStore):
+class FileStore(SoftStore):
     """Pages as files under ``root`` (see the module docstring). A folder that cannot be
     created or written (at start or later) is soft, as a down Redis is: a warning naming
     the path, then misses until it works again.

@@ -14,7 +14,7 @@ from typing import Any
 IOV_BATCH = 512  # buffers a sendmsg call takes (the system's limit is 1024)
 
 
-def _command(*args: bytes) -> bytes:
+def command(*args: bytes) -> bytes:
     """A RESP command (an array of bulk strings)."""
     out = [b"*%d\r\n" % len(args)]
     for a in args:
@@ -22,7 +22,7 @@ def _command(*args: bytes) -> bytes:
     return b"".join(out)
 
 
-def _set_commands(keys: list[bytes], values: list[bytes], ttl_s: int | None) -> list[Any]:
+def set_commands(keys: list[bytes], values: list[bytes], ttl_s: int | None) -> list[Any]:
     """SET commands as buffers to send, each value as its own buffer (never copied)."""
     if ttl_s is None:
         head, tail = b"*3\r\n", b"\r\n"
@@ -37,7 +37,7 @@ def _set_commands(keys: list[bytes], values: list[bytes], ttl_s: int | None) -> 
     return out
 
 
-def _send(sock: Any, buffers: list[Any]) -> None:
+def send(sock: Any, buffers: list[Any]) -> None:
     """Send ``buffers`` in order: scatter-gather (``sendmsg``, no copy), or one by one
     on a TLS socket, which has no ``sendmsg``."""
     if sock is None:
@@ -59,7 +59,7 @@ def _send(sock: Any, buffers: list[Any]) -> None:
                 sent = 0
 
 
-class _RespReader:
+class RespReader:
     """Replies (RESP2 or RESP3) off a socket: a bulk string goes straight into the
     caller's buffers with ``recv_into``; only line headers pass through a small buffer."""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from radixkv.storage.resp import _command, _RespReader, _send, _set_commands
+from radixkv.storage.resp import RespReader, command, send, set_commands
 
 log = logging.getLogger("radixkv.storage")
 
@@ -104,7 +104,7 @@ class MemoryStore:
         return _get_into(self, keys, parts)
 
 
-class _SoftStore:
+class SoftStore:
     """A store whose failures are soft: a failed call counts an error, warns once, and
     marks the store down for ``retry_s`` seconds (every call a miss, none a wait)."""
 
@@ -135,7 +135,7 @@ class _SoftStore:
         return out
 
 
-class RedisStore(_SoftStore):
+class RedisStore(SoftStore):
     """Pages in Redis (or Valkey), pipelined; ``rediss://`` for TLS.
 
     Args:
@@ -226,8 +226,8 @@ class RedisStore(_SoftStore):
 
         def run() -> list[bool | None]:
             with self._connection() as conn:
-                _send(conn._sock, [b"".join(_command(b"GET", k) for k in keys)])
-                reader = _RespReader(conn._sock)
+                send(conn._sock, [b"".join(command(b"GET", k) for k in keys)])
+                reader = RespReader(conn._sock)
                 return [reader.bulk_into(lambda n, i=i: parts(i, n)) for i in range(len(keys))]
 
         return self._call("get", run, [None] * len(keys))
@@ -252,8 +252,8 @@ class RedisStore(_SoftStore):
 
             def run() -> int:
                 with self._connection() as conn:
-                    _send(conn._sock, _set_commands(keys, values, self.ttl_s))
-                    reader = _RespReader(conn._sock)
+                    send(conn._sock, set_commands(keys, values, self.ttl_s))
+                    reader = RespReader(conn._sock)
                     replies = [reader.line() for _ in keys]  # all of them: the stream stays whole
                 bad = [r for r in replies if not r.startswith(b"+")]
                 if bad:  # e.g. OOM with maxmemory and noeviction: a full store

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from radixkv.key import RadixKey, _to_token_array
+from radixkv.key import RadixKey, to_token_array
 
 _EMPTY = b""
 # every leaf shares this read-only empty mapping (an empty dict is 64 bytes a leaf)
@@ -201,4 +201,4 @@ def as_int64_bytes(values: Any, name: str = "value") -> bytes:
         return values.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
     if isinstance(values, array) and values.typecode == "q":
         return values.tobytes()
-    return _to_token_array(values, name).tobytes()
+    return to_token_array(values, name).tobytes()
