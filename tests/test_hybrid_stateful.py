@@ -153,7 +153,7 @@ class HybridMachine(RuleBasedStateMachine):
                 assert self.state.at(node) is not None, "match ended off a checkpoint"
                 self.state.used(node)
             if self.window is not None:  # the last `window` units have window KV
-                path = self.cache._path_to_root(node, "t")[::-1]
+                path = self.cache.path_to_root(node, "t")[::-1]
                 covered = []
                 for x in path:
                     k = self.window.covered(x)

@@ -575,7 +575,7 @@ class RadixCache(ComponentHost, Eviction):
                 not a positive multiple of the page size up to its length; nothing
                 changes.
         """
-        self._path_to_root(node, "detach_leaf")
+        self.path_to_root(node, "detach_leaf")
         if node is self.root or node.children or node.lock_ref:
             raise ValueError(f"detach_leaf: node {node.id} is not an unlocked leaf")
         if units is not None:
@@ -604,7 +604,8 @@ class RadixCache(ComponentHost, Eviction):
         return bytes_to_tensor([node._value])
 
     # --- locks -------------------------------------------------------------------------
-    def _path_to_root(self, node: TreeNode, op: str) -> list[TreeNode]:
+    def path_to_root(self, node: TreeNode, op: str) -> list[TreeNode]:
+        """``node`` up to the root's child; ``op`` names the caller in the error."""
         if not isinstance(node, TreeNode):
             raise TypeError(f"{op}: node must be a TreeNode, got {type(node).__name__}")
         path = []
@@ -619,7 +620,7 @@ class RadixCache(ComponentHost, Eviction):
     def path_values(self, node: TreeNode) -> torch.Tensor:
         """The slot indices from the root down to ``node`` (what a match ending exactly
         there returns), without touching anything. O(depth)."""
-        path = self._path_to_root(node, "path_values")
+        path = self.path_to_root(node, "path_values")
         return bytes_to_tensor([x._value for x in reversed(path)])
 
     def inc_lock_ref(self, node: TreeNode) -> int:
@@ -628,7 +629,7 @@ class RadixCache(ComponentHost, Eviction):
         if self.disable:
             return 0
         delta = 0
-        path = self._path_to_root(node, "inc_lock_ref")
+        path = self.path_to_root(node, "inc_lock_ref")
         for x in path:
             if x.lock_ref == 0:
                 delta -= len(x._value) >> 3
@@ -649,7 +650,7 @@ class RadixCache(ComponentHost, Eviction):
         """
         if self.disable:
             return 0
-        path = self._path_to_root(node, "dec_lock_ref")
+        path = self.path_to_root(node, "dec_lock_ref")
         if path and node.lock_ref <= 0:
             raise ValueError(f"dec_lock_ref: node {node.id} is not locked")
         delta = 0

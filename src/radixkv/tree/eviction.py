@@ -126,7 +126,7 @@ class Eviction:
             ValueError: ``node`` is not an unlocked leaf of this cache, or ``units`` is
                 not a positive multiple of the page size up to its length.
         """
-        self._path_to_root(node, "evict_leaf")
+        self.path_to_root(node, "evict_leaf")
         if node is self.root or node.children or node.lock_ref:
             raise ValueError(f"evict_leaf: node {node.id} is not an unlocked leaf")
         length = len(node)

@@ -190,7 +190,7 @@ class StateCheckpoints(TreeComponent):
                 boundary inside it, or ``slot`` is held already.
         """
         cache = self.cache
-        cache._path_to_root(node, "StateCheckpoints.add")
+        cache.path_to_root(node, "StateCheckpoints.add")
         offset = len(node) if offset is None else offset
         if not 0 < offset <= len(node) or offset % cache.page_size:
             raise ValueError(f"offset {offset} is not a page boundary inside node {node.id}")

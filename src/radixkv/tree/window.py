@@ -244,7 +244,7 @@ class WindowKV(TreeComponent):
         """Keep a window at ``node``'s end from now on (until the node is evicted or a
         split moves its end): the caller knows requests will branch there (a template
         boundary). The window KV must come with a later insert through ``node``."""
-        self.cache._path_to_root(node, "WindowKV.mark")
+        self.cache.path_to_root(node, "WindowKV.mark")
         w = self._w(node)
         if w is None:
             w = node.ext[self.index] = _Win()  # type: ignore[index]
@@ -256,7 +256,7 @@ class WindowKV(TreeComponent):
     def servable(self, node: TreeNode) -> bool:
         """A match may end at ``node``'s end: the window KV of its last ``window`` units
         (or all, from the root) is there."""
-        path = self.cache._path_to_root(node, "WindowKV.servable")[::-1]
+        path = self.cache.path_to_root(node, "WindowKV.servable")[::-1]
         return self.match_limit(path, None, 0) == sum(len(n) for n in path)
 
     def match_limit(self, path: list[TreeNode], partial: TreeNode | None, units: int) -> int:
@@ -571,7 +571,7 @@ class WindowKV(TreeComponent):
             ValueError: ``node`` is locked (a running request may read its window), or
                 not in this cache.
         """
-        self.cache._path_to_root(node, "WindowKV.drop")
+        self.cache.path_to_root(node, "WindowKV.drop")
         if node.lock_ref:
             raise ValueError(f"WindowKV.drop: node {node.id} is locked")
         freed = self._drop(node)
