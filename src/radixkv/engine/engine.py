@@ -553,9 +553,9 @@ class Engine:
         if self.tier is not None:
             n = r.kv_len - r.kv_len % self.cache.page_size
             slots = self.mgr.req_pool.read(r.row, 0, n).clone()
-            self.tier.save(r.token_array()[:n], r.extra_key, slots)
-            if self.window_tiers is not None:
-                self.window_tiers.save(r.token_array()[:n], r.extra_key, r.row, n)
+            hashes = self.tier.save(r.token_array()[:n], r.extra_key, slots)
+            if self.window_tiers is not None:  # (the page hashes once for both)
+                self.window_tiers.save(r.token_array()[:n], r.extra_key, r.row, n, hashes)
 
     def _check(self) -> None:
         self.mgr.check_memory()

@@ -362,17 +362,19 @@ class KVTiers:
         return total * p
 
     # --- writing to the store -----------------------------------------------------------
-    def save(self, tokens: Any, ns: Any, slots: torch.Tensor) -> None:
+    def save(self, tokens: Any, ns: Any, slots: torch.Tensor) -> list[bytes] | None:
         """A request finished: queue the whole pages of ``tokens`` (whose KV sits at
-        ``slots``) that the write policy sends to the store and it lacks."""
+        ``slots``) that the write policy sends to the store and it lacks. Returns the
+        pages' hashes when it computed them (the window pages reuse them), else
+        ``None``."""
         if self.store is None or self.write_policy == "write_back":
-            return
+            return None
         while self._failed:
             self._known.pop(self._failed.popleft(), None)
         p = self.page
         n_pages = len(slots) // p
         if not n_pages:
-            return
+            return None
         hashes = self.page_hashes(tokens, ns, n_pages)
         keys = [self._key(h) for h in hashes]
         wanted = list(range(n_pages))
@@ -382,7 +384,7 @@ class KVTiers:
             rewrite = {k for k in keys if k in self._rewrite}
         wanted = [i for i in wanted if keys[i] not in self._known or keys[i] in rewrite]
         if not wanted:
-            return
+            return hashes
         first = wanted[0]
         present = self.store.exists_prefix(keys[first:])
         wanted = [i for i in wanted if i >= first + present or keys[i] in rewrite]
@@ -390,10 +392,11 @@ class KVTiers:
             if keys[i] not in rewrite:
                 self._remember(keys[i])
         if not wanted:
-            return
+            return hashes
         idx = torch.tensor(wanted, dtype=torch.int64)
         pages = self._gather(slots.view(n_pages, p)[idx].reshape(-1))
         self._queue_write([keys[i] for i in wanted], [hashes[i] for i in wanted], pages)
+        return hashes
 
     def seen(self, key: bytes) -> int:
         """Count one more finish carrying ``key`` (``write_through_selective``: written

@@ -77,7 +77,6 @@ class WindowTiers:
         self.host_loaded = 0
         self.bad = 0  # store values that failed their checks
         self.written = 0  # queued for the store
-        self._hashes = None  # the tree's BLAKE2b chain (its evict hook's), found at demote
         if host_pages or (tiers.store is not None and tiers.write_policy == "write_back"):
             self.window.demote = self._demote
 
@@ -85,9 +84,12 @@ class WindowTiers:
         return self.prefix + h
 
     # --- writing ------------------------------------------------------------------------
-    def save(self, tokens: Any, ns: Any, row: int, n: int) -> None:
+    def save(
+        self, tokens: Any, ns: Any, row: int, n: int, hashes: list[bytes] | None = None
+    ) -> None:
         """A request finished with ``n`` tokens computed (whole pages): queue the pages
-        whose window slots row ``row`` still has, as the write policy says."""
+        whose window slots row ``row`` still has, as the write policy says. ``hashes``:
+        the pages' hashes, when the caller has them (`KVTiers.save` returns them)."""
         tiers = self.tiers
         if tiers.store is None or tiers.write_policy == "write_back":
             return
@@ -97,7 +99,9 @@ class WindowTiers:
         first = next((j for j in range(n_pages) if held[j]), n_pages)
         if first == n_pages or not held[first:].all():
             return  # (a row's window slots are one run up to its end)
-        hashes = tiers.page_hashes(tokens, ns, n_pages)[first:]
+        if hashes is None or len(hashes) < n_pages:
+            hashes = tiers.page_hashes(tokens, ns, n_pages)
+        hashes = hashes[first:n_pages]
         keys = [self._key(h) for h in hashes]
         if tiers.write_policy == "write_through_selective":
             keep = [i for i, k in enumerate(keys) if tiers.seen(k) >= 2]  # (counted here)
@@ -121,6 +125,8 @@ class WindowTiers:
         """The window slots of ``node``'s units from ``start`` on are about to be freed
         (the node evicted, or its window under pressure): copy their whole pages into
         the host pool, or with ``write_back`` and no host pool to the store."""
+        # the tree's BLAKE2b chain (the KV tier's evict hook's), looked up here: a sink
+        # set later (KV events) rebuilds the cache's hash components
         chain = self.cache.component("block_hashes")
         if chain is None:
             return
@@ -157,8 +163,8 @@ class WindowTiers:
         p, cache = self.page, self.cache
         key = RadixKey(tokens, ns)
         n_pages = usable // p
-        full = cache.match_len(key[: n_pages * p], full=True) // p
-        served = cache.match_len(key[: full * p]) // p
+        m = cache.match_parts(key[: n_pages * p], split=False)  # one read-only walk
+        full, served = m.full // p, m.hit // p
         if full <= served:
             return 0
         span = -(-self.window.span // p)  # pages of window a match end needs

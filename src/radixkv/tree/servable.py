@@ -53,8 +53,6 @@ class Muted:
     """The chain component's sink under `ServableBlocks`: it hears nothing; its lazy
     flush is `ServableBlocks.flush`'s to call."""
 
-    strong_hashes = False
-
     def __init__(self, strong: bool = False) -> None:
         self.strong_hashes = strong
 
