@@ -126,3 +126,24 @@ def test_two_processes_share_full_and_window_pages_through_redis(model):
         client.flushdb()
     assert first[0][1] == 0 and first[2][1] == 96
     assert second == [[first[2][0], 96]]
+
+
+def test_a_huge_value_planted_under_a_window_key_is_refused_unread(model, tmp_path):
+    """Whoever can write to the store can put 16 MiB under a window page's key: it is a
+    bad window page (counted; the request computes), never read whole."""
+    _, path = model
+    prompt = rand(96, 5) + [5]
+    kw = {"page_size": 16, "chunk_size": 32, "storage": f"file://{tmp_path}/store"}
+    first = Engine(str(path), **kw)
+    first.generate([prompt], max_new_tokens=2, chat=False, ignore_eos=True)
+    first.tier.flush()
+    keys = [first.window_tiers.prefix + h for h in first.tier.page_hashes(prompt, None, 6)]
+    first.tier.store.set(keys, [b"\0" * (16 << 20)] * len(keys))
+    second = Engine(str(path), **kw)
+
+    def whole(keys):  # a read of whole values: what a planted huge one must never get
+        raise AssertionError(f"read whole: {len(keys)} values")
+
+    second.tier.store.get = whole
+    res = second.generate([prompt], max_new_tokens=2, chat=False, ignore_eos=True)
+    assert res.stats.cached_tokens == 0 and second.window_tiers.bad >= 1
