@@ -14,7 +14,8 @@ tenant's, can never match. A value is one page's K and V for every layer behind 
 secret a keyed MAC) that is checked on every read: a page that fails the check is a miss,
 counted, never used, and is written again when it is next computed.
 
-Modules: ``page.py`` the stored value's format (header, CRC, MAC), ``store.py`` the
+Modules: ``page.py`` the stored value's format (header, CRC, MAC), ``base.py`` the store
+interface and soft failures, ``store.py`` the
 backends (`open_store`: ``memory://`` for tests, ``file:///DIR`` for one machine and
 several processes with atomic renames, ``redis://`` and ``rediss://``), ``resp.py`` the
 RESP client of the Redis hot paths, ``identity.py`` the model identity, ``tier.py`` the
@@ -29,15 +30,10 @@ Owns: the package's names and the write policies. Must not touch: the engine, th
 server, the router.
 """
 
+from radixkv.storage.base import MemoryStore, PageStore, StoreStats
 from radixkv.storage.files import FileStore
 from radixkv.storage.page import PageCodec
-from radixkv.storage.store import (
-    MemoryStore,
-    PageStore,
-    RedisStore,
-    StoreStats,
-    open_store,
-)
+from radixkv.storage.store import RedisStore, open_store
 
 # when pages reach the store (`radixkv.storage.tier`); here, so a config can name them
 # without importing the tier (torch, threads)

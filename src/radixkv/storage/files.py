@@ -34,7 +34,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from radixkv.storage.store import Parts, SoftStore
+from radixkv.storage.base import Parts, SoftStore
 
 MAX_VALUE_BYTES = 256 << 20  # what `get` reads of one value, at most
 PRUNE_TO = 0.9  # a folder over its cap is pruned to this share of it

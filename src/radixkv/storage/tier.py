@@ -58,8 +58,8 @@ import torch
 from radixkv.key import RadixKey
 from radixkv.kvcache.memory import KVPool
 from radixkv.storage import WRITE_POLICIES
+from radixkv.storage.base import PageStore, StoreStats
 from radixkv.storage.page import PageCodec, PageError, layout_identity
-from radixkv.storage.store import PageStore, StoreStats
 from radixkv.tree import HASH_BYTES, RadixCache, chain_hashes
 
 log = logging.getLogger("radixkv.storage")
