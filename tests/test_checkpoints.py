@@ -12,8 +12,8 @@ from test_identity import save_checkpoint
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.models.llama import ModelConfig
-from radixkv.engine.tokenizer import HFTokenizer
 from radixkv.engine.weights import random_model
+from radixkv.tokenizer import HFTokenizer
 from radixkv.web.process import ServerProcess
 
 TEMPLATE = (
@@ -92,7 +92,8 @@ def test_a_folder_without_a_tokenizer_says_so(tmp_path, caplog):
 
 
 def test_the_converted_smollm2_folder_loads_in_transformers():
-    from radixkv.engine.sources import smollm2_folder, smollm2_missing
+    from radixkv.checkpoint.sources import smollm2_missing
+    from radixkv.engine.weights import smollm2_folder
 
     if smollm2_missing() is not None:
         pytest.skip(smollm2_missing())
@@ -106,6 +107,28 @@ def test_the_converted_smollm2_folder_loads_in_transformers():
     assert engine_tok.apply_chat_template(MESSAGES) == reference_chat_ids(reference, MESSAGES)
 
 
+def test_smollm2s_tokenizer_is_read_from_its_gguf_alone_and_is_the_converted_ones(
+    tmp_path, monkeypatch
+):
+    """A router names ``smollm2`` without converting its weights: the tokenizer comes
+    straight from the GGUF, byte for byte the converted checkpoint's (same fingerprint),
+    and no checkpoint folder is written for it."""
+    from radixkv.checkpoint.sources import SMOLLM2, smollm2_missing
+    from radixkv.engine.weights import smollm2_folder
+    from radixkv.tokenizer import BPETokenizer, load_tokenizer, tokenizer_fingerprint
+
+    if smollm2_missing() is not None:
+        pytest.skip(smollm2_missing())
+    converted = BPETokenizer(smollm2_folder() / "gguf_tokenizer.json")  # the real cache
+    monkeypatch.setenv("RADIXKV_CACHE", str(tmp_path))
+    tok = load_tokenizer("smollm2")
+    assert tok.source == "smollm2"
+    assert tokenizer_fingerprint(tok) == tokenizer_fingerprint(converted)
+    text = "What is the capital of France? 12345"
+    assert tok.encode(text) == converted.encode(text)
+    assert not (tmp_path / SMOLLM2).exists()  # no weights converted for it
+
+
 def test_the_gguf_converters_tokenizer_is_saved_for_transformers(tmp_path):
     """What the SmolLM2 conversion writes (tokenizer.json, tokenizer_config.json), from a
     GGUF-style vocabulary: transformers' AutoTokenizer encodes and templates it as
@@ -113,8 +136,7 @@ def test_the_gguf_converters_tokenizer_is_saved_for_transformers(tmp_path):
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
-    from radixkv.engine.tokenizer import BPETokenizer
-    from radixkv.engine.weights import write_hf_tokenizer
+    from radixkv.tokenizer import BPETokenizer, write_hf_tokenizer
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     merges = ["t h", "th e", "Ġ th", "Ġth e"]

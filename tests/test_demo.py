@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
+from radixkv.checkpoint.sources import smollm2_gguf_path
 from radixkv.cli import main
 from radixkv.engine.demo import run_demo
-from radixkv.engine.sources import smollm2_gguf_path
 
 
 def test_demo_on_the_random_model_saves_prefill_with_identical_outputs():

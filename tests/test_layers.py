@@ -1,16 +1,26 @@
 """The layers point down only: what each part of the package may import, checked over
-every import statement of the source (top-level and inside functions alike)."""
+every import statement of the source (top-level and inside functions alike), and no module
+imports itself back through others (a cycle), whether at the top or inside a function.
+
+Imports under ``if TYPE_CHECKING:`` are annotations only (never executed): they are
+allowed to point anywhere inside a part and are not counted as cycles."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "radixkv"
 # each part, and the parts above it it must never import
+EVERYTHING = ("engine", "server", "router", "storage", "sim", "cli", "web", "bench", "tree",
+              "kvcache", "tokenizer", "events", "policy", "blockhash")  # fmt: skip
 FORBIDDEN = {
+    "checkpoint": EVERYTHING,
+    "tokenizer": ("engine", "server", "router", "sim", "cli", "web", "bench", "tree", "kvcache"),
     "tree": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench", "kvcache"),
     "key": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench", "tree"),
     "policy": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
@@ -20,7 +30,7 @@ FORBIDDEN = {
     "storage": ("engine", "server", "router", "sim", "cli", "web", "bench"),
     "engine": ("server", "router", "sim", "cli", "web", "bench"),
     "web": ("engine", "server", "router", "sim", "cli", "bench"),
-    "router": ("server", "sim", "cli", "bench"),
+    "router": ("engine", "server", "sim", "cli", "bench"),  # a fleet's router loads no engine
     "server": ("router", "sim", "cli", "bench"),
     "bench": ("server", "router", "engine", "sim", "cli"),
     "sim": ("server", "cli", "bench", "web"),
@@ -110,3 +120,111 @@ def test_the_checker_sees_a_private_name_taken(tmp_path):
                    "k = RadixKey._view\n")  # fmt: skip
     assert _foreign_privates(bad) == ["from radixkv.key import _to_token_array",
                                       "RadixKey._view"]  # fmt: skip
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in _modules()}
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The radixkv modules ``path`` imports when it runs (at the top or inside a function;
+    not under ``if TYPE_CHECKING:``), each resolved to a module of the source: ``from
+    radixkv.tree import X`` is the package ``radixkv.tree`` unless ``X`` is a module."""
+    tree = ast.parse(path.read_text())
+    annotations_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+
+    def resolve(name: str) -> str:
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        return name
+
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in annotations_only:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(resolve(a.name) for a in node.names if a.name.startswith("radixkv"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("radixkv"):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in MODULES else resolve(node.module))
+    out.discard(_module_name(path) if path.is_relative_to(SRC) else "")
+    out.discard("")
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    scc = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        scc.append(w)
+                        if w == v:
+                            break
+                    if len(scc) > 1:
+                        found.append(sorted(scc))
+    return found
+
+
+def test_no_import_cycles_even_inside_functions():
+    graph = {name: _runtime_imports(path) for name, path in MODULES.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_checker_sees_a_cycle_hidden_in_a_function(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("def f():\n    from radixkv.storage.store import open_store\n")
+    assert _runtime_imports(a) == {"radixkv.storage.store"}
+    assert _cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}, "w": {"x"}}) == [["x", "y", "z"]]
+    typing_only = tmp_path / "b.py"
+    typing_only.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                           "    from radixkv.tree.core import RadixCache\n")  # fmt: skip
+    assert _runtime_imports(typing_only) == set()
+
+
+def test_routing_a_fleet_loads_no_engine():
+    """The router and ``radixkv route`` import no module of the engine (its tokenizers
+    live in `radixkv.tokenizer`)."""
+    code = ("import sys, radixkv.router.proxy, radixkv.router.fleet, radixkv.cli.route\n"
+            "print(sorted(m for m in sys.modules if m.startswith('radixkv.engine')))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from radixkv.engine.engine import Engine
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.output import Detokenizer
-from radixkv.engine.tokenizer import ByteTokenizer, HFTokenizer
+from radixkv.tokenizer import ByteTokenizer, HFTokenizer
 
 CFG = ModelConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
 TEXT = "Voilà — naïve café: 東京, Zürich, 🙂 and plain ascii words to merge well. " * 3

@@ -461,8 +461,8 @@ def test_route_takes_the_workers_tokenizer_and_refuses_a_fleet_that_disagrees(
     fingerprint; workers that tokenize differently are refused, naming each."""
     from test_checkpoints import hf_folder
 
-    from radixkv.engine.tokenizer import ByteTokenizer, tokenizer_fingerprint
     from radixkv.router.fleet import workers_tokenizer
+    from radixkv.tokenizer import ByteTokenizer, tokenizer_fingerprint
 
     _, workers = fleet
     folder = hf_folder(tmp_path / "own-tokenizer")

@@ -190,7 +190,7 @@ def test_the_replay_builds_a_model_of_any_size_without_its_memory(tmp_path, hybr
     """A Qwen3.5-4B-sized config (no weights): the replay's model takes a few bytes a
     tensor, counts its parameters, and serves a trace (only the arena and the state rows
     are real memory)."""
-    from radixkv.engine.files import read_json
+    from radixkv.checkpoint.files import read_json
     from radixkv.sim.serve_replay import empty_model
 
     big = tmp_path / "big"

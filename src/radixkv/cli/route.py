@@ -69,9 +69,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     require_serve_extra()
     sock = listen(args.host, args.port)  # first of all: a busy port is refused at once
-    from radixkv.engine.tokenizer import load_tokenizer
     from radixkv.router.fleet import radixkv_info, read_card, workers_tokenizer
     from radixkv.router.proxy import Router, WorkerSpec, build_router_app, check_workers
+    from radixkv.tokenizer import load_tokenizer
     from radixkv.web.serving import bound_url, uvicorn_server
 
     try:

@@ -130,14 +130,14 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _load_trace(args: argparse.Namespace) -> Any:
-    from radixkv.engine.files import FolderError
+    from radixkv.checkpoint.files import FolderError
     from radixkv.sim import traces
 
     if not args.trace:
         return traces.GENERATORS[args.workload or "shared-prefix"](block_size=args.block_size or 16)
     tokenizer = None
     if args.tokenizer is not None:
-        from radixkv.engine.tokenizer import load_tokenizer
+        from radixkv.tokenizer import load_tokenizer
 
         try:
             tokenizer = load_tokenizer(args.tokenizer)

@@ -43,9 +43,9 @@ from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.output import OutputProcessor
 from radixkv.engine.request import CacheSpec, EngineReq, MarkedIds, SamplingParams, StepOutput
 from radixkv.engine.scheduler import DoesNotFit, Scheduler
-from radixkv.engine.tokenizer import Tokenizer
 from radixkv.key import RadixKey, check_namespace
 from radixkv.kvcache.retention import Retention
+from radixkv.tokenizer import Tokenizer
 
 log = logging.getLogger("radixkv.engine")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from radixkv.checkpoint.sources import smollm2_missing
 from radixkv.engine.config import (
     DEFAULT_CHECKPOINTS,
     SGLANG_STATE_RATIO,
@@ -24,15 +25,7 @@ from radixkv.engine.config import (
     EngineConfig,
 )
 from radixkv.engine.models.llama import ModelConfig
-from radixkv.engine.sources import smollm2_folder, smollm2_missing
-from radixkv.engine.tokenizer import (
-    ByteTokenizer,
-    Tokenizer,
-    folder_tokenizer,
-    load_tokenizer,
-    smollm2_tokenizer,
-)
-from radixkv.engine.weights import load_hf_folder, random_model
+from radixkv.engine.weights import load_hf_folder, random_model, smollm2_folder
 from radixkv.kvcache.arena import Arena, ArenaKV, ArenaPages, layer_group
 from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.managers import LayerManager
@@ -40,6 +33,13 @@ from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocato
 from radixkv.kvcache.spec import RecurrentSpec
 from radixkv.kvcache.state_pool import StatePool
 from radixkv.kvcache.window_slots import WindowSlots, window_peak
+from radixkv.tokenizer import (
+    ByteTokenizer,
+    Tokenizer,
+    folder_tokenizer,
+    load_tokenizer,
+    smollm2_tokenizer,
+)
 from radixkv.tree import RadixCache
 from radixkv.tree.window import WindowKV
 from radixkv.units import align_down, align_up, div_ceil
@@ -394,7 +394,7 @@ def model_identity(
     model: torch.nn.Module, cfg: EngineConfig, tokenizer: Tokenizer, files: Any
 ) -> bytes:
     """16 bytes naming what the engine's KV means (`radixkv.storage.identity`)."""
-    from radixkv.engine.sources import cache_dir
+    from radixkv.checkpoint.sources import cache_dir
     from radixkv.storage.identity import model_identity as identity
 
     return identity(model, cfg.dtype, cfg.page_size, tokenizer, files, cache_dir())

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixkv.engine.request import EngineReq, SamplingParams, StepOutput
-from radixkv.engine.tokenizer import Tokenizer
+from radixkv.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for the bytes of an unfinished character
 

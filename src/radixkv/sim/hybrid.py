@@ -163,7 +163,7 @@ class ModelSpec:
         Raises:
             ValueError: naming the field or the file.
         """
-        from radixkv.engine.files import read_json
+        from radixkv.checkpoint.files import read_json
 
         data = read_json(path)  # bounded, a regular file, a JSON object, not too deep
         known = {f.name for f in fields(cls)}
@@ -186,7 +186,7 @@ class ModelSpec:
                 serve, a bad config, or a model without a full-attention layer (the
                 simulator's byte budget counts a cached token's full KV).
         """
-        from radixkv.engine.files import read_json
+        from radixkv.checkpoint.files import read_json
         from radixkv.engine.models import architecture_of, config_from_dict, family
 
         folder = Path(path)

@@ -93,7 +93,7 @@ def empty_model(folder: str | Path) -> torch.nn.Module:
         ValueError (UnsupportedModel, FolderError): an architecture or config field
             radixkv does not serve, a bad config.
     """
-    from radixkv.engine.files import read_json
+    from radixkv.checkpoint.files import read_json
     from radixkv.engine.models import architecture_of, config_from_dict, family
 
     raw = read_json(Path(folder) / "config.json")

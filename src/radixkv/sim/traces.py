@@ -408,7 +408,7 @@ def load_trace(
             given another block size; FolderError (a ValueError): not a regular file.
             OSError, UnicodeDecodeError: an unreadable file.
     """
-    from radixkv.engine.files import regular_file
+    from radixkv.checkpoint.files import regular_file
 
     regular_file(Path(path))  # a FIFO would block the open; a device never ends
     fmt = fmt or guess_format(path)

@@ -1,9 +1,9 @@
-"""Tokenizers: a Hugging Face checkpoint's own (``tokenizer.json`` and the chat template
-of ``tokenizer_config.json``, through the ``tokenizers`` library), a byte-level BPE built
-from the vocabulary and merges a GGUF carries, and a byte tokenizer for random models.
+"""The tokenizer interface and two tokenizers: a Hugging Face checkpoint's own
+(``tokenizer.json`` and the chat template of ``tokenizer_config.json``, through the
+``tokenizers`` library) and a byte tokenizer for random models.
 
-Owns: the tokenizers and the one resolver of tokenizer names. Must not touch: weights
-(it loads none)."""
+Owns: `Tokenizer`, `HFTokenizer`, `ByteTokenizer`, and a tokenizer's fingerprint and
+source. Must not touch: weights (it loads none), GGUF files (`radixkv.tokenizer.gguf`)."""
 
 from __future__ import annotations
 
@@ -16,18 +16,6 @@ from radixkv.storage.identity import tokenizer_identity
 
 Message = dict[str, str]
 TOKENIZER_CONFIG_BYTES = 16 << 20  # tokenizer_config.json: its chat template and tokens
-
-__all__ = [
-    "BPETokenizer",
-    "ByteTokenizer",
-    "HFTokenizer",
-    "Tokenizer",
-    "folder_tokenizer",
-    "load_tokenizer",
-    "tokenizer_fingerprint",
-    "tokenizer_identity",
-    "tokenizer_source",
-]
 
 
 class Tokenizer(Protocol):
@@ -124,7 +112,7 @@ class HFTokenizer:
         """
         from tokenizers import Tokenizer as TkTokenizer
 
-        from radixkv.engine.files import (
+        from radixkv.checkpoint.files import (
             TOKENIZER_BYTES,
             FolderError,
             parse_json,
@@ -169,7 +157,7 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         """Render the checkpoint's chat template (Jinja, as Hugging Face does, in a
-        sandbox with bounded work and output: `radixkv.engine.template`) with a
+        sandbox with bounded work and output: `radixkv.tokenizer.template`) with a
         generation prompt, then tokenize.
 
         Raises:
@@ -178,7 +166,7 @@ class HFTokenizer:
         """
         if not self._template:
             return self.encode("".join(m["content"] for m in messages))
-        from radixkv.engine.template import output_limit, render
+        from radixkv.tokenizer.template import output_limit, render
 
         text = render(
             self._template,
@@ -205,116 +193,3 @@ class HFTokenizer:
         if model_max_length:
             cfg["model_max_length"] = model_max_length
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
-
-
-class BPETokenizer(HFTokenizer):
-    """A GPT-2 style byte-level BPE built from a GGUF's ``tokenizer.ggml.*`` metadata
-    (saved as ``gguf_tokenizer.json`` by the weight converter)."""
-
-    def __init__(self, meta_path: str | Path) -> None:
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as TkTokenizer
-
-        from radixkv.engine.files import TOKENIZER_BYTES, FolderError, parse_json, read_bytes
-
-        raw = read_bytes(meta_path, TOKENIZER_BYTES)
-        meta = parse_json(raw, meta_path)
-        try:
-            tokens: list[str] = meta["tokens"]
-            vocab = {t: i for i, t in enumerate(tokens)}
-            merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
-            tk = TkTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        except Exception as e:  # a missing key, a wrong type, the library's own refusal
-            raise FolderError(f"{meta_path}: not a GGUF tokenizer radixkv wrote "
-                              f"({type(e).__name__}: {str(e)[:200]})") from None  # fmt: skip
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if meta.get("pre") == "smollm":  # SmolLM splits digits one by one
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level]
-            )
-        else:
-            tk.pre_tokenizer = byte_level
-        tk.decoder = decoders.ByteLevel()
-        control = [
-            t for t, kind in zip(tokens, meta.get("token_type", []), strict=False) if kind == 3
-        ]
-        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        bos, eos = meta.get("bos_token_id"), meta.get("eos_token_id")
-        super().__init__(
-            tk,
-            meta.get("chat_template"),
-            tokens[bos] if bos is not None else None,
-            tokens[eos] if eos is not None else None,
-            # what a shared store's model identity takes from the tokenizer
-            b"bpe:" + hashlib.blake2b(raw, digest_size=16).digest(),
-            add_special_tokens=False,  # GGUF BPEs add no specials to a plain prompt
-        )
-        self.source = str(Path(meta_path).resolve())
-
-
-BYTE_VOCAB = 384  # the tiny random model's vocabulary: the byte tokenizer's ids and more
-
-
-def folder_tokenizer(folder: str | Path, vocab_size: int | None = None) -> Tokenizer:
-    """A checkpoint folder's tokenizer: its ``tokenizer.json`` (Hugging Face), else the
-    GGUF converter's, else a byte tokenizer, with a warning saying so."""
-    folder = Path(folder)
-    if (folder / "tokenizer.json").exists():
-        return HFTokenizer.from_folder(folder)
-    if (folder / "gguf_tokenizer.json").exists():
-        return BPETokenizer(folder / "gguf_tokenizer.json")
-    import logging
-
-    logging.getLogger("radixkv.engine").warning(
-        "%s has no tokenizer.json: using a byte tokenizer (token ids are UTF-8 bytes), which "
-        "is not this checkpoint's", folder
-    )  # fmt: skip
-    return ByteTokenizer(max(BYTE_VOCAB, vocab_size or BYTE_VOCAB))
-
-
-def smollm2_tokenizer() -> BPETokenizer:
-    """The installed SmolLM2's tokenizer, named ``smollm2`` (its path differs from one
-    install to the next). Raises ModuleNotFoundError when it is not installed."""
-    from radixkv.engine.sources import smollm2_folder, smollm2_missing
-
-    why_not = smollm2_missing()
-    folder = smollm2_folder()
-    if why_not is not None or folder is None:
-        raise ModuleNotFoundError(why_not or "SmolLM2 is not installed")
-    tok = BPETokenizer(folder / "gguf_tokenizer.json")
-    tok.source = "smollm2"
-    return tok
-
-
-def load_tokenizer(name: str | Path) -> Tokenizer:
-    """The one place a tokenizer is named, for the engine, the router and the simulator,
-    without loading weights: ``byte`` / ``random`` (UTF-8 bytes), ``smollm2``, ``auto``
-    (SmolLM2 when it is installed, else bytes), a checkpoint folder, or a
-    ``gguf_tokenizer.json`` the weight converter wrote.
-
-    Raises:
-        ModuleNotFoundError: ``smollm2`` asked for and not installed (the message says
-            what to install). ValueError: none of those.
-    """
-    from radixkv.engine.sources import smollm2_missing
-
-    if name in ("byte", "random"):
-        return ByteTokenizer(BYTE_VOCAB)
-    if name in ("auto", "smollm2"):
-        why_not = smollm2_missing()
-        if why_not is None:
-            return smollm2_tokenizer()
-        if name == "smollm2":
-            raise ModuleNotFoundError(why_not)
-        return ByteTokenizer(BYTE_VOCAB)
-    path = Path(name)
-    if (path / "config.json").exists():
-        return folder_tokenizer(path)
-    if path.is_file():
-        try:
-            return BPETokenizer(path)
-        except (ValueError, KeyError, OSError) as e:
-            raise ValueError(f"{name}: not a gguf_tokenizer.json ({e})") from None
-    raise ValueError(
-        f"{name!r} is not byte, random, auto, smollm2, a checkpoint folder or a gguf_tokenizer.json"
-    )
