@@ -38,8 +38,8 @@ def snapshot(cache: RadixCache) -> Any:
             n.created,
             n.priority,
             n.extra_key,
-            n._key,
-            n._value,
+            n.key_bytes,
+            n.value_bytes,
         )
         for n in cache.iter_nodes()
     ]
@@ -62,10 +62,10 @@ def content(cache: RadixCache) -> dict[tuple, tuple]:
     stack = [(child, ()) for child in cache.root.children.values()]
     while stack:
         node, prefix = stack.pop()
-        keys = np.frombuffer(node._key, dtype=np.int64)
+        keys = np.frombuffer(node.key_bytes, dtype=np.int64)
         units = keys.reshape(-1, 2).tolist() if node.is_bigram else keys.tolist()
         units = [tuple(u) for u in units] if node.is_bigram else units
-        values = np.frombuffer(node._value, dtype=np.int64).tolist()
+        values = np.frombuffer(node.value_bytes, dtype=np.int64).tolist()
         assert len(units) == len(values) and len(units) % page == 0
         for i in range(0, len(units), page):
             prefix = (*prefix, tuple(units[i : i + page]))

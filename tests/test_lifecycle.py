@@ -537,7 +537,7 @@ def test_a_batched_step_does_what_the_per_request_calls_do(page, prompts, chunk,
         a, b = ms
         assert content(a.cache) == content(b.cache)
         assert np.array_equal(a.allocator._owned, b.allocator._owned)
-        assert np.array_equal(a.req_pool._np, b.req_pool._np)
+        assert np.array_equal(a.req_pool.array, b.req_pool.array)
 
 
 def test_allocate_batch_is_all_or_nothing_and_checks_every_request():

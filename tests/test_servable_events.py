@@ -71,7 +71,7 @@ def servable_blocks(cache: RadixCache, strong: bool) -> set[int]:
         while x is not cache.root:
             path.append(x)
             x = x.parent
-        tokens = np.concatenate([np.frombuffer(n._key, dtype=np.int64) for n in reversed(path)])
+        tokens = np.concatenate([np.frombuffer(n.key_bytes, dtype=np.int64) for n in reversed(path)])
         start = len(tokens) - len(node)
         for end in range(start + page, len(tokens) + 1, page):
             key = RadixKey(tokens[:end], node.extra_key)

@@ -3,8 +3,6 @@ bigram keys, bad inputs, deep trees, and the integrity checker's own ability to 
 
 from __future__ import annotations
 
-import heapq
-
 import pytest
 import torch
 from helpers import RecordingAllocator, content, snapshot
@@ -399,16 +397,10 @@ def corrupt_cases():
         leaf.parent.lock_ref = 0  # below its locked child's count
 
     def stale_heap(c, leaf):
-        c._heap.clear()
-        c._run.clear()
+        c.order.clear()
 
-    def heap_key(c, leaf):  # a live entry with a key that is not its node's
-        entries = c._heap + list(c._run)
-        i = next(i for i, e in enumerate(entries) if c._live(e))
-        entries[i] = (-1, -1, *entries[i][-2:])
-        c._heap[:] = entries
-        c._run.clear()
-        heapq.heapify(c._heap)
+    def heap_key(c, leaf):  # live entries whose keys are not their nodes' any more
+        c.order.policy_key = lambda node: (-1, node.id)
 
     def page(c, leaf):
         c.page_size = 2

@@ -225,7 +225,7 @@ class CacheManager:
 
     def _slots(self, req: Req, start: int, end: int) -> np.ndarray:
         """``row[start:end]`` as a numpy view of the host table (copy it to keep it)."""
-        return self.req_pool._np[req.row, start:end]
+        return self.req_pool.array[req.row, start:end]
 
     def _require_admitted(self, req: Req, op: str) -> None:
         if not isinstance(req, Req):
@@ -388,7 +388,7 @@ class CacheManager:
         last = np.full(len(reqs), -1, dtype=np.int64)
         if p > 1:  # a partial page of the request's own continues; the tree's never does
             own = (kv % p != 0) & (kv > np.array(protected))
-            last[own] = self.req_pool._np[rows[own], kv[own] - 1]
+            last[own] = self.req_pool.array[rows[own], kv[own] - 1]
         if not self._allocate_managers(reqs, rows, kv, n):
             return None
         try:

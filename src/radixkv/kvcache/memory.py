@@ -576,8 +576,10 @@ class ReqToTokenPool:
             raise ValueError("max_reqs and max_context_len must be > 0")
         self.max_reqs, self.max_context_len = max_reqs, max_context_len
         self.device = usable_device(device)
-        self._np = np.zeros((max_reqs, max_context_len), dtype=np.int64)
-        self.table = torch.from_numpy(self._np)
+        # the table's host memory, as numpy and as torch (one buffer): read them; the
+        # pool's methods write them
+        self.array = np.zeros((max_reqs, max_context_len), dtype=np.int64)
+        self.table = torch.from_numpy(self.array)
         self._free_rows = list(range(max_reqs - 1, -1, -1))
 
     def available_size(self) -> int:
@@ -614,7 +616,7 @@ class ReqToTokenPool:
             raise ValueError(
                 f"request needs {end} tokens, more than max_context_len={self.max_context_len}"
             )
-        self._np[row, start:end] = (
+        self.array[row, start:end] = (
             slots.numpy(force=True) if isinstance(slots, torch.Tensor) else slots
         )
 
@@ -625,7 +627,7 @@ class ReqToTokenPool:
             raise ValueError(
                 f"request needs {end} tokens, more than max_context_len={self.max_context_len}"
             )
-        at, out = 0, self._np[row]
+        at, out = 0, self.array[row]
         for part in parts:
             k = len(part) >> 3
             out[at : at + k] = np.frombuffer(part, dtype=np.int64)
@@ -650,19 +652,19 @@ class ReqToTokenPool:
             rows[long].tolist(), starts[long].tolist(), counts[long].tolist(),
             offsets[long].tolist(), strict=True,
         ):  # fmt: skip
-            self._np[row, start : start + n] = src[off : off + n]
+            self.array[row, start : start + n] = src[off : off + n]
         if not long.all():  # short runs (decodes): one scatter for all of them
             short = ~long
             c = counts[short]
             cols, at = runs(starts[short], c), runs(offsets[short], c)
-            self._np[np.repeat(rows[short], c), cols] = src[at]
+            self.array[np.repeat(rows[short], c), cols] = src[at]
 
     def slot_at(self, row: int, i: int) -> int:
         """The slot of token ``i`` of ``row``."""
-        return int(self._np[row, i])
+        return int(self.array[row, i])
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """``table[row, start:end]``: a view on the CPU (copy it before the row changes
         if you keep it), a copy on another device."""
-        view = torch.from_numpy(self._np[row, start:end])
+        view = torch.from_numpy(self.array[row, start:end])
         return view if self.device.type == "cpu" else view.to(self.device)

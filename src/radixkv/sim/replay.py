@@ -75,7 +75,7 @@ class _Belady:
         return occ[i] if i < len(occ) else self.never
 
     def key(self, node: TreeNode) -> tuple[int, int]:
-        last = int.from_bytes(node._key[-8:], "little", signed=True)
+        last = int.from_bytes(node.key_bytes[-8:], "little", signed=True)
         return (-self.next_use(last), node.id)
 
 

@@ -105,7 +105,7 @@ def empty_model(folder: str | Path) -> torch.nn.Module:
             zero = torch.zeros((), dtype=t.dtype).expand(t.shape)
             setattr(module, name, torch.nn.Parameter(zero, requires_grad=False))
         for name, t in module.named_buffers(recurse=False):
-            module._buffers[name] = torch.zeros((), dtype=t.dtype).expand(t.shape)
+            setattr(module, name, torch.zeros((), dtype=t.dtype).expand(t.shape))  # a buffer still
     return model
 
 

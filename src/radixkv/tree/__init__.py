@@ -1,10 +1,10 @@
 """The radix tree: a core that walks, splits, inserts and evicts, and components that keep
 per-node data beside the full-attention KV.
 
-    core.py        `RadixCache`: the tree's structure, slots, locks, sizes, clock
-    eviction.py    the eviction index, `evict`, the eviction modes
+    core.py        `RadixCache`: the tree's structure, slots, locks, sizes, clock,
+                   eviction, and the components it hosts
+    eviction.py    `EvictionOrder` (the index of evictable leaves), the eviction modes
     component.py   `TreeComponent`: the hooks a component hears, and its contract
-    hosting.py     how components join a cache (event sinks, evict hooks)
     hashes.py      the two block hash chains (`BlockHashes`, `EventHashes`)
     inspection.py  ``check_integrity`` and ``format_tree``
     node.py        `TreeNode`, `MatchResult`, `MatchParts`, `InsertResult`

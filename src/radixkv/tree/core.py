@@ -1,8 +1,15 @@
 """`RadixCache`: a radix tree over token ids whose nodes hold KV slot indices.
 
+One idea: the tree and every change to its structure, in one class (about 900 lines), so
+that the invariants below are kept by the code of one file. The eviction order
+(`radixkv.tree.eviction.EvictionOrder`) and the invariant checker
+(`radixkv.tree.inspection`) are objects and functions of their own, reading it through
+public names.
+
 Owns: the tree's structure (walk, split, insert, merge, evict, detach), the full-attention
-KV slots of every node, the lock counts and evictable/protected sizes, the eviction
-index and the logical clock. Must not touch: what components keep per node (block
+KV slots of every node, the lock counts and evictable/protected sizes, the components it
+hosts (joined while it is empty, with the hash chains an event sink and an evict hook ask
+for) and the logical clock. Must not touch: what components keep per node (block
 hashes, event streams, sliding-window KV, recurrent state: `radixkv.tree.component`),
 except through their hooks; the allocator, except ``free`` on what it evicts.
 
@@ -19,7 +26,7 @@ Representation (why it is fast):
       `radixkv.policy`): a queue of entries pushed in order (under LRU nearly all: a
       touched or new leaf has the newest key) and a binary heap for the rest; the smaller
       head of the two is the next victim. Entries are invalidated lazily: an entry is live
-      when its version equals the node's ``_ver`` and the node is still an evictable leaf.
+      when its version equals the node's ``heap_version`` and the node is still an evictable leaf.
       Each change that makes a node an evictable leaf, or changes the sort key of one,
       pushes a fresh entry; the index is compacted once it holds more than twice as many
       entries as there are nodes. ``evict`` therefore costs O((k + 1) log n) for k nodes
@@ -82,7 +89,6 @@ The eviction index, `evict` and why merging keeps LRU's order: `radixkv.tree.evi
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -93,9 +99,13 @@ from radixkv.key import TOKEN_BYTES, RadixKey, as_bool, as_count, common_prefix_
 from radixkv.policy import get_policy
 from radixkv.tree import inspection
 from radixkv.tree.component import TreeComponent
-from radixkv.tree.eviction import Eviction, resolve_eviction_mode
-from radixkv.tree.hashes import CacheEventSink
-from radixkv.tree.hosting import ComponentHost
+from radixkv.tree.eviction import EvictionOrder, Victims, resolve_eviction_mode
+from radixkv.tree.hashes import (
+    BlockHashes,
+    CacheEventSink,
+    EventHashes,
+    hash_components,
+)
 from radixkv.tree.node import (
     NO_CHILDREN,
     InsertResult,
@@ -106,12 +116,14 @@ from radixkv.tree.node import (
     bytes_to_tensor,
     check_slots,
 )
+from radixkv.tree.servable import Muted, ServableBlocks
+from radixkv.tree.window import WindowKV
 
 _EMPTY = b""
 MAX_PAGE_SIZE = 1 << 16  # tokens; larger pages are a units mistake (bytes for tokens?)
 
 
-class RadixCache(ComponentHost, Eviction):
+class RadixCache:
     """A prefix cache: the longest cached prefix of a key and the KV slots it occupies.
 
     Args:
@@ -154,7 +166,7 @@ class RadixCache(ComponentHost, Eviction):
             raise TypeError("allocator must have a free(indices) method")
         self.is_eagle = as_bool(is_eagle, "is_eagle")
         self.disable = as_bool(disable, "disable")
-        self._policy_key = get_policy(eviction_policy)
+        self.order = EvictionOrder(get_policy(eviction_policy), self.num_nodes)
         self.eviction_mode = resolve_eviction_mode(
             eviction_policy, eviction_mode, precise, merge_chains
         )
@@ -163,7 +175,8 @@ class RadixCache(ComponentHost, Eviction):
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self.allocator = allocator
-        self._width = 2 * TOKEN_BYTES if self.is_eagle else TOKEN_BYTES
+        # bytes of one key unit (a token id, or a bigram pair under EAGLE)
+        self.unit_bytes = 2 * TOKEN_BYTES if self.is_eagle else TOKEN_BYTES
         self._sink: CacheEventSink | None = None
         self._evict_hook: Any = None
         self._components: list[TreeComponent] = []  # in node.ext order
@@ -193,10 +206,7 @@ class RadixCache(ComponentHost, Eviction):
         self._num_nodes = 0
         self._evictable = 0
         self._protected = 0
-        # entries (*sort key, version, node): flat, so a comparison is one int compare;
-        # those pushed in order queue up in _run, the others go to the heap
-        self._heap: list[tuple[Any, ...]] = []
-        self._run: deque[tuple[Any, ...]] = deque()
+        self.order.clear()
 
     def evictable_size(self) -> int:
         """Tokens in unlocked nodes (what ``evict`` can free)."""
@@ -213,6 +223,16 @@ class RadixCache(ComponentHost, Eviction):
     def num_nodes(self) -> int:
         """Nodes in the tree, the root excluded."""
         return self._num_nodes
+
+    @property
+    def clock(self) -> int:
+        """The logical clock: ticks so far (no node's statistics are ahead of it)."""
+        return self._clock
+
+    @property
+    def next_id(self) -> int:
+        """The id the next new node gets (every node's is below it)."""
+        return self._next_id
 
     # --- key and value preparation -----------------------------------------------------
     def _prepare(self, key: Any) -> tuple[bytes, int, Any, RadixKey]:
@@ -232,8 +252,10 @@ class RadixCache(ComponentHost, Eviction):
             n -= n % self.page_size
         return view.unit_bytes(n), n, view.extra_key, view
 
-    def _dict_key(self, parent: TreeNode, node: TreeNode) -> Any:
-        first = node._key[: self.page_size * self._width]
+    def child_key(self, parent: TreeNode, node: TreeNode) -> Any:
+        """The key under which ``parent.children`` holds ``node``: its first page (with
+        its namespace under the root)."""
+        first = node.key_bytes[: self.page_size * self.unit_bytes]
         if parent is self.root and node.extra_key is not None:
             return (node.extra_key, first)
         return first
@@ -261,21 +283,21 @@ class RadixCache(ComponentHost, Eviction):
         path: list[TreeNode] = []
         if n == 0:
             return path, 0, None, 0
-        width, page = self._width, self.page_size
+        width, page = self.unit_bytes, self.page_size
         first = units[: page * width]
         child = self.root.children.get(first if ns is None else (ns, first))
         off = 0
         while child is not None:
             ob = off * width
-            if units.startswith(child._key, ob):
+            if units.startswith(child.key_bytes, ob):
                 path.append(child)
-                off += len(child._value) >> 3
+                off += len(child.value_bytes) >> 3
                 if off == n:
                     break
                 child = child.children.get(units[off * width : (off + page) * width])
             else:
-                limit = min(n - off, len(child._value) >> 3)
-                m = common_prefix_units(units, ob, child._key, width, limit)
+                limit = min(n - off, len(child.value_bytes) >> 3)
+                m = common_prefix_units(units, ob, child.key_bytes, width, limit)
                 return path, off, child, m - m % page
         return path, off, None, 0
 
@@ -307,23 +329,23 @@ class RadixCache(ComponentHost, Eviction):
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after ``m`` units; return the new upper node (child keeps its
         identity as the lower part, so existing references and locks stay valid)."""
-        width = self._width
+        width = self.unit_bytes
         parent = child.parent
         assert parent is not None
-        upper = self._new_node(child._key[: m * width], _EMPTY, parent, child.extra_key)
+        upper = self._new_node(child.key_bytes[: m * width], _EMPTY, parent, child.extra_key)
         for c in self._components:  # before the cut: the node is still whole
             c.split(child, upper, m)
-        shared = child._key is child._value
-        upper._value = upper._key if shared else child._value[: m * TOKEN_BYTES]
-        child._key = child._key[m * width :]
-        child._value = child._key if shared else child._value[m * TOKEN_BYTES :]
+        shared = child.key_bytes is child.value_bytes
+        upper.value_bytes = upper.key_bytes if shared else child.value_bytes[: m * TOKEN_BYTES]
+        child.key_bytes = child.key_bytes[m * width :]
+        child.value_bytes = child.key_bytes if shared else child.value_bytes[m * TOKEN_BYTES :]
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
         upper.created = child.created
         upper.priority = child.priority
-        parent.children[self._dict_key(parent, upper)] = upper
-        upper.children = {child._key[: self.page_size * width]: child}
+        parent.children[self.child_key(parent, upper)] = upper
+        upper.children = {child.key_bytes[: self.page_size * width]: child}
         child.parent = upper
         return upper
 
@@ -342,14 +364,14 @@ class RadixCache(ComponentHost, Eviction):
         self._clock = clock
         last = path[-1]
         if reindex and not last.children and last.lock_ref == 0:
-            self._push(last)
+            self.order.push(last)
 
     def _touch_lower(self, lower: TreeNode) -> None:
         """SGLang refreshes the recency of a node a walk ends inside, before splitting it:
         its unmatched lower part too (``precise`` refreshes only what was matched)."""
         lower.last_access = self._clock
         if not lower.children and lower.lock_ref == 0:
-            self._push(lower)
+            self.order.push(lower)
 
     # --- public operations -------------------------------------------------------------
     def match_prefix(self, key: RadixKey, split: bool = True, full: bool = False) -> MatchResult:
@@ -382,15 +404,15 @@ class RadixCache(ComponentHost, Eviction):
         full_len = off + m
         if self._limiters and not as_bool(full, "full"):
             path, off, partial, m = self._limit(path, off, partial, m)
-        parts = [node._value for node in path]
+        parts = [node.value_bytes for node in path]
         if not split:
             if partial is not None:
-                parts.append(partial._value[: m * TOKEN_BYTES])
+                parts.append(partial.value_bytes[: m * TOKEN_BYTES])
             return MatchParts(parts, path[-1] if path else self.root, off + m, full_len)
         if partial is not None and m:
             upper = self._split(partial, m)
             path.append(upper)
-            parts.append(upper._value)
+            parts.append(upper.value_bytes)
             off += m
         if path:
             self._touch(path)
@@ -466,25 +488,7 @@ class RadixCache(ComponentHost, Eviction):
                 raise ValueError(f"extras: no component takes {sorted(unknown)}")
         units, n, ns, view = self._prepare(key)
         given = len(key) if isinstance(key, RadixKey) else view.raw_len()
-        if (
-            isinstance(value, torch.Tensor)
-            and value.dtype == torch.int64
-            and value.is_cpu
-            and value.dim() == 1
-        ):
-            value = value.numpy()  # a view: the fast path below
-        if value is None:
-            tail: Any = units if not view.is_bigram else view.raw_view()[:n].tobytes()
-        elif type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
-            tail = value  # packed below, only the part the tree does not have yet
-            if len(value) != given:
-                raise ValueError(f"len(value) must equal len(key): got {len(value)} != {given}")
-        else:
-            tail = as_int64_bytes(value)
-            if len(tail) != given * TOKEN_BYTES:
-                raise ValueError(
-                    f"len(value) must equal len(key): got {len(tail) // TOKEN_BYTES} != {given}"
-                )
+        tail = self._slots_given(value, units, view, n, given)
         if self.disable or n == 0:
             return InsertResult(0, self.root)
         if extras:
@@ -493,7 +497,7 @@ class RadixCache(ComponentHost, Eviction):
                     raise ValueError(f"extras[{name!r}]: {len(x)} entries for {n} units")
         path, off, partial, m = self._descend(units, n, ns)
         start = off + m  # units cached already
-        width = self._width
+        width = self.unit_bytes
         if start < n:
             leaf_key = units[start * width :] if start else units
             if tail is units:
@@ -514,8 +518,49 @@ class RadixCache(ComponentHost, Eviction):
             if self._inserters:
                 self._tell_inserted(path, None, start, n, extras)
             return InsertResult(off, path[-1])
+        leaf = self._add_leaf(path, partial, leaf_key, leaf_value, ns, priority)
+        if self._inserters:
+            self._tell_inserted(path, leaf, start, n, extras)
+        return InsertResult(off, leaf)
+
+    def _slots_given(self, value: Any, units: bytes, view: RadixKey, n: int, given: int) -> Any:
+        """An insert's slots, checked against the key's length: the key's own units when
+        ``value`` is None, an int64 array as it is (packed later, only the part the tree
+        lacks), anything else packed to int64 ``bytes``."""
+        if (
+            isinstance(value, torch.Tensor)
+            and value.dtype == torch.int64
+            and value.is_cpu
+            and value.dim() == 1
+        ):
+            value = value.numpy()  # a view: the fast path below
+        if value is None:
+            return units if not view.is_bigram else view.raw_view()[:n].tobytes()
+        if type(value) is np.ndarray and value.dtype == np.int64 and value.ndim == 1:
+            if len(value) != given:
+                raise ValueError(f"len(value) must equal len(key): got {len(value)} != {given}")
+            return value
+        packed = as_int64_bytes(value)
+        if len(packed) != given * TOKEN_BYTES:
+            raise ValueError(
+                f"len(value) must equal len(key): got {len(packed) // TOKEN_BYTES} != {given}"
+            )
+        return packed
+
+    def _add_leaf(
+        self,
+        path: list[TreeNode],
+        partial: TreeNode | None,
+        key: bytes,
+        value: bytes,
+        ns: Any,
+        priority: int,
+    ) -> TreeNode:
+        """Hang a new leaf under the walk's last node (or merge it into that node, an
+        unpinned leaf, under ``merge``), refreshing the walk; the leaf is the newest tick
+        and evictable. The path loses its last node when it is merged away."""
         parent = path[-1] if path else self.root
-        leaf = self._new_node(leaf_key, leaf_value, parent, ns)
+        leaf = self._new_node(key, value, parent, ns)
         for c in self._components:
             c.new_leaf(leaf, parent)
         if path:  # the path's last node gains a child, so it needs no re-index
@@ -525,18 +570,16 @@ class RadixCache(ComponentHost, Eviction):
         self._clock += 1
         leaf.last_access = leaf.created = self._clock
         leaf.priority = priority
-        self._evictable += n - off
+        self._evictable += len(value) >> 3
         if self.merge_chains and path and not parent.children and not parent.lock_ref:
             self._absorb(leaf, parent)
             path.pop()  # the parent's units are the leaf's now
         elif parent.children:
-            parent.children[self._dict_key(parent, leaf)] = leaf
+            parent.children[self.child_key(parent, leaf)] = leaf
         else:
-            parent.children = {self._dict_key(parent, leaf): leaf}
-        self._push(leaf)
-        if self._inserters:
-            self._tell_inserted(path, leaf, start, n, extras)
-        return InsertResult(off, leaf)
+            parent.children = {self.child_key(parent, leaf): leaf}
+        self.order.push(leaf)
+        return leaf
 
     def _tell_inserted(
         self, path: list[TreeNode], leaf: TreeNode | None, start: int, n: int, extras: Any
@@ -554,13 +597,13 @@ class RadixCache(ComponentHost, Eviction):
         assert grand is not None
         for c in self._components:
             c.merge(leaf, parent)
-        shared = parent._key is parent._value and leaf._key is leaf._value
-        leaf._key = parent._key + leaf._key
-        leaf._value = leaf._key if shared else parent._value + leaf._value
+        shared = parent.key_bytes is parent.value_bytes and leaf.key_bytes is leaf.value_bytes
+        leaf.key_bytes = parent.key_bytes + leaf.key_bytes
+        leaf.value_bytes = leaf.key_bytes if shared else parent.value_bytes + leaf.value_bytes
         leaf.parent = grand
         leaf.created, leaf.hit_count = parent.created, parent.hit_count
         leaf.priority = max(leaf.priority, parent.priority)
-        grand.children[self._dict_key(grand, leaf)] = leaf
+        grand.children[self.child_key(grand, leaf)] = leaf
         parent.parent = None
         self._num_nodes -= 1
 
@@ -591,17 +634,232 @@ class RadixCache(ComponentHost, Eviction):
             c.detach(node)
         parent = node.parent
         assert parent is not None
-        del parent.children[self._dict_key(parent, node)]
+        del parent.children[self.child_key(parent, node)]
         if not parent.children:
             parent.children = NO_CHILDREN
         node.parent = None
         self._num_nodes -= 1
-        self._evictable -= len(node._value) >> 3
+        self._evictable -= len(node.value_bytes) >> 3
         if parent is not self.root and not parent.children and parent.lock_ref == 0:
-            self._push(parent)
+            self.order.push(parent)
         for c in self._components:
             c.detached(node, parent)
-        return bytes_to_tensor([node._value])
+        return bytes_to_tensor([node.value_bytes])
+
+    # --- eviction ----------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``min(num_tokens, evictable_size())`` tokens in the policy's order.
+
+        Whole unlocked leaves are removed until that many are freed (SGLang's semantics:
+        the last one can overshoot by up to its length). With ``precise`` the last
+        one is trimmed from its tail (whole pages) instead, overshooting by less than a
+        page.
+        The removed slot indices go to ``allocator.free`` in a single call, made after the
+        victims are chosen and before any of them is unlinked: if it raises, the tree is
+        unchanged and the error propagates.
+
+        Returns:
+            The number of tokens evicted.
+        """
+        need = as_count(num_tokens, "num_tokens")
+        if self.disable or need == 0:
+            return 0
+        chosen = self.order.choose(need, self.page_size, self.precise, self.root)
+        if not chosen.nodes and chosen.trim is None:
+            return 0  # only dead index entries were taken
+        return self._remove(chosen)
+
+    def evict_leaf(self, node: TreeNode, units: int | None = None) -> int:
+        """Evict one chosen unlocked leaf: whole, or its last ``units`` (whole pages),
+        for a caller with an eviction order of its own (a hybrid cache's utility).
+        Frees as `evict` does (components told, one ``allocator.free``).
+
+        Raises:
+            ValueError: ``node`` is not an unlocked leaf of this cache, or ``units`` is
+                not a positive multiple of the page size up to its length.
+        """
+        self.path_to_root(node, "evict_leaf")
+        if node is self.root or node.children or node.lock_ref:
+            raise ValueError(f"evict_leaf: node {node.id} is not an unlocked leaf")
+        length = len(node)
+        units = length if units is None else as_count(units, "units")
+        if not 0 < units <= length or units % self.page_size:
+            raise ValueError(f"evict_leaf: units must be whole pages in (0, {length}], "
+                             f"got {units}")  # fmt: skip
+        if units < length:
+            return self._remove(Victims([], (node, units), [], []))
+        return self._remove(Victims([node], None, [], [(node.parent,)]))
+
+    def _remove(self, chosen: Victims) -> int:
+        """Free and unlink chosen victims (see `evict`)."""
+        victims, trim = chosen.nodes, chosen.trim
+        freed = [v.value_bytes for v in victims]
+        if trim is not None:
+            node, take = trim
+            freed.append(node.value_bytes[(len(node) - take) * TOKEN_BYTES :])
+        slots = bytes_to_tensor(freed)
+        for c in self._components:
+            c.evicting(victims, trim, slots)
+        if self.allocator is not None:
+            try:
+                self.allocator.free(slots)
+            except BaseException:
+                self.order.put_back(chosen.popped)
+                raise
+        evicted = self._unlink(victims, chosen.uncovered)
+        if trim is not None:
+            evicted += self._trim(*trim)
+        for c in self._components:
+            c.evicted(victims, trim)
+        self._evictable -= evicted
+        return evicted
+
+    def _unlink(self, victims: list[TreeNode], uncovered: list[Any]) -> int:
+        """Take the victims out of the tree; index the parents left childless. Returns
+        the tokens they held."""
+        root, step = self.root, self.page_size * self.unit_bytes
+        evicted = 0
+        for node in victims:
+            parent = node.parent
+            first = node.key_bytes[:step]
+            del parent.children[
+                (node.extra_key, first) if parent is root and node.extra_key is not None else first
+            ]
+            node.parent = None
+            if not parent.children:
+                parent.children = NO_CHILDREN
+            evicted += len(node.value_bytes) >> 3
+        self._num_nodes -= len(victims)
+        for entry in uncovered:  # left childless, and not victims themselves
+            parent = entry[-1]
+            if parent.parent is not None and not parent.children:
+                self.order.push(parent)
+        return evicted
+
+    def _trim(self, node: TreeNode, take: int) -> int:
+        """Cut ``take`` units from ``node``'s tail (its slots are freed)."""
+        keep = (len(node.value_bytes) >> 3) - take
+        shared = node.key_bytes is node.value_bytes
+        node.key_bytes = node.key_bytes[: keep * self.unit_bytes]
+        node.value_bytes = node.key_bytes if shared else node.value_bytes[: keep * TOKEN_BYTES]
+        self.order.push(node)
+        return take
+
+    # --- components --------------------------------------------------------------------
+    def add_component(self, component: TreeComponent) -> None:
+        """Join a component to the tree (only while the cache is empty).
+
+        Raises:
+            TypeError: not a `TreeComponent`. ValueError: the cache holds pages, or the
+                component belongs to a cache already.
+        """
+        if not isinstance(component, TreeComponent):
+            raise TypeError(f"component must be a TreeComponent, got {type(component).__name__}")
+        if self._num_nodes:
+            raise ValueError("add_component: the cache must be empty (reset it first)")
+        if component.index >= 0:
+            raise ValueError(f"component {component.name!r} belongs to a cache already")
+        self._own.append(component)
+        self._set_components(self._own + self._hash_components())
+
+    def component(self, name: str) -> TreeComponent | None:
+        """The component called ``name``, if the cache has one."""
+        return next((c for c in self._components if c.name == name), None)
+
+    @property
+    def components(self) -> tuple[TreeComponent, ...]:
+        return tuple(self._components)
+
+    def _set_components(self, components: list[TreeComponent]) -> None:
+        """Make ``components`` the cache's, in ``node.ext`` order. Ones that leave hear
+        nothing more (an event component is flushed first); every node's entries follow."""
+        old = self._components
+        for c in old:
+            if c not in components and isinstance(c, EventHashes):
+                c.flush()  # the old sink hears of every page it was told would come
+        keep = {id(c): i for i, c in enumerate(old)}
+        for i, c in enumerate(components):
+            if id(c) not in keep:
+                c.attach(self, i)
+            c.index = i
+        self._components = components
+        self._empty_ext = [c.empty for c in components]
+        self._lockers = [c for c in components if c.lock is not None]
+        self._limiters = [c for c in components if c.match_limit is not None]
+        self._inserters = [c for c in components if c.inserted is not None]
+        for node in (self.root, *self.iter_nodes()):
+            if components:  # a removed component's entries go; new ones start empty
+                node.ext = [
+                    node.ext[keep[id(c)]] if id(c) in keep and node.ext else c.empty
+                    for c in components
+                ]
+            else:
+                node.ext = None
+        for c in old:
+            if c not in components:
+                c.index = -1
+
+    def set_event_sink(self, sink: CacheEventSink | None) -> None:
+        """Report pages entering and leaving the cache to ``sink`` (``None``: stop). Only
+        while the cache is empty, so every page the sink hears of has a hash.
+
+        Raises:
+            ValueError: the cache holds pages.
+        """
+        if sink is not None and self._num_nodes:
+            raise ValueError("set_event_sink: the cache must be empty (reset it first)")
+        for name in ("stored", "removed", "cleared"):
+            if sink is not None and not callable(getattr(sink, name, None)):
+                raise TypeError(f"event_sink must have a {name}() method")
+        self._sink = sink
+        self._set_hash_components()
+
+    def set_evict_hook(self, hook: Any) -> None:
+        """Call ``hook(page_hashes, slots)`` with the pages `evict` is about to free
+        (`HASH_BYTES` block hashes concatenated, and their slots in the same order), before the
+        allocator reuses them: a host tier copies them out. Only while the cache is empty.
+
+        Raises:
+            ValueError: the cache holds pages.
+        """
+        if hook is not None and self._num_nodes:
+            raise ValueError("set_evict_hook: the cache must be empty (reset it first)")
+        self._evict_hook = hook
+        self._set_hash_components()
+
+    def _set_hash_components(self) -> None:
+        """Which chains the nodes keep (`radixkv.tree.hashes.hash_components`): new ones
+        only while empty; a chain no longer asked for leaves at any time."""
+        if self._num_nodes:
+            wanted = self._hash_components()
+            kinds = {type(c) for c in wanted}
+            now = [c for c in self._components if c in self._own or type(c) in kinds]
+        else:
+            now = self._own + self._hash_components()
+        self._set_components(now)
+        window = next((c for c in self._own if isinstance(c, WindowKV)), None)
+        if window is not None and not any(isinstance(c, ServableBlocks) for c in now):
+            window.watch = None  # no sink hears of windows any more
+
+    def _hash_components(self) -> list[TreeComponent]:
+        """The chains the sink and the evict hook ask for; with sliding-window KV, the
+        event sink hears only servable blocks (`radixkv.tree.servable`), through a gate
+        that reads the chain's hashes."""
+        sink, hook = self._sink, self._evict_hook
+        window = next((c for c in self._own if isinstance(c, WindowKV)), None)
+        if window is None or sink is None:
+            return hash_components(sink, hook)
+        strong = bool(getattr(sink, "strong_hashes", False))
+        out: list[TreeComponent] = hash_components(Muted(strong), hook)
+        chain = next(c for c in out if isinstance(c, BlockHashes if strong else EventHashes))
+        return [*out, ServableBlocks(sink, chain, window)]  # type: ignore[arg-type]
+
+    def flush_events(self) -> None:
+        """Hash the pages inserted since the last flush and report them to the event
+        sink (`radixkv.tree.hashes.EventHashes.flush`); a no-op without one."""
+        for c in self._components:
+            if isinstance(c, EventHashes | ServableBlocks):
+                c.flush()
 
     # --- locks -------------------------------------------------------------------------
     def path_to_root(self, node: TreeNode, op: str) -> list[TreeNode]:
@@ -621,7 +879,7 @@ class RadixCache(ComponentHost, Eviction):
         """The slot indices from the root down to ``node`` (what a match ending exactly
         there returns), without touching anything. O(depth)."""
         path = self.path_to_root(node, "path_values")
-        return bytes_to_tensor([x._value for x in reversed(path)])
+        return bytes_to_tensor([x.value_bytes for x in reversed(path)])
 
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock the path from ``node`` to the root; returns the change in evictable size
@@ -632,7 +890,7 @@ class RadixCache(ComponentHost, Eviction):
         path = self.path_to_root(node, "inc_lock_ref")
         for x in path:
             if x.lock_ref == 0:
-                delta -= len(x._value) >> 3
+                delta -= len(x.value_bytes) >> 3
             x.lock_ref += 1
         self._evictable += delta
         self._protected -= delta
@@ -657,9 +915,9 @@ class RadixCache(ComponentHost, Eviction):
         for x in path:
             x.lock_ref -= 1
             if x.lock_ref == 0:
-                delta += len(x._value) >> 3
+                delta += len(x.value_bytes) >> 3
                 if not x.children:
-                    self._push(x)
+                    self.order.push(x)
         self._evictable += delta
         self._protected -= delta
         if self._lockers:
@@ -678,7 +936,7 @@ class RadixCache(ComponentHost, Eviction):
 
     def all_values(self) -> torch.Tensor:
         """Every slot index held by the tree, as one int64 tensor (no recursion)."""
-        return bytes_to_tensor([node._value for node in self.iter_nodes()])
+        return bytes_to_tensor([node.value_bytes for node in self.iter_nodes()])
 
     def format_tree(self, max_units: int = 10) -> str:
         """The tree as indented text, one node a line."""

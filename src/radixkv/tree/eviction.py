@@ -1,8 +1,10 @@
-"""Eviction: the index of evictable leaves, `evict`, and the eviction modes.
+"""Eviction order: the index of evictable leaves (`EvictionOrder`), choosing victims in
+the policy's order, and the eviction modes. A `RadixCache` owns one `EvictionOrder`; its
+``evict`` asks it for victims, then frees and unlinks them itself.
 
 Owns: the order in which leaves leave (the policy's sort key over a queue and a heap),
-choosing victims, unlinking them and trimming a tail, and resolving the eviction mode.
-Must not touch: what components keep per node (they hear ``evicting`` / ``evicted``).
+choosing victims, and resolving the eviction mode. Must not touch: the tree's structure
+(the cache unlinks and trims), what components keep per node.
 
 Why LRU's order is exactly kept by merging: without merging, the insert touches the leaf
 (tick t) and gives the new child tick t + 1; no other node can ever hold a tick between
@@ -23,14 +25,13 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from radixkv.key import TOKEN_BYTES, as_bool, as_count
-from radixkv.tree.node import NO_CHILDREN, bytes_to_tensor
+from radixkv.key import as_bool
 from radixkv.units import align_up
 
 if TYPE_CHECKING:
-    from radixkv.tree.core import RadixCache
     from radixkv.tree.node import TreeNode
 
 EVICTION_MODES = ("leaf", "precise", "merge")
@@ -66,118 +67,85 @@ def resolve_eviction_mode(
     return mode
 
 
-class Eviction:
-    """`RadixCache`'s eviction (a mixin: the cache's fields are its own)."""
+class Victims(NamedTuple):
+    """What `EvictionOrder.choose` picked.
 
-    # --- eviction index ----------------------------------------------------------------
-    def _push(self: RadixCache, node: TreeNode) -> None:
-        node._ver += 1
-        entry = (*self._policy_key(node), node._ver, node)
+    Attributes:
+        nodes: whole leaves to remove, in the policy's order.
+        trim: ``(node, units)``: the last victim's tail to cut instead (precise), or None.
+        popped: the index entries taken (put back with `EvictionOrder.put_back` if the
+            free fails).
+        uncovered: parents left without children once the victims go (heap entries).
+    """
+
+    nodes: list[TreeNode]
+    trim: tuple[TreeNode, int] | None
+    popped: list[Any]
+    uncovered: list[Any]
+
+
+class EvictionOrder:
+    """The evictable leaves in the policy's order: entries ``(*sort key, version, node)``,
+    flat so a comparison is one tuple compare. Entries pushed in order (LRU's, nearly
+    always) queue up in a deque; the others go to a heap; the smaller head of the two is
+    next. An entry is live while its version is the node's ``heap_version`` and the node
+    is still an unlocked leaf in the tree; dead ones are skipped when popped and dropped
+    when they outnumber the nodes twice over.
+
+    Args:
+        policy_key: the sort key of a node (`radixkv.policy.get_policy`).
+        num_nodes: the tree's node count now (bounds the dead entries kept).
+
+    Complexity: ``push`` O(1) in order, O(log n) otherwise; ``choose`` O((k + 1) log n)
+    for k victims.
+    """
+
+    def __init__(self, policy_key: Callable[[TreeNode], Any], num_nodes: Callable[[], int]):
+        self.policy_key = policy_key
+        self._num_nodes = num_nodes
+        self.clear()
+
+    def clear(self) -> None:
+        self._heap: list[tuple[Any, ...]] = []
+        self._run: deque[tuple[Any, ...]] = deque()
+
+    def push(self, node: TreeNode) -> None:
+        """Index ``node`` under its current sort key (an older entry of it goes stale)."""
+        node.heap_version += 1
+        entry = (*self.policy_key(node), node.heap_version, node)
         run, heap = self._run, self._heap
         if not run or entry > run[-1]:
             run.append(entry)
         else:
             heapq.heappush(heap, entry)
-        if len(heap) + len(run) > 2 * self._num_nodes + 64:
-            live = self._live
+        if len(heap) + len(run) > 2 * self._num_nodes() + 64:
+            live = self.live
             self._run = deque(e for e in run if live(e))  # still in order
             heap[:] = [e for e in heap if live(e)]
             heapq.heapify(heap)
 
     @staticmethod
-    def _live(entry: tuple[Any, ...]) -> bool:
+    def live(entry: tuple[Any, ...]) -> bool:
         node = entry[-1]
         return (
-            entry[-2] == node._ver
+            entry[-2] == node.heap_version
             and node.parent is not None
             and not node.children
             and node.lock_ref == 0
         )
 
-    # --- eviction ----------------------------------------------------------------------
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``min(num_tokens, evictable_size())`` tokens in the policy's order.
+    def put_back(self, popped: list[Any]) -> None:
+        """Return entries `choose` took (the free of their slots failed)."""
+        for entry in popped:
+            heapq.heappush(self._heap, entry)
 
-        Whole unlocked leaves are removed until that many are freed (SGLang's semantics:
-        the last one can overshoot by up to its length). With ``precise`` the last
-        one is trimmed from its tail (whole pages) instead, overshooting by less than a
-        page.
-        The removed slot indices go to ``allocator.free`` in a single call, made after the
-        victims are chosen and before any of them is unlinked: if it raises, the tree is
-        unchanged and the error propagates.
-
-        Returns:
-            The number of tokens evicted.
-        """
-        need = as_count(num_tokens, "num_tokens")
-        if self.disable or need == 0:
-            return 0
-        victims, trim, popped, uncovered = self._choose_victims(need)
-        if not victims and trim is None:
-            return 0  # only dead index entries were taken
-        return self._remove(victims, trim, popped, uncovered)
-
-    def evict_leaf(self, node: TreeNode, units: int | None = None) -> int:
-        """Evict one chosen unlocked leaf: whole, or its last ``units`` (whole pages),
-        for a caller with an eviction order of its own (a hybrid cache's utility).
-        Frees as `evict` does (components told, one ``allocator.free``).
-
-        Raises:
-            ValueError: ``node`` is not an unlocked leaf of this cache, or ``units`` is
-                not a positive multiple of the page size up to its length.
-        """
-        self.path_to_root(node, "evict_leaf")
-        if node is self.root or node.children or node.lock_ref:
-            raise ValueError(f"evict_leaf: node {node.id} is not an unlocked leaf")
-        length = len(node)
-        units = length if units is None else as_count(units, "units")
-        if not 0 < units <= length or units % self.page_size:
-            raise ValueError(f"evict_leaf: units must be whole pages in (0, {length}], "
-                             f"got {units}")  # fmt: skip
-        if units < length:
-            return self._remove([], (node, units), [], [])
-        return self._remove([node], None, [], [(node.parent,)])
-
-    def _remove(
-        self,
-        victims: list[TreeNode],
-        trim: tuple[TreeNode, int] | None,
-        popped: list[Any],
-        uncovered: list[Any],
-    ) -> int:
-        """Free and unlink chosen victims (see `evict`)."""
-        freed = [v._value for v in victims]
-        if trim is not None:
-            node, take = trim
-            freed.append(node._value[(len(node) - take) * TOKEN_BYTES :])
-        slots = bytes_to_tensor(freed)
-        for c in self._components:
-            c.evicting(victims, trim, slots)
-        if self.allocator is not None:
-            try:
-                self.allocator.free(slots)
-            except BaseException:
-                for entry in popped:
-                    heapq.heappush(self._heap, entry)
-                raise
-        evicted = self._unlink(victims, uncovered)
-        if trim is not None:
-            evicted += self._trim(*trim)
-        for c in self._components:
-            c.evicted(victims, trim)
-        self._evictable -= evicted
-        return evicted
-
-    def _choose_victims(
-        self, need: int
-    ) -> tuple[list[TreeNode], tuple[TreeNode, int] | None, list[Any], list[Any]]:
-        """Pick whole leaves in the policy's order until ``need`` tokens; with ``precise``
+    def choose(self, need: int, page: int, precise: bool, root: TreeNode) -> Victims:
+        """Pick whole leaves in the policy's order until ``need`` units; with ``precise``
         the last one may be a tail ``(node, units)`` instead. Nothing changes but the
-        index entries taken (returned, to put back if the free fails), and the parents
-        that become leaves once their children go (``uncovered``)."""
-        page, root = self.page_size, self.root
+        index entries taken, and the parents that become leaves once their children go
+        (``uncovered``)."""
         heap, run, pop, push = self._heap, self._run, heapq.heappop, heapq.heappush
-        policy_key = self._policy_key
+        policy_key = self.policy_key
         popped: list[Any] = []
         uncovered: list[Any] = []
         gone: dict[TreeNode, int] = {}  # parent -> its children chosen as victims
@@ -191,50 +159,51 @@ class Eviction:
                 entry = run.popleft() if from_run else pop(heap)
                 popped.append(entry)
                 node = entry[-1]
-                if entry[-2] != node._ver or node.children or node.lock_ref or node.parent is None:
+                if (entry[-2] != node.heap_version or node.children or node.lock_ref
+                        or node.parent is None):  # fmt: skip
                     continue
             else:
                 break
-            length = len(node._value) >> 3
-            if need < length and self.precise:  # the last victim: trim its tail
+            length = len(node.value_bytes) >> 3
+            if need < length and precise:  # the last victim: trim its tail
                 take = align_up(need, page)
                 if take < length:
-                    return victims, (node, take), popped, uncovered
+                    return Victims(victims, (node, take), popped, uncovered)
             victims.append(node)
             need -= length
             parent = node.parent
             left = gone[parent] = gone.get(parent, 0) + 1
             if parent is not root and left == len(parent.children) and not parent.lock_ref:
                 push(uncovered, (*policy_key(parent), 0, parent))
-        return victims, None, popped, uncovered
+        return Victims(victims, None, popped, uncovered)
 
-    def _unlink(self, victims: list[TreeNode], uncovered: list[Any]) -> int:
-        """Take the victims out of the tree; index the parents left childless. Returns
-        the tokens they held."""
-        root, step = self.root, self.page_size * self._width
-        evicted = 0
-        for node in victims:
-            parent = node.parent
-            first = node._key[:step]
-            del parent.children[
-                (node.extra_key, first) if parent is root and node.extra_key is not None else first
-            ]
-            node.parent = None
-            if not parent.children:
-                parent.children = NO_CHILDREN
-            evicted += len(node._value) >> 3
-        self._num_nodes -= len(victims)
-        for entry in uncovered:  # left childless, and not victims themselves
-            parent = entry[-1]
-            if parent.parent is not None and not parent.children:
-                self._push(parent)
-        return evicted
+    def check(self, evictable_leaves: dict[int, TreeNode]) -> None:
+        """Every evictable leaf has exactly one live entry, holding its current sort key;
+        both halves of the index are in order.
 
-    def _trim(self, node: TreeNode, take: int) -> int:
-        """Cut ``take`` units from ``node``'s tail (its slots are freed)."""
-        keep = (len(node._value) >> 3) - take
-        shared = node._key is node._value
-        node._key = node._key[: keep * self._width]
-        node._value = node._key if shared else node._value[: keep * TOKEN_BYTES]
-        self._push(node)
-        return take
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        heap, run = self._heap, list(self._run)
+        if any(heap[i][:-1] < heap[(i - 1) >> 1][:-1] for i in range(1, len(heap))):
+            raise AssertionError("eviction heap order broken")
+        if any(run[i][:-1] < run[i - 1][:-1] for i in range(1, len(run))):
+            raise AssertionError("eviction queue out of order")
+        live: dict[int, int] = {}
+        for entry in heap + run:
+            if self.live(entry):
+                node = entry[-1]
+                if id(node) not in evictable_leaves:
+                    raise AssertionError(
+                        f"eviction index holds node {node.id}, which is not in the tree"
+                    )
+                if entry[:-2] != tuple(self.policy_key(node)):
+                    raise AssertionError(
+                        f"eviction index holds a stale sort key for node {node.id}"
+                    )
+                live[id(node)] = live.get(id(node), 0) + 1
+        for ident, node in evictable_leaves.items():
+            if live.get(ident, 0) != 1:
+                raise AssertionError(
+                    f"evictable leaf {node.id} has {live.get(ident, 0)} live index entries"
+                )

@@ -149,8 +149,8 @@ class BlockHashes(_Chain):
 
     def new_leaf(self, leaf: TreeNode, parent: TreeNode) -> None:
         cache, i = self.cache, self.index
-        key, top = leaf._key, parent is cache.root
-        step = cache.page_size * cache._width
+        key, top = leaf.key_bytes, parent is cache.root
+        step = cache.page_size * cache.unit_bytes
         prev = None if top else parent.ext[i][-HASH_BYTES:]  # type: ignore[index]
         hashes = bytearray()
         for off in range(0, len(key), step):
@@ -197,8 +197,8 @@ class BlockHashes(_Chain):
     def check_node(self, node: TreeNode, parent: TreeNode) -> None:
         cache, i = self.cache, self.index
         prev = parent.ext[i][-HASH_BYTES:] if parent is not cache.root else None  # type: ignore[index]
-        step = cache.page_size * cache._width
-        key, hashes = node._key, node.ext[i]  # type: ignore[index]
+        step = cache.page_size * cache.unit_bytes
+        key, hashes = node.key_bytes, node.ext[i]  # type: ignore[index]
         for j in range(0, len(key), step):
             prev = page_hash(prev, node.extra_key, key[j : j + step])
             at = j // step * HASH_BYTES
@@ -242,7 +242,7 @@ class EventHashes(_Chain):
 
     def is_pending(self, node: TreeNode) -> bool:
         """``node``'s last pages wait for `flush` (fewer event hashes than pages)."""
-        pages = len(node._value) // self._page_bytes
+        pages = len(node.value_bytes) // self._page_bytes
         return len(node.ext[self.index]) // EVENT_HASH_BYTES < pages  # type: ignore[index]
 
     def new_leaf(self, leaf: TreeNode, parent: TreeNode) -> None:
@@ -267,7 +267,7 @@ class EventHashes(_Chain):
             return
         self.pending = []
         cache = self.cache
-        page_units = cache.page_size * (cache._width // TOKEN_BYTES)
+        page_units = cache.page_size * (cache.unit_bytes // TOKEN_BYTES)
         if len(pending) == 1:  # a step of one insert: ~2 µs less than gathering a batch
             key, prev, start = self._unhashed_run(pending[0])
             units = np.frombuffer(key, dtype=np.int64)
@@ -291,13 +291,13 @@ class EventHashes(_Chain):
         done = len(node.ext[i]) // EVENT_HASH_BYTES  # type: ignore[index]
         if done:  # pages that came with a merge
             prev = last_state(node.ext[i])  # type: ignore[index]
-            return node._key[done * cache.page_size * cache._width :], prev, prev
+            return node.key_bytes[done * cache.page_size * cache.unit_bytes :], prev, prev
         parent = node.parent
         assert parent is not None, "a pending node left the tree without a flush"
         if parent is cache.root:
-            return node._key, None, root_state(node.extra_key)
+            return node.key_bytes, None, root_state(node.extra_key)
         prev = last_state(parent.ext[i])  # type: ignore[index]
-        return node._key, prev, prev
+        return node.key_bytes, prev, prev
 
     def _tell_stored(
         self, node: TreeNode, states: np.ndarray, units: np.ndarray, prev: int | None
@@ -338,8 +338,8 @@ class EventHashes(_Chain):
         cache, i = self.cache, self.index
         root = cache.root
         start = root_state(node.extra_key) if parent is root else last_state(parent.ext[i])  # type: ignore[index]
-        units = np.frombuffer(node._key, dtype=np.int64)
-        want = chain_states(units, cache.page_size * (cache._width // TOKEN_BYTES), start)
+        units = np.frombuffer(node.key_bytes, dtype=np.int64)
+        want = chain_states(units, cache.page_size * (cache.unit_bytes // TOKEN_BYTES), start)
         want_bytes = want.astype("<u8", copy=False).tobytes()
         have = node.ext[i]  # type: ignore[index]
         if not want_bytes.startswith(have):

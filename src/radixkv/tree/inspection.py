@@ -33,7 +33,7 @@ def format_tree(cache: RadixCache, max_units: int = 10) -> str:
         node, depth = stack.pop()
         # a deep chain would make the indentation quadratic in size: cap it
         indent = "  " * depth if depth <= _MAX_INDENT else "  " * _MAX_INDENT + f"[{depth}] "
-        units = np.frombuffer(node._key, dtype=np.int64)
+        units = np.frombuffer(node.key_bytes, dtype=np.int64)
         if node.is_bigram:
             shown = [tuple(p) for p in units.reshape(-1, 2)[:max_units].tolist()]
         else:
@@ -58,8 +58,8 @@ def check_integrity(cache: RadixCache) -> None:
     Raises:
         AssertionError: naming the first violated invariant and the node.
     """
-    root, page, width = cache.root, cache.page_size, cache._width
-    if root.parent is not None or root._key or root._value or root.lock_ref != 1:
+    root, page, width = cache.root, cache.page_size, cache.unit_bytes
+    if root.parent is not None or root.key_bytes or root.value_bytes or root.lock_ref != 1:
         _fail("root must have no parent, an empty key and lock_ref 1")
     comps = cache.components
     evictable = protected = count = 0
@@ -76,21 +76,21 @@ def check_integrity(cache: RadixCache) -> None:
             seen.add(id(child))
             if child.parent is not node:
                 _fail(f"{where}: parent link points elsewhere")
-            nv, nk = len(child._value), len(child._key)
+            nv, nk = len(child.value_bytes), len(child.key_bytes)
             if nv == 0 or nv % TOKEN_BYTES or nk != (nv // TOKEN_BYTES) * width:
                 _fail(f"{where}: key of {nk} bytes and value of {nv} bytes disagree")
             units = nv // TOKEN_BYTES
             if units % page:
                 _fail(f"{where}: length {units} is not a multiple of page_size {page}")
-            if dict_key != cache._dict_key(node, child):
+            if dict_key != cache.child_key(node, child):
                 _fail(f"{where}: stored under a dict key that is not its first page")
             if node is not root and child.extra_key != node.extra_key:
                 _fail(f"{where}: namespace {child.extra_key!r} != parent's")
             if child.lock_ref < 0:
                 _fail(f"{where}: negative lock_ref {child.lock_ref}")
-            if max(child.last_access, child.created) > cache._clock or child.hit_count < 0:
+            if max(child.last_access, child.created) > cache.clock or child.hit_count < 0:
                 _fail(f"{where}: statistics ahead of the clock or negative")
-            if child.id >= cache._next_id:
+            if child.id >= cache.next_id:
                 _fail(f"{where}: id beyond the id counter")
             if (child.ext is None) != (not comps) or (comps and len(child.ext) != len(comps)):  # type: ignore[arg-type]
                 _fail(f"{where}: {len(child.ext or ())} component entries, {len(comps)} "
@@ -123,28 +123,7 @@ def check_integrity(cache: RadixCache) -> None:
             f"sizes recomputed (evictable={evictable}, protected={protected}) != recorded "
             f"(evictable={cache.evictable_size()}, protected={cache.protected_size()})"
         )
-    _check_index(cache, evictable_leaves)
-
-
-def _check_index(cache: RadixCache, evictable_leaves: dict[int, TreeNode]) -> None:
-    """Every evictable leaf has exactly one live entry in the eviction index, holding
-    its current sort key; both halves of the index are in order."""
-    heap, run = cache._heap, list(cache._run)
-    for i in range(1, len(heap)):
-        if heap[i][:-1] < heap[(i - 1) >> 1][:-1]:
-            _fail(f"eviction heap order broken at entry {i}")
-    for i in range(1, len(run)):
-        if run[i][:-1] < run[i - 1][:-1]:
-            _fail(f"eviction queue out of order at entry {i}")
-    live: dict[int, int] = {}
-    for entry in heap + run:
-        if cache._live(entry):
-            node = entry[-1]
-            if id(node) not in evictable_leaves:
-                _fail(f"eviction index holds node {node.id}, which is not in the tree")
-            if entry[:-2] != tuple(cache._policy_key(node)):
-                _fail(f"eviction index holds a stale sort key for node {node.id}")
-            live[id(node)] = live.get(id(node), 0) + 1
-    for ident, node in evictable_leaves.items():
-        if live.get(ident, 0) != 1:
-            _fail(f"evictable leaf {node.id} has {live.get(ident, 0)} live index entries")
+    try:
+        cache.order.check(evictable_leaves)
+    except AssertionError as e:
+        _fail(str(e))

@@ -40,29 +40,37 @@ class TreeNode:
         extra_key: the namespace of the key this node belongs to.
         ext: the tree components' data (`radixkv.tree.component`), one entry per
             component in the cache's order; ``None`` in a cache without components.
+        key_bytes: the key units, packed int64 (``len(node)`` of them; pairs under EAGLE).
+        value_bytes: the slot indices, packed int64 (``len(node)`` of them).
+        heap_version: bumped each time the eviction order indexes the node; an index
+            entry with another version is stale.
+
+    ``key_bytes``, ``value_bytes`` and ``heap_version`` are the raw form that the tree's
+    walks and components read without a copy (`key` and `value` copy). Only the tree
+    (`radixkv.tree.core`, `radixkv.tree.eviction`) writes them.
     """
 
     __slots__ = (
-        "_key",
-        "_value",
-        "_ver",
         "children",
         "created",
         "ext",
         "extra_key",
+        "heap_version",
         "hit_count",
         "id",
+        "key_bytes",
         "last_access",
         "lock_ref",
         "parent",
         "priority",
+        "value_bytes",
     )
 
     def __init__(self, node_id: int, key: bytes = _EMPTY, value: bytes = _EMPTY) -> None:
         self.children: Mapping[Any, TreeNode] = NO_CHILDREN  # a dict once it has one
         self.parent: TreeNode | None = None
-        self._key = key
-        self._value = value
+        self.key_bytes = key
+        self.value_bytes = value
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
@@ -70,21 +78,21 @@ class TreeNode:
         self.priority = 0
         self.id = node_id
         self.extra_key: Any = None
-        self._ver = 0
+        self.heap_version = 0
         self.ext: list[Any] | None = None
 
     def __len__(self) -> int:
         """Number of logical units (tokens or bigram pairs) in this node."""
-        return len(self._value) >> 3
+        return len(self.value_bytes) >> 3
 
     @property
     def is_bigram(self) -> bool:
-        return len(self._key) == 2 * len(self._value) and len(self._value) > 0
+        return len(self.key_bytes) == 2 * len(self.value_bytes) and len(self.value_bytes) > 0
 
     @property
     def key(self) -> RadixKey:
         """This node's key units as a `RadixKey` (a fresh copy)."""
-        raw = np.frombuffer(self._key, dtype=np.int64)
+        raw = np.frombuffer(self.key_bytes, dtype=np.int64)
         if self.is_bigram:
             pairs = raw.reshape(-1, 2)
             raw = np.concatenate((pairs[:, 0], pairs[-1:, 1]))
@@ -95,7 +103,7 @@ class TreeNode:
     @property
     def value(self) -> torch.Tensor:
         """This node's slot indices as a 1-D int64 tensor (a fresh copy)."""
-        return bytes_to_tensor([self._value])
+        return bytes_to_tensor([self.value_bytes])
 
     @property
     def last_access_time(self) -> int:
@@ -108,8 +116,8 @@ class TreeNode:
         return self.parent is None and self.id != 0
 
     def __repr__(self) -> str:
-        keys = np.frombuffer(self._key, dtype=np.int64)[:10].tolist()
-        more = "..." if len(self._key) > 80 else ""
+        keys = np.frombuffer(self.key_bytes, dtype=np.int64)[:10].tolist()
+        more = "..." if len(self.key_bytes) > 80 else ""
         return (
             f"TreeNode(id={self.id}, len={len(self)}, lock_ref={self.lock_ref}, key={keys}{more})"
         )

@@ -185,7 +185,7 @@ class ServableBlocks(TreeComponent):
             return
         lo, hi = pages - now, pages - was
         hashes = self._hashes(node, lo, hi)
-        tokens = np.frombuffer(node._key, dtype=np.int64)[lo * p : hi * p]
+        tokens = np.frombuffer(node.key_bytes, dtype=np.int64)[lo * p : hi * p]
         parent = self._parent_hash(node, lo)
         if self.arrays:
             self.sink.stored(np.array(hashes, dtype=np.uint64), parent, tokens, p, node.extra_key)
