@@ -23,6 +23,7 @@ from radixkv.events import KVEventBatch, replay_endpoint
 from radixkv.router import policies
 from radixkv.router.core import RoutingCore, Ticket, WorkerLoad
 from radixkv.tokenizer import Tokenizer, load_tokenizer, tokenizer_fingerprint
+from radixkv.web.errors import ApiError
 
 log = logging.getLogger("radixkv.router")
 HEALTH_FAILURES = 3  # health checks failed in a row that take a worker out (SGLang's: 3)
@@ -382,32 +383,32 @@ class Router:
         log.warning("worker %s removed", w.url)
 
     # --- choosing -----------------------------------------------------------------------
-    def parse(self, path: str, raw: bytes) -> tuple[dict, list[int]] | Any:
-        """The body and its prompt's token ids, or the error to answer (a JSON response):
-        not JSON, not an object, or a prompt longer than any worker's context could hold
-        (refused before tokenizing, as a server refuses it: a token covers at most the
-        tokenizer's longest vocabulary entry). Runs off the event loop."""
-        from fastapi.responses import JSONResponse
+    def parse(self, path: str, raw: bytes) -> tuple[dict, list[int]]:
+        """The body and its prompt's token ids. Runs off the event loop.
+
+        Raises:
+            ApiError: (400) not JSON, not an object, or a prompt longer than any worker's
+                context could hold (refused before tokenizing, as a server refuses it: a
+                token covers at most the tokenizer's longest vocabulary entry).
+        """
 
         def refuse(message: str, code: str | None = None, param: str | None = None) -> Any:
-            body = {"error": {"message": message, "type": "invalid_request_error",
-                              "param": param, "code": code}}  # fmt: skip
-            return JSONResponse(body, status_code=400)
+            return ApiError(400, message, param, code)
 
         try:
             body = json.loads(raw)
         except RecursionError:
-            return refuse("the body is nested too deeply")
+            raise refuse("the body is nested too deeply") from None
         except ValueError as e:
-            return refuse(f"the body is not valid JSON: {e}")
+            raise refuse(f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
-            return refuse("the body must be a JSON object")
+            raise refuse("the body must be a JSON object")
         limit, per_token = self.max_context(), getattr(self.tokenizer, "max_token_chars", 0)
         chars = _prompt_chars(path, body)
         if limit and per_token and chars > limit * per_token:
             param = "messages" if path.endswith("chat/completions") else "prompt"
             message = f"This model's maximum context length is {limit} tokens; the prompt has "
-            return refuse(f"{message}over {limit} tokens.", "context_length_exceeded", param)
+            raise refuse(f"{message}over {limit} tokens.", "context_length_exceeded", param)
         return body, self.tokens(path, body)
 
     def tokens(self, path: str, body: dict) -> list[int]:

@@ -7,9 +7,9 @@ included), asks the routing core for a worker (`radixkv.router.core`: the polici
 load, the event-fed index), and forwards the request body unchanged, streaming the answer
 back byte for byte; the response carries ``x-radixkv-worker``.
 
-Owns: HTTP (the endpoints, forwarding, retries, streams) and the health loop. Must not
-touch: how a worker is chosen (`radixkv.router.core`) or the fleet's bookkeeping
-(`radixkv.router.fleet`).
+Owns: HTTP (the OpenAI endpoints, forwarding, retries, streams) and the health loop. Must
+not touch: how a worker is chosen (`radixkv.router.core`), the fleet's bookkeeping
+(`radixkv.router.fleet`) or its admin endpoints (`radixkv.router.admin`).
 
 A health check (``GET /health``) runs every ``health_interval`` seconds (see
 `radixkv.router.fleet`). A request is retried on the next worker only when it never ran
@@ -27,13 +27,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 
+from radixkv.router.admin import ADMIN_PATHS, fleet_routes
 from radixkv.router.core import Ticket
-from radixkv.router.fleet import Router, Worker, WorkerSpec, check_workers, read_card
+from radixkv.router.fleet import Router, Worker, WorkerSpec, check_workers
 from radixkv.web.access import Access, AccessMiddleware
 from radixkv.web.errors import ApiError
 
@@ -41,7 +42,6 @@ MAX_CACHE_KEY = 1024  # as radixkv.server.protocol (the router imports no server
 MAX_CHOICES = 128  # n, as radixkv.server.protocol's MAX_N (OpenAI's limit)
 
 FORWARDED_HEADERS = ("content-type", "retry-after")
-ADMIN_PATHS = ("/workers",)  # changing the fleet: the router's --admin-key only
 USAGE_TAIL = 4096  # bytes kept from the end of an answer: its usage is there
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 # transport errors raised before a request's bytes reached a worker: safe to retry
@@ -75,67 +75,158 @@ async def _read_error(upstream: httpx.Response) -> tuple[bytes, str | None]:
     return data, code if isinstance(code, str) else None
 
 
-def build_router_app(
-    router: Router, health_interval: float = 1.0, access: Access | None = None
-) -> FastAPI:
-    """The proxy app. Its lifespan starts the event subscribers and the health loop.
-    ``access``: who may reach it (`radixkv.web.access`; admin paths are ``/workers``:
-    without an admin key, the fleet cannot be changed at run time)."""
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=5.0), headers=router.worker_headers
-    )
+class Proxy:
+    """What the endpoints share: the fleet (`Router`) and one HTTP client to its workers.
 
-    async def check(w: Worker) -> None:
+    Owns: forwarding a request (choose, send, retry what never ran, relay the answer)
+    and the health checks."""
+
+    def __init__(self, router: Router, health_interval: float) -> None:
+        self.router, self.health_interval = router, health_interval
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=5.0), headers=router.worker_headers
+        )
+
+    # --- health --------------------------------------------------------------------------
+    async def check(self, w: Worker) -> None:
         """One health check: an answer other than 200, or a refused connection, is
         certain (the worker is out at once); a timeout may be a busy worker (it counts
         towards `HEALTH_FAILURES`)."""
         try:
-            answer = await client.get(f"{w.url}/health", timeout=HEALTH_TIMEOUT_S)
+            answer = await self.client.get(f"{w.url}/health", timeout=HEALTH_TIMEOUT_S)
             ok, certain = answer.status_code == 200, True
         except (httpx.ConnectError, httpx.RemoteProtocolError):
             ok, certain = False, True
         except httpx.HTTPError:
             ok, certain = False, False
-        if w in router.workers:  # (not removed meanwhile)
-            router.health_checked(w, ok, certain)
+        if w in self.router.workers:  # (not removed meanwhile)
+            self.router.health_checked(w, ok, certain)
 
-    async def health_loop() -> None:
+    async def health_loop(self) -> None:
         while True:  # every worker at once: a hung one delays no other's check
-            await asyncio.gather(*(check(w) for w in list(router.workers)))
-            await asyncio.sleep(health_interval)
+            await asyncio.gather(*(self.check(w) for w in list(self.router.workers)))
+            await asyncio.sleep(self.health_interval)
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        router.start_events()
-        task = asyncio.ensure_future(health_loop())
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        self.router.start_events()
+        task = asyncio.ensure_future(self.health_loop())
         try:
             yield
         finally:
             task.cancel()
-            router.stop_events()
-            await client.aclose()
+            self.router.stop_events()
+            await self.client.aclose()
 
-    app = FastAPI(title="radixkv route", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(AccessMiddleware, access=access or Access(admin_paths=ADMIN_PATHS))
-    app.state.router = router
+    # --- forwarding ----------------------------------------------------------------------
+    async def forward(self, request: Request, path: str) -> Response:
+        """Choose a worker, send the body unchanged, relay the answer. Only what never
+        ran passes to the next alive worker: a connection that never opened, or a 503
+        ``queue_full`` (refused before it ran). Any other error, a 500 the request
+        caused included, goes back to the client as the worker answered it: a request
+        that breaks a worker is never sent to the next one. Every ticket is released
+        once, on whichever path ends it."""
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            raise ApiError(400, "the client went away before its body arrived",
+                           code="client_disconnected", kind="router_error") from None  # fmt: skip
+        # parsing and tokenizing a large prompt take long: off the event loop, so
+        # /health and every other request keep their answers
+        body, tokens = await asyncio.to_thread(self.router.parse, path, raw)
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        max_tokens = max_tokens if isinstance(max_tokens, int) else 16
+        n = body.get("n")  # choices run as n sequences on the worker (it checks the value)
+        n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
+        ticket = self.choose(body, tokens, max_tokens, n)
+        streamed = body.get("stream") is True
+        first = self.router.worker_of(ticket)
+        order = [first] + [w for w in self.router.workers if w is not first and w.alive]
+        for attempt, w in enumerate(order):
+            if w is not first:  # a retry: the load moves with it
+                ticket = self.router.core.assign(w.url, tokens, max_tokens, n)
+            answer = await self.attempt(w, ticket, (raw, path, streamed), attempt + 1 < len(order))
+            if answer is None:
+                continue
+            if answer.status_code != 503:
+                self.count(w, ticket, tokens, w is first)
+            return answer
+        raise ApiError(
+            503, "no worker could take the request", code="no_worker", kind="router_error"
+        )  # fmt: skip  (every ticket released)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_r: Request, e: ApiError) -> JSONResponse:
-        # what the access rules raise while the body arrives (413 for a chunked body)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    def choose(self, body: dict, tokens: list[int], max_tokens: int, n: int) -> Ticket:
+        """The routing core's ticket for the request (its salt and cache key as the
+        worker will read them)."""
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        key = body.get("prompt_cache_key")
+        # the worker refuses others (empty, or longer than its MAX_CACHE_KEY); hashing a
+        # body-sized key for every worker would cost every request behind it
+        key = key if isinstance(key, str) and 0 < len(key) <= MAX_CACHE_KEY else None
+        ticket = self.router.core.choose(tokens, salt, max_tokens, key, n)
+        if key is not None:
+            self.router.m_key.inc()
+            if ticket.key_spilled:
+                self.router.m_key_spills.inc()
+        return ticket
 
-    def error(status: int, message: str, code: str | None = None) -> JSONResponse:
-        body = {"error": {"message": message, "type": "router_error", "param": None, "code": code}}
-        return JSONResponse(body, status_code=status)
+    async def attempt(
+        self, w: Worker, ticket: Ticket, request: tuple[bytes, str, bool], retry: bool
+    ) -> Response | None:
+        """Send ``request`` (its body, path, and whether it streams) to ``w``: the answer,
+        or None when it never ran there and the next worker may take it (``retry``: there
+        is a next one)."""
+        router = self.router
+        raw, path, streamed = request
+        router.in_flight_changed(w)
+        try:
+            upstream = await self.send(w, raw, path)
+        except NEVER_SENT as e:  # it never reached the worker: the next one may take it
+            self.give_back(w, ticket)
+            router.mark_dead(w, f"{type(e).__name__}: {e}")
+            router.m_retries.labels(w.url).inc()
+            return None
+        except httpx.TransportError as e:  # it reached the worker, which then broke
+            # the connection: the request may have run, or broken it; never retried
+            self.give_back(w, ticket)
+            router.mark_dead(w, f"{type(e).__name__}: {e}")
+            raise ApiError(502, f"the worker {w.url} broke the connection before answering "
+                           f"({type(e).__name__}); not retried: the request may have run",
+                           code="worker_failed", kind="router_error") from None  # fmt: skip
+        except BaseException:
+            self.give_back(w, ticket)
+            raise
+        ticket.started()  # the answer started: its prefill is done
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_HEADERS}
+        headers["x-radixkv-worker"] = w.url
+        if upstream.status_code == 503:
+            data, code = await _read_error(upstream)
+            self.give_back(w, ticket)
+            if code == "engine_dead":  # /health says so too; stop sending there now
+                router.mark_dead(w, "its engine is not running")
+            if code == "queue_full" and retry:
+                router.m_retries.labels(w.url).inc()  # refused before it ran: the next
+                return None
+            return Response(data, 503, headers=headers)
+        sse = streamed and upstream.status_code == 200
+        return StreamingResponse(
+            self.relay(w, ticket, upstream, sse), status_code=upstream.status_code, headers=headers
+        )
 
-    async def send(w: Worker, raw: bytes, path: str) -> httpx.Response:
-        request = client.build_request(
+    def give_back(self, w: Worker, ticket: Ticket) -> None:
+        """Release a ticket for a request that did not run on ``w``."""
+        ticket.release(served=False)
+        self.router.in_flight_changed(w)
+
+    async def send(self, w: Worker, raw: bytes, path: str) -> httpx.Response:
+        request = self.client.build_request(
             "POST", f"{w.url}{path}", content=raw, headers={"content-type": "application/json"}
         )
-        return await client.send(request, stream=True)
+        return await self.client.send(request, stream=True)
 
-    def count(w: Worker, ticket: Ticket, tokens: list[int], first: bool) -> None:
+    def count(self, w: Worker, ticket: Ticket, tokens: list[int], first: bool) -> None:
         """The reuse decomposition for a request a worker took."""
+        router = self.router
         size = router.core.block_size
         overlap = ticket.held if first else 0
         router.m_requests.labels(w.url, router.policy).inc()
@@ -146,8 +237,9 @@ def build_router_app(
         router.m_captured.inc(min(len(tokens), overlap * size))
 
     async def relay(
-        w: Worker, ticket: Ticket, upstream: httpx.Response, sse: bool
+        self, w: Worker, ticket: Ticket, upstream: httpx.Response, sse: bool
     ) -> AsyncIterator[bytes]:
+        router = self.router
         tail = b""  # the answer's last bytes: [DONE], and the usage before it
         try:
             async for chunk in upstream.aiter_raw():
@@ -160,173 +252,50 @@ def build_router_app(
             router.mark_dead(w, f"mid-stream: {e}")
             router.m_cut.labels(w.url).inc()
             if sse:  # an OpenAI-style error event, so the client sees a failure
-                err = {"error": {"message": f"the worker {w.url} broke off the answer: {e}",
-                                 "type": "server_error", "param": None,
-                                 "code": "worker_failed"}}  # fmt: skip
-                yield f"data: {json.dumps(err)}\n\n".encode()
+                err = ApiError(502, f"the worker {w.url} broke off the answer: {e}",
+                               code="worker_failed", kind="server_error")  # fmt: skip
+                yield f"data: {json.dumps(err.body())}\n\n".encode()
         finally:
             await upstream.aclose()
             ticket.release(served=True)
             router.in_flight_changed(w)
 
-    async def forward(request: Request, path: str) -> Response:
-        """Choose a worker, send the body unchanged, relay the answer. Only what never
-        ran passes to the next alive worker: a connection that never opened, or a 503
-        ``queue_full`` (refused before it ran). Any other error, a 500 the request
-        caused included, goes back to the client as the worker answered it: a request
-        that breaks a worker is never sent to the next one. Every ticket is released
-        once, on whichever path ends it."""
-        try:
-            raw = await request.body()
-        except ClientDisconnect:
-            return error(400, "the client went away before its body arrived",
-                         "client_disconnected")  # fmt: skip
-        # parsing and tokenizing a large prompt take long: off the event loop, so
-        # /health and every other request keep their answers
-        parsed = await asyncio.to_thread(router.parse, path, raw)
-        if isinstance(parsed, JSONResponse):
-            return parsed
-        body, tokens = parsed
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
-        max_tokens = max_tokens if isinstance(max_tokens, int) else 16
-        n = body.get("n")  # choices run as n sequences on the worker (it checks the value)
-        n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
-        key = body.get("prompt_cache_key")
-        # the worker refuses others (empty, or longer than its MAX_CACHE_KEY); hashing a
-        # body-sized key for every worker would cost every request behind it
-        key = key if isinstance(key, str) and 0 < len(key) <= MAX_CACHE_KEY else None
-        ticket = router.core.choose(tokens, salt, max_tokens, key, n)
-        if key is not None:
-            router.m_key.inc()
-            if ticket.key_spilled:
-                router.m_key_spills.inc()
-        first = router.worker_of(ticket)
-        order = [first] + [w for w in router.workers if w is not first and w.alive]
-        streamed = body.get("stream") is True
-        for attempt, w in enumerate(order):
-            if w is not first:  # a retry: the load moves with it
-                ticket = router.core.assign(w.url, tokens, max_tokens, n)
-            router.in_flight_changed(w)
-            try:
-                upstream = await send(w, raw, path)
-            except NEVER_SENT as e:  # it never reached the worker: the next one may take it
-                ticket.release(served=False)
-                router.in_flight_changed(w)
-                router.mark_dead(w, f"{type(e).__name__}: {e}")
-                router.m_retries.labels(w.url).inc()
-                continue
-            except httpx.TransportError as e:  # it reached the worker, which then broke
-                # the connection: the request may have run, or broken it; never retried
-                ticket.release(served=False)
-                router.in_flight_changed(w)
-                router.mark_dead(w, f"{type(e).__name__}: {e}")
-                return error(502, f"the worker {w.url} broke the connection before "
-                             f"answering ({type(e).__name__}); not retried: the request "
-                             "may have run", "worker_failed")  # fmt: skip
-            except BaseException:
-                ticket.release(served=False)
-                router.in_flight_changed(w)
-                raise
-            ticket.started()  # the answer started: its prefill is done
-            headers = {k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_HEADERS}
-            headers["x-radixkv-worker"] = w.url
-            if upstream.status_code == 503:
-                data, code = await _read_error(upstream)
-                ticket.release(served=False)
-                router.in_flight_changed(w)
-                if code == "engine_dead":  # /health says so too; stop sending there now
-                    router.mark_dead(w, "its engine is not running")
-                if code == "queue_full" and attempt + 1 < len(order):
-                    router.m_retries.labels(w.url).inc()  # refused before it ran: the next
-                    continue
-                return Response(data, 503, headers=headers)
-            count(w, ticket, tokens, w is first)
-            sse = streamed and upstream.status_code == 200
-            return StreamingResponse(
-                relay(w, ticket, upstream, sse), status_code=upstream.status_code, headers=headers
-            )
-        return error(503, "no worker could take the request", "no_worker")  # all released
 
-    @app.post("/v1/completions")
+def openai_routes(proxy: Proxy) -> APIRouter:
+    """The OpenAI endpoints a client calls, and the router's own health, metrics and
+    state."""
+    api, router = APIRouter(), proxy.router
+
+    @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await forward(request, "/v1/completions")
+        return await proxy.forward(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await forward(request, "/v1/chat/completions")
+        return await proxy.forward(request, "/v1/chat/completions")
 
-    @app.get("/v1/models")
+    @api.get("/v1/models")
     async def models() -> Response:
         for w in router.workers:
             if w.alive:
                 try:
-                    r = await client.get(f"{w.url}/v1/models", timeout=5.0)
+                    r = await proxy.client.get(f"{w.url}/v1/models", timeout=5.0)
                     return Response(r.content, r.status_code, media_type="application/json")
                 except httpx.HTTPError as e:
                     router.mark_dead(w, str(e))
-        return error(503, "no worker is alive", "no_worker")
+        raise ApiError(503, "no worker is alive", code="no_worker", kind="router_error")
 
-    @app.get("/health")
+    @api.get("/health")
     async def health() -> Response:
         alive = [w.url for w in router.workers if w.alive]
         status = 200 if alive else 503
         return JSONResponse({"status": "ok" if alive else "no worker", "alive": alive}, status)
 
-    @app.get("/metrics")
+    @api.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
 
-    # --- the fleet at run time (admin: needs the router's --admin-key) -------------------
-    def describe(w: Worker) -> dict:
-        return {"id": w.id, "url": w.url, "events": w.spec.events, "alive": w.alive}
-
-    @app.get("/workers")
-    async def list_workers() -> dict:
-        return {"workers": [describe(w) for w in router.workers]}
-
-    @app.post("/workers")
-    async def add_worker(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            return error(400, f"the body is not valid JSON: {e}")
-        url = body.get("url") if isinstance(body, dict) else None
-        events = body.get("events") if isinstance(body, dict) else None
-        if not isinstance(url, str) or not (events is None or isinstance(events, str)):
-            return error(400, 'send {"url": "http://HOST:PORT", "events": "tcp://HOST:PORT"} '
-                         "(events optional)", "invalid_worker")  # fmt: skip
-        try:
-            spec = WorkerSpec.parse(url if events is None else f"{url},{events}")
-        except ValueError as e:
-            return error(400, str(e), "invalid_worker")
-        if router.find(spec.url) is not None:
-            return error(409, f"the router already has the worker {spec.url}", "worker_exists")
-        others = [w.spec for w in router.workers]
-        card = await asyncio.to_thread(read_card, spec, 5.0, router.worker_headers)
-        problems = await asyncio.to_thread(
-            check_workers, [*others, spec], router.tokenizer, 5.0, router.worker_headers,
-            {**router.cards, spec.url: card},
-        )  # fmt: skip
-        if problems:
-            return error(400, "; ".join(problems), "worker_mismatch")
-        try:
-            w = router.add_worker(spec, card=card)
-        except ValueError as e:  # added meanwhile by another request
-            return error(409, str(e), "worker_exists")
-        return JSONResponse(describe(w), status_code=201)
-
-    @app.delete("/workers/{worker_id:path}")
-    async def remove_worker(worker_id: str) -> Response:
-        w = router.find(worker_id)
-        if w is None:
-            return error(404, f"no worker {worker_id!r}: GET /workers lists them", "no_worker")
-        if len(router.workers) == 1:
-            return error(409, "that is the last worker: add another first", "last_worker")
-        await asyncio.to_thread(router.remove_worker, w)
-        return JSONResponse(describe(w))
-
-    @app.get("/route/state")
+    @api.get("/route/state")
     async def state() -> dict:
         return {
             "policy": router.policy,
@@ -345,6 +314,28 @@ def build_router_app(
             "time": time.time(),
         }
 
+    return api
+
+
+def build_router_app(
+    router: Router, health_interval: float = 1.0, access: Access | None = None
+) -> FastAPI:
+    """The proxy app. Its lifespan starts the event subscribers and the health loop.
+    ``access``: who may reach it (`radixkv.web.access`; admin paths are ``/workers``:
+    without an admin key, the fleet cannot be changed at run time)."""
+    proxy = Proxy(router, health_interval)
+    app = FastAPI(title="radixkv route", lifespan=proxy.lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(AccessMiddleware, access=access or Access(admin_paths=ADMIN_PATHS))
+    app.state.router = router
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_r: Request, e: ApiError) -> JSONResponse:
+        # every refusal: the access rules' (413 for a chunked body), a body that is not
+        # a request, no worker to take it
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    app.include_router(openai_routes(proxy))
+    app.include_router(fleet_routes(router, proxy.client))
     return app
 
 
