@@ -42,6 +42,16 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         description="Serve a model over the OpenAI API (completions, chat, streaming) with "
         "prefix caching, Prometheus metrics at /metrics and per-tenant cache salts.",
     )
+    _model_flags(serve)
+    _memory_flags(serve)
+    _scheduling_flags(serve)
+    _storage_flags(serve)
+    _events_flags(serve)
+    _access_flags(serve)
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    serve = parser.add_argument_group("the model and the address")
     serve.add_argument(
         "--model",
         default="auto",
@@ -51,6 +61,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind [127.0.0.1]")
     serve.add_argument("--port", type=number(int, 0, "a port number"), default=8000)
     serve.add_argument("--served-model-name", help="the model id clients send [the model's]")
+
+
+def _memory_flags(parser: argparse.ArgumentParser) -> None:
+    serve = parser.add_argument_group("cache memory")
     serve.add_argument("--page-size", type=positive_int, default=16, help="[16]")
     serve.add_argument(
         "--cache-bytes", type=cache_size, default="auto", metavar="SIZE",
@@ -96,6 +110,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="prompt-cache retention (prompt_cache_options, prompt_cache_retention, "
         "breakpoints): tokens one cache_salt keeps retained; 0: off [an eighth of --kv-tokens]",
     )  # fmt: skip
+
+
+def _scheduling_flags(parser: argparse.ArgumentParser) -> None:
+    serve = parser.add_argument_group("scheduling")
     serve.add_argument(
         "--max-running", type=positive_int, default=32, help="requests running at once [32]"
     )
@@ -116,6 +134,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         default=1024,
         help="waiting requests at most; beyond, 503 with Retry-After [1024]",
     )
+
+
+def _storage_flags(parser: argparse.ArgumentParser) -> None:
+    serve = parser.add_argument_group("tiers below the device")
     serve.add_argument(
         "--storage",
         metavar="URL",
@@ -150,6 +172,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         default="write_through",
         help="when pages reach --storage [write_through]",
     )
+
+
+def _events_flags(parser: argparse.ArgumentParser) -> None:
+    serve = parser.add_argument_group("KV events")
     serve.add_argument(
         "--kv-events",
         metavar="ENDPOINT",
@@ -176,6 +202,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         help="allow --kv-events on a non-loopback address: anyone who reaches it reads "
         "the events unauthenticated (see docs/security.md)",
     )
+
+
+def _access_flags(parser: argparse.ArgumentParser) -> None:
+    serve = parser.add_argument_group("access and checks")
     add_key_flags(serve, "/flush_cache")
     serve.add_argument(
         "--max-request-bytes",

@@ -35,6 +35,14 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         description="Replay a request trace (or a built-in workload) through the radix cache "
         "and report how much prefill prefix caching saves.",
     )  # fmt: skip
+    _input_flags(sim)
+    _model_flags(sim)
+    _output_flags(sim)
+    _tiers_flags(sim)
+
+
+def _input_flags(parser: argparse.ArgumentParser) -> None:
+    sim = parser.add_argument_group("the trace and the cache")
     src = sim.add_mutually_exclusive_group()
     src.add_argument("--trace", help="a trace file (JSONL)")
     src.add_argument("--workload", choices=["chat", "few-shot", "multi-turn", "shared-prefix"],
@@ -55,6 +63,10 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     sim.add_argument("--block-size", type=positive_int, default=None,
                      help="tokens per cache page for token traces and generated workloads "
                      "[16]; Mooncake traces fix it at 512")  # fmt: skip
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    sim = parser.add_argument_group("model memory and accounting")
     sim.add_argument("--model", help="bytes per token of a catalog model, for GiB capacities")
     sim.add_argument("--model-spec", default=None,
                      help="a hybrid model (full, sliding-window and recurrent layers): a "
@@ -97,12 +109,20 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                      help="cache prompt + output at finish, as engines do [on when the trace "
                      "carries outputs: generated workloads, Marconi traces, token traces "
                      "with outputs; Mooncake traces carry none]")  # fmt: skip
+
+
+def _output_flags(parser: argparse.ArgumentParser) -> None:
+    sim = parser.add_argument_group("output")
     sim.add_argument("--warmup", type=number(float, 0.0, "a fraction in [0, 1)"), default=0.0,
                      help="fraction of first requests left out of the rates [0]")  # fmt: skip
     sim.add_argument("--requests", type=positive_int, help="replay only the first N requests")
     sim.add_argument("--json", dest="json_out", help="write results as JSON here ('-' stdout)")
     sim.add_argument("--csv", dest="csv_out", help="write results as CSV here ('-' stdout)")
     sim.add_argument("--plot", help="write a hit-rate-vs-capacity plot (PNG) here")
+
+
+def _tiers_flags(parser: argparse.ArgumentParser) -> None:
+    sim = parser.add_argument_group("tiers, replicas and the sweep")
     sim.add_argument("--tiers", action="store_true",
                      help="simulate a device cache (--capacity) over a host tier "
                      "(--host-capacity) and a shared store; report hits by tier")  # fmt: skip

@@ -135,60 +135,78 @@ def run_demo(
     loads = workloads()
     # warm-up: the first forward passes pay for allocations and kernel selection
     Engine(net, tokenizer=tokenizer).generate(loads["capitals"][:1], max_new_tokens=2)
-    runs: dict[tuple[str, bool], GenerateResult] = {}
     every: dict[tuple[str, bool], list[GenerateResult]] = {}
     for wname, prompts in loads.items():
         with console.status(f"running {wname}, cache off and on in turns..."):
             phases = _phases(net, tokenizer, prompts, page_size, max_new_tokens)
         for cache in (False, True):
             every[(wname, cache)] = phases[cache]
-            runs[(wname, cache)] = _typical(phases[cache])
         if not console.is_terminal:  # a log file gets one line a workload
             off, on = _spread(phases[False]), _spread(phases[True])
             console.print(escape(f"{wname}: {off} s off, {on} s on, {len(phases[True])} runs"))
+    runs = {k: _typical(v) for k, v in every.items()}
+    summary: dict[str, Any] = {"model": name, "workloads": {}}
     table = Table(title="the same requests without and with prefix caching", box=box.SIMPLE)
     for col in ("workload", "cache", "reqs", "prompt", "cached", "prefill", "TTFT", "wall",
                 "x"):  # fmt: skip
         left = col in ("workload", "cache")
         table.add_column(col, justify="left" if left else "right", overflow="fold")
-    summary: dict[str, Any] = {"model": name, "workloads": {}}
     for wname in loads:
-        off, on = runs[(wname, False)], runs[(wname, True)]
-        offs, ons = every[(wname, False)], every[(wname, True)]
-        same = all(
-            [o.token_ids for o in a.outputs] == [o.token_ids for o in off.outputs]
-            for a in offs + ons
-        )
-        speedup = _wall(offs) / _wall(ons) if _wall(ons) else float("nan")
-        for cache, r in ((False, off), (True, on)):
-            s = r.stats
-            table.add_row(
-                wname.replace("system", "sys"),
-                "on" if cache else "off",
-                str(s.requests),
-                f"{s.prompt_tokens:,}",
-                f"{s.cached_tokens:,}",
-                f"{s.prefill_tokens:,}",
-                f"{s.ttft_p50_s:.2f}s",
-                escape(_spread(ons if cache else offs) + "s"),
-                f"{speedup:.2f}" if cache else "",
-            )
-        summary["workloads"][wname] = {
-            "identical": same,
-            "speedup": speedup,
-            # below 1x with the two phases' ranges overlapping: the machine's noise
-            "noise": speedup < 1 and _overlap(offs, ons),
-            "repeats": [len(offs), len(ons)],
-            "prefill_off": off.stats.prefill_tokens,
-            "prefill_on": on.stats.prefill_tokens,
-            "cached_on": on.stats.cached_tokens,
-            "prompt": on.stats.prompt_tokens,
-            "ttft_off": off.stats.ttft_p50_s,
-            "ttft_on": on.stats.ttft_p50_s,
-            "wall_off": _wall(offs),
-            "wall_on": _wall(ons),
-        }
+        summary["workloads"][wname] = _compare(table, wname, every[(wname, False)],
+                                               every[(wname, True)], runs)  # fmt: skip
     console.print(table)
+    _explain(console, summary)
+    for wname, i in [("capitals", 0), ("system prompt", 4)]:
+        q = loads[wname][i]
+        question = q if isinstance(q, str) else q[-1]["content"]
+        answer = runs[(wname, True)].outputs[i].text.strip()
+        console.print(f"[bold]Q:[/bold] {escape(question)}\n[bold]A:[/bold] {escape(answer)}")
+    return summary
+
+
+def _compare(
+    table: Table, wname: str, offs: list[GenerateResult], ons: list[GenerateResult],
+    runs: dict[tuple[str, bool], GenerateResult],
+) -> dict[str, Any]:  # fmt: skip
+    """One workload's two rows of the table, and its numbers: whether every run's
+    greedy outputs are identical, the median speedup, and its prefill tokens."""
+    off, on = runs[(wname, False)], runs[(wname, True)]
+    same = all(
+        [o.token_ids for o in a.outputs] == [o.token_ids for o in off.outputs] for a in offs + ons
+    )
+    speedup = _wall(offs) / _wall(ons) if _wall(ons) else float("nan")
+    for cache, r in ((False, off), (True, on)):
+        s = r.stats
+        table.add_row(
+            wname.replace("system", "sys"),
+            "on" if cache else "off",
+            str(s.requests),
+            f"{s.prompt_tokens:,}",
+            f"{s.cached_tokens:,}",
+            f"{s.prefill_tokens:,}",
+            f"{s.ttft_p50_s:.2f}s",
+            escape(_spread(ons if cache else offs) + "s"),
+            f"{speedup:.2f}" if cache else "",
+        )
+    return {
+        "identical": same,
+        "speedup": speedup,
+        # below 1x with the two phases' ranges overlapping: the machine's noise
+        "noise": speedup < 1 and _overlap(offs, ons),
+        "repeats": [len(offs), len(ons)],
+        "prefill_off": off.stats.prefill_tokens,
+        "prefill_on": on.stats.prefill_tokens,
+        "cached_on": on.stats.cached_tokens,
+        "prompt": on.stats.prompt_tokens,
+        "ttft_off": off.stats.ttft_p50_s,
+        "ttft_on": on.stats.ttft_p50_s,
+        "wall_off": _wall(offs),
+        "wall_on": _wall(ons),
+    }
+
+
+def _explain(console: Console, summary: dict[str, Any]) -> None:
+    """What the columns mean, how the runs were repeated, and each workload's verdict."""
     counts = sorted({n for w in summary["workloads"].values() for n in w["repeats"]})
     ran = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     console.print(escape(
@@ -208,10 +226,3 @@ def run_demo(
             f"{wname}: greedy outputs with and without the cache are {verdict}; "
             f"{w['prefill_off'] / max(w['prefill_on'], 1):.1f}x fewer prefill tokens"
         )
-    samples = [("capitals", 0), ("system prompt", 4)]
-    for wname, i in samples:
-        q = loads[wname][i]
-        question = q if isinstance(q, str) else q[-1]["content"]
-        answer = runs[(wname, True)].outputs[i].text.strip()
-        console.print(f"[bold]Q:[/bold] {escape(question)}\n[bold]A:[/bold] {escape(answer)}")
-    return summary

@@ -33,6 +33,159 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+# (family, name without the radixkv: prefix, help text, value)
+Value = tuple[type, str, str, float]
+
+
+def _engine_values(e: Engine) -> list[Value]:
+    """The engine's counters and the cache's sizes."""
+    values: list[Value] = [
+        (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the "
+         "prefix cache (once per request, at first admission)", e.scheduler.queried_tokens),
+        (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens served from the prefix "
+         "cache", e.scheduler.hit_tokens),
+        (CounterMetricFamily, "prompt_tokens", "Prompt tokens received",
+         e.counters.prompt_tokens),
+        (CounterMetricFamily, "generation_tokens", "Tokens generated",
+         e.counters.generation_tokens),
+        (CounterMetricFamily, "prefill_computed_tokens", "Prompt tokens computed by the "
+         "model (recomputation after preemption included)", e.counters.prefill_tokens),
+        (CounterMetricFamily, "evicted_tokens", "Cached tokens evicted from the KV pool",
+         e.mgr.evicted_tokens),
+        (CounterMetricFamily, "num_preemptions", "Requests preempted (KV freed, "
+         "recomputed later)", e.scheduler.preemptions),
+        (GaugeMetricFamily, "num_requests_running", "Requests admitted and running",
+         e.num_running()),
+        (GaugeMetricFamily, "num_requests_waiting", "Requests waiting for admission",
+         e.num_waiting()),
+        (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of the KV pool in use "
+         "(running requests and cached prefixes)", e.kv_usage()),
+        (GaugeMetricFamily, "prefix_cache_tokens", "Tokens held by the prefix cache",
+         e.cache.total_size()),
+        (GaugeMetricFamily, "prompt_cache_retained_tokens", "Tokens of prefixes retained "
+         "on request (prompt_cache_options, prompt_cache_retention, breakpoints)",
+         e.retention.total),
+        (GaugeMetricFamily, "prompt_cache_retained_prefixes", "Prefixes retained on "
+         "request", len(e.retention.pins)),
+        (CounterMetricFamily, "prompt_cache_retain_refused", "Prefixes asked for but not "
+         "retained (over the quota alone, or not cached)", e.retention.refused),
+    ]  # fmt: skip
+    full_bytes = e.cache.total_size() * e.kv.bytes_per_token()
+    values.append((GaugeMetricFamily, "prefix_cache_kv_bytes", "Bytes of full-attention "
+                   "KV held by the prefix cache", full_bytes))  # fmt: skip
+    return values
+
+
+def _window_values(e: Engine) -> list[Value]:
+    """The one budget, and sliding-window KV (sliding layers with their own slots)."""
+    values: list[Value] = []
+    if e.arena is not None:
+        values.append((GaugeMetricFamily, "cache_budget_bytes", "The one byte budget "
+                       "every kind of cache memory draws from (--cache-bytes)",
+                       e.arena.arena.nbytes))  # fmt: skip
+    win = e.window
+    if win is None:
+        return values
+    held = win.component.held_units()
+    values += [
+        (GaugeMetricFamily, "prefix_cache_window_tokens", "Tokens of sliding-window "
+         "KV held by the prefix cache", held),
+        (GaugeMetricFamily, "prefix_cache_window_bytes", "Bytes of sliding-window KV "
+         "held by the prefix cache", held * e.kv.window_bytes_per_token()),
+        (CounterMetricFamily, "window_kv_evicted_tokens", "Sliding-window KV tokens "
+         "the cache freed to make room (its matches end earlier there)", win.evicted),
+    ]  # fmt: skip
+    gate = e.cache.component("servable")  # with KV events (radixkv.tree.servable)
+    if gate is not None:
+        values.append((GaugeMetricFamily, "prefix_cache_servable_blocks", "Pages a "
+                       "match can end at now (their window held), as the KV events "
+                       "told them", gate.told))  # fmt: skip
+    if e.arena is None:  # (with one budget there is no window pool of its own)
+        values.append((GaugeMetricFamily, "window_kv_usage_perc", "Fraction of the "
+                       "sliding-window KV pool in use (running requests and cached "
+                       "windows)", 1.0 - win.allocator.available_size()
+                       / win.allocator.size))  # fmt: skip
+    return values
+
+
+def _recurrent_values(e: Engine) -> list[Value]:
+    """Recurrent-state checkpoints (a model with recurrent layers) and their tiers."""
+    values: list[Value] = []
+    rec = e.recurrent
+    if rec is not None:  # a model with recurrent layers: its state checkpoints
+        comp = rec.component
+        values += [
+            (GaugeMetricFamily, "state_checkpoints", "Recurrent-state checkpoints held by "
+             "the prefix cache", len(comp.held)),
+            (GaugeMetricFamily, "state_checkpoint_bytes", "Bytes of the recurrent-state "
+             "checkpoints held", len(comp.held) * rec.row_size),
+            (CounterMetricFamily, "state_checkpoint_hits", "Requests started from a "
+             "checkpoint's state", comp.hits),
+            (CounterMetricFamily, "state_checkpoints_evicted", "Checkpoints evicted to "
+             "stay within max_checkpoints", comp.evictions),
+        ]  # fmt: skip
+        st_tiers = rec.tiers
+        if st_tiers is not None:
+            values += [
+                (CounterMetricFamily, "state_checkpoints_loaded", "Checkpoints brought "
+                 "back from the host tier or the shared store", st_tiers.loaded),
+                (GaugeMetricFamily, "host_state_checkpoints", "Checkpoints held by the "
+                 "host tier", len(st_tiers.host)),
+                (CounterMetricFamily, "state_checkpoints_bad", "Stored checkpoints "
+                 "refused: corrupt or unauthenticated", st_tiers.bad),
+            ]  # fmt: skip
+    return values
+
+
+def _tier_values(e: Engine) -> list[Value]:
+    """The host tier and the shared store: full-attention pages and window pages."""
+    values: list[Value] = []
+    wt = e.window_tiers
+    if wt is not None:  # window pages below the device (radixkv.storage.windows)
+        values += [
+            (CounterMetricFamily, "window_pages_loaded", "Window pages brought back from "
+             "the host tier or the shared store", wt.loaded),
+            (GaugeMetricFamily, "host_window_pages", "Window pages held by the host "
+             "tier", len(wt.host)),
+            (CounterMetricFamily, "window_pages_bad", "Stored window pages refused: "
+             "corrupt or unauthenticated", wt.bad),
+        ]  # fmt: skip
+    tier = e.tier
+    if tier is not None:
+        st = tier.stats
+        values += [
+            (CounterMetricFamily, "host_hit_tokens", "Prompt tokens loaded from the host "
+             "tier (part of prefix_cache_hits)", st.host_hit_tokens),
+            (CounterMetricFamily, "storage_hit_tokens", "Prompt tokens read from the "
+             "shared store (part of prefix_cache_hits)", st.store_hit_tokens),
+            (CounterMetricFamily, "host_demoted_pages", "Pages copied to the host tier "
+             "as the device evicted them", st.demoted_pages),
+            (CounterMetricFamily, "host_load_bytes", "Bytes loaded from the host tier",
+             st.host_load_bytes),
+            (CounterMetricFamily, "host_load_seconds", "Time loading from the host tier",
+             st.host_load_s),
+            (CounterMetricFamily, "storage_pages_read", "Pages read from the store",
+             st.pages_read),
+            (CounterMetricFamily, "storage_pages_written", "Pages written to the store",
+             st.pages_written),
+            (CounterMetricFamily, "storage_bytes_read", "Bytes read", st.bytes_read),
+            (CounterMetricFamily, "storage_bytes_written", "Bytes written", st.bytes_written),
+            (CounterMetricFamily, "storage_read_seconds", "Time reading pages", st.read_s),
+            (CounterMetricFamily, "storage_write_seconds", "Time writing pages", st.write_s),
+            (CounterMetricFamily, "storage_errors", "Store calls that failed (down, "
+             "full, timed out)", tier.errors),
+            (CounterMetricFamily, "storage_corrupt_pages", "Values that failed the "
+             "header check (treated as misses)", st.corrupt),
+            (CounterMetricFamily, "storage_unauthenticated_pages", "Values whose MAC "
+             "failed under --storage-secret (treated as misses)", st.unauthenticated),
+            (CounterMetricFamily, "storage_evicted_pages", "Pages a capped file store "
+             "removed (--storage-max-bytes)", tier.store_stats("evicted_pages")),
+            (CounterMetricFamily, "storage_evicted_bytes", "Bytes a capped file store "
+             "removed", tier.store_stats("evicted_bytes")),
+        ]  # fmt: skip
+    return values
+
+
 class EngineCollector(Collector):
     """Counters and gauges read from the engine at scrape time."""
 
@@ -40,136 +193,16 @@ class EngineCollector(Collector):
         self.engine, self.model_name = engine, model_name
 
     def collect(self) -> Iterator[Metric]:
-        e, labels = self.engine, ["model_name"]
-        values: list[tuple[type, str, str, float]] = [
-            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the "
-             "prefix cache (once per request, at first admission)", e.scheduler.queried_tokens),
-            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens served from the prefix "
-             "cache", e.scheduler.hit_tokens),
-            (CounterMetricFamily, "prompt_tokens", "Prompt tokens received",
-             e.counters.prompt_tokens),
-            (CounterMetricFamily, "generation_tokens", "Tokens generated",
-             e.counters.generation_tokens),
-            (CounterMetricFamily, "prefill_computed_tokens", "Prompt tokens computed by the "
-             "model (recomputation after preemption included)", e.counters.prefill_tokens),
-            (CounterMetricFamily, "evicted_tokens", "Cached tokens evicted from the KV pool",
-             e.mgr.evicted_tokens),
-            (CounterMetricFamily, "num_preemptions", "Requests preempted (KV freed, "
-             "recomputed later)", e.scheduler.preemptions),
-            (GaugeMetricFamily, "num_requests_running", "Requests admitted and running",
-             e.num_running()),
-            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting for admission",
-             e.num_waiting()),
-            (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of the KV pool in use "
-             "(running requests and cached prefixes)", e.kv_usage()),
-            (GaugeMetricFamily, "prefix_cache_tokens", "Tokens held by the prefix cache",
-             e.cache.total_size()),
-            (GaugeMetricFamily, "prompt_cache_retained_tokens", "Tokens of prefixes retained "
-             "on request (prompt_cache_options, prompt_cache_retention, breakpoints)",
-             e.retention.total),
-            (GaugeMetricFamily, "prompt_cache_retained_prefixes", "Prefixes retained on "
-             "request", len(e.retention.pins)),
-            (CounterMetricFamily, "prompt_cache_retain_refused", "Prefixes asked for but not "
-             "retained (over the quota alone, or not cached)", e.retention.refused),
-        ]  # fmt: skip
-        full_bytes = e.cache.total_size() * e.kv.bytes_per_token()
-        values.append((GaugeMetricFamily, "prefix_cache_kv_bytes", "Bytes of full-attention "
-                       "KV held by the prefix cache", full_bytes))  # fmt: skip
-        win = e.window
-        if win is not None:  # sliding layers with their own slot space
-            held = win.component.held_units()
-            values += [
-                (GaugeMetricFamily, "prefix_cache_window_tokens", "Tokens of sliding-window "
-                 "KV held by the prefix cache", held),
-                (GaugeMetricFamily, "prefix_cache_window_bytes", "Bytes of sliding-window KV "
-                 "held by the prefix cache", held * e.kv.window_bytes_per_token()),
-                (CounterMetricFamily, "window_kv_evicted_tokens", "Sliding-window KV tokens "
-                 "the cache freed to make room (its matches end earlier there)", win.evicted),
-            ]  # fmt: skip
-            gate = e.cache.component("servable")  # with KV events (radixkv.tree.servable)
-            if gate is not None:
-                values.append((GaugeMetricFamily, "prefix_cache_servable_blocks", "Pages a "
-                               "match can end at now (their window held), as the KV events "
-                               "told them", gate.told))  # fmt: skip
-            if e.arena is None:  # (with one budget there is no window pool of its own)
-                values.append((GaugeMetricFamily, "window_kv_usage_perc", "Fraction of the "
-                               "sliding-window KV pool in use (running requests and cached "
-                               "windows)", 1.0 - win.allocator.available_size()
-                               / win.allocator.size))  # fmt: skip
-        if e.arena is not None:
-            values.append((GaugeMetricFamily, "cache_budget_bytes", "The one byte budget "
-                           "every kind of cache memory draws from (--cache-bytes)",
-                           e.arena.arena.nbytes))  # fmt: skip
-        rec = e.recurrent
-        if rec is not None:  # a model with recurrent layers: its state checkpoints
-            comp = rec.component
-            values += [
-                (GaugeMetricFamily, "state_checkpoints", "Recurrent-state checkpoints held by "
-                 "the prefix cache", len(comp.held)),
-                (GaugeMetricFamily, "state_checkpoint_bytes", "Bytes of the recurrent-state "
-                 "checkpoints held", len(comp.held) * rec.row_size),
-                (CounterMetricFamily, "state_checkpoint_hits", "Requests started from a "
-                 "checkpoint's state", comp.hits),
-                (CounterMetricFamily, "state_checkpoints_evicted", "Checkpoints evicted to "
-                 "stay within max_checkpoints", comp.evictions),
-            ]  # fmt: skip
-            st_tiers = rec.tiers
-            if st_tiers is not None:
-                values += [
-                    (CounterMetricFamily, "state_checkpoints_loaded", "Checkpoints brought "
-                     "back from the host tier or the shared store", st_tiers.loaded),
-                    (GaugeMetricFamily, "host_state_checkpoints", "Checkpoints held by the "
-                     "host tier", len(st_tiers.host)),
-                    (CounterMetricFamily, "state_checkpoints_bad", "Stored checkpoints "
-                     "refused: corrupt or unauthenticated", st_tiers.bad),
-                ]  # fmt: skip
-        wt = e.window_tiers
-        if wt is not None:  # window pages below the device (radixkv.storage.windows)
-            values += [
-                (CounterMetricFamily, "window_pages_loaded", "Window pages brought back from "
-                 "the host tier or the shared store", wt.loaded),
-                (GaugeMetricFamily, "host_window_pages", "Window pages held by the host "
-                 "tier", len(wt.host)),
-                (CounterMetricFamily, "window_pages_bad", "Stored window pages refused: "
-                 "corrupt or unauthenticated", wt.bad),
-            ]  # fmt: skip
-        tier = e.tier
-        if tier is not None:
-            st = tier.stats
-            values += [
-                (CounterMetricFamily, "host_hit_tokens", "Prompt tokens loaded from the host "
-                 "tier (part of prefix_cache_hits)", st.host_hit_tokens),
-                (CounterMetricFamily, "storage_hit_tokens", "Prompt tokens read from the "
-                 "shared store (part of prefix_cache_hits)", st.store_hit_tokens),
-                (CounterMetricFamily, "host_demoted_pages", "Pages copied to the host tier "
-                 "as the device evicted them", st.demoted_pages),
-                (CounterMetricFamily, "host_load_bytes", "Bytes loaded from the host tier",
-                 st.host_load_bytes),
-                (CounterMetricFamily, "host_load_seconds", "Time loading from the host tier",
-                 st.host_load_s),
-                (CounterMetricFamily, "storage_pages_read", "Pages read from the store",
-                 st.pages_read),
-                (CounterMetricFamily, "storage_pages_written", "Pages written to the store",
-                 st.pages_written),
-                (CounterMetricFamily, "storage_bytes_read", "Bytes read", st.bytes_read),
-                (CounterMetricFamily, "storage_bytes_written", "Bytes written", st.bytes_written),
-                (CounterMetricFamily, "storage_read_seconds", "Time reading pages", st.read_s),
-                (CounterMetricFamily, "storage_write_seconds", "Time writing pages", st.write_s),
-                (CounterMetricFamily, "storage_errors", "Store calls that failed (down, "
-                 "full, timed out)", tier.errors),
-                (CounterMetricFamily, "storage_corrupt_pages", "Values that failed the "
-                 "header check (treated as misses)", st.corrupt),
-                (CounterMetricFamily, "storage_unauthenticated_pages", "Values whose MAC "
-                 "failed under --storage-secret (treated as misses)", st.unauthenticated),
-                (CounterMetricFamily, "storage_evicted_pages", "Pages a capped file store "
-                 "removed (--storage-max-bytes)", tier.store_stats("evicted_pages")),
-                (CounterMetricFamily, "storage_evicted_bytes", "Bytes a capped file store "
-                 "removed", tier.store_stats("evicted_bytes")),
-            ]  # fmt: skip
+        e = self.engine
+        values = _engine_values(e) + _window_values(e) + _recurrent_values(e) + _tier_values(e)
         for family, name, doc, value in values:
-            m = family(f"radixkv:{name}", doc, labels=labels)
+            m = family(f"radixkv:{name}", doc, labels=["model_name"])
             m.add_metric([self.model_name], value)
             yield m
+        yield from self.by_label(e)
+
+    def by_label(self, e: Engine) -> Iterator[Metric]:
+        """The families with a second label: finish reasons, release reasons, kinds."""
         done = CounterMetricFamily(
             "radixkv:request_success", "Finished requests by finish reason",
             labels=["model_name", "finished_reason"],

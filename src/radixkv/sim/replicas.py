@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -112,14 +113,7 @@ def simulate_replicas(
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive int, got {replicas!r}")
     clock = [0.0]
-    core = RoutingCore(
-        router if router != "oracle" else "round_robin", kv_weight,
-        approx_tokens=capacity_units or APPROX_TREE_TOKENS, clock=lambda: clock[0],
-    )  # fmt: skip
-    core.index.block_size = 1  # the replicas' caches hold one unit a page
-    reps = [_Replica(i, capacity_units, core) for i in range(replicas)]
-    for r in reps:
-        core.add(r.name)
+    core, reps = _fleet(router, replicas, capacity_units, kv_weight, lambda: clock[0])
     pending: list[tuple[float, int, bool, Ticket]] = []  # (when, order, ends?, ticket)
     order = 0
     hit_tokens = prompt_tokens = prefill = fleet_tokens = peak = 0
@@ -127,24 +121,17 @@ def simulate_replicas(
     owns: list[float] = []
     for req in trace.requests:
         now = clock[0] = req.timestamp / 1000.0  # trace timestamps are milliseconds
-        while pending and pending[0][0] <= now:  # first tokens and ends, in time order
-            _, _, ends, ticket = heapq.heappop(pending)
-            if ends:
-                ticket.release()
-            else:
-                ticket.started()
+        _settle(pending, now)
         prompt = req.units[: req.num_prompt_units]
         fleet_tokens += trace.hit_tokens(
             req, max(r.cache.match_len(RadixKey(array("q", prompt))) for r in reps)
         )
         outputs = len(req.units) - req.num_prompt_units
         if router == "oracle":
-            i = _oracle(reps, prompt)
-            ticket = core.assign(i, prompt, outputs)
+            ticket = core.assign(_oracle(reps, prompt), prompt, outputs)
         else:
             ticket = core.choose(prompt, None, outputs)
-            i = ticket.worker.name
-        rep = reps[i]
+        rep = reps[ticket.worker.name]
         hit_tok = trace.hit_tokens(req, rep.serve(req, capacity_units, cache_outputs))
         computed = req.prompt_tokens - hit_tok
         rep.prefill_free = max(rep.prefill_free, now) + computed / prefill_rate
@@ -178,6 +165,33 @@ def simulate_replicas(
         ttft_p90_s=_quantile(ttfts, 0.9),
         own_prefill_p90_s=_quantile(owns, 0.9),
     )
+
+
+def _fleet(
+    router: str, replicas: int, capacity_units: int | None, kv_weight: float,
+    clock: Callable[[], float],
+) -> tuple[RoutingCore, list[_Replica]]:  # fmt: skip
+    """The routing core (``oracle`` assigns by itself, through round robin's core) and
+    the replicas, one cache of ``capacity_units`` each."""
+    core = RoutingCore(
+        router if router != "oracle" else "round_robin", kv_weight,
+        approx_tokens=capacity_units or APPROX_TREE_TOKENS, clock=clock,
+    )  # fmt: skip
+    core.index.block_size = 1  # the replicas' caches hold one unit a page
+    reps = [_Replica(i, capacity_units, core) for i in range(replicas)]
+    for r in reps:
+        core.add(r.name)
+    return core, reps
+
+
+def _settle(pending: list[tuple[float, int, bool, Ticket]], now: float) -> None:
+    """Each first token and end due by ``now``, in time order, told to its ticket."""
+    while pending and pending[0][0] <= now:
+        _, _, ends, ticket = heapq.heappop(pending)
+        if ends:
+            ticket.release()
+        else:
+            ticket.started()
 
 
 def _quantile(xs: list[float], q: float) -> float:
