@@ -1,4 +1,4 @@
-"""Event block hashes (`radixkv.blockhash`): the vectorized chain equals its scalar
+"""Event block hashes (`radixkv.hashing.fast`): the vectorized chain equals its scalar
 definition, a cache emits exactly what a router computes, hash-only events keep
 BLAKE2b, and the hashes are the same in another process."""
 
@@ -10,9 +10,10 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv import RadixCache, RadixKey, blockhash
-from radixkv.blockhash import _M, event_hashes, root_state
+from radixkv import RadixCache, RadixKey
 from radixkv.events import BlockStored, EventCollector, KVEventBatch, encode_batch
+from radixkv.hashing import fast as blockhash
+from radixkv.hashing.fast import _M, event_hashes, root_state
 from radixkv.tree import chain_hashes
 
 MASK = (1 << 64) - 1
@@ -73,7 +74,7 @@ def test_hash_only_events_keep_blake2b():
 
 
 def test_the_hashes_are_the_same_in_another_process():
-    code = ("from radixkv.blockhash import event_hashes; "
+    code = ("from radixkv.hashing.fast import event_hashes; "
             "print(event_hashes(list(range(64)), 'ns', 16, 4))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip

@@ -132,7 +132,7 @@ def test_a_recurrent_workers_checkpoint_blocks_stand_alone():
     (`radixkv.kvcache.recurrent`): its overlap is the deepest page of the request whose
     hash it holds. A full-attention worker's is the run from the root: the same block
     with an unknown parent is skipped."""
-    from radixkv.blockhash import event_hashes
+    from radixkv.hashing.fast import event_hashes
 
     index = KvIndex(2)
     index.sparse.add("r")

@@ -17,14 +17,13 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "radixkv"
 # each part, and the parts above it it must never import
 EVERYTHING = ("engine", "server", "router", "storage", "sim", "cli", "web", "bench", "tree",
-              "kvcache", "tokenizer", "events", "policy", "blockhash")  # fmt: skip
+              "kvcache", "tokenizer", "events", "hashing")  # fmt: skip
 FORBIDDEN = {
     "checkpoint": EVERYTHING,
     "tokenizer": ("engine", "server", "router", "sim", "cli", "web", "bench", "tree", "kvcache"),
     "tree": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench", "kvcache"),
     "key": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench", "tree"),
-    "policy": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
-    "blockhash": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
+    "hashing": EVERYTHING,  # (below the tree: it names prefixes for the tree, events, store)
     "kvcache": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
     "events": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench"),
     "storage": ("engine", "server", "router", "sim", "cli", "web", "bench"),

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv import RadixCache, RadixKey
-from radixkv.blockhash import event_hashes
+from radixkv.hashing.fast import event_hashes
 from radixkv.tree import chain_hashes
 from radixkv.tree.window import WindowKV
 
@@ -71,7 +71,8 @@ def servable_blocks(cache: RadixCache, strong: bool) -> set[int]:
         while x is not cache.root:
             path.append(x)
             x = x.parent
-        tokens = np.concatenate([np.frombuffer(n.key_bytes, dtype=np.int64) for n in reversed(path)])
+        runs = [np.frombuffer(n.key_bytes, dtype=np.int64) for n in reversed(path)]
+        tokens = np.concatenate(runs)
         start = len(tokens) - len(node)
         for end in range(start + page, len(tokens) + 1, page):
             key = RadixKey(tokens[:end], node.extra_key)

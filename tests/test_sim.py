@@ -9,7 +9,6 @@ import random
 import pytest
 
 from radixkv.cli import main
-from radixkv.policy import POLICIES
 from radixkv.sim.replay import reuse_ceiling, simulate
 from radixkv.sim.sweep import MODELS, parse_capacity, sweep
 from radixkv.sim.traces import (
@@ -20,6 +19,7 @@ from radixkv.sim.traces import (
     load_mooncake,
     load_token_jsonl,
 )
+from radixkv.tree.policy import POLICIES
 
 
 def random_trace(seed: int, requests: int = 120) -> Trace:

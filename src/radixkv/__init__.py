@@ -32,7 +32,7 @@ _LAZY = {
     "LayerSpecs": "radixkv.kvcache",
     "FullAttentionSpec": "radixkv.kvcache",
     "RadixKey": "radixkv.key",
-    "POLICIES": "radixkv.policy",
+    "POLICIES": "radixkv.tree.policy",
     "InsertResult": "radixkv.tree",
     "MatchResult": "radixkv.tree",
     "RadixCache": "radixkv.tree",
@@ -79,8 +79,8 @@ if TYPE_CHECKING:
         TokenToKVPoolAllocator,
         WindowSlots,
     )
-    from radixkv.policy import POLICIES
     from radixkv.tree import InsertResult, MatchResult, RadixCache, TreeNode
+    from radixkv.tree.policy import POLICIES
 
 
 def __getattr__(name: str) -> Any:

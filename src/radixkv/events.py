@@ -33,7 +33,7 @@ guessable salt can then be confirmed by hashing guesses). ``tokens=False`` (serv
 subscriber learns how many pages were stored and removed, and can test whether a prompt
 it already knows (with its salt) is cached, but reads no prompt. Block hashes are 64-bit
 chains over the pages and the namespace: with token ids, the fast vectorized chain of
-`radixkv.blockhash` (the tokens are on the wire anyway; a collision could only misroute);
+`radixkv.hashing.fast` (the tokens are on the wire anyway; a collision could only misroute);
 hashes only, BLAKE2b-128 chains cut to vLLM's 64-bit integers (`radixkv.tree.page_hash`),
 which do not give the tokens away.
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from radixkv.key import as_bool, as_count
-from radixkv.policy import POLICIES
 from radixkv.storage import WRITE_POLICIES
+from radixkv.tree.policy import POLICIES
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 CACHE_SPLITS = ("one", "sglang")

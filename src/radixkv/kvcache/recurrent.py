@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from radixkv.blockhash import event_hashes
+from radixkv.hashing.fast import event_hashes
 from radixkv.key import RadixKey
 from radixkv.kvcache.arena import ArenaCheckpoints
 from radixkv.kvcache.managers import LayerManager
@@ -180,7 +180,7 @@ class RecurrentStates(LayerManager):
         """The checkpoint in ``row`` ends ``key`` (page-aligned): one stored block."""
         tokens, pages = key.token_ids, len(key) // page
         if getattr(self.sink, "strong_hashes", False):  # hash-only events: BLAKE2b
-            from radixkv.tree import chain_hashes
+            from radixkv.hashing import chain_hashes
 
             chain = chain_hashes(tokens, key.extra_key, page, pages)[-2:]
             hashes = [int.from_bytes(h[:8], "big") for h in chain]

@@ -19,7 +19,7 @@ Workers with recurrent layers (``sparse``: their cards say ``"events": "checkpoi
 serve a prefix only up to a state checkpoint, so their events store one block per
 checkpoint, never the pages between (`radixkv.kvcache.recurrent`): such a block stands
 alone, its parent is not told. Their blocks are keyed by hash (``("fast", hash)`` for
-the event chain of `radixkv.blockhash`, ``("hash", hash)`` for hash-only events), and a
+the event chain of `radixkv.hashing.fast`, ``("hash", hash)`` for hash-only events), and a
 worker's overlap is the deepest page of the request whose hash it holds, not a run.
 
 Trust: a batch is checked whole before any of it is applied (`KvIndex.validate`): the
@@ -314,7 +314,7 @@ class KvIndex:
         pages = len(token_ids) // size
         for kind in sorted(self._sparse_kinds):
             if kind == "fast":
-                from radixkv.blockhash import event_hashes
+                from radixkv.hashing.fast import event_hashes
 
                 hashes = event_hashes(list(token_ids), salt, size, pages)
             else:
@@ -327,7 +327,7 @@ class KvIndex:
 
     def _request_hashes(self, token_ids: Sequence[int], salt: Any) -> list[int]:
         """The 64-bit block hashes a radixkv worker gives the request's whole pages."""
-        from radixkv.tree import chain_hashes
+        from radixkv.hashing import chain_hashes
 
         size = self.block_size or 1
         hashes = chain_hashes(list(token_ids), salt, size, len(token_ids) // size)

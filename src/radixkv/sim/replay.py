@@ -4,7 +4,7 @@ Per request, as an engine does it: look up the prompt's units (a hit), lock the 
 evict just enough to fit the new units, insert the prompt (and the output, when outputs
 are cached), unlock. Capacity is in units (blocks); ``None`` means unbounded.
 
-Policies: every policy of `radixkv.policy`, plus ``belady`` (offline optimal: evict the
+Policies: every policy of `radixkv.tree.policy`, plus ``belady`` (offline optimal: evict the
 unit whose next use lies farthest in the future). Because a unit id stands for its whole
 prefix, a child's next use is never earlier than its parent's, so the farthest unit is
 always at a leaf's tail and leaf-first eviction loses nothing.
@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from radixkv.key import RadixKey
-from radixkv.policy import POLICIES
 from radixkv.sim.traces import SimRequest, Trace
 from radixkv.tree import RadixCache, TreeNode
+from radixkv.tree.policy import POLICIES
 
 POLICY_NAMES = (*POLICIES, "belady")
 BLOCK_POLICIES = ("lru", "fifo")

@@ -35,9 +35,9 @@ import hashlib
 from collections import OrderedDict
 from typing import Any
 
+from radixkv.hashing import chain_hashes
 from radixkv.key import RadixKey
 from radixkv.storage.page import PageCodec, PageError
-from radixkv.tree import chain_hashes
 
 STATE_SUFFIX = b"S"  # a state's key: its page's key + this
 STATE_LAYOUT = "row[conv[layer][channel][kernel-1]][ssm[layer][head][key][value]]"

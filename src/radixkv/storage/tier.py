@@ -55,12 +55,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixkv.hashing import HASH_BYTES, chain_hashes
 from radixkv.key import RadixKey
 from radixkv.kvcache.memory import KVPool
 from radixkv.storage import WRITE_POLICIES
 from radixkv.storage.base import PageStore, StoreStats
 from radixkv.storage.page import PageCodec, PageError, layout_identity
-from radixkv.tree import HASH_BYTES, RadixCache, chain_hashes
+from radixkv.tree import RadixCache
 
 log = logging.getLogger("radixkv.storage")
 KNOWN_KEYS = 1 << 16  # keys remembered as stored, to skip asking the store again

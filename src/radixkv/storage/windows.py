@@ -40,10 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixkv.hashing import HASH_BYTES
 from radixkv.key import RadixKey
 from radixkv.storage.page import PageCodec, PageError, layout_identity
 from radixkv.storage.tier import gather_pages, scatter_pages
-from radixkv.tree import HASH_BYTES
 
 log = logging.getLogger("radixkv.storage")
 

@@ -23,7 +23,7 @@ Representation (why it is fast):
       root the key is ``(extra_key, first_page)`` when the key has a namespace, so
       namespaces never share nodes.
     * Evictable leaves sit in an index ordered by the policy's sort key (see
-      `radixkv.policy`): a queue of entries pushed in order (under LRU nearly all: a
+      `radixkv.tree.policy`): a queue of entries pushed in order (under LRU nearly all: a
       touched or new leaf has the newest key) and a binary heap for the rest; the smaller
       head of the two is the next victim. Entries are invalidated lazily: an entry is live
       when its version equals the node's ``heap_version`` and the node is still an evictable leaf.
@@ -96,7 +96,6 @@ import numpy as np
 import torch
 
 from radixkv.key import TOKEN_BYTES, RadixKey, as_bool, as_count, common_prefix_units
-from radixkv.policy import get_policy
 from radixkv.tree import inspection
 from radixkv.tree.component import TreeComponent
 from radixkv.tree.eviction import EvictionOrder, Victims, resolve_eviction_mode
@@ -116,6 +115,7 @@ from radixkv.tree.node import (
     bytes_to_tensor,
     check_slots,
 )
+from radixkv.tree.policy import get_policy
 from radixkv.tree.servable import Muted, ServableBlocks
 from radixkv.tree.window import WindowKV
 
@@ -130,7 +130,7 @@ class RadixCache:
         page_size: units per page; keys are truncated to whole pages and nodes split only
             at page boundaries.
         eviction_policy: one of ``lru lfu fifo mru filo priority slru``, or a custom
-            sort-key function of a node (see `radixkv.policy.get_policy`).
+            sort-key function of a node (see `radixkv.tree.policy.get_policy`).
         allocator: anything with ``free(indices: torch.Tensor)``; ``evict`` hands it the
             removed slot indices (one call per ``evict``). ``None`` drops them.
         is_eagle: key every sequence by its bigram view (EAGLE speculative decoding).

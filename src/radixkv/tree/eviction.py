@@ -93,7 +93,7 @@ class EvictionOrder:
     when they outnumber the nodes twice over.
 
     Args:
-        policy_key: the sort key of a node (`radixkv.policy.get_policy`).
+        policy_key: the sort key of a node (`radixkv.tree.policy.get_policy`).
         num_nodes: the tree's node count now (bounds the dead entries kept).
 
     Complexity: ``push`` O(1) in order, O(log n) otherwise; ``choose`` O((k + 1) log n)

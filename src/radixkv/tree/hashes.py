@@ -2,11 +2,14 @@
 
 Two chains, two components (`radixkv.tree.component`):
 
-* `BlockHashes`: BLAKE2b-128 a page (`page_hash`), chained from the parent page. A
+(Which name a prefix gets where, and why: `radixkv.hashing`.)
+
+* `BlockHashes`: BLAKE2b-128 a page (`radixkv.hashing.page_hash`), chained from the
+  parent page. A
   shared store keys pages by it (the evict hook hands a host tier the pages it is about
   to free, hashed), and hash-only KV events publish it (a subscriber sees nothing but
   the hash, so it must not give the tokens away). Hashed as each leaf is inserted.
-* `EventHashes`: the fast 64-bit chain of `radixkv.blockhash`, for KV events that carry
+* `EventHashes`: the fast 64-bit chain of `radixkv.hashing.fast`, for KV events that carry
   token ids. It owns the pending nodes and `EventHashes.flush`: an insert only notes
   the new leaf; the pages of every insert since the last flush hash in one batch when
   the sink is drained (a sink with ``attach``), or at once (a sink without). It
@@ -20,21 +23,23 @@ tree's structure, locks or sizes.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from radixkv.blockhash import (
+from radixkv.hashing import (
     EVENT_HASH_BYTES,
+    HASH_BYTES,
     chain_runs,
     chain_states,
+    hash_ints,
     last_state,
+    page_hash,
     published,
     root_state,
 )
-from radixkv.key import TOKEN_BYTES, RadixKey
+from radixkv.key import TOKEN_BYTES
 from radixkv.tree.component import TreeComponent
 
 if TYPE_CHECKING:
@@ -42,7 +47,6 @@ if TYPE_CHECKING:
 
     from radixkv.tree.node import TreeNode
 
-HASH_BYTES = 16  # a page's block hash (page_hash): 128 bits
 _EMPTY = b""
 
 
@@ -50,7 +54,7 @@ class CacheEventSink(Protocol):
     """Receives the pages (blocks) entering and leaving a cache (see `radixkv.events`).
 
     ``block_hashes`` chain page by page: each names its whole prefix and namespace (the
-    fast chain of `radixkv.blockhash`; BLAKE2b `page_hash` for a sink whose
+    fast chain of `radixkv.hashing.fast`; BLAKE2b `page_hash` for a sink whose
     ``strong_hashes`` is true). ``token_ids`` are the pages' tokens, in order (under
     EAGLE, the first token of each bigram unit): a list, or a read-only int64 array for
     a sink whose ``arrays`` is true (its ``block_hashes`` are then a uint64 array too).
@@ -65,36 +69,6 @@ class CacheEventSink(Protocol):
     def removed(self, block_hashes: list[int]) -> None: ...
 
     def cleared(self) -> None: ...
-
-
-def page_hash(parent: bytes | None, extra_key: Any, page: bytes) -> bytes:
-    """The block hash of a page, `HASH_BYTES` long: BLAKE2b-128 over the parent's hash
-    (or, for a first page, the namespace's ``repr``) and the page's packed units, so it
-    names the page's whole prefix. Collision-resistant (128 bits: a shared store keys
-    pages by it), and deterministic across processes and machines (Python's ``hash`` is
-    salted per process). KV events carry its first 8 bytes as vLLM's 64-bit integer."""
-    h = hashlib.blake2b(digest_size=HASH_BYTES)
-    h.update(parent if parent is not None else b"root:" + repr(extra_key).encode())
-    h.update(page)
-    return h.digest()
-
-
-def chain_hashes(tokens: Any, extra_key: Any, page_size: int, n_pages: int) -> list[bytes]:
-    """The block hashes (`page_hash`) a cache gives the first ``n_pages`` whole pages of
-    ``tokens`` (token ids, not an EAGLE bigram view) in namespace ``extra_key``: what a
-    tier keys the store by and a router compares with hash-only KV events."""
-    raw = RadixKey(tokens).unit_bytes()
-    step = page_size * TOKEN_BYTES
-    out, prev = [], None
-    for i in range(n_pages):
-        prev = page_hash(prev, extra_key, raw[i * step : (i + 1) * step])
-        out.append(prev)
-    return out
-
-
-def hash_ints(hashes: bytes) -> list[int]:
-    """The event wire's 64-bit block hashes: the first 8 bytes of each page's hash."""
-    return [int.from_bytes(hashes[i : i + 8], "big") for i in range(0, len(hashes), HASH_BYTES)]
 
 
 class _Chain(TreeComponent):
@@ -213,7 +187,7 @@ class BlockHashes(_Chain):
 
 
 class EventHashes(_Chain):
-    """The fast event chain (`radixkv.blockhash`) of every page, for a sink of KV events
+    """The fast event chain (`radixkv.hashing.fast`) of every page, for a sink of KV events
     with token ids; hashed in batches at `flush` (see the module docstring).
 
     Args:
@@ -370,13 +344,4 @@ def hash_components(
     return out
 
 
-__all__ = [
-    "HASH_BYTES",
-    "BlockHashes",
-    "CacheEventSink",
-    "EventHashes",
-    "chain_hashes",
-    "hash_components",
-    "hash_ints",
-    "page_hash",
-]
+__all__ = ["BlockHashes", "CacheEventSink", "EventHashes", "hash_components"]

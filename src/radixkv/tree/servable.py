@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from radixkv.blockhash import published
+from radixkv.hashing import HASH_BYTES, hash_ints
+from radixkv.hashing.fast import published
 from radixkv.tree.component import TreeComponent
-from radixkv.tree.hashes import HASH_BYTES, BlockHashes, EventHashes, hash_ints
+from radixkv.tree.hashes import BlockHashes, EventHashes
 
 if TYPE_CHECKING:
     import torch

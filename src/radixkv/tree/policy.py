@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from radixkv.tree import TreeNode
+    from radixkv.tree.node import TreeNode
 
 PolicyKey = Callable[["TreeNode"], tuple[Any, ...]]
 
