@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from radixkv.kvcache.budget import HybridBudget, utility
+from radixkv.kvcache.budget import HybridBudget
+from radixkv.tree.node import units_before
+from radixkv.tree.state import utility
 
 
 class ScanningBudget(HybridBudget):
@@ -55,7 +57,7 @@ class ScanningBudget(HybridBudget):
         segs = [(n, state.checkpoints(n)[-1]) for n in leaves if state.checkpoints(n)]
         if not segs:  # 3. leaf segments
             return False
-        value = [self.flops(self._depth(n)) for n, _ in segs]
+        value = [self.flops(units_before(n) + len(n)) for n, _ in segs]
         cost = [state.state_bytes + self._segment(n) * self.token_bytes for n, _ in segs]
         score = utility([float(c.tick) for _, c in segs], value, cost, self.alpha)
         drop, gone = [], 0.0

@@ -53,6 +53,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from radixkv.tree.component import TreeComponent
+from radixkv.tree.node import units_before
+from radixkv.tree.state import utility, utility_array
 from radixkv.units import div_ceil
 
 _LRU = attrgetter("last_access", "id")  # least recently used first (ids break ties)
@@ -63,13 +65,6 @@ if TYPE_CHECKING:
     from radixkv.tree.node import TreeNode
     from radixkv.tree.state import Checkpoint, StateCheckpoints
     from radixkv.tree.window import WindowKV
-
-
-def utility(ticks: list[float], value: list[float], cost: list[float], alpha: float) -> list[float]:
-    """Marconi's score of each candidate: recency plus ``alpha`` x value per byte, each
-    scaled to [0, 1] over the candidates (the lowest goes first)."""
-    arrays = (np.asarray(x, dtype=np.float64) for x in (ticks, value, cost))
-    return utility_array(*arrays, alpha).tolist()
 
 
 class HybridBudget(TreeComponent):
@@ -222,14 +217,6 @@ class HybridBudget(TreeComponent):
             usable = 0  # (retain="ends" keeps no window inside a leaf)
         return usable
 
-    @staticmethod
-    def _depth(node: TreeNode) -> int:
-        depth, x = 0, node
-        while x is not None and x.id:
-            depth += len(x)
-            x = x.parent
-        return depth
-
     # --- the candidate sets -------------------------------------------------------------
     def _refresh(self) -> None:
         """Re-read the nodes marked since the last round."""
@@ -262,7 +249,7 @@ class HybridBudget(TreeComponent):
         if state is not None and (cps := state.checkpoints(node)):
             self._segs.add(node)
             self._last[node] = cps[-1]
-            self._value[node] = self.flops(self._depth(node))
+            self._value[node] = self.flops(units_before(node) + len(node))
             self._cost[node] = state.state_bytes + self._segment(node) * self.token_bytes
         else:
             self._not_a_segment(node)
@@ -358,22 +345,11 @@ class HybridBudget(TreeComponent):
         for n in self._segs:
             cost = state.state_bytes + self._segment(n) * self.token_bytes
             if (
-                self._value[n] != self.flops(self._depth(n))
+                self._value[n] != self.flops(units_before(n) + len(n))
                 or self._cost[n] != cost
                 or (self._last[n] is not state.checkpoints(n)[-1])
             ):
                 raise AssertionError(f"budget: leaf {n.id}'s depth or segment is stale")
-
-
-def utility_array(
-    ticks: np.ndarray, value: np.ndarray, cost: np.ndarray, alpha: float
-) -> np.ndarray:
-    """`utility` over arrays (the same arithmetic, element by element)."""
-    t0, t1 = ticks.min(), ticks.max()
-    eff = value / np.maximum(cost, 1.0)
-    e0, e1 = eff.min(), eff.max()
-    rec = (ticks - t0) / (t1 - t0) if t1 > t0 else np.ones_like(ticks)
-    return rec + alpha * ((eff - e0) / (e1 - e0) if e1 > e0 else np.ones_like(eff))
 
 
 __all__ = ["HybridBudget", "utility"]

@@ -123,6 +123,17 @@ class TreeNode:
         )
 
 
+def units_before(node: TreeNode) -> int:
+    """Units from the root to where ``node`` starts: its ancestors' lengths (the root,
+    id 0, has none). O(depth). A prefix's length at ``offset`` units into ``node`` is
+    ``units_before(node) + offset``."""
+    units, x = 0, node.parent
+    while x is not None and x.id:
+        units += len(x.value_bytes) >> 3
+        x = x.parent
+    return units
+
+
 class MatchParts(NamedTuple):
     """Result of `RadixCache.match_parts`: one walk, for a caller that copies slots.
 

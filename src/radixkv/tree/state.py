@@ -47,9 +47,11 @@ import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from radixkv.tree.component import TreeComponent
+from radixkv.tree.node import units_before
 
 if TYPE_CHECKING:
     from radixkv.tree.node import TreeNode
@@ -145,12 +147,7 @@ class StateCheckpoints(TreeComponent):
 
     def depth(self, c: Checkpoint) -> int:
         """Units from the root to the checkpoint's position."""
-        node, depth = c.node, c.offset
-        node = node.parent
-        while node is not None and node.id:
-            depth += len(node)
-            node = node.parent
-        return depth
+        return units_before(c.node) + c.offset
 
     # --- matching -----------------------------------------------------------------------
     def match_limit(self, path: list[TreeNode], partial: TreeNode | None, units: int) -> int:
@@ -207,9 +204,7 @@ class StateCheckpoints(TreeComponent):
                 heapq.heappush(self._lru, (c.tick, c.slot))
                 return False
         # the compute it saves: only the utility policy reads it (an O(depth) walk)
-        flops = (
-            self.prefill_flops(self._depth_at(node, offset)) if self.policy == "utility" else 0.0
-        )
+        flops = self.prefill_flops(units_before(node) + offset) if self.policy == "utility" else 0.0
         c = Checkpoint(node, offset, slot, next(self._clock), flops, kind)
         node.ext[self.index] = (  # type: ignore[index]
             tuple(sorted((*cps, c), key=lambda x: x.offset)) if cps else (c,)
@@ -225,13 +220,6 @@ class StateCheckpoints(TreeComponent):
         if len(self.held) > self.max_states:
             self.evict(len(self.held) - self.max_states, keep=slot)
         return True
-
-    def _depth_at(self, node: TreeNode, offset: int) -> int:
-        depth, x = offset, node.parent
-        while x is not None and x.id:
-            depth += len(x)
-            x = x.parent
-        return depth
 
     # --- admission ----------------------------------------------------------------------
     def plan(
@@ -344,16 +332,9 @@ class StateCheckpoints(TreeComponent):
         if not cands:
             return []
         ticks = [c.tick for c in cands]
-        t0, t1 = min(ticks), max(ticks)
-        eff = [c.flops / max(self.state_bytes, 1) for c in cands]
-        e0, e1 = min(eff), max(eff)
-
-        def score(i: int) -> float:
-            rec = (ticks[i] - t0) / (t1 - t0) if t1 > t0 else 1.0
-            ef = (eff[i] - e0) / (e1 - e0) if e1 > e0 else 1.0
-            return rec + UTILITY_ALPHA * ef
-
-        order = sorted(range(len(cands)), key=lambda i: (score(i), ticks[i]))
+        score = utility(ticks, [c.flops for c in cands], [self.state_bytes] * len(cands),
+                        UTILITY_ALPHA)  # fmt: skip
+        order = sorted(range(len(cands)), key=lambda i: (score[i], ticks[i]))
         return [cands[i] for i in order[:n]]
 
     def drop(self, victims: list[Checkpoint]) -> None:
@@ -439,4 +420,22 @@ class StateCheckpoints(TreeComponent):
                 raise AssertionError(f"checkpoint slot {c.slot} sits on a node not in the tree")
 
 
-__all__ = ["KINDS", "STATE_POLICIES", "Checkpoint", "StateCheckpoints"]
+def utility(ticks: list[float], value: list[float], cost: list[float], alpha: float) -> list[float]:
+    """Marconi's score of each candidate: recency plus ``alpha`` x value per byte, each
+    scaled to [0, 1] over the candidates (the lowest goes first)."""
+    arrays = (np.asarray(x, dtype=np.float64) for x in (ticks, value, cost))
+    return utility_array(*arrays, alpha).tolist()  # (the same arithmetic as floats)
+
+
+def utility_array(
+    ticks: np.ndarray, value: np.ndarray, cost: np.ndarray, alpha: float
+) -> np.ndarray:
+    """`utility` over arrays (the same arithmetic, element by element)."""
+    t0, t1 = ticks.min(), ticks.max()
+    eff = value / np.maximum(cost, 1.0)
+    e0, e1 = eff.min(), eff.max()
+    rec = (ticks - t0) / (t1 - t0) if t1 > t0 else np.ones_like(ticks)
+    return rec + alpha * ((eff - e0) / (e1 - e0) if e1 > e0 else np.ones_like(eff))
+
+
+__all__ = ["KINDS", "STATE_POLICIES", "Checkpoint", "StateCheckpoints", "utility"]
