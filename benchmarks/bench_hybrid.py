@@ -19,7 +19,7 @@ blocks stay cached).
 Reported: µs per request (match + inserts, median of the repeats, GC on; the requests'
 token lists are frozen out of the collector's walks, and each run starts after a
 collection, the same for every side), cached tokens
-(state hits, which must be equal: tests/test_sglang_hybrid_diff.py checks the same
+(state hits, which must be equal: tests/differential/test_sglang_hybrid_diff.py checks the same
 semantics operation by operation) and checkpoints held at the end; the last column is
 the same requests through radixkv's cache without components (a full-attention model's
 match + insert), for the cost of the state component.

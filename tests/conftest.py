@@ -13,8 +13,7 @@ def hybrid_models(tmp_path_factory):
     """Tiny Qwen3.5 and Gemma 3 (sliding window 10) folders, written by transformers'
     ``save_pretrained``: ``{"qwen3.5": path, "gemma3": path}``."""
     from helpers import qwen3_5_folder
-    from test_arena import GEMMA
-    from test_families import folder
+    from support.models import GEMMA, folder
 
     arch, config = GEMMA
     return {

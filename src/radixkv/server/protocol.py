@@ -1,7 +1,7 @@
 """OpenAI request bodies (the fields radixkv honours) and the error body.
 
 Every field of OpenAI's request types is either honoured or refused with a 400 naming it
-(`REFUSED`: structured output, tools, audio, ...; ``tests/test_server_fields.py`` walks
+(`REFUSED`: structured output, tools, audio, ...; ``tests/server/test_server_fields.py`` walks
 them all). ``user`` is accepted as OpenAI's end-user id, which changes no output. Fields
 OpenAI does not define are ignored, as OpenAI-compatible servers do (``ignore_eos``,
 ``cache_salt`` and ``repetition_penalty`` are vLLM's and honoured).

@@ -20,7 +20,7 @@ requests (prompt units, output units, and where known a chat template's boundary
               the recurrent layers), then the lowest utility (recency + prefill FLOPs
               saved per byte) among checkpoints and leaves. With room to spare and
               requests in arrival order it hits exactly where the engine does
-              (tests/test_serve_replay.py); under pressure it is a model of the
+              (tests/sim/test_serve_replay.py); under pressure it is a model of the
               engine's on-demand eviction (`radixkv.sim.serve_replay` is the engine).
     marconi   Marconi (MLSys 2025), its published simulator's V2 replayed by its own
     sglang+   rules (`radixkv.sim.marconi`), and its two baselines: SGLang+ (V1, LRU

@@ -61,7 +61,7 @@ removes it. Other matches and inserts never invalidate it: a split keeps the nod
 as the lower part, so it still ends where it ended and covers the same tokens from the
 root. A node that is locked is never removed. ``evict(n)`` removes whole leaves in the
 policy's order until at least ``n`` tokens are freed, as SGLang's ``RadixCache`` does.
-``tests/test_sglang_diff.py`` replays operation sequences recorded from SGLang's own
+``tests/differential/test_sglang_diff.py`` replays operation sequences recorded from SGLang's own
 ``RadixCache`` (pages 1/2/4/16, EAGLE on and off, namespaces) on the default cache and
 compares every prefix length, matched slot, size, lock delta and evicted slot.
 

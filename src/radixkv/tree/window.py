@@ -35,7 +35,7 @@ The contract (besides `radixkv.tree.component`'s):
 * **Pressure** (`evict`): frees window KV of unlocked nodes, least recently used first,
   whatever their windows need (their matches then end earlier); `drop` frees one node's,
   for a caller with an order of its own. Validator and recovery equal SGLang's
-  `SWAComponent` operation by operation (``tests/test_sglang_hybrid_diff.py``).
+  `SWAComponent` operation by operation (``tests/differential/test_sglang_hybrid_diff.py``).
   Complexity: `evict` and `evict_spare` cost O(log nodes) a node they look at (two
   heaps in ``(last_access, id)`` order, no scan); `evictable_units` scans the holders
   only until it has counted what the caller asks.

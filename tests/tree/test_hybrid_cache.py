@@ -1,0 +1,417 @@
+"""The hybrid cache's components, case by case: recurrent-state checkpoints (where they
+go, what a match may use, eviction by LRU and by utility, supersession), sliding-window
+KV (what is kept, marks, tombstones recovered), `HybridBudget`'s order, and the errors
+of their APIs. The random sequences are in ``test_hybrid_stateful.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from radixkv import RadixCache, RadixKey
+from radixkv.kvcache.budget import HybridBudget
+from radixkv.tree.state import StateCheckpoints
+from radixkv.tree.window import WindowKV
+
+
+class Pool:
+    def __init__(self) -> None:
+        self.next, self.freed = 0, []
+
+    def take(self, n: int) -> np.ndarray:
+        self.next += n
+        return np.arange(self.next - n, self.next, dtype=np.int64)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.freed += slots.tolist()
+
+
+def K(*toks: int) -> RadixKey:
+    return RadixKey(np.asarray(toks, dtype=np.int64))
+
+
+def seq(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def hybrid(max_states=8, policy="lru", page=1):
+    pool = Pool()
+    state = StateCheckpoints(max_states, pool, policy)
+    cache = RadixCache(page, components=(state,))
+    return cache, state, pool
+
+
+def serve(cache, state, toks, slot, boundaries=(), prompt_end=True):
+    """What an engine does for one prompt: match, plan, snapshot at each planned
+    position; returns the hit."""
+    key = K(*toks)
+    full = cache.match_len(key, full=True)
+    hit = cache.match_prefix(key).prefix_len
+    for pos, kind in state.plan(len(key), full, hit, boundaries, prompt_end):
+        node = cache.insert_node(key[:pos]).last_node
+        state.add(node, slot, kind=kind)
+        slot += 1
+    cache.insert(key)
+    return hit
+
+
+# --- recurrent-state checkpoints ---------------------------------------------------------
+def test_a_match_ends_at_the_deepest_checkpoint_it_passes():
+    cache, state, _ = hybrid()
+    node = cache.insert_node(K(*seq(0, 10))).last_node
+    assert cache.match_prefix(K(*seq(0, 10))).prefix_len == 0  # no checkpoint: no hit
+    assert cache.match_len(K(*seq(0, 10)), full=True) == 10
+    state.add(node, 7, offset=4)
+    m = cache.match_prefix(K(*seq(0, 10)))
+    assert m.prefix_len == 4 and state.at(m.last_node) == 7 and state.used(m.last_node) == 7
+    cache.check_integrity()
+    # one walk gives both: where the request starts and where it leaves the cached path
+    _, last, hit, full = cache.match_parts(K(*seq(0, 8), 99))
+    assert (hit, full) == (4, 8) and state.at(last) == 7
+    assert cache.match_parts(K(50, 51))[2:] == (0, 0)
+    cache.check_integrity()
+
+
+def test_the_third_sharer_hits_the_branch_point_and_the_second_already_hits_a_boundary():
+    cache, state, _ = hybrid()
+    system = seq(100, 12)
+    assert serve(cache, state, system + [1, 2, 3], 0) == 0
+    # the second request leaves the first's path after the system prompt: it snapshots
+    # the branch point during its own prefill
+    assert serve(cache, state, system + [4, 5, 6], 10) == 0
+    assert serve(cache, state, system + [7, 8, 9], 20) == 12
+    # with the boundary known up front, the second request hits
+    cache2, state2, _ = hybrid()
+    assert serve(cache2, state2, system + [1, 2, 3], 0, boundaries=(12,)) == 0
+    assert serve(cache2, state2, system + [4, 5, 6], 10, boundaries=(12,)) == 12
+    kinds = sorted(c.kind for c in state2.held.values())
+    assert kinds == ["boundary", "end", "end"]
+
+
+def test_plan_positions_and_kinds():
+    _cache, state, _ = hybrid(page=4)
+    state.every_pages = 2
+    plan = state.plan(prompt_units=30, full_hit=13, state_hit=4, boundaries=(9, 22))
+    # page-aligned: the end 28, the branch 12, boundaries 8 and 20, every 8 units from 4
+    assert plan == [(8, "boundary"), (12, "branch"), (16, "interval"), (20, "boundary"),
+                    (24, "interval"), (28, "end")]  # fmt: skip
+    assert (28, "end") not in state.plan(30, 13, 4, (), prompt_end=False)
+    assert state.plan(30, 4, 28) == []  # nothing past where the request starts
+
+
+def test_a_chat_turn_supersedes_the_last_and_a_branch_point_never_is():
+    cache, state, _ = hybrid()
+    turn1 = seq(0, 8)
+    serve(cache, state, turn1, 0)
+    (c1,) = state.held.values()
+    assert not state.superseded(c1)  # a leaf's end: the next turn starts there
+    serve(cache, state, turn1 + seq(50, 4), 1)
+    assert state.superseded(c1)  # the conversation went on, no branch there
+    serve(cache, state, turn1 + seq(80, 4), 2)  # a regenerated turn 2: a branch
+    assert not state.superseded(c1)
+
+
+def test_lru_and_utility_eviction_choose_differently():
+    """The oldest checkpoint sits after a long prefix: LRU drops it, utility (prefill
+    FLOPs saved per byte, plus recency) drops a short one instead."""
+    for policy, dropped in (("lru", 100), ("utility", 101)):
+        pool = Pool()
+        state = StateCheckpoints(3, pool, policy, prefill_flops=lambda n: float(n) ** 2)
+        cache = RadixCache(1, components=(state,))
+        for slot, toks in ((100, seq(0, 64)), (101, seq(1000, 2)), (102, seq(2000, 2))):
+            state.add(cache.insert_node(K(*toks)).last_node, slot)
+        state.add(cache.insert_node(K(*seq(3000, 2))).last_node, 103)  # one over: one goes
+        assert pool.freed == [dropped] and state.evictions == 1
+        assert sorted(state.held) == sorted({100, 101, 102, 103} - {dropped})
+        cache.check_integrity()
+
+
+def test_a_protected_checkpoint_is_never_evicted_until_unprotected_as_often():
+    cache, state, _pool = hybrid(max_states=4)
+    nodes = [cache.insert_node(K(*seq(10 * i, 8))).last_node for i in range(4)]
+    for slot, node in enumerate(nodes):
+        state.add(node, slot)
+    (first,) = state.serving(nodes[0])
+    state.protect(first)
+    state.protect(first)
+    state.protect(state.serving(nodes[1])[0])
+    assert state.evict(4) == 2 and sorted(state.held) == [0, 1]  # the unprotected ones
+    state.unprotect(first)
+    assert state.evict(1) == 0  # still protected once
+    state.unprotect(first)
+    assert state.evict(1) == 1 and sorted(state.held) == [1]
+    state.unprotect(first)  # gone: nothing to do
+    with pytest.raises(ValueError, match="not held"):
+        state.protect(first)
+    cache.check_integrity()
+
+
+def test_serving_names_the_checkpoints_a_hit_starts_from():
+    """At the prefix's end (a request going on past it) and the deepest strictly before
+    it (the prompt sent again), in the node itself or above it."""
+    cache, state, _pool = hybrid(max_states=8, page=4)
+    node = cache.insert_node(K(*seq(0, 16))).last_node
+    state.add(node, 1, offset=8)
+    assert [c.slot for c in state.serving(node)] == [1]  # nothing at the end
+    state.add(node, 2)
+    state.add(node, 3, offset=12)
+    assert [c.slot for c in state.serving(node)] == [2, 3]
+    child = cache.insert_node(K(*seq(0, 16), *seq(100, 8))).last_node
+    assert [c.slot for c in state.serving(child)] == [2]  # none at its end: its parent's
+    state.add(child, 4)
+    assert [c.slot for c in state.serving(child)] == [4, 2]  # before it: its parent's end
+    cache.check_integrity()
+
+
+def test_checkpoints_follow_splits_merges_and_eviction():
+    pool = Pool()
+    state = StateCheckpoints(8, pool)
+    cache = RadixCache(2, allocator=pool, eviction_mode="merge", components=(state,))
+    node = cache.insert_node(K(*seq(0, 8)), torch.arange(8)).last_node
+    state.add(node, 100, offset=4)
+    state.add(node, 101)
+    cache.insert_node(K(*seq(0, 4), 9, 9), torch.arange(20, 26))  # splits at 4
+    cache.check_integrity()
+    assert cache.match_prefix(K(*seq(0, 8))).prefix_len == 8
+    assert cache.match_prefix(K(*seq(0, 6))).prefix_len == 4
+    cache.evict(100)
+    assert not state.held and sorted(pool.freed)[-2:] == [100, 101]
+    cache.check_integrity()
+
+
+def test_state_api_errors_name_the_argument():
+    cache, state, _ = hybrid(page=2)
+    node = cache.insert_node(K(*seq(0, 6))).last_node
+    with pytest.raises(ValueError, match="page boundary"):
+        state.add(node, 1, offset=3)
+    with pytest.raises(ValueError, match="slot"):
+        state.add(node, -1)
+    state.add(node, 1)
+    with pytest.raises(ValueError, match="holds a checkpoint"):
+        state.add(node, 1, offset=2)
+    with pytest.raises(ValueError, match="kind"):
+        state.add(node, 2, offset=2, kind="whim")
+    with pytest.raises(ValueError, match="max_states"):
+        StateCheckpoints(0)
+    with pytest.raises(ValueError, match="policy"):
+        StateCheckpoints(2, policy="fifo")
+    with pytest.raises(TypeError, match="allocator"):
+        StateCheckpoints(2, allocator=object())
+    other = RadixCache(2).insert_node(K(1, 2)).last_node
+    with pytest.raises(ValueError, match="not in this cache"):
+        state.add(other, 5)
+
+
+# --- sliding-window KV -------------------------------------------------------------------
+def window_cache(window=4, retain="ends"):
+    pool = Pool()
+    win = WindowKV(window, pool, retain)
+    return RadixCache(1, components=(win,)), win, pool
+
+
+def put(cache, win, pool, toks):
+    key = K(*toks)
+    slots = pool.take(len(key))
+    res = cache.insert_node(key, extras={"window": slots})
+    pool.free(torch.from_numpy(slots[~win.taken]))  # the caller frees what was not taken
+    return res
+
+
+def test_window_kv_is_kept_for_the_ends_a_match_can_use():
+    cache, win, pool = window_cache(4)
+    put(cache, win, pool, seq(0, 20))
+    assert win.held_units() == 4  # the leaf's last window
+    assert cache.match_prefix(K(*seq(0, 20))).prefix_len == 20
+    # a position inside with no window KV is not servable: the match falls to the root
+    assert cache.match_len(K(*seq(0, 12))) == 0
+    assert cache.match_len(K(*seq(0, 12)), full=True) == 12
+    # a second prompt branching at 12: the branch point needs a window, and the
+    # inserting request supplies it (a tombstone recovered)
+    put(cache, win, pool, seq(0, 12) + [99, 98])
+    assert cache.match_len(K(*seq(0, 12), 7)) == 12
+    assert win.held_units() == 4 + 2 + 4  # branch window, new leaf's 2 (+2 shared), old leaf
+    cache.check_integrity()
+    held = {s for n in cache.iter_nodes() for s in win.slots(n).tolist()}
+    assert held.isdisjoint(pool.freed) and len(held) + len(pool.freed) == pool.next
+
+
+def test_a_marked_boundary_keeps_its_window_for_the_next_sharer():
+    cache, win, pool = window_cache(4)
+    node = put(cache, win, pool, seq(0, 10)).last_node  # a system prompt's end
+    win.mark(node)
+    put(cache, win, pool, seq(0, 10) + seq(50, 10))
+    assert win.servable(node) and cache.match_len(K(*seq(0, 10), 77)) == 10
+    # unmarked, the same shape loses the boundary's window
+    cache2, win2, pool2 = window_cache(4)
+    put(cache2, win2, pool2, seq(0, 10))
+    put(cache2, win2, pool2, seq(0, 10) + seq(50, 10))
+    assert cache2.match_len(K(*seq(0, 10), 77)) == 0
+
+
+def test_window_pressure_tombstones_least_recent_first():
+    cache, win, pool = window_cache(4, retain="all")
+    put(cache, win, pool, seq(0, 8))
+    put(cache, win, pool, seq(100, 8))
+    cache.match_prefix(K(*seq(100, 8)))  # the second is more recent
+    assert win.evict(1) == 8
+    assert cache.match_len(K(*seq(0, 8))) == 0 and cache.match_len(K(*seq(100, 8))) == 8
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_window_pressure_frees_in_the_order_a_sort_gives(seed):
+    """`evict` and `evict_spare` keep their order in heaps (no scan a call): after random
+    inserts, matches (which make nodes recent), locks and evictions, each frees exactly
+    what sorting every node by (last_access, id) and taking them in turn frees."""
+    import random
+
+    rng = random.Random(seed)
+    cache, win, pool = window_cache(4, retain="all")
+    stems = [seq(1000 * i, rng.randrange(2, 12)) for i in range(5)]
+    locked = []
+    for step in range(120):
+        toks = rng.choice(stems) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+        op = rng.random()
+        if op < 0.45:
+            put(cache, win, pool, toks)
+        elif op < 0.7:
+            res = cache.match_prefix(K(*toks))
+            if rng.random() < 0.3:  # a running request: an old node or the match's end
+                nodes = [n for n in cache.iter_nodes() if n is not cache.root]
+                node = rng.choice(nodes) if rng.random() < 0.5 else res.last_node
+                if node is not cache.root:
+                    cache.inc_lock_ref(node)
+                    locked.append(node)
+        elif op < 0.8 and locked:
+            cache.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+        else:
+            spare = rng.random() < 0.5
+            units = rng.randrange(1, 12)
+            nodes = list(cache.iter_nodes())
+            before = {n.id: win.covered(n) for n in nodes}
+            cut = win._spare if spare else (lambda n: 0 if n.lock_ref else win.covered(n))
+            want, freed = dict(before), 0
+            for n in sorted(nodes, key=lambda n: (n.last_access, n.id)):
+                if freed >= units:
+                    break
+                if cut(n):
+                    freed += cut(n)
+                    want[n.id] -= cut(n)
+            got = win.evict_spare(units) if spare else win.evict(units)
+            assert got == freed
+            assert {n.id: win.covered(n) for n in nodes} == want, step
+        cache.check_integrity()
+
+
+def test_drop_tombstones_a_chosen_node_and_refuses_a_locked_one():
+    cache, win, pool = window_cache(4, retain="all")
+    put(cache, win, pool, seq(0, 8))
+    mid = cache.insert_node(K(*seq(0, 4))).last_node  # split: [0, 4) and [4, 8)
+    assert win.drop(mid) == 4 and win.drop(mid) == 0
+    assert pool.freed == [0, 1, 2, 3]
+    assert cache.match_len(K(*seq(0, 8))) == 8  # the last window is still there
+    assert cache.match_len(K(*seq(0, 6))) == 0  # two units past a tombstone: too few
+    leaf = cache.match_prefix(K(*seq(0, 8))).last_node
+    cache.inc_lock_ref(leaf)
+    with pytest.raises(ValueError, match="locked"):
+        win.drop(leaf)
+    cache.dec_lock_ref(leaf)
+    other, _w, _p = window_cache(4)
+    with pytest.raises(ValueError, match="not in this cache"):
+        win.drop(put(other, _w, _p, seq(0, 4)).last_node)
+    cache.check_integrity()
+
+
+def test_extras_are_checked():
+    cache, _win, _pool = window_cache(4)
+    with pytest.raises(ValueError, match="no component takes"):
+        cache.insert_node(K(1, 2), extras={"state": [1, 2]})
+    with pytest.raises(ValueError, match="entries for"):
+        cache.insert_node(K(1, 2, 3), extras={"window": [1]})
+    assert cache.num_nodes() == 0
+    with pytest.raises(ValueError, match="window"):
+        WindowKV(0)
+    with pytest.raises(ValueError, match="retain"):
+        WindowKV(4, retain="some")
+
+
+# --- the budget -----------------------------------------------------------------------
+def test_budget_evicts_dead_kv_then_superseded_then_by_utility():
+    cache, state, _pool = hybrid()
+    budget = HybridBudget(cache, state, token_bytes=1, flops=lambda n: float(n))
+    state.state_bytes = 10
+    a = cache.insert_node(K(*seq(0, 10))).last_node
+    state.add(a, 1, offset=6)  # units 7..10 are dead: nothing can start there
+    turn2 = cache.insert_node(K(*seq(0, 6), *seq(50, 6))).last_node
+    state.add(turn2, 2)
+    state.add(cache.insert_node(K(*seq(200, 2))).last_node, 3)
+    state.add(cache.insert_node(K(*seq(300, 40))).last_node, 4)
+    assert budget.held() == {"full": 58, "window": 0, "states": 40}
+    budget.fit(budget.total() - 1)  # 1. dead KV: the 4 units past the checkpoint at 6
+    assert cache.total_size() == 54 and sorted(state.held) == [1, 2, 3, 4]
+    # the conversation went on from the checkpoint at 6, no branch there any more
+    assert state.superseded(state.held[1])
+    budget.fit(budget.total() - 1)  # 2. superseded: the KV stays
+    assert sorted(state.held) == [2, 3, 4] and cache.total_size() == 54
+    # 3. by utility: the short prefix saves least per byte, though not the oldest
+    budget.fit(budget.total() - 1)
+    assert sorted(state.held) == [2, 4] and cache.match_len(K(*seq(200, 2))) == 0
+    budget.fit(budget.total() - 1)  # its KV is dead now, and goes first
+    assert cache.total_size() == 52 and sorted(state.held) == [2, 4]
+    budget.fit(0)  # everything evictable goes
+    assert budget.total() == 0 and not state.held
+    cache.check_integrity()
+
+
+def test_evict_leaf_errors():
+    cache = RadixCache(2)
+    leaf = cache.insert_node(K(1, 2, 3, 4)).last_node
+    cache.inc_lock_ref(leaf)
+    with pytest.raises(ValueError, match="unlocked leaf"):
+        cache.evict_leaf(leaf)
+    cache.dec_lock_ref(leaf)
+    with pytest.raises(ValueError, match="whole pages"):
+        cache.evict_leaf(leaf, 3)
+    assert cache.evict_leaf(leaf, 2) == 2 and cache.total_size() == 2
+    assert cache.evict_leaf(leaf) == 2 and cache.total_size() == 0
+    with pytest.raises(ValueError, match="not in this cache"):
+        cache.evict_leaf(leaf)
+
+
+def scanning_budget() -> type:
+    """The brute-force model of the budget's order (benchmarks/bench_budget.py): every
+    round scans the whole tree for its candidates."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "bench_budget.py"
+    spec = importlib.util.spec_from_file_location("bench_budget", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ScanningBudget
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-4b", "nemotron-h", "gemma-3"])
+def test_budget_keeps_the_order_of_a_full_scan(preset, monkeypatch):
+    """The incremental candidate sets evict exactly what scanning the whole tree every
+    round evicts: the same hits, checkpoints and bytes, at tight and loose budgets."""
+    import radixkv.sim.hybrid as sim
+    from radixkv.sim.traces import gen_chat
+
+    trace = gen_chat(conversations=24, turns=4, systems=2, system_len=256, message_len=64,
+                     output_len=64)  # fmt: skip
+    spec = sim.PRESETS[preset]
+    every = sum(len(r.units) for r in trace.requests) * 16 * (spec.full_kv + spec.window_kv)
+    ceiling = sim.simulate_hybrid(trace, spec, sim.UNBOUNDED, "radixkv").hit_tokens
+    for frac in (0.02, 0.05, 0.1) if spec.window else (0.15, 0.3, 0.6):
+        got = sim.simulate_hybrid(trace, spec, int(every * frac), "radixkv")
+        monkeypatch.setattr(sim, "HybridBudget", scanning_budget())
+        want = sim.simulate_hybrid(trace, spec, int(every * frac), "radixkv")
+        monkeypatch.undo()
+        assert 0 < got.hit_tokens < ceiling, frac  # it hit, and the budget bit
+        assert (got.hit_tokens, got.checkpoints, got.mean_bytes) == (
+            want.hit_tokens,
+            want.checkpoints,
+            want.mean_bytes,
+        ), frac
