@@ -27,10 +27,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
 import httpx
+
+
+class LongestPrompt(NamedTuple):
+    """The longest prompt a workload sends (`longest_prompt_words`)."""
+
+    words: int
+    carried_tokens: int  # output tokens of earlier turns it carries
+
 
 WORKLOADS = ("shared-prefix", "multi-turn", "file")
 # A fixed vocabulary of common words: about one token each for a BPE tokenizer.
@@ -224,14 +232,14 @@ FIT_MARGIN = 0.8
 PROBE_WORDS = 32  # small enough for any context (~200 tokens under a byte tokenizer)
 
 
-def longest_prompt_words(cfg: BenchConfig) -> tuple[int, int]:
+def longest_prompt_words(cfg: BenchConfig) -> LongestPrompt:
     """(words, output tokens carried) of the longest prompt the workload sends: a
     multi-turn conversation's last turn carries its earlier messages and answers."""
     if cfg.workload == "shared-prefix":
-        return cfg.system_words + cfg.question_words + 4, 0
+        return LongestPrompt(cfg.system_words + cfg.question_words + 4, 0)
     turns = min(cfg.turns, cfg.num_prompts)
     words = cfg.shared_system_words + cfg.first_words + (turns - 1) * cfg.message_words
-    return words + 4 * turns, (turns - 1) * cfg.max_tokens
+    return LongestPrompt(words + 4 * turns, (turns - 1) * cfg.max_tokens)
 
 
 def fit_to_server(cfg: BenchConfig, max_model_len: int, tokens_per_word: float) -> BenchConfig:

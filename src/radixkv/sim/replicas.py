@@ -36,7 +36,7 @@ import math
 from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixkv.events import EventCollector
 from radixkv.key import RadixKey
@@ -45,6 +45,21 @@ from radixkv.router.core import APPROX_TREE_TOKENS, RoutingCore, Ticket
 from radixkv.sim.replay import serve_request
 from radixkv.sim.traces import SimRequest, Trace
 from radixkv.tree import RadixCache
+
+
+class ReplicaSweep(NamedTuple):
+    """`sweep_replicas`: every point, and the pooled bound per (replicas, capacity)."""
+
+    results: list[ReplicaResult]
+    bounds: dict[tuple[int, int | None], float]
+
+
+class Fleet(NamedTuple):
+    """The simulated fleet: its routing core and its replicas."""
+
+    core: RoutingCore
+    replicas: list[_Replica]
+
 
 ROUTERS = (*policies.POLICIES, "oracle")
 PREFILL_RATE = 10_000.0  # prompt tokens a second a replica computes (default)
@@ -170,7 +185,7 @@ def simulate_replicas(
 def _fleet(
     router: str, replicas: int, capacity_units: int | None, kv_weight: float,
     clock: Callable[[], float],
-) -> tuple[RoutingCore, list[_Replica]]:  # fmt: skip
+) -> Fleet:  # fmt: skip
     """The routing core (``oracle`` assigns by itself, through round robin's core) and
     the replicas, one cache of ``capacity_units`` each."""
     core = RoutingCore(
@@ -181,7 +196,7 @@ def _fleet(
     reps = [_Replica(i, capacity_units, core) for i in range(replicas)]
     for r in reps:
         core.add(r.name)
-    return core, reps
+    return Fleet(core, reps)
 
 
 def _settle(pending: list[tuple[float, int, bool, Ticket]], now: float) -> None:
@@ -231,7 +246,7 @@ def sweep_replicas(
     routers: tuple[str, ...],
     cache_outputs: bool = False,
     kv_weight: float = KV_OVERLAP_WEIGHT,
-) -> tuple[list[ReplicaResult], dict[tuple[int, int | None], float]]:
+) -> ReplicaSweep:
     """Every (capacity, replica count, router) point, and per (count, capacity) the
     pooled bound (`pooled_bound`)."""
     results, bounds = [], {}
@@ -242,7 +257,7 @@ def sweep_replicas(
                 results.append(
                     simulate_replicas(trace, n, cap, name, cache_outputs, kv_weight=kv_weight)
                 )
-    return results, bounds
+    return ReplicaSweep(results, bounds)
 
 
 def _oracle(reps: list[_Replica], prompt: list[int]) -> int:

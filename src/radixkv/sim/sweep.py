@@ -18,11 +18,19 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixkv.sim.replay import BLOCK_POLICIES, POLICY_NAMES, SimResult, reuse_ceiling, simulate
 from radixkv.sim.traces import Trace
 from radixkv.units import BYTE_UNITS
+
+
+class SweepRun(NamedTuple):
+    """`run_sweep`: the results in (policy, capacity) order, and the reuse ceiling."""
+
+    results: list[SimResult]
+    ceiling: float  # the unbounded hit rate
+
 
 # KV bytes per token: 2 (K and V) x layers x KV heads x head dim x 2 bytes (bf16/fp16).
 MODELS: dict[str, int] = {
@@ -199,7 +207,7 @@ def run_sweep(
     workers: int | None = None,
     progress: Callable[[SimResult], None] | None = None,
     scope: str = "tree",
-) -> tuple[list[SimResult], float]:
+) -> SweepRun:
     """`sweep`, with the unbounded point replayed once for every policy (it is the same
     for all), the results in (policy, capacity) order, and the reuse ceiling: the
     unbounded hit rate (with a warm-up, the measured one)."""
@@ -216,7 +224,7 @@ def run_sweep(
     else:
         unbounded_rates = [r.token_hit_rate for r in results if r.capacity_units is None]
         ceiling = max(unbounded_rates, default=float("nan"))
-    return results, ceiling
+    return SweepRun(results, ceiling)
 
 
 def to_json(results: list[SimResult], ceiling: float) -> str:

@@ -21,12 +21,19 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from radixkv.key import RadixKey
 from radixkv.sim.replay import serve_request
 from radixkv.sim.traces import Trace
 from radixkv.tree import RadixCache
+
+
+class TierSweep(NamedTuple):
+    """`sweep_tiers`: every (device, host) point, and the pooled comparison."""
+
+    results: list[TierResult]
+    pooled: list[tuple[int, int, float]]  # (device, host, hit rate of one device + host cache)
 
 
 @dataclass
@@ -115,7 +122,7 @@ def simulate_tiers(
 
 def sweep_tiers(
     trace: Trace, caps: list[int | None], hosts: list[int], shared: bool, cache_outputs: bool
-) -> tuple[list[TierResult], list[tuple[int, int, float]]]:
+) -> TierSweep:
     """Every (device, host) point, and for each bounded device the hit rate of one cache
     as large as device + host: ``(device, host, rate)``."""
     from radixkv.sim.replay import simulate
@@ -128,7 +135,7 @@ def sweep_tiers(
         if c is not None
         for h in hosts
     ]
-    return results, pooled
+    return TierSweep(results, pooled)
 
 
 def print_tiers_table(results: list[TierResult], console: Any, labels: dict) -> None:

@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import struct
 import zlib
+from typing import NamedTuple
 
 MAGIC = b"RKV2"
 FORMAT_VERSION = 2
@@ -32,6 +33,13 @@ def layout_identity(identity: bytes, layout: str) -> bytes:
     are never read as another's, as a key and a header name them."""
     return hashlib.blake2b(identity + layout.encode(), digest_size=16,
                            person=b"rkv-layout").digest()  # fmt: skip
+
+
+class ValueParts(NamedTuple):
+    """How a stored value splits around its payload (`PageCodec.value_parts`)."""
+
+    header: int  # bytes before the payload
+    mac: int  # bytes of MAC after it (0: none)
 
 
 class PageError(ValueError):
@@ -100,14 +108,14 @@ class PageCodec:
         self.check(key_hash, view[: _HEADER.size], view[_HEADER.size : end], mac)
         return view[_HEADER.size : end]
 
-    def value_parts(self, length: int, payload_len: int) -> tuple[int, int] | None:
+    def value_parts(self, length: int, payload_len: int) -> ValueParts | None:
         """How a stored value of ``length`` bytes splits when its payload should be
         ``payload_len``: (header, MAC) sizes, or ``None`` when it cannot be such a page.
         A value with and one without a MAC both split (`check` says which may be used)."""
         if length == _HEADER.size + payload_len:
-            return _HEADER.size, 0
+            return ValueParts(_HEADER.size, 0)
         if length == _HEADER.size + payload_len + MAC_BYTES:
-            return _HEADER.size, MAC_BYTES
+            return ValueParts(_HEADER.size, MAC_BYTES)
         return None
 
     def check(

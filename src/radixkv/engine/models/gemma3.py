@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -148,7 +148,14 @@ def _rope_one(params: dict, where: str) -> tuple[float, float]:
     return theta, factor
 
 
-def rope_per_type(d: dict) -> tuple[tuple[float, float], tuple[float, float]]:
+class RopePerType(NamedTuple):
+    """(base, linear factor) of the rotary embedding for each kind of layer."""
+
+    sliding: tuple[float, float]
+    full: tuple[float, float]
+
+
+def rope_per_type(d: dict) -> RopePerType:
     """(base, linear factor) for sliding and for global layers: transformers 5's
     ``rope_parameters`` by layer type, or the older ``rope_theta`` (global),
     ``rope_local_base_freq`` (sliding) and ``rope_scaling`` (global only)."""
@@ -156,12 +163,12 @@ def rope_per_type(d: dict) -> tuple[tuple[float, float], tuple[float, float]]:
     if isinstance(params, dict) and set(params) <= set(LAYER_TYPES) and params:
         local = params.get("sliding_attention") or {"rope_theta": 10000.0}
         glob = params.get("full_attention") or {"rope_theta": 1e6}
-        return _rope_one(local, "sliding_attention"), _rope_one(glob, "full_attention")
+        return RopePerType(_rope_one(local, "sliding_attention"), _rope_one(glob, "full_attention"))
     glob = {"rope_theta": d.get("rope_theta", 1e6), **(d.get("rope_scaling") or {})}
     if isinstance(params, dict):
         glob.update(params)
     local = {"rope_theta": d.get("rope_local_base_freq", 10000.0)}
-    return _rope_one(local, "sliding_attention"), _rope_one(glob, "full_attention")
+    return RopePerType(_rope_one(local, "sliding_attention"), _rope_one(glob, "full_attention"))
 
 
 class Attention(nn.Module):
