@@ -132,11 +132,6 @@ def _foreign_privates(path: Path) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
-def test_no_module_imports_another_modules_private_names(path):
-    assert not _foreign_privates(path), f"{path.name}: {_foreign_privates(path)}"
-
-
 def test_the_checker_sees_a_private_name_taken(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from radixkv.key import RadixKey, _to_token_array\n"
@@ -311,8 +306,10 @@ def _private_reads(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
-def test_no_module_reads_another_modules_private_state(path):
-    assert not _private_reads(path), f"{path.relative_to(SRC)}: {_private_reads(path)}"
+def test_no_module_takes_or_reads_another_modules_private_names(path):
+    """Neither imports another module's ``_name`` nor reads ``x._name`` of another's."""
+    taken = _foreign_privates(path) + _private_reads(path)
+    assert not taken, f"{path.relative_to(SRC)}: {taken}"
 
 
 def test_the_checker_sees_private_state_read_through_an_instance(tmp_path):
