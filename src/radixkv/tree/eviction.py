@@ -90,7 +90,8 @@ class EvictionOrder:
     always) queue up in a deque; the others go to a heap; the smaller head of the two is
     next. An entry is live while its version is the node's ``heap_version`` and the node
     is still an unlocked leaf in the tree; dead ones are skipped when popped and dropped
-    when they outnumber the nodes twice over.
+    when the entries outnumber the nodes twice over (plus 64; the count of nodes is read
+    when the entries pass the last bound, so after nodes go the drop may come later).
 
     Args:
         policy_key: the sort key of a node (`radixkv.tree.policy.get_policy`).
@@ -108,6 +109,8 @@ class EvictionOrder:
     def clear(self) -> None:
         self._heap: list[tuple[Any, ...]] = []
         self._run: deque[tuple[Any, ...]] = deque()
+        # entries held before the node count is read again (2 x nodes + 64 when last read)
+        self._bound = 64
 
     def push(self, node: TreeNode) -> None:
         """Index ``node`` under its current sort key (an older entry of it goes stale)."""
@@ -118,7 +121,15 @@ class EvictionOrder:
             run.append(entry)
         else:
             heapq.heappush(heap, entry)
-        if len(heap) + len(run) > 2 * self._num_nodes() + 64:
+        if len(heap) + len(run) > self._bound:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the dead entries once they outnumber the nodes twice over (the node
+        count is read only here, not on every push)."""
+        self._bound = 2 * self._num_nodes() + 64
+        run, heap = self._run, self._heap
+        if len(heap) + len(run) > self._bound:
             live = self.live
             self._run = deque(e for e in run if live(e))  # still in order
             heap[:] = [e for e in heap if live(e)]
