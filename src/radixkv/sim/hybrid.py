@@ -30,7 +30,10 @@ requests (prompt units, output units, and where known a chat template's boundary
     sglang    SGLang's unified cache: the same admission (leaf states, branching
               seqlen), separate pools (states: ``mamba_full_memory_ratio`` 0.9 of the
               full KV's bytes; window KV: ``swa_full_tokens_ratio`` 0.8 of its tokens),
-              each evicting least recently used; window KV kept until evicted.
+              each evicting least recently used: whole leaves, and a leaf whose state
+              is evicted goes with it; window KV kept until evicted. Equal to SGLang's
+              own `UnifiedRadixCache` within 0.004 on Marconi's trace
+              (benchmarks/peer_sglang_hybrid.py).
     vllm      vLLM's ``--mamba-cache-mode align``: the attention block inflated until
               a page holds a layer's state (`ModelSpec.vllm_block`), states only on that
               grid (a prompt's last full block, blocks finished while decoding), hits in
@@ -58,6 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixkv.engine.config import SGLANG_STATE_RATIO, SGLANG_WINDOW_RATIO
 from radixkv.key import RadixKey
 from radixkv.kvcache.budget import HybridBudget
 from radixkv.kvcache.spec import prefill_flops
@@ -69,8 +73,6 @@ from radixkv.tree.window import WindowKV
 from radixkv.units import div_ceil
 
 KERNEL_BLOCK = 16  # vLLM's attention kernel block alignment (FlashAttention's 16)
-SGLANG_STATE_RATIO = 0.9  # mamba_full_memory_ratio: state pool bytes / full KV bytes
-SGLANG_WINDOW_RATIO = 0.8  # swa_full_tokens_ratio: window pool tokens / full tokens
 SPEC_MAX = 1 << 50  # a spec's sizes and counts: beyond, no model (10^400 overflowed floats)
 
 
@@ -307,7 +309,9 @@ class _Sim:
         if spec.window_layers:
             self.window = WindowKV(div_ceil(spec.window, self.unit), _Slots(), "all")
             comps.append(self.window)
-        self.cache = RadixCache(self.page, eviction_mode="precise", components=tuple(comps))
+        # SGLang frees whole leaves (its evict overshoots by up to a leaf); the others trim
+        mode = "leaf" if policy == "sglang" else "precise"
+        self.cache = RadixCache(self.page, eviction_mode=mode, components=tuple(comps))
         self.budget = HybridBudget(
             self.cache, self.state if spec.recurrent_layers else None, self.window,
             token_bytes=self.unit * spec.full_kv, window_bytes=self.unit * spec.window_kv,
@@ -413,9 +417,23 @@ class _Sim:
             self.spec.recurrent_layers
             and node is not self.cache.root
             and node.parent is not None  # (evicted while the request ran: none)
-            and self.state.add(node, self._slot(), kind=kind)
         ):
-            self.checkpoints += 1
+            held = dict(self.state.held) if self.policy == "sglang" else None
+            if self.state.add(node, self._slot(), kind=kind):
+                self.checkpoints += 1
+            if held is not None:
+                self._drop_stateless_leaves(
+                    [c for s, c in held.items() if s not in self.state.held]
+                )
+
+    def _drop_stateless_leaves(self, gone: list[Any]) -> None:
+        """SGLang's state pool evicting a leaf's state evicts the leaf with it (its KV
+        past the last state is dead to the recurrent layers); an inner node's state
+        goes alone. ``gone``: the checkpoints the state pool just evicted."""
+        for node in {id(c.node): c.node for c in gone}.values():
+            if (node.parent is not None and not node.children and not node.lock_ref
+                    and not self.state.checkpoints(node)):  # fmt: skip
+                self.cache.evict_leaf(node)
 
     # --- the budget ---------------------------------------------------------------------
     def _fit(self, units: int = 0, checkpoints: int = 0) -> None:
