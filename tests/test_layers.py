@@ -20,7 +20,8 @@ EVERYTHING = ("engine", "server", "router", "storage", "sim", "cli", "web", "ben
               "kvcache", "tokenizer", "events", "hashing")  # fmt: skip
 FORBIDDEN = {
     "checkpoint": EVERYTHING,
-    "tokenizer": ("engine", "server", "router", "sim", "cli", "web", "bench", "tree", "kvcache"),
+    # (below everything but checkpoint: the engine, the router and the simulator use it)
+    "tokenizer": tuple(p for p in EVERYTHING if p != "tokenizer"),
     "tree": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench", "kvcache"),
     "key": ("engine", "server", "router", "storage", "sim", "cli", "web", "bench", "tree"),
     "hashing": EVERYTHING,  # (below the tree: it names prefixes for the tree, events, store)

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from radixkv.tokenizer.tokenizers import tokenizer_identity
+
 if TYPE_CHECKING:
     import torch
 
@@ -36,15 +38,6 @@ IDENTITY_VERSION = b"radixkv-identity-v1"
 KV_LAYOUT = "pages[page][k|v][layer][token][kv_head][head_dim]"  # what the tier writes
 CACHE_FILE = "identity-cache.json"
 CACHE_ENTRIES = 64  # digests kept (one per checkpoint and dtype)
-
-
-def tokenizer_identity(tokenizer: Any) -> bytes:
-    """Bytes naming a tokenizer exactly: its own ``identity`` when it has one (a digest
-    of its vocabulary, merges and template), else its class name."""
-    ident = getattr(tokenizer, "identity", None)
-    if isinstance(ident, bytes):
-        return ident
-    return type(tokenizer).__qualname__.encode()
 
 
 def weights_digest(model: torch.nn.Module) -> bytes:

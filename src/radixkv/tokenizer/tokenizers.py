@@ -12,8 +12,6 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from radixkv.storage.identity import tokenizer_identity
-
 Message = dict[str, str]
 TOKENIZER_CONFIG_BYTES = 16 << 20  # tokenizer_config.json: its chat template and tokens
 
@@ -27,6 +25,15 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def apply_chat_template(self, messages: list[Message]) -> list[int]: ...
+
+
+def tokenizer_identity(tokenizer: Any) -> bytes:
+    """Bytes naming a tokenizer exactly: its own ``identity`` when it has one (a digest
+    of its vocabulary, merges and template), else its class name."""
+    ident = getattr(tokenizer, "identity", None)
+    if isinstance(ident, bytes):
+        return ident
+    return type(tokenizer).__qualname__.encode()
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
