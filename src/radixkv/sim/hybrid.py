@@ -37,8 +37,10 @@ requests (prompt units, output units, and where known a chat template's boundary
     vllm      vLLM's ``--mamba-cache-mode align``: the attention block inflated until
               a page holds a layer's state (`ModelSpec.vllm_block`), states only on that
               grid (a prompt's last full block, blocks finished while decoding), hits in
-              whole blocks, blocks evicted least recently used; window KV kept until
-              evicted.
+              whole blocks, blocks evicted least recently used, a state padded to the
+              block's page in every layer (`ModelSpec.vllm_checkpoint`); window KV kept
+              until evicted. Within 0.01 of vLLM's own `KVCacheManager` on Marconi's
+              trace at 1 / 2 / 5 GB (benchmarks/peer_vllm_hybrid.py).
 
 Every engine's policy (radixkv, sglang, vllm) caches a request's prompt and its output
 but the last token, whose KV is never computed; by default (``accounting="served"``) a
@@ -157,6 +159,13 @@ class ModelSpec:
         if not self.recurrent_layers:
             return KERNEL_BLOCK
         return KERNEL_BLOCK * div_ceil(self.state_bytes, KERNEL_BLOCK * self.kv_bytes)
+
+    def vllm_checkpoint(self) -> int:
+        """Bytes a state takes in vLLM's align mode: each recurrent layer's state in a
+        page of the attention block's size (one block per layer group, the state padded
+        to it), as its one block pool holds it."""
+        page = self.vllm_block() * self.kv_bytes
+        return self.recurrent_layers * max(page, self.state_bytes)
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelSpec:
@@ -299,7 +308,11 @@ class _Sim:
             full_share = cap / (1 + SGLANG_STATE_RATIO)
             states = max(1, int(cap - full_share) // spec.checkpoint)
         # radixkv's checkpoints take whole arena units, as the engine stores them
-        self.ckpt = spec.arena_checkpoint(self.unit) if policy == "radixkv" else spec.checkpoint
+        self.ckpt = spec.checkpoint
+        if policy == "radixkv":
+            self.ckpt = spec.arena_checkpoint(self.unit)
+        elif policy == "vllm":  # padded to vLLM's page, in every layer
+            self.ckpt = spec.vllm_checkpoint()
         self.state = StateCheckpoints(
             states, _Slots(), "utility" if policy == "radixkv" else "lru",
             prefill_flops=lambda units: spec.flops(units * self.unit), state_bytes=self.ckpt,
