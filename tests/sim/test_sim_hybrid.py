@@ -260,3 +260,56 @@ def test_a_prompt_cached_alone_is_checkpointed_on_its_whole_pages(tmp_path):
     trace = traces.load_trace(path)
     r = simulate_hybrid(trace, PRESETS["qwen3.5-4b"], UNBOUNDED, "radixkv", cache_outputs=False)
     assert r.checkpoints == 1
+
+
+def test_vllm_pads_a_state_to_its_page_in_every_layer():
+    """vLLM's align mode keeps one layer's state in a page of the attention block's size:
+    Marconi's 7B hybrid (80-token blocks: 1,310,720-byte pages for 1,116,160-byte
+    states) pays the page, as vLLM's own block pool does."""
+    spec = ModelSpec("m7b", 4, 16384, recurrent_layers=24, state_bytes=1116160)
+    assert spec.vllm_block() == 80
+    assert spec.vllm_checkpoint() == 24 * 80 * 16384 > spec.checkpoint
+    exact = ModelSpec("q", 8, 4096, recurrent_layers=24, state_bytes=528 * 4096)
+    assert exact.vllm_checkpoint() == exact.checkpoint  # a state that fills its page
+
+
+def test_sglang_drops_a_leaf_whose_state_it_evicts(monkeypatch):
+    """SGLang's state pool, full, evicts its least recently used state, and a leaf goes
+    with its state (its KV past the last state is dead to the recurrent layers); the
+    full pool meanwhile has room. radixkv's own policies keep such KV (a later state can
+    still use it)."""
+    from radixkv.sim.hybrid import _Sim  # (a test may reach inside the simulator)
+    from radixkv.sim.traces import SimRequest, Trace
+
+    spec = PRESETS["qwen3.5-4b"]
+    a = SimRequest(list(range(100, 200)), 100, 100)
+    b = SimRequest(list(range(500, 600)), 100, 100)
+    cap = int(1.5 * spec.checkpoint * 1.9 / 0.9)  # one state; KV for ~2,500 tokens
+    sim = _Sim(Trace("two", 1, [a, b]), spec, cap, "sglang")
+    assert sim.state.max_states == 1
+    sim.serve(a, False)
+    (leaf_a,) = [n for n in sim.cache.iter_nodes() if not n.children]
+    sim.serve(b, False)  # b's state evicts a's, and a's leaf with it
+    assert leaf_a.parent is None and sim.cache.total_size() == 100
+    sim.cache.check_integrity()
+    monkeypatch.setattr(_Sim, "_drop_stateless_leaves", lambda self, gone: None)
+    kept = _Sim(Trace("two", 1, [a, b]), spec, cap, "sglang")  # the rule off: a's KV stays
+    kept.serve(a, False)
+    kept.serve(b, False)
+    assert kept.cache.total_size() == 200
+
+
+def test_sglang_frees_whole_leaves():
+    """SGLang's ``evict(num_tokens)`` removes whole leaves (it may overshoot by a leaf);
+    the row does not trim a tail as radixkv's precise mode does."""
+    from radixkv.sim.hybrid import _Sim
+    from radixkv.sim.traces import SimRequest, Trace
+
+    spec = ModelSpec("tiny-states", 8, 4096, recurrent_layers=1, state_bytes=4096)
+    a = SimRequest(list(range(100, 200)), 100, 100)
+    b = SimRequest(list(range(500, 600)), 100, 100)
+    cap = int(150 * spec.full_kv * 1.9)  # the full pool holds 150 tokens; states aplenty
+    sim = _Sim(Trace("two", 1, [a, b]), spec, cap, "sglang")
+    sim.serve(a, False)
+    sim.serve(b, False)  # 50 tokens over: a's whole leaf goes, not its last 50
+    assert sim.cache.total_size() == 100 and sim.cache.match_len([*range(100, 200)]) == 0
