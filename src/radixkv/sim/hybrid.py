@@ -325,6 +325,8 @@ class _Sim:
         # SGLang frees whole leaves (its evict overshoots by up to a leaf); the others trim
         mode = "leaf" if policy == "sglang" else "precise"
         self.cache = RadixCache(self.page, eviction_mode=mode, components=tuple(comps))
+        if policy == "sglang":
+            self.state.on_evict = self._drop_stateless_leaves
         self.budget = HybridBudget(
             self.cache, self.state if spec.recurrent_layers else None, self.window,
             token_bytes=self.unit * spec.full_kv, window_bytes=self.unit * spec.window_kv,
@@ -430,19 +432,15 @@ class _Sim:
             self.spec.recurrent_layers
             and node is not self.cache.root
             and node.parent is not None  # (evicted while the request ran: none)
+            and self.state.add(node, self._slot(), kind=kind)
         ):
-            held = dict(self.state.held) if self.policy == "sglang" else None
-            if self.state.add(node, self._slot(), kind=kind):
-                self.checkpoints += 1
-            if held is not None:
-                self._drop_stateless_leaves(
-                    [c for s, c in held.items() if s not in self.state.held]
-                )
+            self.checkpoints += 1
 
     def _drop_stateless_leaves(self, gone: list[Any]) -> None:
         """SGLang's state pool evicting a leaf's state evicts the leaf with it (its KV
         past the last state is dead to the recurrent layers); an inner node's state
-        goes alone. ``gone``: the checkpoints the state pool just evicted."""
+        goes alone. ``gone``: the checkpoints the state pool just evicted (its
+        ``on_evict``)."""
         for node in {id(c.node): c.node for c in gone}.values():
             if (node.parent is not None and not node.children and not node.lock_ref
                     and not self.state.checkpoints(node)):  # fmt: skip

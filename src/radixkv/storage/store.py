@@ -7,7 +7,6 @@ Owns: the Redis backend and opening a store by URL. Must not touch: the bytes of
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,8 +15,6 @@ from urllib.parse import urlparse
 from radixkv.storage.base import MemoryStore, PageStore, Parts, SoftStore, get_into
 from radixkv.storage.files import FileStore
 from radixkv.storage.resp import RespReader, command, send, set_commands
-
-log = logging.getLogger("radixkv.storage")
 
 
 class RedisStore(SoftStore):

@@ -126,6 +126,9 @@ class StateCheckpoints(TreeComponent):
         self.protected: dict[int, int] = {}  # slot -> protections (never evicted)
         # told of each node whose checkpoints were added or dropped (`HybridBudget`)
         self.on_change: Callable[[TreeNode], None] | None = None
+        # told of the checkpoints `evict` just dropped by the policy (a caller's own
+        # `drop` is not told): the simulator's SGLang row drops their leaves with them
+        self.on_evict: Callable[[list[Checkpoint]], None] | None = None
 
     # --- reading ------------------------------------------------------------------------
     def _of(self, node: TreeNode) -> tuple[Checkpoint, ...]:
@@ -325,6 +328,8 @@ class StateCheckpoints(TreeComponent):
             for entry in kept:
                 heapq.heappush(self._lru, entry)
         self.drop(victims)
+        if victims and self.on_evict is not None:
+            self.on_evict(victims)
         return len(victims)
 
     def _lowest_utility(self, n: int, keep: int | None) -> list[Checkpoint]:
