@@ -23,19 +23,12 @@ cell differs by more than 0.01.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-DATA = HERE.parents[1] / "shared" / "data" / "marconi"
-PEER = Path.home() / ".cache" / "radixkv-peers" / "sglang" / "bin" / "python"
-TOLERANCE = 0.01
+from peer_replay import PEERS, TOLERANCE, arguments, inputs, run_peer, serve_child
+
+PEER = PEERS / "sglang" / "bin" / "python"
 
 
 def pools(spec, cap: int) -> dict[str, int]:
@@ -153,45 +146,21 @@ def replay_sglang(reqs: list[dict], tokens: int, states: int) -> float:
 
 # --- the driver (radixkv's venv) ------------------------------------------------------------
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", type=Path, default=DATA / "chat120_seed7.jsonl.gz")
-    ap.add_argument("--model-spec", default=str(DATA / "marconi-7b-hybrid.json"))
-    ap.add_argument("--sizes", default="0.5,1,2,5", help="GB (10^9 bytes) [0.5,1,2,5]")
-    ap.add_argument("--requests", type=int, default=None, help="the first N requests only")
-    ap.add_argument("--no-outputs", action="store_true", help="cache prompts only")
-    ap.add_argument("--peer", help=argparse.SUPPRESS)  # (the child: a job file)
-    args = ap.parse_args()
-    if args.peer:
-        print(json.dumps(peer(json.loads(Path(args.peer).read_text()))))
+    args = arguments(__doc__)
+    if serve_child(args, peer):
         return 0
     if not PEER.exists():
         print(f"no SGLang peer at {PEER}: run benchmarks/peers/setup.sh sglang", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(HERE))
-    from bench_marconi import load
+    from radixkv.sim.hybrid import simulate_hybrid
 
-    from radixkv.sim.hybrid import model_spec, simulate_hybrid
-
-    trace, spec = load(args.trace, 1), model_spec(args.model_spec)
-    if args.requests:
-        trace.requests = trace.requests[: args.requests]
-    outputs = not args.no_outputs
-    caps = [int(float(s) * 1e9) for s in args.sizes.split(",")]
+    trace, spec, outputs, caps = inputs(args)
     job = {"requests": requests(trace, outputs), "sizes": [pools(spec, c) for c in caps]}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
-    t0 = time.perf_counter()
     try:
-        env = {**os.environ, "SGLANG_PEER_UNIFIED": "1"}
-        proc = subprocess.run([str(PEER), __file__, "--peer", f.name], capture_output=True,
-                              text=True, env=env)  # fmt: skip
-    finally:
-        os.unlink(f.name)
-    if proc.returncode:
-        print(proc.stderr[-3000:], file=sys.stderr)
+        theirs, peer_s = run_peer(PEER, __file__, job, {"SGLANG_PEER_UNIFIED": "1"})
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
         return 2
-    theirs = json.loads(proc.stdout.strip().splitlines()[-1])["rates"]
-    peer_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     ours = [simulate_hybrid(trace, spec, c, "sglang", outputs).token_hit_rate for c in caps]
     sim_s = time.perf_counter() - t0

@@ -24,19 +24,11 @@ rows. Exit status 1 when a cell where vLLM served every request differs by more 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-DATA = HERE.parents[1] / "shared" / "data" / "marconi"
-PEER = Path.home() / ".cache" / "radixkv-peers" / "vllm" / "bin" / "python"
-TOLERANCE = 0.01
+from peer_replay import PEERS, TOLERANCE, arguments, inputs, run_peer, serve_child
+
+PEER = PEERS / "vllm" / "bin" / "python"
 
 
 def pool(spec, cap: int) -> dict[str, int]:
@@ -107,50 +99,27 @@ def replay_vllm(reqs: list[dict], blocks: int, block: int, state_groups: int) ->
 
 # --- the driver (radixkv's venv) ------------------------------------------------------------
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", type=Path, default=DATA / "chat120_seed7.jsonl.gz")
-    ap.add_argument("--model-spec", default=str(DATA / "marconi-7b-hybrid.json"))
-    ap.add_argument("--sizes", default="0.5,1,2,5", help="GB (10^9 bytes) [0.5,1,2,5]")
-    ap.add_argument("--requests", type=int, default=None, help="the first N requests only")
-    ap.add_argument("--no-outputs", action="store_true", help="cache prompts only")
-    ap.add_argument("--peer", help=argparse.SUPPRESS)  # (the child: a job file)
-    args = ap.parse_args()
-    if args.peer:
-        print(json.dumps(peer(json.loads(Path(args.peer).read_text()))))
+    args = arguments(__doc__)
+    if serve_child(args, peer):
         return 0
     if not PEER.exists():
         print(f"no vLLM peer at {PEER}: run benchmarks/peers/setup.sh vllm", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(HERE))
-    from bench_marconi import load
+    from radixkv.sim.hybrid import simulate_hybrid
 
-    from radixkv.sim.hybrid import model_spec, simulate_hybrid
-
-    trace, spec = load(args.trace, 1), model_spec(args.model_spec)
+    trace, spec, outputs, caps = inputs(args)
     if not spec.recurrent_layers:
         print(f"{spec.name} has no recurrent layers: this compares the align mode", file=sys.stderr)
         return 2
-    if args.requests:
-        trace.requests = trace.requests[: args.requests]
-    outputs = not args.no_outputs
-    caps = [int(float(s) * 1e9) for s in args.sizes.split(",")]
     reqs = [{"prompt": list(r.units[: r.num_prompt_units]),
              "output": list(r.units[r.num_prompt_units :]) if outputs else []}
             for r in trace.requests]  # fmt: skip
     job = {"requests": reqs, "sizes": [pool(spec, c) for c in caps]}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(job, f)
-    t0 = time.perf_counter()
     try:
-        proc = subprocess.run([str(PEER), __file__, "--peer", f.name], capture_output=True,
-                              text=True, env=dict(os.environ))  # fmt: skip
-    finally:
-        os.unlink(f.name)
-    if proc.returncode:
-        print(proc.stderr[-3000:], file=sys.stderr)
+        theirs, peer_s = run_peer(PEER, __file__, job, {})
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
         return 2
-    theirs = json.loads(proc.stdout.strip().splitlines()[-1])["rates"]
-    peer_s = time.perf_counter() - t0
     ours = [simulate_hybrid(trace, spec, c, "vllm", outputs).token_hit_rate for c in caps]
     print(f"{len(trace.requests)} requests, {spec.name}, vLLM block {spec.vllm_block()}, "
           f"outputs {'cached' if outputs else 'not cached'}")  # fmt: skip
