@@ -1,0 +1,156 @@
+"""The fleet simulator in time (`radixkv.sim.fleet`): real engines on a clock, the
+shipped routing core, and SGLang's ``cache_aware`` as its source decides."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from radixkv.sim.fleet import (
+    CacheAware,
+    Conversation,
+    StepCost,
+    chat_turns,
+    routing_text,
+    simulate_fleet,
+)
+
+PAGE = 16
+
+
+def _conversations(n: int, turns: int, words: int = 40) -> list[Conversation]:
+    return [
+        Conversation(
+            [
+                f"user {c} turn {t}: " + " ".join(f"w{c}{t}{i}" for i in range(words))
+                for t in range(turns)
+            ]
+        )
+        for c in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def turns():
+    return chat_turns(_conversations(6, 3), max_tokens=8)
+
+
+def test_turns_carry_the_answers(turns):
+    """Each turn's prompt starts with the previous turn's prompt and then its answer
+    (the byte tokenizer re-encodes the answer's text as the model's tokens here)."""
+    for conv in turns:
+        for prev, turn in itertools.pairwise(conv):
+            assert turn.prompt[: len(prev.prompt)] == prev.prompt
+            assert len(prev.output) == 8
+            assert prev.text in turn.text and len(turn.text) > len(prev.text)
+
+
+def _expected_cached(conv) -> int:
+    """A brute-force count of one conversation's cached prompt tokens on one replica
+    with room for everything: each turn finds the previous turn's prompt and answer but
+    its last token (never computed), in whole pages, at most its own prompt but one."""
+    total = 0
+    for prev, turn in itertools.pairwise(conv):
+        seen = prev.prompt + prev.output[:-1]
+        common = 0
+        while common < min(len(seen), len(turn.prompt)) and seen[common] == turn.prompt[common]:
+            common += 1
+        total += min(common, len(turn.prompt) - 1) // PAGE * PAGE
+    return total
+
+
+@pytest.mark.parametrize("router", ["kv", "cache_aware", "least_load", "approx"])
+def test_one_replica_with_room_caches_every_history(turns, router):
+    r = simulate_fleet(turns, replicas=1, kv_tokens=1 << 16, router=router, concurrency=4)
+    assert r.requests == 18 and r.per_replica == [18]
+    assert r.prompt_tokens == sum(len(t.prompt) for c in turns for t in c)
+    assert r.cached_tokens == sum(_expected_cached(c) for c in turns)
+    assert r.routing_captured_rate == r.fleet_available_rate == r.token_hit_rate
+
+
+def test_sticky_routers_keep_each_conversation_on_one_replica(turns):
+    """With room everywhere, kv and cache_aware get every history's hit; round robin
+    scatters four conversations over three replicas and loses some."""
+    four = turns[:4]
+    best = sum(_expected_cached(c) for c in four)
+    for router in ("kv", "cache_aware"):
+        r = simulate_fleet(four, replicas=3, kv_tokens=1 << 16, router=router, concurrency=4)
+        assert r.cached_tokens == best, router
+    rr = simulate_fleet(four, replicas=3, kv_tokens=1 << 16, router="round_robin",
+                        concurrency=4)  # fmt: skip
+    assert rr.cached_tokens < best
+
+
+def test_memory_pressure_evicts_and_lowers_hits(turns):
+    """One turn at a time, a pool that holds the longest request but not the other
+    conversations' histories: each conversation's history is gone by its next turn."""
+    need = max(len(t.prompt) + len(t.output) for c in turns for t in c)
+    pool = -(-need // PAGE) * PAGE + PAGE
+    roomy = simulate_fleet(turns, replicas=1, kv_tokens=1 << 16, router="kv", concurrency=1)
+    tight = simulate_fleet(turns, replicas=1, kv_tokens=pool, router="kv", concurrency=1)
+    assert roomy.cached_tokens == sum(_expected_cached(c) for c in turns)
+    assert tight.cached_tokens < roomy.cached_tokens / 2
+    assert tight.requests == roomy.requests  # every request still served
+
+
+def test_time_follows_the_step_cost(turns):
+    slow = simulate_fleet(turns, 2, 1 << 16, "kv", 4, StepCost(0.01, 1e-4, 1e-3))
+    fast = simulate_fleet(turns, 2, 1 << 16, "kv", 4, StepCost(0.001, 1e-5, 1e-4))
+    assert slow.duration_s > 5 * fast.duration_s
+    assert slow.ttft_p50_s > fast.ttft_p50_s > 0
+
+
+def test_bad_arguments_are_refused(turns):
+    with pytest.raises(ValueError, match="router"):
+        simulate_fleet(turns, router="nope")
+    with pytest.raises(ValueError, match="replicas"):
+        simulate_fleet(turns, replicas=0)
+    with pytest.raises(ValueError, match="event_lag_s"):
+        simulate_fleet(turns, event_lag_s=-1)
+
+
+# --- SGLang's cache_aware ----------------------------------------------------------------
+def test_cache_aware_spreads_new_text_by_tree_size_and_keeps_continuations():
+    now = [0.0]
+    ca = CacheAware(3, lambda: now[0])
+    first = [ca.choose("a" * 100).worker_name, ca.choose("b" * 50).worker_name]
+    assert first == [0, 1]  # ties go to the first worker, then the smallest tree
+    assert ca.choose("c" * 10).worker_name == 2
+    assert ca.choose("d" * 10).worker_name == 2  # 10 chars < 50 < 100
+    # a continuation matching more than 0.3 of its text sticks, whatever the sizes
+    assert ca.choose("a" * 100 + "x" * 40).worker_name == 0
+    # at most 0.3 matched: the smallest tree instead
+    assert ca.choose("b" * 15 + "y" * 35).worker_name == 2
+
+
+def test_cache_aware_balances_only_past_both_thresholds():
+    ca = CacheAware(2, lambda: 0.0, balance_abs=3, balance_rel=1.5)
+    charges = [ca.choose("q" * 20) for _ in range(4)]  # all on worker 0: it matches
+    assert {c.worker_name for c in charges} == {0}
+    assert ca.loads == [4, 0]
+    assert ca.choose("q" * 20).worker_name == 1  # 4 - 0 > 3 and 4 > 0 x 1.5
+    for c in charges:
+        c.release()
+        c.release()  # once only
+    assert ca.loads == [0, 1]
+
+
+def test_cache_aware_trees_are_cut_on_its_interval():
+    now = [0.0]
+    ca = CacheAware(1, lambda: now[0], eviction_interval_s=60, max_tree_size=30)
+    ca.choose("a" * 40)
+    assert ca.trees[0].total_size() == 40
+    now[0] = 59.0
+    ca.choose("b" * 5)
+    assert ca.trees[0].total_size() == 45  # not yet
+    now[0] = 61.0
+    ca.choose("c" * 5)
+    assert ca.trees[0].total_size() <= 30 + 5
+
+
+def test_routing_text_is_the_contents_joined():
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": " ok "}, {"role": "assistant", "content": ""},
+            {"role": "user", "content": "more"}]  # fmt: skip
+    assert routing_text(msgs) == "be brief hi ok more"
