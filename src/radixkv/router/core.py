@@ -28,7 +28,11 @@ Policies (`radixkv.router.policies` has the pure functions):
             flight there. A prompt routed to a worker counts as cached there while the
             request runs and for `EVENTS_GRACE_S` after (at most `PENDING_S`), until
             the worker's events arrive (they follow the request by a step or more, and
-            a chat's next turn often comes first).
+            a chat's next turn often comes first). Where the cost goes is bounded
+            (`RoutingCore._place`): a conversation's next turn stays with its history
+            unless that worker is loaded far past the mean, and a cold prompt is placed
+            by the demand routed to each worker against its pool (its card's
+            ``kv_blocks``), not by the load of the moment.
 """
 
 from __future__ import annotations
@@ -261,12 +265,18 @@ class RoutingCore:
             if tokens:
                 self._remember(w, key)
         else:
-            w = policies.kv(
-                alive, overlap, len(tokens) // size, {x: x.active_blocks for x in alive},
-                self.kv_weight, cached, {x: x.queued_blocks for x in alive}, shared,
-            )  # fmt: skip
+
+            def cost(pool: list[WorkerLoad]) -> WorkerLoad:
+                return policies.kv(
+                    pool, overlap, len(tokens) // size, {x: x.active_blocks for x in pool},
+                    self.kv_weight, cached, {x: x.queued_blocks for x in pool}, shared,
+                )  # fmt: skip
+
+            w = self._place(alive, overlap, shared, cost)
             claim = [now + PENDING_S, key]
             w.claims.append(claim)
+            if tokens:  # what was routed where: the demand a cold prompt is placed by
+                self._remember(w, key)
         prefill = len(tokens) // size - known.get(w, 0)
         fleet = max(held.values(), default=0)
         ticket = self._charge(w, held.get(w, 0), fleet, prefill, tokens, max_tokens, n, claim)
@@ -291,6 +301,40 @@ class RoutingCore:
         w.active_blocks += blocks
         w.queued_blocks += prefill
         return Ticket(self, w, held, fleet, prefill, blocks, n, claim)
+
+    def _place(
+        self, alive: list[WorkerLoad], overlap: dict[WorkerLoad, int], shared: int,
+        cost: Callable[[list[WorkerLoad]], WorkerLoad],
+    ) -> WorkerLoad:  # fmt: skip
+        """``kv``'s choice (the cost, `policies.kv`, breaks every tie):
+
+        - a prompt some worker holds more of than a shared prefix (a conversation's next
+          turn) stays with the worker holding the most of it while that worker's load is
+          within `policies.KV_STICK_SLACK` x the mean; past that the cost decides;
+        - a cold prompt (a new conversation, or one whose pages are gone everywhere)
+          goes, among the workers within `policies.KV_PLACE_SLACK` x the mean, to the
+          one the fewest tokens were routed to (its tree of routed prompts: the demand
+          its conversations put on its pool). When every such worker's demand already
+          exceeds its pool (its card's ``kv_blocks``), to the one exceeding it most:
+          its pool thrashes anyway, and the others keep theirs."""
+        loads = {x: x.in_flight for x in alive}
+        best = max(overlap.values(), default=0)
+        if best > shared:
+            stick = policies.KV_STICK_SLACK
+            homes = [x for x in alive if overlap.get(x, 0) == best
+                     and policies.within_bound(alive, x, loads, stick)]  # fmt: skip
+            return cost(homes or alive)
+        fit = [x for x in alive
+               if policies.within_bound(alive, x, loads, policies.KV_PLACE_SLACK)]  # fmt: skip
+        if not fit:
+            return cost(alive)
+        demand = {x: x.routed.total_size() for x in fit}
+        pool = {x: self.index.max_blocks.get(x.name, 1 << 62) * self.block_size for x in fit}
+        score = demand
+        if all(demand[x] > pool[x] for x in fit):  # oversubscribed: the most over first
+            score = {x: pool[x] - demand[x] for x in fit}
+        least = min(score.values())
+        return cost([x for x in fit if score[x] == least])
 
     def _remember(self, w: WorkerLoad, key: RadixKey) -> None:
         over = w.routed.total_size() + len(key) - self.approx_tokens

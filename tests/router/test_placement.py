@@ -1,0 +1,82 @@
+"""Where ``kv`` places a request (`RoutingCore._place`): a conversation stays with its
+history within a load bound, and a cold prompt goes by the demand routed to each worker
+against its pool, never by the load of the moment alone."""
+
+from __future__ import annotations
+
+from radixkv.router import policies
+from radixkv.router.core import RoutingCore
+
+
+def _core(*names: str) -> RoutingCore:
+    core = RoutingCore("kv", clock=lambda: 0.0)
+    core.index.block_size = 16
+    for n in names:
+        core.add(n)
+    return core
+
+
+def _prompt(tag: int, n: int) -> list[int]:
+    return [tag * 1000 + i for i in range(n)]
+
+
+def test_a_conversation_stays_with_its_history_though_another_worker_is_idle():
+    core = _core("a", "b", "c")
+    first = core.choose(_prompt(1, 160))
+    home = first.worker.name
+    first.release()
+    # the home worker is busy with two long prompts (many blocks in flight): the cost
+    # alone sends the next turn to an idle worker, whose 10 blocks it then recomputes
+    busy = [core.assign(home, _prompt(9, 4096)) for _ in range(2)]
+    cost_alone = policies.kv(
+        list(core.workers.values()), {core.workers[home]: 10}, 11,
+        {w: w.active_blocks for w in core.workers.values()},
+    )  # fmt: skip
+    assert cost_alone.name != home
+    nxt = core.choose(_prompt(1, 176))  # its history and one more page
+    assert nxt.worker.name == home  # 3 in flight there, within 3 x the mean
+    for t in (*busy, nxt):
+        t.release()
+
+
+def test_past_the_bound_the_cost_decides():
+    """With six workers a home loaded past 3 x the mean lets the next turn go (with
+    three it never is: 3 x the mean is the whole fleet's load, as SGLang's router
+    keeps a conversation unless 64 more requests wait there than elsewhere)."""
+    core = _core(*"abcdef")
+    first = core.choose(_prompt(1, 160))
+    home = first.worker.name
+    busy = [core.assign(home, _prompt(9, 4096)) for _ in range(6)]  # 7 of 7 in flight
+    workers = list(core.workers.values())
+    loads = {w: w.in_flight for w in workers}
+    assert not policies.within_bound(workers, core.workers[home], loads, policies.KV_STICK_SLACK)
+    assert core.choose(_prompt(1, 176)).worker.name != home
+    for t in (first, *busy):
+        t.release()
+
+
+def test_cold_prompts_spread_by_the_demand_routed_not_the_load_of_the_moment():
+    core = _core("a", "b", "c")
+    big = core.choose(_prompt(1, 1600))
+    small = [core.choose(_prompt(2, 160)), core.choose(_prompt(3, 160))]
+    assert len({big.worker.name, *(t.worker.name for t in small)}) == 3
+    big.release()  # the big one's worker is idle now, the two others busy
+    nxt = core.choose(_prompt(4, 160))
+    assert nxt.worker.name != big.worker.name  # it was routed the most (1,600 tokens)
+    assert nxt.worker.name in {t.worker.name for t in small}
+
+
+def test_when_every_pool_is_oversubscribed_cold_prompts_go_to_the_most_oversubscribed():
+    core = _core("a", "b", "c")
+    for name in ("a", "b", "c"):
+        core.index.max_blocks[name] = 10  # 160 tokens a pool
+    tickets = [core.choose(_prompt(1, 640))]
+    most = tickets[0].worker.name
+    # while some pool has room, cold prompts go where the least was routed
+    tickets += [core.choose(_prompt(k, 320)) for k in (2, 3)]
+    assert len({t.worker.name for t in tickets}) == 3
+    for t in tickets:
+        t.release()
+    # now every pool's demand exceeds it: the worker 480 tokens over takes the next
+    # cold prompt (its pool thrashes anyway), the two 160 over keep what they hold
+    assert core.choose(_prompt(4, 320)).worker.name == most
