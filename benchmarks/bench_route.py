@@ -32,7 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from radixkv.bench.client import BenchConfig, run_bench
+from radixkv.bench.client import BenchConfig, multi_turn_items, run_bench, shared_system
+from radixkv.sim.fleet import StepCost
 from radixkv.web.process import ServerProcess, free_port, free_port_pair, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -102,15 +103,11 @@ def router_totals(url: str) -> dict[str, float]:
     return out
 
 
-def start_router(
-    specs: list[str], policy: str, weight: float | None, log: Path | None = None
-) -> ServerProcess:
+def start_router(specs: list[str], policy: str, weight: float | None) -> ServerProcess:
     args = [a for s in specs for a in ("--worker", s)]
     if weight is not None:
         args += ["--kv-weight", str(weight)]
-    err = None if log is None else log.open("a")  # its warnings: workers out and back
-    return ServerProcess(*MODEL, "--policy", policy, *args, command="route",
-                         stderr=err)  # fmt: skip
+    return ServerProcess(*MODEL, "--policy", policy, *args, command="route")
 
 
 class StateLog:
@@ -165,6 +162,42 @@ def working_set_tokens(args: argparse.Namespace) -> int:
     return args.conversations * int(words * 6 + args.turns * args.max_tokens)
 
 
+def simulate(args: argparse.Namespace, workload: str, kv_tokens: int, routers: list[str]) -> dict:
+    """The same workload through the fleet simulator (`radixkv.sim.fleet`: the replicas'
+    own engine on a clock, the shipped routing core, SGLang's cache_aware as its source
+    decides): each router's simulated hit rate, to set beside the live median."""
+    from radixkv.sim.fleet import Conversation, chat_turns, simulate_fleet
+
+    cfg = BenchConfig(
+        workload="multi-turn", conversations=args.conversations, turns=args.turns,
+        first_words=args.first_words, message_words=args.message_words,
+        max_tokens=args.max_tokens, num_prompts=args.conversations * args.turns,
+        shared_system_words=args.system_words if workload == "system" else 0,
+    )  # fmt: skip
+    by_conv: dict[int, list[str]] = {}
+    for item in multi_turn_items(cfg):
+        by_conv.setdefault(item.conversation, []).append(item.prompt)
+    system = shared_system(cfg)
+    key = (workload, args.conversations, args.turns)
+    if key not in TURNS:  # the model's answers, generated once per workload
+        TURNS[key] = chat_turns([Conversation(m, system) for m in by_conv.values()],
+                                args.max_tokens, model=MODEL[1])  # fmt: skip
+    out = {}
+    for router in routers:
+        name = "cache_aware" if router == "sglang:cache_aware" else router
+        res = simulate_fleet(TURNS[key], args.replicas, kv_tokens, name, args.concurrency,
+                             SIM_COST, SIM_EVENT_LAG_S, model=MODEL[1])  # fmt: skip
+        out[router] = res.token_hit_rate
+    return out
+
+
+TURNS: dict = {}
+# this machine's replicas (three on two cores, one torch thread each, behind a router and
+# bench-serve): the step cost that gives the live runs' durations (4-6 s for 288 turns)
+SIM_COST = StepCost(0.009, 4.5e-5, 6.5e-4)
+SIM_EVENT_LAG_S = 0.005  # ZeroMQ on loopback, then the router's subscriber thread
+
+
 def run_one(args: argparse.Namespace, workload: str, router: str, workers: list, specs: list[str],
             model: str) -> dict:  # fmt: skip
     urls = [w.url for w in workers]
@@ -175,7 +208,7 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
     if args.logs is not None:
         args.logs.mkdir(parents=True, exist_ok=True)
         log = args.logs / f"{workload}-{router}.log"
-    proc = PeerRouter(args.peer, urls) if peer else start_router(specs, router, args.kv_weight, log)
+    proc = PeerRouter(args.peer, urls) if peer else start_router(specs, router, args.kv_weight)
     try:
         before = {u: worker_totals(u) for u in urls}
         if workload == "keys":  # tenants, each with its own prompt_cache_key and prefix
@@ -209,6 +242,9 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
             reused = {k: v - reused.get(k, 0) for k, v in router_totals(proc.url).items()}
     finally:
         proc.stop()
+        if log is not None and not peer:  # its warnings: workers out and back
+            with log.open("a") as f:
+                f.write(proc.stderr())
     served = [after[u].get("request_success_total", 0) - before[u].get("request_success_total", 0)
               for u in urls]  # fmt: skip
     mean = sum(served) / len(served)
@@ -275,8 +311,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--kv-weight", type=float, help="the kv router's weight [its default]")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", "--workload", default=",".join(WORKLOADS))
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--kv-tokens", type=lambda t: [int(x) for x in t.split(",")],
+                   help="each replica's KV pool, tokens; several (10240,20480,40960) run "
+                   "each workload at each [sized per workload]")  # fmt: skip
     p.add_argument(
         "--peer",
         type=Path,
@@ -299,16 +338,17 @@ def main() -> None:
     if args.hybrid:  # a tiny random Qwen3.5 (Gated DeltaNet + attention), as transformers writes it
         MODEL[1] = str(write_hybrid(RESULTS / "qwen3_5-tiny"))
     routers = args.policies.split(",")
-    if args.peer.exists():
-        routers.append("sglang:cache_aware")
+    if args.peer.exists():  # right after kv: the runs interleave kv, cache_aware, kv, ...
+        routers.insert(routers.index("kv") + 1 if "kv" in routers else 0, "sglang:cache_aware")
     else:
         print(f"no SGLang router at {args.peer}: benchmarks/peers/setup.sh router builds it")
     rows = []
-    for workload in args.workloads.split(","):
+    sizes = [(w, n) for w in args.workloads.split(",") for n in args.kv_tokens or [None]]
+    for workload, given in sizes:
         kv_tokens = KV_TOKENS
         if workload in POOL_SHARE:
             kv_tokens = int(working_set_tokens(args) / args.replicas * POOL_SHARE[workload])
-        kv_tokens = max(2048, kv_tokens // 16 * 16)
+        kv_tokens = max(2048, (given or kv_tokens) // 16 * 16)
         ports = [free_port_pair() for _ in range(args.replicas)]
         flags = [*MODEL, *WORKER, "--kv-tokens", str(kv_tokens)]
         workers = [ServerProcess(*flags, "--kv-events", f"tcp://127.0.0.1:{q}") for q in ports]
@@ -325,6 +365,9 @@ def main() -> None:
         finally:
             for w in workers:
                 w.stop()
+        if workload in ("chats", "system", "pressure", "tight") and not args.hybrid:
+            sims = simulate(args, workload, kv_tokens, routers)
+            rows.append({"workload": workload, "kv_tokens": kv_tokens, "simulated": sims})
     summarize(rows)
     if args.soak:
         rows.append(soak(args))
@@ -366,17 +409,42 @@ def soak(args: argparse.Namespace) -> dict:
 
 
 def summarize(rows: list[dict]) -> None:
-    """Per workload and run: kv's hit rate over SGLang's, and kv's imbalance."""
-    for workload in dict.fromkeys(r["workload"] for r in rows):
-        for run in sorted({r["run"] for r in rows}):
-            by = {r["router"]: r for r in rows if r["workload"] == workload and r["run"] == run}
+    """Per workload and KV size: each run's kv ÷ cache_aware hit rate (the pair run
+    back to back), then every router's medians over the runs, and kv's median ratio,
+    its lowest pair, and its ratio to approx."""
+    import statistics
+
+    for workload, kv_tokens in dict.fromkeys((r["workload"], r["kv_tokens"]) for r in rows):
+        here = [r for r in rows if r["workload"] == workload and r["kv_tokens"] == kv_tokens]
+        mine = [r for r in here if "router" in r]
+        sims = next((r["simulated"] for r in here if "simulated" in r), {})
+        ratios = []
+        for run in sorted({r["run"] for r in mine}):
+            by = {r["router"]: r for r in mine if r["run"] == run}
             if "kv" in by and "sglang:cache_aware" in by:
-                peer = by["sglang:cache_aware"]
-                print(f"{workload} run {run}: kv hit rate / cache_aware "
-                      f"{by['kv']['hit_rate'] / max(peer['hit_rate'], 1e-9):.3f}x, TTFT p90 "
-                      f"{by['kv']['ttft_p90_s'] / max(peer['ttft_p90_s'], 1e-9):.2f}x, "
-                      f"imbalance kv {by['kv']['imbalance']:.2f} vs "
-                      f"{peer['imbalance']:.2f}")  # fmt: skip
+                peer = by["sglang:cache_aware"]["hit_rate"]
+                ratios.append(by["kv"]["hit_rate"] / max(peer, 1e-9))
+        print(f"{workload}, {kv_tokens:,} KV tokens a replica, medians of {len(ratios) or 1}:")
+        med: dict[str, dict] = {}
+        for router in dict.fromkeys(r["router"] for r in mine):
+            runs = [r for r in mine if r["router"] == router]
+            med[router] = {k: statistics.median(r[k] for r in runs)
+                           for k in ("hit_rate", "ttft_p90_s", "imbalance")}  # fmt: skip
+            hits = sorted(r["hit_rate"] for r in runs)
+            sim = f"  simulated {sims[router]:.3f}" if router in sims else ""
+            print(f"  {router:<20} hit {med[router]['hit_rate']:.3f} ({hits[0]:.3f}-{hits[-1]:.3f})"
+                  f"  TTFT p90 {med[router]['ttft_p90_s'] * 1e3:.0f} ms  imbalance "
+                  f"{med[router]['imbalance']:.2f}{sim}")  # fmt: skip
+        if ratios:
+            peer = med["sglang:cache_aware"]
+            print(
+                f"  kv / cache_aware: median {statistics.median(ratios):.3f}x, pairs "
+                f"{' '.join(f'{x:.3f}' for x in ratios)} (lowest {min(ratios):.3f}); TTFT "
+                f"p90 {med['kv']['ttft_p90_s'] / max(peer['ttft_p90_s'], 1e-9):.2f}x"
+            )
+        if "kv" in med and "approx" in med:
+            ratio = med["kv"]["hit_rate"] / max(med["approx"]["hit_rate"], 1e-9)
+            print(f"  kv / approx: {ratio:.3f}x")
 
 
 if __name__ == "__main__":
