@@ -101,6 +101,15 @@ def test_time_follows_the_step_cost(turns):
     assert slow.ttft_p50_s > fast.ttft_p50_s > 0
 
 
+def test_the_wire_delays_every_answer_and_jitter_follows_its_seed(turns):
+    wired = simulate_fleet(turns, 2, 1 << 16, "kv", 4, wire_s=0.05)
+    assert min(wired.ttft_p50_s, wired.ttft_p90_s) >= 0.1  # there and back
+    cost = StepCost(0.004, 2e-5, 3e-4, jitter=0.5)
+    a, b = (simulate_fleet(turns, 2, 1 << 16, "kv", 4, cost, seed=s) for s in (1, 2))
+    assert simulate_fleet(turns, 2, 1 << 16, "kv", 4, cost, seed=1) == a  # deterministic
+    assert a.duration_s != b.duration_s
+
+
 def test_bad_arguments_are_refused(turns):
     with pytest.raises(ValueError, match="router"):
         simulate_fleet(turns, router="nope")
@@ -108,6 +117,8 @@ def test_bad_arguments_are_refused(turns):
         simulate_fleet(turns, replicas=0)
     with pytest.raises(ValueError, match="event_lag_s"):
         simulate_fleet(turns, event_lag_s=-1)
+    with pytest.raises(ValueError, match="wire_s"):
+        simulate_fleet(turns, wire_s=float("nan"))
 
 
 # --- SGLang's cache_aware ----------------------------------------------------------------

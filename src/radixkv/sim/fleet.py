@@ -34,6 +34,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -67,9 +68,12 @@ class StepCost:
     base_s: float = 0.004
     prefill_s: float = 2.0e-5
     decode_s: float = 3.0e-4
+    jitter: float = 0.0  # each step's cost times a uniform draw in [1 - jitter, 1 + jitter]
 
-    def of(self, prefill_tokens: int, decodes: int) -> float:
-        return self.base_s + self.prefill_s * prefill_tokens + self.decode_s * decodes
+    def of(self, prefill_tokens: int, decodes: int, draw: float = 0.0) -> float:
+        """``draw`` in [-1, 1]: where in its jitter this step's cost falls."""
+        s = self.base_s + self.prefill_s * prefill_tokens + self.decode_s * decodes
+        return s * (1.0 + self.jitter * draw)
 
 
 class Turn(NamedTuple):
@@ -149,8 +153,8 @@ class _AnswerRunner(ModelRunner):
             logits[i, out[k] if k < len(out) else 0] = 1.0
         return logits
 
-    def take_cost(self, cost: StepCost) -> float:
-        s = cost.of(self.prefill_tokens, self.decodes)
+    def take_cost(self, cost: StepCost, draw: float = 0.0) -> float:
+        s = cost.of(self.prefill_tokens, self.decodes, draw)
         self.prefill_tokens = self.decodes = 0
         return s
 
@@ -264,9 +268,11 @@ class _Run:
     def __init__(
         self, turns: list[list[Turn]], replicas: int, config: EngineConfig, router: str,
         concurrency: int, cost: StepCost, event_lag_s: float, model: str,
-        kv_weight: float,
+        kv_weight: float, wire_s: float, seed: int,
     ) -> None:  # fmt: skip
         self.turns, self.cost, self.lag, self.concurrency = turns, cost, event_lag_s, concurrency
+        self.wire = wire_s
+        self.rng = random.Random(seed)  # the steps' jitter
         self.now = 0.0
         self.queue: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()
@@ -294,12 +300,11 @@ class _Run:
 
     def run(self) -> None:
         self._send_ready()
+        handlers = {"events": getattr(self.core, "apply", None), "arrive": self._arrive,
+                    "step": self._step_done, "answer": self._answered}  # fmt: skip
         while self.queue:
             self.now, _, kind, data = heapq.heappop(self.queue)
-            if kind == "events":
-                self.core.apply(*data)
-            else:
-                self._step_done(*data)
+            handlers[kind](*data)
 
     # --- clients and routing ------------------------------------------------------------
     def _send_ready(self) -> None:
@@ -318,15 +323,17 @@ class _Run:
             charge = self.core.choose(turn.prompt, None, len(turn.output))
             name = charge.worker.name
         rep = self.reps[name]
-        rid = (c, t)
-        rep.runner.answers[rid] = turn.output
-        rep.engine.add_request(turn.prompt, SamplingParams(len(turn.output), ignore_eos=True),
-                               rid=rid)  # fmt: skip
         rep.served += 1
         self.available += max(held)
         self.captured += held[name]
         self.in_flight += 1
-        self.sent[rid] = (self.now, charge, turn)
+        self.sent[(c, t)] = (self.now, charge, turn)
+        self._at(self.now + self.wire, "arrive", (rep, (c, t), turn))
+
+    def _arrive(self, rep: _Replica, rid: tuple[int, int], turn: Turn) -> None:
+        rep.runner.answers[rid] = turn.output
+        rep.engine.add_request(turn.prompt, SamplingParams(len(turn.output), ignore_eos=True),
+                               rid=rid)  # fmt: skip
         if not rep.stepping:
             self._step(rep)
 
@@ -334,59 +341,68 @@ class _Run:
     def _step(self, rep: _Replica) -> None:
         rep.stepping = True
         outs = rep.engine.step()
-        took = rep.runner.take_cost(self.cost)
+        took = rep.runner.take_cost(self.cost, self.rng.uniform(-1.0, 1.0))
         for batch in rep.batches:  # the step's KV events reach the router after it ends
             self._at(self.now + took + self.lag, "events", (rep.name, batch))
         rep.batches.clear()
         self._at(self.now + took, "step", (rep, outs))
 
     def _step_done(self, rep: _Replica, outs: list) -> None:
-        done = []
         for o in outs:
             when, charge, _turn = self.sent[o.rid]
             if o.output_tokens == len(o.token_ids) and o.token_ids:  # its first token
-                self.ttfts.append(self.now - when)
+                self.ttfts.append(self.now + self.wire - when)
                 charge.started()
             if o.finish_reason is not None:
-                charge.release()
                 self.cached += o.cached_tokens
                 self.prompt += o.prompt_tokens
-                done.append(o.rid)
-        for c, t in done:
-            self.in_flight -= 1
-            if t + 1 < len(self.turns[c]):
-                self.ready.append((c, t + 1))
-        self._send_ready()
+                self._at(self.now + self.wire, "answer", (o.rid,))
         if rep.engine.has_unfinished():
             self._step(rep)
         else:
             rep.stepping = False
+
+    def _answered(self, rid: tuple[int, int]) -> None:
+        """The answer is back at its client: the router's charge ends, the conversation's
+        next turn is ready, and the client sends what it may."""
+        c, t = rid
+        self.sent[rid][1].release()
+        self.in_flight -= 1
+        if t + 1 < len(self.turns[c]):
+            self.ready.append((c, t + 1))
+        self._send_ready()
 
 
 def simulate_fleet(
     turns: list[list[Turn]], replicas: int = 3, kv_tokens: int = 20480, router: str = "kv",
     concurrency: int = 16, cost: StepCost | None = None, event_lag_s: float = 0.0,
     config: EngineConfig | None = None, model: str = "random",
-    kv_weight: float = policies.KV_OVERLAP_WEIGHT,
+    kv_weight: float = policies.KV_OVERLAP_WEIGHT, wire_s: float = 0.0, seed: int = 0,
 ) -> FleetResult:  # fmt: skip
     """Run ``turns`` (`chat_turns`) through ``replicas`` engines of ``kv_tokens`` each
     behind ``router``, ``concurrency`` requests in flight at most. ``config``: the
     engines' other knobs (``bench_route.py``'s workers' by default: page 16, 16 running,
     chunks of 2,048). ``event_lag_s``: how long a step's KV events take to reach the
-    router after the step ends."""
+    router after the step ends. ``wire_s``: how long a request takes from the router's
+    choice to its replica, and an answer's first token and end from the replica to its
+    client (HTTP, the router's own time). ``seed``: the steps' jitter (`StepCost.jitter`):
+    under pressure which turn a pool still holds turns on the order of a few
+    milliseconds, so a live run varies from run to run, and so does this one with
+    jitter; compare medians over seeds with medians over live runs."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     for name, v in (("replicas", replicas), ("kv_tokens", kv_tokens),
                     ("concurrency", concurrency)):  # fmt: skip
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if not (isinstance(event_lag_s, int | float) and 0 <= event_lag_s < math.inf):
-        raise ValueError(f"event_lag_s must be a number of seconds >= 0, got {event_lag_s!r}")
+    for name, v in (("event_lag_s", event_lag_s), ("wire_s", wire_s)):
+        if isinstance(v, bool) or not (isinstance(v, int | float) and 0 <= v < math.inf):
+            raise ValueError(f"{name} must be a number of seconds >= 0, got {v!r}")
     base = config or EngineConfig(page_size=16, max_running=16, chunk_size=2048,
                                   max_context_len=8192)  # fmt: skip
     cfg = dataclasses.replace(base, kv_tokens=kv_tokens)
     run = _Run(turns, replicas, cfg, router, concurrency, cost or StepCost(), event_lag_s,
-               model, kv_weight)  # fmt: skip
+               model, kv_weight, wire_s, seed)  # fmt: skip
     run.run()
     served = [r.served for r in run.reps]
     mean = sum(served) / len(served)
