@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import re
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -91,6 +92,12 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """A process's CPU time so far, user + system (Linux /proc), seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def router_totals(url: str) -> dict[str, float]:
@@ -185,17 +192,26 @@ def simulate(args: argparse.Namespace, workload: str, kv_tokens: int, routers: l
     out = {}
     for router in routers:
         name = "cache_aware" if router == "sglang:cache_aware" else router
-        res = simulate_fleet(TURNS[key], args.replicas, kv_tokens, name, args.concurrency,
-                             SIM_COST, SIM_EVENT_LAG_S, model=MODEL[1])  # fmt: skip
-        out[router] = res.token_hit_rate
+        hits = [
+            simulate_fleet(TURNS[key], args.replicas, kv_tokens, name, args.concurrency,
+                           SIM_COST, SIM_EVENT_LAG_S, model=MODEL[1], wire_s=SIM_WIRE_S,
+                           seed=seed).token_hit_rate
+            for seed in range(SIM_SEEDS)
+        ]  # fmt: skip
+        out[router] = statistics.median(hits)
     return out
 
 
 TURNS: dict = {}
-# this machine's replicas (three on two cores, one torch thread each, behind a router and
-# bench-serve): the step cost that gives the live runs' durations (4-6 s for 288 turns)
-SIM_COST = StepCost(0.009, 4.5e-5, 6.5e-4)
+# this machine (three replicas on two cores, one torch thread each, behind a router and
+# bench-serve), fitted to the live medians of both workloads at 10,240-65,536 tokens:
+# a step's cost (the live runs' 4-6 s for 288 turns) with 30% jitter, 20 ms each way
+# between the router and a replica (HTTP, the router's own time), events 5 ms behind;
+# the median of 5 seeds, as the live side is a median of runs
+SIM_COST = StepCost(0.0072, 3.6e-5, 5.2e-4, jitter=0.3)
+SIM_WIRE_S = 0.02
 SIM_EVENT_LAG_S = 0.005  # ZeroMQ on loopback, then the router's subscriber thread
+SIM_SEEDS = 5
 
 
 def run_one(args: argparse.Namespace, workload: str, router: str, workers: list, specs: list[str],
@@ -229,7 +245,7 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
                 shared_system_words=args.system_words if workload == "system" else 0,
             )  # fmt: skip
         reused = {} if peer else router_totals(proc.url)
-        rss_before = rss_mb(proc.proc.pid)
+        rss_before, cpu_before = rss_mb(proc.proc.pid), cpu_s(proc.proc.pid)
         watch = None if peer or log is None else StateLog(proc.url, log.with_suffix(".jsonl"))
         try:
             rep = asyncio.run(run_bench(cfg))
@@ -237,7 +253,7 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
             if watch is not None:
                 watch.stop()
         after = {u: worker_totals(u) for u in urls}
-        rss_after = rss_mb(proc.proc.pid)
+        rss_after, cpu = rss_mb(proc.proc.pid), cpu_s(proc.proc.pid) - cpu_before
         if not peer:
             reused = {k: v - reused.get(k, 0) for k, v in router_totals(proc.url).items()}
     finally:
@@ -265,6 +281,7 @@ def run_one(args: argparse.Namespace, workload: str, router: str, workers: list,
         "workers_per_key": sorted(len(v) for v in rep.get("key_workers", {}).values()),
         "duration_s": rep["duration_s"],
         "router_rss_mb": [rss_before, rss_after],  # before and after the run
+        "router_cpu_s": cpu,  # the router's CPU time during the run
         # reuse decomposed (the router's tokens): available, captured, delivered
         **{
             k.removesuffix("_tokens") + "_rate": (
@@ -290,7 +307,8 @@ def show(row: dict) -> None:
         f"{row['ttft_p90_s'] * 1e3:6.0f} ms  imbalance {row['imbalance']:.2f} "
         f"{[int(x) for x in row['per_worker']]}  {decomposed}  {keys}"
         f"({row['completed']} ok, {row['failed']} failed, {row['duration_s']:.1f} s, router "
-        f"RSS {row['router_rss_mb'][0]:.0f} -> {row['router_rss_mb'][1]:.0f} MB)",
+        f"RSS {row['router_rss_mb'][0]:.0f} -> {row['router_rss_mb'][1]:.0f} MB, CPU "
+        f"{row['router_cpu_s']:.1f} s)",
         flush=True,
     )
 
@@ -412,7 +430,6 @@ def summarize(rows: list[dict]) -> None:
     """Per workload and KV size: each run's kv ÷ cache_aware hit rate (the pair run
     back to back), then every router's medians over the runs, and kv's median ratio,
     its lowest pair, and its ratio to approx."""
-    import statistics
 
     for workload, kv_tokens in dict.fromkeys((r["workload"], r["kv_tokens"]) for r in rows):
         here = [r for r in rows if r["workload"] == workload and r["kv_tokens"] == kv_tokens]
