@@ -5,7 +5,7 @@ against its pool, never by the load of the moment alone."""
 from __future__ import annotations
 
 from radixkv.router import policies
-from radixkv.router.core import RoutingCore
+from radixkv.router.core import DEMAND_POOLS, RoutingCore
 
 
 def _core(*names: str) -> RoutingCore:
@@ -80,3 +80,13 @@ def test_when_every_pool_is_oversubscribed_cold_prompts_go_to_the_most_oversubsc
     # now every pool's demand exceeds it: the worker 480 tokens over takes the next
     # cold prompt (its pool thrashes anyway), the two 160 over keep what they hold
     assert core.choose(_prompt(4, 320)).worker.name == most
+
+
+def test_kv_remembers_at_most_a_few_pools_of_routed_prompts():
+    """The demand a worker is placed by is its recent routed prompts, up to
+    DEMAND_POOLS of its pool: the router's memory follows the fleet, not its traffic."""
+    core = _core("a")
+    core.index.max_blocks["a"] = 10  # 160 tokens
+    for k in range(40):
+        core.choose(_prompt(k, 64)).release()
+    assert core.workers["a"].routed.total_size() <= DEMAND_POOLS * 160

@@ -58,6 +58,7 @@ APPROX_TREE_TOKENS = 1 << 22  # per worker; the oldest routed prompts are evicte
 PENDING_S = 10.0
 EVENTS_GRACE_S = 1.0  # after a request ends, how long its claim still stands
 DEFAULT_BLOCK = 16  # block size assumed before any worker's events said it
+DEMAND_POOLS = 4  # kv: a worker's routed prompts remembered, in pools of its KV
 
 
 @dataclass(eq=False)
@@ -337,7 +338,15 @@ class RoutingCore:
         return cost([x for x in fit if score[x] == least])
 
     def _remember(self, w: WorkerLoad, key: RadixKey) -> None:
-        over = w.routed.total_size() + len(key) - self.approx_tokens
+        """Add a routed prompt to the worker's tree, its oldest prompts evicted past
+        ``approx_tokens`` (``kv``: past `DEMAND_POOLS` of the worker's pool too, when its
+        card says it: demand beyond that places nothing differently, and the router's
+        memory follows the fleet's, not what it was sent)."""
+        limit = self.approx_tokens
+        pool = self.index.max_blocks.get(w.name)
+        if self.policy == "kv" and pool:
+            limit = min(limit, DEMAND_POOLS * pool * self.block_size)
+        over = w.routed.total_size() + len(key) - limit
         if over > 0:
             w.routed.evict(over)
         w.routed.insert(key)

@@ -49,6 +49,7 @@ from radixkv.engine.request import SamplingParams
 from radixkv.key import RadixKey
 from radixkv.router import policies
 from radixkv.router.core import RoutingCore
+from radixkv.sim.serve_replay import ReplayRunner
 from radixkv.tree import RadixCache
 
 ROUTERS = (*policies.POLICIES, "cache_aware")
@@ -131,27 +132,21 @@ def chat_turns(
 
 
 # --- the replicas ------------------------------------------------------------------------
-class _AnswerRunner(ModelRunner):
-    """The model runner with each request's known answer in place of the model (as
-    `radixkv.sim.serve_replay.ReplayRunner`), and the step's work counted for its cost."""
+class _TimedRunner(ReplayRunner):
+    """The serve replay's runner (each request's known answer in place of the model),
+    counting each step's work for its cost."""
 
     def __init__(self, base: ModelRunner, vocab: int) -> None:
-        super().__init__(base.model, base.kv, base.device, base.window)
-        self.answers: dict[Any, list[int]] = {}
-        self.vocab = vocab
+        super().__init__(base, {}, vocab)
         self.prefill_tokens = self.decodes = 0
 
     def forward(self, plan: list, table: Any, inputs: Any = None) -> torch.Tensor:
-        logits = torch.zeros(len(plan), self.vocab)
-        for i, (r, n) in enumerate(plan):
-            k = len(r.output_ids)
-            if k:
+        for r, n in plan:
+            if r.output_ids:
                 self.decodes += 1
             else:
                 self.prefill_tokens += n
-            out = self.answers[r.rid]
-            logits[i, out[k] if k < len(out) else 0] = 1.0
-        return logits
+        return super().forward(plan, table, inputs)
 
     def take_cost(self, cost: StepCost, draw: float = 0.0) -> float:
         s = cost.of(self.prefill_tokens, self.decodes, draw)
@@ -165,7 +160,7 @@ class _Replica:
     def __init__(self, name: int, config: EngineConfig, model: str) -> None:
         self.name = name
         self.engine = Engine(model, config)
-        self.runner = _AnswerRunner(self.engine.runner, self.engine.config.vocab_size)
+        self.runner = _TimedRunner(self.engine.runner, self.engine.config.vocab_size)
         self.engine.runner = self.runner
         self.stepping = False
         self.served = 0
@@ -331,7 +326,7 @@ class _Run:
         self._at(self.now + self.wire, "arrive", (rep, (c, t), turn))
 
     def _arrive(self, rep: _Replica, rid: tuple[int, int], turn: Turn) -> None:
-        rep.runner.answers[rid] = turn.output
+        rep.runner.outputs[rid] = turn.output
         rep.engine.add_request(turn.prompt, SamplingParams(len(turn.output), ignore_eos=True),
                                rid=rid)  # fmt: skip
         if not rep.stepping:
