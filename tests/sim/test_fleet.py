@@ -4,6 +4,7 @@ shipped routing core, and SGLang's ``cache_aware`` as its source decides."""
 from __future__ import annotations
 
 import itertools
+from array import array
 
 import pytest
 
@@ -14,6 +15,7 @@ from radixkv.sim.fleet import (
     chat_turns,
     routing_text,
     simulate_fleet,
+    trace_turns,
 )
 
 PAGE = 16
@@ -165,3 +167,42 @@ def test_routing_text_is_the_contents_joined():
             {"role": "assistant", "content": " ok "}, {"role": "assistant", "content": ""},
             {"role": "user", "content": "more"}]  # fmt: skip
     assert routing_text(msgs) == "be brief hi ok more"
+
+
+def test_open_loop_arrivals_far_apart_equal_one_at_a_time(turns):
+    """Each turn sent at its own time, long after the one before has been answered and
+    in the order a client one request at a time sends them: the same hits."""
+    n = len(turns)
+    arrivals = [[(t * n + c) * 10.0 for t in range(len(conv))] for c, conv in enumerate(turns)]
+    closed = simulate_fleet(turns, replicas=1, kv_tokens=2048, router="kv", concurrency=1)
+    opened = simulate_fleet(turns, replicas=1, kv_tokens=2048, router="kv", arrivals=arrivals)
+    assert opened.cached_tokens == closed.cached_tokens
+    assert opened.duration_s > (3 * n - 1) * 10.0
+    with pytest.raises(ValueError, match="arrivals"):
+        simulate_fleet(turns, arrivals=arrivals[:-1])
+    with pytest.raises(ValueError, match="arrivals"):
+        simulate_fleet(turns, arrivals=[[-1.0] * len(c) for c in turns])
+
+
+def test_a_token_trace_runs_at_its_timestamps():
+    from radixkv.sim.traces import SimRequest, Trace
+
+    shared = list(range(1, 200))
+    reqs = [
+        SimRequest(
+            [],
+            0,
+            260,
+            timestamp=i * 50.0,
+            output_tokens=4,
+            prompt_ids=array("q", shared + [300 + i] * 61),
+        )
+        for i in range(6)
+    ]
+    tt = trace_turns(Trace("t", 16, reqs))
+    assert [a[0] for a in tt.arrivals] == [i * 50.0 / 1000.0 for i in range(6)]
+    assert tt.turns[0][0].text.startswith("1 2 3")
+    for router in ("kv", "cache_aware"):
+        r = simulate_fleet(tt.turns, replicas=2, kv_tokens=4096, router=router,
+                           arrivals=tt.arrivals)  # fmt: skip
+        assert r.requests == 6 and r.cached_tokens > 0  # the shared 192 tokens, found again

@@ -50,6 +50,7 @@ from radixkv.key import RadixKey
 from radixkv.router import policies
 from radixkv.router.core import RoutingCore
 from radixkv.sim.serve_replay import ReplayRunner
+from radixkv.sim.traces import Trace
 from radixkv.tree import RadixCache
 
 ROUTERS = (*policies.POLICIES, "cache_aware")
@@ -263,7 +264,7 @@ class _Run:
     def __init__(
         self, turns: list[list[Turn]], replicas: int, config: EngineConfig, router: str,
         concurrency: int, cost: StepCost, event_lag_s: float, model: str,
-        kv_weight: float, wire_s: float, seed: int,
+        kv_weight: float, wire_s: float, seed: int, arrivals: list[list[float]] | None,
     ) -> None:  # fmt: skip
         self.turns, self.cost, self.lag, self.concurrency = turns, cost, event_lag_s, concurrency
         self.wire = wire_s
@@ -283,12 +284,17 @@ class _Run:
                 # as its card says (radixkv.router.fleet): the most pages its pool holds
                 self.core.index.max_blocks[r.name] = r.engine.mgr.allocator.size // config.page_size
                 r.engine.publish_kv_events(r.batches.append)
-        self.ready = deque((c, 0) for c in range(len(turns)) if turns[c])
+        self.open_loop = arrivals is not None
+        self.ready = (
+            deque() if self.open_loop else deque((c, 0) for c in range(len(turns)) if turns[c])
+        )
+        for c, times in enumerate(arrivals or ()):
+            for t, when in enumerate(times):
+                self._at(when, "send", (c, t))
         self.in_flight = 0
         self.sent: dict[Any, tuple[float, Any, Turn]] = {}  # rid: (when, charge, turn)
         self.ttfts: list[float] = []
         self.cached = self.prompt = self.available = self.captured = 0
-        self.rids = itertools.count()
 
     def _at(self, when: float, kind: str, data: Any) -> None:
         heapq.heappush(self.queue, (when, next(self.seq), kind, data))
@@ -296,7 +302,8 @@ class _Run:
     def run(self) -> None:
         self._send_ready()
         handlers = {"events": getattr(self.core, "apply", None), "arrive": self._arrive,
-                    "step": self._step_done, "answer": self._answered}  # fmt: skip
+                    "step": self._step_done, "answer": self._answered,
+                    "send": self._send}  # fmt: skip
         while self.queue:
             self.now, _, kind, data = heapq.heappop(self.queue)
             handlers[kind](*data)
@@ -363,9 +370,35 @@ class _Run:
         c, t = rid
         self.sent[rid][1].release()
         self.in_flight -= 1
-        if t + 1 < len(self.turns[c]):
+        if not self.open_loop and t + 1 < len(self.turns[c]):
             self.ready.append((c, t + 1))
         self._send_ready()
+
+
+def trace_turns(trace: Trace) -> TraceTurns:
+    """A token trace's requests (`radixkv.sim.traces`: with ``prompt_ids``) as one-turn
+    conversations sent at their timestamps (`simulate_fleet`'s ``arrivals``): an answer
+    the trace does not list is its count of token 0; SGLang's router's text is the
+    prompt's ids joined by spaces, as it routes a request given as token ids.
+
+    Raises:
+        ValueError: a trace without token ids (Mooncake's hash ids)."""
+    turns, arrivals = [], []
+    for i, r in enumerate(trace.requests):
+        if r.prompt_ids is None:
+            raise ValueError(f"trace request {i}: the fleet simulator needs token ids")
+        ids = list(r.prompt_ids)
+        out = list(r.output_ids) if r.output_ids is not None else [0] * r.output_tokens
+        turns.append([Turn(ids, out or [0], " ".join(map(str, ids)))])
+        arrivals.append([r.timestamp / 1000.0])  # trace timestamps are milliseconds
+    return TraceTurns(turns, arrivals)
+
+
+class TraceTurns(NamedTuple):
+    """`trace_turns`: the requests as one-turn conversations, and when each is sent."""
+
+    turns: list[list[Turn]]
+    arrivals: list[list[float]]
 
 
 def simulate_fleet(
@@ -373,6 +406,7 @@ def simulate_fleet(
     concurrency: int = 16, cost: StepCost | None = None, event_lag_s: float = 0.0,
     config: EngineConfig | None = None, model: str = "random",
     kv_weight: float = policies.KV_OVERLAP_WEIGHT, wire_s: float = 0.0, seed: int = 0,
+    arrivals: list[list[float]] | None = None,
 ) -> FleetResult:  # fmt: skip
     """Run ``turns`` (`chat_turns`) through ``replicas`` engines of ``kv_tokens`` each
     behind ``router``, ``concurrency`` requests in flight at most. ``config``: the
@@ -383,7 +417,10 @@ def simulate_fleet(
     client (HTTP, the router's own time). ``seed``: the steps' jitter (`StepCost.jitter`):
     under pressure which turn a pool still holds turns on the order of a few
     milliseconds, so a live run varies from run to run, and so does this one with
-    jitter; compare medians over seeds with medians over live runs."""
+    jitter; compare medians over seeds with medians over live runs. ``arrivals``: when
+    each turn is sent (seconds, one list per conversation, as ``turns``): requests arrive
+    at those times whatever the answers (open loop; ``concurrency`` is not used), as a
+    trace's timestamps say (`trace_turns`)."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     for name, v in (("replicas", replicas), ("kv_tokens", kv_tokens),
@@ -393,11 +430,12 @@ def simulate_fleet(
     for name, v in (("event_lag_s", event_lag_s), ("wire_s", wire_s)):
         if isinstance(v, bool) or not (isinstance(v, int | float) and 0 <= v < math.inf):
             raise ValueError(f"{name} must be a number of seconds >= 0, got {v!r}")
+    _check_arrivals(turns, arrivals)
     base = config or EngineConfig(page_size=16, max_running=16, chunk_size=2048,
                                   max_context_len=8192)  # fmt: skip
     cfg = dataclasses.replace(base, kv_tokens=kv_tokens)
     run = _Run(turns, replicas, cfg, router, concurrency, cost or StepCost(), event_lag_s,
-               model, kv_weight, wire_s, seed)  # fmt: skip
+               model, kv_weight, wire_s, seed, arrivals)  # fmt: skip
     run.run()
     served = [r.served for r in run.reps]
     mean = sum(served) / len(served)
@@ -413,6 +451,19 @@ def simulate_fleet(
     )  # fmt: skip
 
 
+def _check_arrivals(turns: list[list[Turn]], arrivals: list[list[float]] | None) -> None:
+    if arrivals is None:
+        return
+    if len(arrivals) != len(turns) or any(
+        len(a) != len(t) for a, t in zip(arrivals, turns, strict=True)
+    ):
+        raise ValueError("arrivals must give one time per turn, as turns lists them")
+    for times in arrivals:
+        for v in times:
+            if isinstance(v, bool) or not (isinstance(v, int | float) and 0 <= v < math.inf):
+                raise ValueError(f"arrivals must be seconds >= 0, got {v!r}")
+
+
 def _quantile(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
@@ -420,5 +471,5 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
-__all__ = ["ROUTERS", "CacheAware", "Conversation", "FleetResult", "StepCost", "Turn",
-           "chat_turns", "routing_text", "simulate_fleet"]  # fmt: skip
+__all__ = ["ROUTERS", "CacheAware", "Conversation", "FleetResult", "StepCost", "TraceTurns",
+           "Turn", "chat_turns", "routing_text", "simulate_fleet", "trace_turns"]  # fmt: skip
