@@ -53,11 +53,11 @@ KEY_MIN_BOUND = 4
 # kv: a conversation's next turn stays on the worker holding its history while that
 # worker's load is within this many times the mean, and a cold prompt is placed by
 # demand among the workers within the second bound (`RoutingCore._place`). Simulated
-# (radixkv.sim.fleet, bench_route's pressure chats, 3 replicas of 20,480 tokens): a
-# stickiness bound of 1.5 moved conversations off their history on load spikes (hit
-# 0.821 vs 0.850 with plenty of room and a shared system prompt); 3.0 moved none. A
-# placement bound of 1.5 against 2.0 at 10,240 tokens: hit 0.074 vs 0.077 at imbalance
-# 1.18 vs 1.27.
+# (radixkv.sim.fleet, bench_route's chats over 3 replicas, StepCost(0.009, 4.5e-5,
+# 6.5e-4), no wire delay, one seed): a stickiness bound of 1.5 or 2.0 moved chats off
+# their history on load spikes (hit 0.821 / 0.815 against 0.850 at 65,536 tokens with a
+# shared system prompt); 3.0 moved none. A placement bound of 1.5 against 2.0 at 10,240
+# tokens: hit 0.074 vs 0.077 at imbalance 1.18 vs 1.27.
 KV_STICK_SLACK = 3.0
 KV_PLACE_SLACK = 1.5
 
