@@ -14,9 +14,17 @@ policy, and SGLang's router
 it (``--peer``).
 
 Between routers every replica's cache is flushed (the router hears it as events) and a
-new router starts, so each starts cold. Reported: the replicas' prefix-cache hit rate and
-prompt tokens computed (their /metrics), TTFT, imbalance (the busiest replica's requests
-over the mean), and for radixkv the reuse decomposed (available / captured / delivered).
+new router starts, so each starts cold. Each round runs every router once, `kv` and
+SGLang's right after one another, so ``--runs 5`` gives 5 interleaved pairs;
+``--kv-tokens 10240,20480,40960`` runs each workload at each pool size. Reported: the
+replicas' prefix-cache hit rate and prompt tokens computed (their /metrics), TTFT,
+imbalance (the busiest replica's requests over the mean), the router's CPU time, for
+radixkv the reuse decomposed (available / captured / delivered), and per size each
+pair's ratio, every router's median and range, and the fleet simulator's prediction for
+the same turns (`radixkv.sim.fleet`). The issue's pressure setup:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_route.py --workload pressure --runs 5 \
+        --conversations 48 --turns 6 --concurrency 16 --kv-tokens 10240,20480,40960
 """
 
 from __future__ import annotations
