@@ -40,6 +40,19 @@ def serve_child(args: argparse.Namespace, peer: Any) -> bool:
     return True
 
 
+def begin(doc: str, peer: Any, python: Path, name: str) -> argparse.Namespace | int:
+    """A peer script's first steps: its arguments; or, run in the peer's venv as the
+    child, the job served (exit 0); or, without the venv, how to build it (exit 2)."""
+    args = arguments(doc)
+    if serve_child(args, peer):
+        return 0
+    if not python.exists():
+        print(f"no {name} peer at {python}: run benchmarks/peers/setup.sh {name.lower()}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    return args
+
+
 def inputs(args: argparse.Namespace) -> tuple[Any, Any, bool, list[int]]:
     """The trace (page 1), the model spec, whether outputs are cached, the sizes in bytes."""
     sys.path.insert(0, str(HERE))

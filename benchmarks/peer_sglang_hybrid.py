@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 import time
 
-from peer_replay import PEERS, TOLERANCE, arguments, inputs, run_peer, serve_child
+from peer_replay import PEERS, TOLERANCE, begin, inputs, run_peer
 
 PEER = PEERS / "sglang" / "bin" / "python"
 
@@ -146,12 +146,9 @@ def replay_sglang(reqs: list[dict], tokens: int, states: int) -> float:
 
 # --- the driver (radixkv's venv) ------------------------------------------------------------
 def main() -> int:
-    args = arguments(__doc__)
-    if serve_child(args, peer):
-        return 0
-    if not PEER.exists():
-        print(f"no SGLang peer at {PEER}: run benchmarks/peers/setup.sh sglang", file=sys.stderr)
-        return 2
+    args = begin(__doc__, peer, PEER, "SGLang")
+    if isinstance(args, int):
+        return args
     from radixkv.sim.hybrid import simulate_hybrid
 
     trace, spec, outputs, caps = inputs(args)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-from peer_replay import PEERS, TOLERANCE, arguments, inputs, run_peer, serve_child
+from peer_replay import PEERS, TOLERANCE, begin, inputs, run_peer
 
 PEER = PEERS / "vllm" / "bin" / "python"
 
@@ -99,12 +99,9 @@ def replay_vllm(reqs: list[dict], blocks: int, block: int, state_groups: int) ->
 
 # --- the driver (radixkv's venv) ------------------------------------------------------------
 def main() -> int:
-    args = arguments(__doc__)
-    if serve_child(args, peer):
-        return 0
-    if not PEER.exists():
-        print(f"no vLLM peer at {PEER}: run benchmarks/peers/setup.sh vllm", file=sys.stderr)
-        return 2
+    args = begin(__doc__, peer, PEER, "vLLM")
+    if isinstance(args, int):
+        return args
     from radixkv.sim.hybrid import simulate_hybrid
 
     trace, spec, outputs, caps = inputs(args)

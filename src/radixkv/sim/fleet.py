@@ -55,6 +55,7 @@ from radixkv.engine.request import SamplingParams
 from radixkv.key import RadixKey
 from radixkv.router import policies
 from radixkv.router.core import RoutingCore
+from radixkv.sim.replicas import quantile
 from radixkv.sim.serve_replay import ReplayRunner
 from radixkv.sim.traces import Trace
 from radixkv.tree import RadixCache
@@ -451,7 +452,7 @@ def simulate_fleet(
         prompt_tokens=run.prompt, cached_tokens=run.cached,
         token_hit_rate=run.cached / p, fleet_available_rate=run.available / p,
         routing_captured_rate=run.captured / p,
-        ttft_p50_s=_quantile(run.ttfts, 0.5), ttft_p90_s=_quantile(run.ttfts, 0.9),
+        ttft_p50_s=quantile(run.ttfts, 0.5), ttft_p90_s=quantile(run.ttfts, 0.9),
         imbalance=max(served) / mean if mean else 1.0, per_replica=served,
         duration_s=run.now, preemptions=sum(r.engine.scheduler.preemptions for r in run.reps),
     )  # fmt: skip
@@ -468,13 +469,6 @@ def _check_arrivals(turns: list[list[Turn]], arrivals: list[list[float]] | None)
         for v in times:
             if isinstance(v, bool) or not (isinstance(v, int | float) and 0 <= v < math.inf):
                 raise ValueError(f"arrivals must be seconds >= 0, got {v!r}")
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
 __all__ = ["ROUTERS", "CacheAware", "Conversation", "FleetResult", "StepCost", "TraceTurns",

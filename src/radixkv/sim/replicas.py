@@ -176,9 +176,9 @@ def simulate_replicas(
         load_imbalance=max(busy) / mean if mean else 1.0,
         max_in_flight=peak,
         fleet_hit_rate=fleet_tokens / prompt_tokens if prompt_tokens else 0.0,
-        ttft_p50_s=_quantile(ttfts, 0.5),
-        ttft_p90_s=_quantile(ttfts, 0.9),
-        own_prefill_p90_s=_quantile(owns, 0.9),
+        ttft_p50_s=quantile(ttfts, 0.5),
+        ttft_p90_s=quantile(ttfts, 0.9),
+        own_prefill_p90_s=quantile(owns, 0.9),
     )
 
 
@@ -209,7 +209,7 @@ def _settle(pending: list[tuple[float, int, bool, Ticket]], now: float) -> None:
             ticket.started()
 
 
-def _quantile(xs: list[float], q: float) -> float:
+def quantile(xs: list[float], q: float) -> float:
     """The nearest-rank quantile (0.0 for no values)."""
     if not xs:
         return 0.0
