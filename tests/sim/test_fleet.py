@@ -206,3 +206,12 @@ def test_a_token_trace_runs_at_its_timestamps():
         r = simulate_fleet(tt.turns, replicas=2, kv_tokens=4096, router=router,
                            arrivals=tt.arrivals)  # fmt: skip
         assert r.requests == 6 and r.cached_tokens > 0  # the shared 192 tokens, found again
+
+
+def test_a_turn_the_engine_refuses_is_named():
+    from radixkv.sim.traces import SimRequest, Trace
+
+    bad = SimRequest([], 0, 3, output_tokens=1, prompt_ids=array("q", [1, 2, 10_000]))
+    tt = trace_turns(Trace("t", 16, [bad]))
+    with pytest.raises(ValueError, match=r"conversation 0, turn 0: token ids must lie"):
+        simulate_fleet(tt.turns, replicas=1, kv_tokens=4096, arrivals=tt.arrivals)

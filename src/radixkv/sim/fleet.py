@@ -341,8 +341,11 @@ class _Run:
 
     def _arrive(self, rep: _Replica, rid: tuple[int, int], turn: Turn) -> None:
         rep.runner.outputs[rid] = turn.output
-        rep.engine.add_request(turn.prompt, SamplingParams(len(turn.output), ignore_eos=True),
-                               rid=rid)  # fmt: skip
+        try:
+            rep.engine.add_request(turn.prompt, SamplingParams(len(turn.output), ignore_eos=True),
+                                   rid=rid)  # fmt: skip
+        except ValueError as e:  # a token the model lacks, a turn longer than the context
+            raise ValueError(f"conversation {rid[0]}, turn {rid[1]}: {e}") from None
         if not rep.stepping:
             self._step(rep)
 
