@@ -7,6 +7,10 @@ included), asks the routing core for a worker (`radixkv.router.core`: the polici
 load, the event-fed index), and forwards the request body unchanged, streaming the answer
 back byte for byte; the response carries ``x-radixkv-worker``.
 
+Forwarding uses aiohttp (its HTTP parser is C: a streamed answer costs the router about a
+third of httpx's CPU, measured in benchmarks/bench_route.py's notes); health checks and
+the admin calls, a few a second, use httpx.
+
 Owns: HTTP (the OpenAI endpoints, forwarding, retries, streams) and the health loop. Must
 not touch: how a worker is chosen (`radixkv.router.core`), the fleet's bookkeeping
 (`radixkv.router.fleet`) or its admin endpoints (`radixkv.router.admin`).
@@ -26,6 +30,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import aiohttp
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,10 +49,18 @@ MAX_CHOICES = 128  # n, as radixkv.server.protocol's MAX_N (OpenAI's limit)
 FORWARDED_HEADERS = ("content-type", "retry-after")
 USAGE_TAIL = 4096  # bytes kept from the end of an answer: its usage is there
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-# transport errors raised before a request's bytes reached a worker: safe to retry
-NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# errors raised before a request's bytes reached a worker: safe to retry (aiohttp
+# raises ConnectionTimeoutError for a connect that timed out)
+NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+# an idle connection to a worker is closed after this; uvicorn (radixkv serve, vLLM)
+# closes idle ones after 5 s, and reusing one it closed would fail a request that ran
+KEEPALIVE_S = 4.0
+CONNECT_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0  # a worker's /health answers within this, or the check failed
-ERROR_BODY_BYTES = 64 << 10  # an error body read to learn its code, at most
+ERROR_BODY_BYTES = 64 << 10
+# a body this small is parsed and tokenized on the event loop (well under a millisecond
+# with a Rust tokenizer); a larger one in a thread
+INLINE_BODY_BYTES = 8 << 10  # an error body read to learn its code, at most
 
 
 def _cached_tokens(tail: bytes) -> int:
@@ -58,15 +71,15 @@ def _cached_tokens(tail: bytes) -> int:
     return int(found[-1]) if found else 0
 
 
-async def _read_error(upstream: httpx.Response) -> tuple[bytes, str | None]:
+async def _read_error(upstream: aiohttp.ClientResponse) -> tuple[bytes, str | None]:
     """A worker's (small) error body, read whole (at most ``ERROR_BODY_BYTES``), and its
     ``error.code`` (None when it has none)."""
-    data = b""
-    async for chunk in upstream.aiter_raw():
-        data += chunk
-        if len(data) > ERROR_BODY_BYTES:
-            break
-    await upstream.aclose()
+    try:
+        data = await upstream.content.read(ERROR_BODY_BYTES + 1)
+    except aiohttp.ClientError:
+        data = b""
+    finally:
+        upstream.release()
     try:
         err = json.loads(data).get("error")
     except (ValueError, AttributeError):
@@ -79,13 +92,15 @@ class Proxy:
     """What the endpoints share: the fleet (`Router`) and one HTTP client to its workers.
 
     Owns: forwarding a request (choose, send, retry what never ran, relay the answer)
-    and the health checks."""
+    and the health checks. ``client`` (httpx) checks and describes workers; ``session``
+    (aiohttp, opened with the app's event loop) forwards requests."""
 
     def __init__(self, router: Router, health_interval: float) -> None:
         self.router, self.health_interval = router, health_interval
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=5.0), headers=router.worker_headers
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S), headers=router.worker_headers
         )
+        self.session: aiohttp.ClientSession | None = None
 
     # --- health --------------------------------------------------------------------------
     async def check(self, w: Worker) -> None:
@@ -109,6 +124,15 @@ class Proxy:
 
     @asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        # the body goes as it came, the answer comes back as the worker wrote it (no
+        # compression asked for, none undone: its bytes are relayed), no proxy settings
+        # read from the environment
+        self.session = aiohttp.ClientSession(
+            headers=self.router.worker_headers, auto_decompress=False, trust_env=False,
+            skip_auto_headers=("Accept-Encoding",),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+        )  # fmt: skip
         self.router.start_events()
         task = asyncio.ensure_future(self.health_loop())
         try:
@@ -117,6 +141,7 @@ class Proxy:
             task.cancel()
             self.router.stop_events()
             await self.client.aclose()
+            await self.session.close()
 
     # --- forwarding ----------------------------------------------------------------------
     async def forward(self, request: Request, path: str) -> Response:
@@ -132,8 +157,12 @@ class Proxy:
             raise ApiError(400, "the client went away before its body arrived",
                            code="client_disconnected", kind="router_error") from None  # fmt: skip
         # parsing and tokenizing a large prompt take long: off the event loop, so
-        # /health and every other request keep their answers
-        body, tokens = await asyncio.to_thread(self.router.parse, path, raw)
+        # /health and every other request keep their answers; a small one takes less
+        # than handing it to a thread does
+        if len(raw) <= INLINE_BODY_BYTES:
+            body, tokens = self.router.parse(path, raw)
+        else:
+            body, tokens = await asyncio.to_thread(self.router.parse, path, raw)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         max_tokens = max_tokens if isinstance(max_tokens, int) else 16
         n = body.get("n")  # choices run as n sequences on the worker (it checks the value)
@@ -186,7 +215,7 @@ class Proxy:
             router.mark_dead(w, f"{type(e).__name__}: {e}")
             router.m_retries.labels(w.url).inc()
             return None
-        except httpx.TransportError as e:  # it reached the worker, which then broke
+        except aiohttp.ClientError as e:  # it reached the worker, which then broke
             # the connection: the request may have run, or broken it; never retried
             self.give_back(w, ticket)
             router.mark_dead(w, f"{type(e).__name__}: {e}")
@@ -199,7 +228,7 @@ class Proxy:
         ticket.started()  # the answer started: its prefill is done
         headers = {k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_HEADERS}
         headers["x-radixkv-worker"] = w.url
-        if upstream.status_code == 503:
+        if upstream.status == 503:
             data, code = await _read_error(upstream)
             self.give_back(w, ticket)
             if code == "engine_dead":  # /health says so too; stop sending there now
@@ -208,9 +237,9 @@ class Proxy:
                 router.m_retries.labels(w.url).inc()  # refused before it ran: the next
                 return None
             return Response(data, 503, headers=headers)
-        sse = streamed and upstream.status_code == 200
+        sse = streamed and upstream.status == 200
         return StreamingResponse(
-            self.relay(w, ticket, upstream, sse), status_code=upstream.status_code, headers=headers
+            self.relay(w, ticket, upstream, sse), status_code=upstream.status, headers=headers
         )
 
     def give_back(self, w: Worker, ticket: Ticket) -> None:
@@ -218,11 +247,11 @@ class Proxy:
         ticket.release(served=False)
         self.router.in_flight_changed(w)
 
-    async def send(self, w: Worker, raw: bytes, path: str) -> httpx.Response:
-        request = self.client.build_request(
-            "POST", f"{w.url}{path}", content=raw, headers={"content-type": "application/json"}
+    async def send(self, w: Worker, raw: bytes, path: str) -> aiohttp.ClientResponse:
+        assert self.session is not None, "the app's lifespan opens the session"
+        return await self.session.post(
+            f"{w.url}{path}", data=raw, headers={"content-type": "application/json"}
         )
-        return await self.client.send(request, stream=True)
 
     def count(self, w: Worker, ticket: Ticket, tokens: list[int], first: bool) -> None:
         """The reuse decomposition for a request a worker took."""
@@ -237,18 +266,18 @@ class Proxy:
         router.m_captured.inc(min(len(tokens), overlap * size))
 
     async def relay(
-        self, w: Worker, ticket: Ticket, upstream: httpx.Response, sse: bool
+        self, w: Worker, ticket: Ticket, upstream: aiohttp.ClientResponse, sse: bool
     ) -> AsyncIterator[bytes]:
         router = self.router
         tail = b""  # the answer's last bytes: [DONE], and the usage before it
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.content.iter_any():
                 tail = (tail + chunk)[-USAGE_TAIL:]
                 yield chunk
             router.m_delivered.inc(_cached_tokens(tail))
             if sse and b"data: [DONE]" not in tail:
-                raise httpx.RemoteProtocolError("the stream ended without [DONE]")
-        except httpx.HTTPError as e:  # the worker died mid-answer: nothing to retry
+                raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+        except aiohttp.ClientError as e:  # the worker died mid-answer: nothing to retry
             router.mark_dead(w, f"mid-stream: {e}")
             router.m_cut.labels(w.url).inc()
             if sse:  # an OpenAI-style error event, so the client sees a failure
@@ -256,7 +285,7 @@ class Proxy:
                                code="worker_failed", kind="server_error")  # fmt: skip
                 yield f"data: {json.dumps(err.body())}\n\n".encode()
         finally:
-            await upstream.aclose()
+            upstream.release()
             ticket.release(served=True)
             router.in_flight_changed(w)
 
