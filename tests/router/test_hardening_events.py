@@ -5,6 +5,7 @@ before the fix (the note of issue 29 says how)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -279,3 +280,68 @@ def test_n_choices_count_against_the_queue_and_share_the_slots():
         assert r.status_code == 200
         # a slot was left for it: it did not wait for one of the big request's choices
         assert first_choice_done and small_done < first_choice_done[0]
+
+
+class CookieWorker:
+    """A worker that sets a cookie on every answer and records the headers it is sent: a
+    real worker's card and health (forwarded to it), its own answers to the rest."""
+
+    def __init__(self, real: ServerProcess) -> None:
+        import http.server
+
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # the card and /health: the real worker's
+                r = httpx.get(f"{real.url}{self.path}", timeout=10)
+                self.answer(r.status_code, r.content)
+
+            def do_POST(self) -> None:
+                seen.append({k.lower(): v for k, v in self.headers.items()})
+                self.rfile.read(int(self.headers["content-length"]))
+                body = json.dumps({"id": "x", "object": "chat.completion", "choices": [],
+                                   "usage": {"prompt_tokens": 1}}).encode()  # fmt: skip
+                self.answer(200, body, [("Set-Cookie", "tenant=a-secret; Path=/")])
+
+            def answer(self, status: int, body: bytes, extra=()) -> None:
+                self.send_response(status)
+                for k, v in [("Content-Type", "application/json"), *extra]:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_a) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        # by name: a client keeps no cookie from an address, one from a name it may
+        self.url = f"http://localhost:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_no_cookie_or_compression_crosses_from_one_request_to_the_next():
+    """The router keeps one connection pool to its workers for every client: a cookie a
+    worker set for one request must not ride along with the next (another tenant's), and
+    the router asks for no compression (it relays the bytes as they come)."""
+    real = ServerProcess(*WORKER)
+    worker = CookieWorker(real)
+    router = ServerProcess("--model", "random", "--worker", worker.url, command="route")
+    try:
+        for who in ("first", "second"):
+            body = {"model": "random", "messages": [{"role": "user", "content": who}]}
+            r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200 and "set-cookie" not in r.headers
+        assert len(worker.seen) == 2
+        for headers in worker.seen:
+            assert "cookie" not in headers
+            assert "gzip" not in headers.get("accept-encoding", "")
+    finally:
+        router.stop()
+        real.stop()
+        worker.close()

@@ -125,11 +125,11 @@ class Proxy:
     @asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
         # the body goes as it came, the answer comes back as the worker wrote it (no
-        # compression asked for, none undone: its bytes are relayed), no proxy settings
-        # read from the environment
+        # compression asked for, none undone: its bytes are relayed); no proxy settings
+        # read from the environment, no cookie kept from one request for the next
         self.session = aiohttp.ClientSession(
             headers=self.router.worker_headers, auto_decompress=False, trust_env=False,
-            skip_auto_headers=("Accept-Encoding",),
+            skip_auto_headers=("Accept-Encoding",), cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
         )  # fmt: skip
