@@ -14,7 +14,8 @@ costs ``page x group size`` bytes and the pool holds ``budget // that`` of them.
 request runs as its scheduler runs it: the prompt in a chunk to the block grid and the
 rest, then one decode step a token for every output token but the last, then it is
 freed (its full blocks and the states on the grid stay cached). A request longer than
-the pool can hold is counted as refused (vLLM would not start with that budget).
+the pool can hold is counted as refused (vLLM would not start with that budget); the
+simulator's row (`radixkv.sim.vllm_pool`) must refuse the same sizes.
 
 vLLM's side runs in the vLLM peer's venv (``../shared/peers/setup.sh vllm`` or
 ``benchmarks/peers/setup.sh vllm``); this script starts it (``--peer``) and prints both
@@ -117,20 +118,25 @@ def main() -> int:
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 2
-    ours = [simulate_hybrid(trace, spec, c, "vllm", outputs).token_hit_rate for c in caps]
+    ours = [simulate_hybrid(trace, spec, c, "vllm", outputs) for c in caps]
     print(f"{len(trace.requests)} requests, {spec.name}, vLLM block {spec.vllm_block()}, "
           f"outputs {'cached' if outputs else 'not cached'}")  # fmt: skip
     print(f"{'GB':>6}{'blocks':>8}{'vLLM':>9}{'simulator':>11}{'diff':>8}")
-    worst = 0.0
-    for c, size, a, b in zip(caps, job["sizes"], theirs, ours, strict=True):
-        if a is None:
-            print(f"{c / 1e9:>6g}{size['blocks']:>8,}{'refused':>9}{b:>11.3f}")
+    worst, agree = 0.0, True
+    for c, size, a, row in zip(caps, job["sizes"], theirs, ours, strict=True):
+        b = row.token_hit_rate
+        if a is None or row.refused:  # both must refuse: vLLM would not start
+            agree &= a is None and row.refused > 0
+            mine = f"refused {row.refused}" if row.refused else f"{b:.3f}"
+            print(f"{c / 1e9:>6g}{size['blocks']:>8,}{'refused' if a is None else f'{a:.3f}':>9}"
+                  f"{mine:>11}")  # fmt: skip
             continue
         worst = max(worst, abs(a - b))
         print(f"{c / 1e9:>6g}{size['blocks']:>8,}{a:>9.3f}{b:>11.3f}{b - a:>+8.3f}")
+    refusals = "both refuse the same sizes" if agree else "they refuse different sizes"
     print(f"largest |simulator - vLLM| where vLLM served all: {worst:.4f} (tolerance "
-          f"{TOLERANCE}); vLLM {peer_s:.1f} s")  # fmt: skip
-    return 1 if worst > TOLERANCE else 0
+          f"{TOLERANCE}); {refusals}; vLLM {peer_s:.1f} s")  # fmt: skip
+    return 1 if worst > TOLERANCE or not agree else 0
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 from radixkv.sim.traces import (
     Interner,
@@ -22,3 +24,30 @@ def random_trace(seed: int, requests: int = 120) -> Trace:
         units = interner.units(toks, 1)
         trace.requests.append(SimRequest(units, len(units), len(toks)))
     return trace
+
+
+def marconi_chats(path: Path, sessions: int = 40, seed: int = 3) -> Path:
+    """Chats in Marconi's format: 4 system prompts, 2-5 turns a session, a few sessions
+    live at a time (their turns interleaved), each turn's input the whole history."""
+    rng = random.Random(seed)
+    fresh = iter(range(1000, 10**9))
+    systems = [[next(fresh) for _ in range(rng.randint(100, 400))] for _ in range(4)]
+    live, rows, ts = [], [], 0.0
+    todo = [(s, rng.choice(systems), rng.randint(2, 5)) for s in range(sessions)]
+    while todo or live:
+        while todo and len(live) < 5:
+            sid, system, turns = todo.pop()
+            live.append([sid, list(system), turns, 0])
+        chat = rng.choice(live)
+        sid, history, turns, turn = chat
+        inp = history + [next(fresh) for _ in range(rng.randint(20, 150))]
+        out = [next(fresh) for _ in range(rng.randint(30, 200))]
+        ts += 1.0
+        rows.append({"session_id": sid, "turn_id": turn, "ts": ts, "input_tokens": inp,
+                     "output_tokens": out, "num_input_tokens": len(inp),
+                     "num_output_tokens": len(out)})  # fmt: skip
+        chat[1], chat[3] = inp + out, turn + 1
+        if chat[3] == turns:
+            live.remove(chat)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -69,6 +69,7 @@ from radixkv.kvcache.budget import HybridBudget
 from radixkv.kvcache.spec import prefill_flops
 from radixkv.sim import marconi
 from radixkv.sim.traces import SimRequest, Trace
+from radixkv.sim.vllm_pool import VllmAlignPool
 from radixkv.tree import RadixCache
 from radixkv.tree.state import StateCheckpoints
 from radixkv.tree.window import WindowKV
@@ -277,6 +278,7 @@ class HybridResult:
     mean_bytes: dict[str, float] = field(default_factory=dict)  # full, window, states
     checkpoints: int = 0  # checkpoints taken
     block_tokens: int = 0  # the grid hits land on (vllm), else the page
+    refused: int = 0  # requests the pool could not hold (vllm: it would not start)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -537,6 +539,8 @@ def simulate_hybrid(
         raise ValueError(f"schedule: unknown {schedule!r}; valid: {', '.join(SCHEDULES)}")
     if policy in marconi.POLICIES:
         sim: Any = _MarconiSim(trace, spec, capacity_bytes, policy)
+    elif policy == "vllm" and spec.recurrent_layers and not spec.window_layers:
+        sim = VllmAlignPool(trace, spec, capacity_bytes)  # its block pool, block for block
     else:
         sim = _Sim(trace, spec, capacity_bytes, policy, accounting)
     hit_tokens = prompt_tokens = 0
@@ -558,6 +562,7 @@ def simulate_hybrid(
         mean_bytes={k: v / n for k, v in sim.bytes_sum.items()},
         checkpoints=sim.checkpoints,
         block_tokens=sim.page * sim.unit,
+        refused=getattr(sim, "refused", 0),
     )  # fmt: skip
 
 
