@@ -95,3 +95,14 @@ def test_with_room_for_everything_it_hits_where_the_tree_row_did(tmp_path, outpu
     tree_row = hybrid._Sim(trace, spec, cap, "vllm")
     for r in trace.requests:
         assert pool_row.serve(r, outputs) == tree_row.serve(r, outputs)
+
+
+def test_a_partial_last_unit_is_never_cached_nor_a_state_in_it():
+    """Traces in blocks (Mooncake's 512 tokens a unit) end on a part of one: vLLM caches
+    whole blocks only, so the next turn resumes from the last whole one."""
+    p = VllmAlignPool(Trace("t", G), SPEC, 100 * BLOCK)  # a unit = a block = G tokens
+    first = SimRequest(units=[1, 2, 3], num_prompt_units=3, prompt_tokens=2 * G + 8)
+    assert p.serve(first, False) == 0
+    assert p.cached == {"full": 2, "states": 1}  # 2 whole blocks, the state at their end
+    second = SimRequest(units=[1, 2, 4, 5], num_prompt_units=4, prompt_tokens=3 * G + 8)
+    assert p.serve(second, False) == 2

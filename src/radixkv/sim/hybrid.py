@@ -37,10 +37,12 @@ requests (prompt units, output units, and where known a chat template's boundary
     vllm      vLLM's ``--mamba-cache-mode align``: the attention block inflated until
               a page holds a layer's state (`ModelSpec.vllm_block`), states only on that
               grid (a prompt's last full block, blocks finished while decoding), hits in
-              whole blocks, blocks evicted least recently used, a state padded to the
-              block's page in every layer (`ModelSpec.vllm_checkpoint`); window KV kept
-              until evicted. Within 0.01 of vLLM's own `KVCacheManager` on Marconi's
-              trace at 1 / 2 / 5 GB (benchmarks/peer_vllm_hybrid.py).
+              whole blocks. With recurrent layers (and no window) it is vLLM's block
+              pool itself (`radixkv.sim.vllm_pool`: duplicate blocks, the free queue's
+              order), equal to vLLM's own `KVCacheManager` on Marconi's trace and a
+              synthetic chat (benchmarks/peer_vllm_hybrid.py); with windows the tree:
+              blocks evicted least recently used, a state padded to the block's page in
+              every layer (`ModelSpec.vllm_checkpoint`), window KV kept until evicted.
 
 Every engine's policy (radixkv, sglang, vllm) caches a request's prompt and its output
 but the last token, whose KV is never computed; by default (``accounting="served"``) a

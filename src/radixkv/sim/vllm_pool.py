@@ -27,9 +27,11 @@ would refuse to start with that budget).
 
 Owns: the pool's blocks, their hashes and the free queue, for one simulated row. Must not
 touch: the tree rows (`radixkv.sim.hybrid`), which pick this class for ``vllm`` on a model
-with recurrent layers and no window (vLLM's sliding-window groups are not modelled here). Complexity: O(blocks of the request) dict
-operations a request. `tests/sim/test_vllm_pool.py` checks the rules; the replay through
-vLLM's own code is `benchmarks/peer_vllm_hybrid.py`.
+with recurrent layers and no window (vLLM's sliding-window groups are not modelled here).
+
+Complexity: O(blocks of the request) dict operations a request. `tests/sim/
+test_vllm_pool.py` checks the rules; the replay through vLLM's own code is
+`benchmarks/peer_vllm_hybrid.py`.
 """
 
 from __future__ import annotations
@@ -172,7 +174,12 @@ class VllmAlignPool:
         a token, free); its hit in units."""
         g, P = self.page, req.num_prompt_units
         n = self._cached_units(req, outputs)
-        hashes = self._hashes(req.units, n)
+        # only whole units are hashed (a trace's last unit may be part of a block): a
+        # partial block is never cached, nor a state in it
+        computed = req.prompt_tokens + (
+            req.output_tokens - 1 if outputs and req.output_tokens else 0
+        )
+        hashes = self._hashes(req.units, min(n, computed // self.unit))
         hit = self._hit(hashes, self._max_blocks(req, hashes))
         full = {f: [self._one((f, h)) for h in hashes[:hit]] for f in self.full_ids}
         states: dict[int, list[tuple[int, int]]] = {s: [] for s in self.state_ids}
@@ -185,7 +192,7 @@ class VllmAlignPool:
                 self._touch(b)
                 states[s].append((hit - 1, b))
         self._upto = hit  # full blocks this request has cached so far
-        aligned = P // g * g
+        aligned = min(P, req.prompt_tokens // self.unit) // g * g  # the first chunk's end
         ends = [e for e in (aligned, P) if e > hit * g]
         ends = sorted(set(ends)) + list(range(P + 1, n + 1))  # then one decode step a token
         try:
