@@ -5,16 +5,12 @@ peer's venv (``benchmarks/peers/setup.sh sglang``); skipped without it."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from support.traces import marconi_chats
+from support.traces import peer_replay
 
-ROOT = Path(__file__).resolve().parents[2]
 PEER = Path.home() / ".cache" / "radixkv-peers" / "sglang" / "bin" / "python"
 
 pytestmark = [
@@ -24,16 +20,7 @@ pytestmark = [
 
 
 def test_the_simulators_sglang_row_equals_sglangs_own_cache(tmp_path):
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"name": "small-hybrid", "full_layers": 4, "kv_bytes": 16384,
-                                "recurrent_layers": 24, "state_bytes": 1116160,
-                                "params": 7e9, "attn_dim": 4096}))  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "peer_sglang_hybrid.py"),
-         "--trace", str(marconi_chats(tmp_path / "chats.jsonl")), "--model-spec", str(spec),
-         "--sizes", "0.3,0.6,1.5,4"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    out = peer_replay("peer_sglang_hybrid.py", tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     rates = [float(x) for x in re.findall(r"^\s*[\d.]+\s+[\d,]+\s+[\d,]+\s+([\d.]+)", out.stdout,
                                           re.M)]  # fmt: skip

@@ -7,16 +7,12 @@ it."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from support.traces import marconi_chats
+from support.traces import peer_replay
 
-ROOT = Path(__file__).resolve().parents[2]
 PEER = Path.home() / ".cache" / "radixkv-peers" / "vllm" / "bin" / "python"
 
 pytestmark = [
@@ -27,16 +23,7 @@ pytestmark = [
 
 @pytest.mark.parametrize("outputs", [[], ["--no-outputs"]])
 def test_the_simulators_vllm_row_equals_vllms_own_manager(tmp_path, outputs):
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"name": "small-hybrid", "full_layers": 4, "kv_bytes": 16384,
-                                "recurrent_layers": 24, "state_bytes": 1116160,
-                                "params": 7e9, "attn_dim": 4096}))  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "peer_vllm_hybrid.py"),
-         "--trace", str(marconi_chats(tmp_path / "chats.jsonl")), "--model-spec", str(spec),
-         "--sizes", "0.3,0.6,1.5,4", *outputs],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    out = peer_replay("peer_vllm_hybrid.py", tmp_path, *outputs)
     assert out.returncode == 0, out.stdout + out.stderr
     rates = [float(x) for x in re.findall(r"^\s*[\d.]+\s+[\d,]+\s+([\d.]+)\s", out.stdout, re.M)]
     assert len(rates) >= 3 and rates[0] < rates[-1], out.stdout  # pressure, then room

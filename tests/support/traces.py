@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 from radixkv.sim.traces import (
     Interner,
@@ -51,3 +52,25 @@ def marconi_chats(path: Path, sessions: int = 40, seed: int = 3) -> Path:
             live.remove(chat)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# a small hybrid (4 attention : 24 recurrent layers, Marconi's 7B's shapes)
+SMALL_HYBRID = {"name": "small-hybrid", "full_layers": 4, "kv_bytes": 16384,
+                "recurrent_layers": 24, "state_bytes": 1116160, "params": 7e9,
+                "attn_dim": 4096}  # fmt: skip
+
+
+def peer_replay(script: str, tmp_path: Path, *extra: str) -> Any:
+    """``benchmarks/<script>`` on `marconi_chats` and `SMALL_HYBRID` at 0.3 / 0.6 / 1.5 /
+    4 GB (pressure, then room): the finished process."""
+    import subprocess
+    import sys
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(SMALL_HYBRID))
+    script_path = Path(__file__).resolve().parents[2] / "benchmarks" / script
+    return subprocess.run(
+        [sys.executable, str(script_path), "--trace", str(marconi_chats(tmp_path / "c.jsonl")),
+         "--model-spec", str(spec), "--sizes", "0.3,0.6,1.5,4", *extra],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
