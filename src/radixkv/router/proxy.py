@@ -8,8 +8,8 @@ load, the event-fed index), and forwards the request body unchanged, streaming t
 back byte for byte; the response carries ``x-radixkv-worker``.
 
 Forwarding uses aiohttp (its HTTP parser is C: a streamed answer costs the router about a
-third of httpx's CPU, measured in benchmarks/bench_route.py's notes); health checks and
-the admin calls, a few a second, use httpx.
+third of httpx's CPU; docs/performance.md, "The proxy's cost"); health checks and the
+admin calls, a few a second, use httpx.
 
 Owns: HTTP (the OpenAI endpoints, forwarding, retries, streams) and the health loop. Must
 not touch: how a worker is chosen (`radixkv.router.core`), the fleet's bookkeeping
@@ -57,10 +57,10 @@ NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 KEEPALIVE_S = 4.0
 CONNECT_TIMEOUT_S = 5.0
 HEALTH_TIMEOUT_S = 2.0  # a worker's /health answers within this, or the check failed
-ERROR_BODY_BYTES = 64 << 10
+ERROR_BODY_BYTES = 64 << 10  # an error body read to learn its code, at most
 # a body this small is parsed and tokenized on the event loop (well under a millisecond
 # with a Rust tokenizer); a larger one in a thread
-INLINE_BODY_BYTES = 8 << 10  # an error body read to learn its code, at most
+INLINE_BODY_BYTES = 8 << 10
 
 
 def _cached_tokens(tail: bytes) -> int:
@@ -74,10 +74,15 @@ def _cached_tokens(tail: bytes) -> int:
 async def _read_error(upstream: aiohttp.ClientResponse) -> tuple[bytes, str | None]:
     """A worker's (small) error body, read whole (at most ``ERROR_BODY_BYTES``), and its
     ``error.code`` (None when it has none)."""
-    try:
-        data = await upstream.content.read(ERROR_BODY_BYTES + 1)
+    data = b""
+    try:  # to its end: a read returns what has arrived, which may be a part
+        while len(data) <= ERROR_BODY_BYTES:
+            chunk = await upstream.content.read(ERROR_BODY_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
     except aiohttp.ClientError:
-        data = b""
+        pass  # what arrived, if anything
     finally:
         upstream.release()
     try:
