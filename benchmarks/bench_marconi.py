@@ -16,6 +16,13 @@ as Marconi's rows, so the policies compare like for like):
 
 Exit status 1 when a Marconi row is more than 0.01 off its published cell (page 1).
 
+With ``--by-request GB`` it compares radixkv (as served) with Marconi's own row at that
+size request by request: where each hits more, and why radixkv hit less (one token: an
+engine computes a prompt's last token; more: its KV was evicted, or held without a state
+to resume from):
+
+    python benchmarks/bench_marconi.py --by-request 5
+
 With ``--mooncake conversation_trace.jsonl`` it replays Mooncake's trace instead (its
 512-token blocks as units, no outputs, the Qwen3.5-like spec unless given), every policy
 at fractions of all its prompt tokens' KV, with no published cells to compare:
@@ -74,6 +81,34 @@ def mooncake(args: argparse.Namespace) -> int:
     return 0
 
 
+def by_request(trace: traces.Trace, spec, cap: int) -> None:  # type: ignore[no-untyped-def]
+    """radixkv as served against Marconi's row at ``cap``, request by request."""
+    ours: list[tuple[int, int | None]] = []
+    theirs: list[int] = []
+    simulate_hybrid(trace, spec, cap, "radixkv", True,
+                    on_request=lambda _r, hit, kv: ours.append((hit, kv)))  # fmt: skip
+    simulate_hybrid(
+        trace, spec, cap, "marconi", True, on_request=lambda _r, hit, _k: theirs.append(hit)
+    )
+    total = trace.prompt_tokens()
+    more = [(a, b) for (a, _), b in zip(ours, theirs, strict=True) if a > b]
+    less = [(a, b, kv) for (a, kv), b in zip(ours, theirs, strict=True) if a < b]
+    one = [x for x in less if x[1] - x[0] == 1]
+    evicted = [x for x in less if x[1] - x[0] > 1 and x[2] is not None and x[2] < x[1]]
+    stateless = [x for x in less if x[1] - x[0] > 1 and x not in evicted]
+
+    def share(rows: list, lost: bool = True) -> str:
+        tokens = sum((b - a) if lost else (a - b) for a, b, *_ in rows)
+        return f"{len(rows):>4} requests, {tokens:>8,} tokens ({tokens / total:.4f} of all)"
+
+    print(f"{cap / 1e9:g} GB, radixkv as served against Marconi's row, request by request:")
+    print(f"  radixkv hits more     {share(more, lost=False)}")
+    print(f"  radixkv hits less     {share(less)}")
+    print(f"    by one token        {share(one)}  (a prompt's last token: engines compute it)")
+    print(f"    its KV was evicted  {share(evicted)}")
+    print(f"    KV held, no state   {share(stateless)}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=DATA / "chat120_seed7.jsonl.gz")
@@ -82,6 +117,8 @@ def main() -> int:
     ap.add_argument("--mooncake", help="Mooncake's trace: replay it instead")
     ap.add_argument("--fractions", default="0.01,0.05,0.25")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--by-request", type=float, metavar="GB",
+                    help="radixkv against Marconi's row at GB, request by request")  # fmt: skip
     args = ap.parse_args()
     if args.mooncake:
         return mooncake(args)
@@ -91,6 +128,9 @@ def main() -> int:
         return 2
     trace, spec = load(args.trace, args.page), model_spec(args.model_spec)
     trace.name = args.trace.name.split(".")[0]
+    if args.by_request:
+        by_request(trace, spec, int(args.by_request * 1e9))
+        return 0
     print(f"{trace.name}: {len(trace.requests)} requests, {trace.prompt_tokens():,} prompt "
           f"tokens, page {args.page}; {spec.name}")  # fmt: skip
     print(f"{'policy':<13}" + "".join(f"{s / 1e9:>19g} GB" for s in SIZES) + "   seconds")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from support.traces import marconi_chats
 
 from radixkv.sim import traces
 from radixkv.sim.hybrid import (
@@ -313,3 +314,22 @@ def test_sglang_frees_whole_leaves():
     sim.serve(a, False)
     sim.serve(b, False)  # 50 tokens over: a's whole leaf goes, not its last 50
     assert sim.cache.total_size() == 100 and sim.cache.match_len([*range(100, 200)]) == 0
+
+
+def test_each_requests_hit_and_the_kv_the_tree_found_are_reported(tmp_path):
+    """``simulate_hybrid(on_request=...)``: the hits add up to the row's, and a tree row's
+    KV found is at least its hit (bench_marconi --by-request reads both)."""
+    chats = marconi_chats(tmp_path / "chats.jsonl", sessions=8)
+    trace = traces.load_trace(str(chats), "marconi", 1)
+    spec = ModelSpec("small", full_layers=4, kv_bytes=16384, recurrent_layers=24,
+                     state_bytes=1116160)  # fmt: skip
+    for policy, tree in (("radixkv", True), ("marconi", False), ("vllm", False)):
+        seen: list[tuple[int, int | None]] = []
+
+        def note(_req, hit, kv, seen=seen):  # type: ignore[no-untyped-def]
+            seen.append((hit, kv))
+
+        row = simulate_hybrid(trace, spec, 10**9, policy, on_request=note)
+        assert len(seen) == len(trace.requests) and sum(h for h, _ in seen) == row.hit_tokens
+        assert all((kv is not None and kv >= hit) if tree else kv is None for hit, kv in seen)
+        assert any(hit for hit, _ in seen)

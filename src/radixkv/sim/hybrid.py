@@ -57,7 +57,7 @@ internals (it drives them through their API).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -529,10 +529,14 @@ def lpm_order(trace: Trace, sim: Any) -> Iterator[SimRequest]:
 def simulate_hybrid(
     trace: Trace, spec: ModelSpec, capacity_bytes: int, policy: str, cache_outputs: bool = True,
     accounting: str = "served", schedule: str = "fcfs",
+    on_request: Callable[[SimRequest, int, int | None], None] | None = None,
 ) -> HybridResult:  # fmt: skip
     """Replay ``trace`` through one policy's cache of ``capacity_bytes``; ``accounting``
     (`ACCOUNTING`) for the engines' policies (Marconi's keep their own); ``schedule``:
-    ``fcfs`` (the trace's order) or ``lpm`` (`lpm_order`, for the engines' policies)."""
+    ``fcfs`` (the trace's order) or ``lpm`` (`lpm_order`, for the engines' policies).
+    ``on_request(req, hit_tokens, kv_tokens)``, after each request: its hit, and for the
+    tree rows the tokens of its prompt the cache held before it ran (KV, whether or not
+    a state was there to resume from; None for the other rows)."""
     if policy not in POLICIES:
         raise ValueError(f"policy: unknown {policy!r}; valid: {', '.join(POLICIES)}")
     if accounting not in ACCOUNTING:
@@ -549,8 +553,11 @@ def simulate_hybrid(
     saved = total = 0.0
     lpm = schedule == "lpm" and policy not in marconi.POLICIES
     for req in lpm_order(trace, sim) if lpm else trace.requests:
+        held = sim.cached_prefix(req) if on_request and isinstance(sim, _Sim) else None
         hit = sim.serve(req, cache_outputs)
         tokens = trace.hit_tokens(req, hit)
+        if on_request is not None:
+            on_request(req, tokens, None if held is None else trace.hit_tokens(req, held))
         hit_tokens += tokens
         prompt_tokens += req.prompt_tokens
         saved += spec.flops(tokens)
