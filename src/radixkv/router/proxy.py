@@ -56,6 +56,9 @@ NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # closes idle ones after 5 s, and reusing one it closed would fail a request that ran
 KEEPALIVE_S = 4.0
 CONNECT_TIMEOUT_S = 5.0
+# connections to all workers at once (httpx's default, as before): past it a request
+# waits for one, so a flood cannot take every file descriptor the router has
+MAX_WORKER_CONNECTIONS = 100
 HEALTH_TIMEOUT_S = 2.0  # a worker's /health answers within this, or the check failed
 ERROR_BODY_BYTES = 64 << 10  # an error body read to learn its code, at most
 # a body this small is parsed and tokenized on the event loop (well under a millisecond
@@ -136,7 +139,8 @@ class Proxy:
             headers=self.router.worker_headers, auto_decompress=False, trust_env=False,
             skip_auto_headers=("Accept-Encoding",), cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+            connector=aiohttp.TCPConnector(limit=MAX_WORKER_CONNECTIONS,
+                                           keepalive_timeout=KEEPALIVE_S),
         )  # fmt: skip
         self.router.start_events()
         task = asyncio.ensure_future(self.health_loop())
