@@ -351,7 +351,7 @@ class _Sim:
     # --- one request --------------------------------------------------------------------
     def serve(self, req: SimRequest, outputs: bool) -> int:
         P = req.num_prompt_units
-        units = req.units[: self._cached_units(req, outputs)]
+        units = req.units[: self.trace.cached_units(req, outputs)]
         key = RadixKey(np.asarray(units, dtype=np.int64))
         prompt = key[: max(P - 1, 0) if P * self.unit > req.prompt_tokens - 1 else P]
         _, last, hit, full = self.cache.match_parts(prompt)  # one walk: the hit, the branch
@@ -385,21 +385,12 @@ class _Sim:
         key = RadixKey(np.asarray(req.units[: req.num_prompt_units], dtype=np.int64))
         return self.cache.match_len(key)
 
-    def _cached_units(self, req: SimRequest, outputs: bool) -> int:
-        """Units the request leaves cached: its prompt's, or with its output those of
-        every token but the last, whose KV no engine computes (it is sampled, never fed
-        back: SGLang, vLLM and radixkv's engine cache ``prompt + output - 1`` tokens)."""
-        if not outputs or not req.output_tokens:
-            return req.num_prompt_units
-        computed = (req.prompt_tokens + req.output_tokens - 1) // self.unit
-        return max(req.num_prompt_units, min(len(req.units), computed))
-
     def _positions(
         self, req: SimRequest, full: int, hit: int, outputs: bool
     ) -> list[tuple[int, str]]:
         """Where this policy takes checkpoints (units, increasing), and why."""
         P = min(req.num_prompt_units, req.prompt_tokens // self.unit)  # whole pages
-        n = self._cached_units(req, outputs) if outputs else P
+        n = self.trace.cached_units(req, outputs) if outputs else P
         if not self.spec.recurrent_layers:  # a window kept at the boundaries
             if self.policy != "radixkv" or self.window is None:
                 return []

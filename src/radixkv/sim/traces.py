@@ -72,6 +72,16 @@ class Trace:
         workload; a Mooncake trace gives only their count)."""
         return any(len(r.units) > r.num_prompt_units for r in self.requests)
 
+    def cached_units(self, req: SimRequest, outputs: bool) -> int:
+        """Units a request leaves cached in an engine: its prompt's, or with its output
+        those of every token but the last, whose KV no engine computes (it is sampled,
+        never fed back: SGLang, vLLM and radixkv's engine cache ``prompt + output - 1``
+        tokens)."""
+        if not outputs or not req.output_tokens:
+            return req.num_prompt_units
+        computed = (req.prompt_tokens + req.output_tokens - 1) // self.block_size
+        return max(req.num_prompt_units, min(len(req.units), computed))
+
     def hit_tokens(self, req: SimRequest, hit_units: int) -> int:
         """Tokens served by ``hit_units`` leading cached units (a partial last block
         counts its own size)."""

@@ -55,7 +55,7 @@ class VllmAlignPool:
         if not spec.recurrent_layers or spec.window_layers:
             raise ValueError(f"{spec.name}: the vLLM pool models full attention + recurrent "
                              "layers only")  # fmt: skip
-        self.unit = trace.block_size
+        self.trace, self.unit = trace, trace.block_size
         self.page = max(1, spec.vllm_block() // self.unit)  # units a block
         group = min(spec.full_layers, spec.recurrent_layers)
         page_bytes = max(self.page * self.unit * spec.kv_bytes, spec.state_bytes)
@@ -162,18 +162,11 @@ class VllmAlignPool:
         hashes = self._hashes(req.units, req.num_prompt_units)
         return self._hit(hashes, self._max_blocks(req, hashes)) * self.page
 
-    def _cached_units(self, req: SimRequest, outputs: bool) -> int:
-        """As the tree rows: the prompt, or with its output every token but the last."""
-        if not outputs or not req.output_tokens:
-            return req.num_prompt_units
-        computed = (req.prompt_tokens + req.output_tokens - 1) // self.unit
-        return max(req.num_prompt_units, min(len(req.units), computed))
-
     def serve(self, req: SimRequest, outputs: bool) -> int:
         """Run one request through the pool (hit, prefill in vLLM's chunks, one decode step
         a token, free); its hit in units."""
         g, P = self.page, req.num_prompt_units
-        n = self._cached_units(req, outputs)
+        n = self.trace.cached_units(req, outputs)
         # only whole units are hashed (a trace's last unit may be part of a block): a
         # partial block is never cached, nor a state in it
         computed = req.prompt_tokens + (
