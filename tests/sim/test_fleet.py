@@ -121,6 +121,21 @@ def test_bad_arguments_are_refused(turns):
         simulate_fleet(turns, event_lag_s=-1)
     with pytest.raises(ValueError, match="wire_s"):
         simulate_fleet(turns, wire_s=float("nan"))
+    for bad in (-0.1, 1.5, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match="release_race"):
+            simulate_fleet(turns, release_race=bad)
+
+
+def test_a_release_heard_late_counts_as_load_when_the_next_turn_is_routed(turns):
+    """One conversation, one request at a time, two replicas, least_load: heard first,
+    the answer's end leaves both replicas idle and the next turn goes back to the first
+    (the tie's winner), where its history is; heard only after the next request, the
+    first replica still counts the answer and the next turn goes to the other."""
+    one = [turns[0][:2]]
+    first = simulate_fleet(one, 2, 1 << 16, "least_load", 1, release_race=0.0)
+    late = simulate_fleet(one, 2, 1 << 16, "least_load", 1, release_race=1.0)
+    assert first.per_replica == [2, 0] and first.cached_tokens == _expected_cached(one[0]) > 0
+    assert late.per_replica == [1, 1] and late.cached_tokens == 0
 
 
 # --- SGLang's cache_aware ----------------------------------------------------------------

@@ -20,11 +20,16 @@ Clients (`Conversation`s): ``concurrency`` requests in flight at most, as bench-
 sends a multi-turn workload: each conversation's turns in order, a turn ready when the
 previous one's answer is back, ready turns sent first come first served. Or open loop
 (``arrivals``): every turn sent at its own time, as a trace's timestamps say
-(`trace_turns`). Between the router and a replica, each way, ``wire_s``.
+(`trace_turns`). Between the router and a replica, each way, ``wire_s``; when an answer
+ends, the router hears of it before the freed slot's next request, or after it
+(``release_race``).
 
 Measured against live runs (`benchmarks/bench_route.py` sets the simulated median of 5
-seeds beside every live median): within 0.03 for every policy on chats under pressure
-and behind a shared system prompt, but ``least_load`` at one size (docs/performance.md).
+seeds beside every live median): within 0.03 in 19 of 20 cells (four policies, chats
+under pressure at three pool sizes and behind a shared system prompt at two), with the
+router hearing of an answer's end after the client's next request 70% of the time
+(``release_race``); not SGLang's router when it live places chats unevenly
+(docs/performance.md).
 
 Owns: the clock, the clients, the replicas' timing and the measurements. Must not
 touch: how the engine schedules or caches (its own code runs), how a policy chooses.
@@ -272,10 +277,13 @@ class _Run:
         self, turns: list[list[Turn]], replicas: int, config: EngineConfig, router: str,
         concurrency: int, cost: StepCost, event_lag_s: float, model: str,
         kv_weight: float, wire_s: float, seed: int, arrivals: list[list[float]] | None,
+        release_race: float = 0.0,
     ) -> None:  # fmt: skip
         self.turns, self.cost, self.lag, self.concurrency = turns, cost, event_lag_s, concurrency
         self.wire = wire_s
         self.rng = random.Random(seed)  # the steps' jitter
+        self.release_race = release_race
+        self.race_rng = random.Random(f"release race {seed}")  # apart: jitter draws unchanged
         self.now = 0.0
         self.queue: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()
@@ -378,11 +386,16 @@ class _Run:
         """The answer is back at its client: the router's charge ends, the conversation's
         next turn is ready, and the client sends what it may."""
         c, t = rid
-        self.sent[rid][1].release()
+        charge = self.sent[rid][1]
+        late = self.release_race > 0 and self.race_rng.random() < self.release_race
+        if not late:
+            charge.release()
         self.in_flight -= 1
         if not self.open_loop and t + 1 < len(self.turns[c]):
             self.ready.append((c, t + 1))
         self._send_ready()
+        if late:  # the router heard of the end only after the client's next request
+            charge.release()
 
 
 def trace_turns(trace: Trace) -> TraceTurns:
@@ -416,7 +429,7 @@ def simulate_fleet(
     concurrency: int = 16, cost: StepCost | None = None, event_lag_s: float = 0.0,
     config: EngineConfig | None = None, model: str = "random",
     kv_weight: float = policies.KV_OVERLAP_WEIGHT, wire_s: float = 0.0, seed: int = 0,
-    arrivals: list[list[float]] | None = None,
+    arrivals: list[list[float]] | None = None, release_race: float = 0.0,
 ) -> FleetResult:  # fmt: skip
     """Run ``turns`` (`chat_turns`) through ``replicas`` engines of ``kv_tokens`` each
     behind ``router``, ``concurrency`` requests in flight at most. ``config``: the
@@ -430,7 +443,10 @@ def simulate_fleet(
     jitter; compare medians over seeds with medians over live runs. ``arrivals``: when
     each turn is sent (seconds, one list per conversation, as ``turns``): requests arrive
     at those times whatever the answers (open loop; ``concurrency`` is not used), as a
-    trace's timestamps say (`trace_turns`)."""
+    trace's timestamps say (`trace_turns`). ``release_race``: the chance that the router
+    hears an answer's end only after the client's next request (live, both come a few
+    hundred microseconds after the last chunk, and either may win): that request is
+    routed while the finished one still counts as load on its replica."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     for name, v in (("replicas", replicas), ("kv_tokens", kv_tokens),
@@ -440,12 +456,16 @@ def simulate_fleet(
     for name, v in (("event_lag_s", event_lag_s), ("wire_s", wire_s)):
         if isinstance(v, bool) or not (isinstance(v, int | float) and 0 <= v < math.inf):
             raise ValueError(f"{name} must be a number of seconds >= 0, got {v!r}")
+    if isinstance(release_race, bool) or not (
+        isinstance(release_race, int | float) and 0 <= release_race <= 1
+    ):
+        raise ValueError(f"release_race must be a probability in [0, 1], got {release_race!r}")
     _check_arrivals(turns, arrivals)
     base = config or EngineConfig(page_size=16, max_running=16, chunk_size=2048,
                                   max_context_len=8192)  # fmt: skip
     cfg = dataclasses.replace(base, kv_tokens=kv_tokens)
     run = _Run(turns, replicas, cfg, router, concurrency, cost or StepCost(), event_lag_s,
-               model, kv_weight, wire_s, seed, arrivals)  # fmt: skip
+               model, kv_weight, wire_s, seed, arrivals, release_race)  # fmt: skip
     run.run()
     served = [r.served for r in run.reps]
     mean = sum(served) / len(served)
