@@ -57,8 +57,7 @@ class ScanningBudget(HybridBudget):
         segs = [(n, state.checkpoints(n)[-1]) for n in leaves if state.checkpoints(n)]
         if not segs:  # 3. leaf segments
             return False
-        value = [self.flops(units_before(n) + len(n)) * (1 + n.hit_count * self.frequency)
-                 for n, _ in segs]  # fmt: skip
+        value = [self.flops(units_before(n) + len(n)) for n, _ in segs]
         cost = [state.state_bytes + self._segment(n) * self.token_bytes for n, _ in segs]
         score = utility([float(c.tick) for _, c in segs], value, cost, self.alpha)
         drop, gone = [], 0.0

@@ -364,26 +364,6 @@ def test_budget_evicts_dead_kv_then_superseded_then_by_utility():
     cache.check_integrity()
 
 
-@pytest.mark.parametrize("frequency", [True, False])
-def test_budget_weighs_what_a_segment_saves_by_how_often_it_was_used(frequency):
-    """Three prompts of one length (one saving per byte), used least recently first c,
-    then a, then b; a was matched three times more. A round that must drop two
-    checkpoints takes c's either way; then, counting use, the once-used b's (GDSF's
-    frequency x cost / size), and without it a's, the less recent."""
-    cache, state, _pool = hybrid()
-    budget = HybridBudget(cache, state, token_bytes=1, flops=float, frequency=frequency)
-    state.state_bytes = 10
-    slot = {"c": 1, "a": 2, "b": 3}
-    for name, first in (("c", 100), ("a", 200), ("b", 300)):
-        state.add(cache.insert_node(K(*seq(first, 8))).last_node, slot[name])
-        if name == "a":
-            for _ in range(3):
-                assert cache.match_prefix(K(*seq(200, 8))).prefix_len == 8
-    budget.fit(budget.total() - 2 * state.state_bytes + 1)  # one round: two checkpoints
-    assert sorted(state.held) == [slot["a"] if frequency else slot["b"]]
-    cache.check_integrity()
-
-
 def test_evict_leaf_errors():
     cache = RadixCache(2)
     leaf = cache.insert_node(K(1, 2, 3, 4)).last_node
