@@ -57,7 +57,8 @@ class ScanningBudget(HybridBudget):
         segs = [(n, state.checkpoints(n)[-1]) for n in leaves if state.checkpoints(n)]
         if not segs:  # 3. leaf segments
             return False
-        value = [self.flops(units_before(n) + len(n)) for n, _ in segs]
+        value = [self.flops(units_before(n) + len(n)) * (1 + c.uses * self.frequency)
+                 for n, c in segs]  # fmt: skip
         cost = [state.state_bytes + self._segment(n) * self.token_bytes for n, _ in segs]
         score = utility([float(c.tick) for _, c in segs], value, cost, self.alpha)
         drop, gone = [], 0.0

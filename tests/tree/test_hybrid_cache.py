@@ -364,6 +364,45 @@ def test_budget_evicts_dead_kv_then_superseded_then_by_utility():
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("frequency", [True, False])
+def test_budget_weighs_what_a_segment_saves_by_the_hits_through_it(frequency):
+    """Three prompts of one length (one saving per byte), used least recently first c,
+    then a, then b; three hits resumed from a. A round that must drop two checkpoints
+    takes c's either way; then, counting hits, the unused b's (GDSF's frequency x cost /
+    size), and without them a's, the less recent."""
+    cache, state, _pool = hybrid()
+    budget = HybridBudget(cache, state, token_bytes=1, flops=float, frequency=frequency)
+    state.state_bytes = 10
+    slot = {"c": 1, "a": 2, "b": 3}
+    for name, first in (("c", 100), ("a", 200), ("b", 300)):
+        node = cache.insert_node(K(*seq(first, 8))).last_node
+        state.add(node, slot[name])
+        if name == "a":
+            for _ in range(3):
+                assert state.used(cache.match_prefix(K(*seq(200, 8))).last_node) == slot["a"]
+    assert [state.held[s].uses for s in (1, 2, 3)] == [0, 3, 0]
+    budget.fit(budget.total() - 2 * state.state_bytes + 1)  # one round: two checkpoints
+    assert sorted(state.held) == [slot["a"] if frequency else slot["b"]]
+    cache.check_integrity()
+
+
+def test_a_hit_counts_a_use_of_every_checkpoint_on_its_path_through_splits():
+    """A hit at the end of a conversation counts for the system prompt's checkpoint
+    before it too; a split of the node moves the checkpoints with their counts."""
+    cache, state, _pool = hybrid()
+    conv = cache.insert_node(K(*seq(0, 12))).last_node
+    state.add(conv, 1, offset=4)  # the system prompt's end, inside the node
+    state.add(conv, 2)  # the turn's end
+    state.used(cache.match_prefix(K(*seq(0, 12))).last_node)
+    assert [state.held[s].uses for s in (1, 2)] == [1, 1]
+    other = cache.insert_node(K(*seq(0, 4), 99, 98)).last_node  # splits at 4
+    assert state.held[1].node is not conv and state.held[1].uses == 1
+    state.used(cache.match_prefix(K(*seq(0, 4))).last_node)
+    assert [state.held[s].uses for s in (1, 2)] == [2, 1]
+    assert other.parent is state.held[1].node
+    cache.check_integrity()
+
+
 def test_evict_leaf_errors():
     cache = RadixCache(2)
     leaf = cache.insert_node(K(1, 2, 3, 4)).last_node

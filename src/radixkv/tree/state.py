@@ -67,15 +67,18 @@ UTILITY_ALPHA = 1.0  # Marconi's weight of efficiency against recency
 class Checkpoint:
     """One snapshot: where it sits, its slot, when it was last used, what it saves
     (``flops``: computed for the ``utility`` policy only, which reads it; 0.0 under
-    ``lru``)."""
+    ``lru``), and ``uses``: the hits that resumed from it or from a checkpoint past it on
+    the same path (`StateCheckpoints.used`; it moves with the checkpoint through splits
+    and merges, where a node's counts would not)."""
 
-    __slots__ = ("flops", "kind", "node", "offset", "slot", "tick")
+    __slots__ = ("flops", "kind", "node", "offset", "slot", "tick", "uses")
 
     def __init__(
         self, node: TreeNode, offset: int, slot: int, tick: int, flops: float, kind: str
     ) -> None:
         self.node, self.offset, self.slot, self.tick, self.flops = node, offset, slot, tick, flops
         self.kind = kind
+        self.uses = 0
 
     def __repr__(self) -> str:
         return f"Checkpoint(node={self.node.id}, offset={self.offset}, slot={self.slot})"
@@ -169,12 +172,18 @@ class StateCheckpoints(TreeComponent):
 
     def used(self, node: TreeNode) -> int | None:
         """A match ended at ``node``'s checkpoint and its state is being copied:
-        count the hit and refresh its recency; returns the slot."""
+        count the hit and refresh its recency; returns the slot. Every checkpoint on the
+        path to it counts one more use (one request's hit passed them all). O(depth)."""
         for c in self._of(node):
             if c.offset == len(node):
                 c.tick = next(self._clock)
                 heapq.heappush(self._lru, (c.tick, c.slot))
                 self.hits += 1
+                x: TreeNode | None = node
+                while x is not None:
+                    for p in self._of(x):
+                        p.uses += 1
+                    x = x.parent
                 return c.slot
         return None
 
