@@ -19,8 +19,9 @@ so bytes are not all alike. `evict_bytes` frees, in this order, until enough is 
    cost / size; ``frequency=False``: Marconi's, without it) per byte it frees, each term
    scaled to [0, 1] over the candidates. Its KV turns dead and goes by step 1.
    (Counting only the FLOPs over the checkpoint before it, or the node's bytes, lost 3-5
-   points on one trace or the other; the frequency gained on every trace and engine
-   size measured, up to 0.05 on the synthetic chat and Marconi's trace: docs/hybrid.md.)
+   points on one trace or the other; counting hits gained up to 0.05 on Marconi's trace
+   and the synthetic chat and 0.22 in the engine at one size, lost 0.003 on Mooncake's
+   at 5%: docs/hybrid.md.)
 
 With a window and no recurrent layers, step 3 evicts whole leaves, least recently used
 first (trimming a leaf's tail would leave its new end without window KV); a `WindowKV`
