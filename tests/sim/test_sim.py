@@ -45,6 +45,25 @@ def test_unbounded_replay_equals_the_independent_ceiling(name):
         assert r.evicted_units == 0
 
 
+@pytest.mark.parametrize("name", ["multi-turn", "chat"])
+def test_a_turn_never_arrives_with_the_turn_it_follows(name):
+    """Generated chats carry arrival waves: requests of one timestamp arrive together
+    (the serve replay, ``--schedule lpm``), and a turn, whose prompt holds the previous
+    turn's prompt and answer, comes in a later wave than it; the waves never go back."""
+    trace = GENERATORS[name](conversations=12, turns=4)
+    reqs = trace.requests
+    stamps = [r.timestamp for r in reqs]
+    assert stamps == sorted(stamps) and len(set(stamps)) > 4
+    follows = 0
+    for i, a in enumerate(reqs):
+        seen = list(a.units[: a.num_prompt_units])
+        for b in reqs[i + 1 :]:
+            if list(b.units[: len(seen)]) == seen and b.num_prompt_units > len(seen):
+                assert b.timestamp > a.timestamp
+                follows += 1
+    assert follows >= 12 * 3  # every turn after the first follows one
+
+
 def test_shared_prefix_ceiling_is_what_the_workload_implies():
     trace = GENERATORS["shared-prefix"](
         groups=4, prompts_per_group=8, system_len=320, question_len=64, output_len=16, block_size=16

@@ -491,11 +491,19 @@ def gen_shared_prefix(
 
 def _interleave(queues: list[list], rng: random.Random) -> list:
     """Pop from the front of a random queue until all are empty: conversations whose
-    turns arrive interleaved, each in its own order."""
+    turns arrive interleaved, each in its own order. Each record's ``timestamp`` (ms) is
+    its wave: requests with one timestamp arrive together (`radixkv.sim.serve_replay`,
+    ``--schedule lpm``), so a turn never shares a wave with its conversation's previous
+    turn, whose answer it carries (the earliest wave after it, in the queues' order)."""
     records = []
+    wave, last = 0, {}  # the wave now; each conversation's last wave
     while queues:
-        q = queues[rng.randrange(len(queues))]
-        records.append(q.pop(0))
+        k = rng.randrange(len(queues))
+        q = queues[k]
+        wave = max(wave, last.get(id(q), -1) + 1)
+        last[id(q)] = wave
+        prompt, rec = q.pop(0)
+        records.append((prompt, {**rec, "timestamp": wave}))
         if not q:
             queues.remove(q)
     return records
