@@ -498,8 +498,7 @@ def _interleave(queues: list[list], rng: random.Random) -> list:
     records = []
     wave, last = 0, {}  # the wave now; each conversation's last wave
     while queues:
-        k = rng.randrange(len(queues))
-        q = queues[k]
+        q = queues[rng.randrange(len(queues))]
         wave = max(wave, last.get(id(q), -1) + 1)
         last[id(q)] = wave
         prompt, rec = q.pop(0)
