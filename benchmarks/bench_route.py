@@ -454,8 +454,10 @@ def summarize(rows: list[dict]) -> None:
             if "kv" in by and "sglang:cache_aware" in by:
                 peer = by["sglang:cache_aware"]["hit_rate"]
                 ratios.append(by["kv"]["hit_rate"] / max(peer, 1e-9))
-        runs = len({r["run"] for r in mine})
-        print(f"{workload}, {kv_tokens:,} KV tokens a replica, medians of {runs} run(s):")
+        print(
+            f"{workload}, {kv_tokens:,} KV tokens a replica, medians of "
+            f"{len({r['run'] for r in mine})} run(s):"
+        )
         med: dict[str, dict] = {}
         for router in dict.fromkeys(r["router"] for r in mine):
             runs = [r for r in mine if r["router"] == router]
