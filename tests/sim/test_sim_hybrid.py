@@ -316,6 +316,22 @@ def test_sglang_frees_whole_leaves():
     assert sim.cache.total_size() == 100 and sim.cache.match_len([*range(100, 200)]) == 0
 
 
+def test_the_kv_reported_counts_what_the_tree_holds_without_a_state_there():
+    """Two prompts share 64 tokens; the first has no checkpoint there (the branch point is
+    not one yet), so the second hits nothing, but the tree held those 64 tokens' KV, and
+    ``on_request`` says so (what --by-request calls "KV held, no state")."""
+    from radixkv.sim.traces import SimRequest, Trace
+
+    spec = ModelSpec("tiny-states", 8, 4096, recurrent_layers=1, state_bytes=4096)
+    shared = list(range(1000, 1064))
+    a = SimRequest([*shared, *range(1, 37)], 100, 100)
+    b = SimRequest([*shared, *range(2001, 2037)], 100, 100)
+    seen: list[tuple[int, int | None]] = []
+    simulate_hybrid(Trace("two", 1, [a, b]), spec, 10**9, "radixkv", False,
+                    on_request=lambda _r, hit, kv: seen.append((hit, kv)))  # fmt: skip
+    assert seen == [(0, 0), (0, 64)]
+
+
 def test_each_requests_hit_and_the_kv_the_tree_found_are_reported(tmp_path):
     """``simulate_hybrid(on_request=...)``: the hits add up to the row's, and a tree row's
     KV found is at least its hit (bench_marconi --by-request reads both)."""

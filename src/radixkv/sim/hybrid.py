@@ -379,11 +379,12 @@ class _Sim:
             self.bytes_sum[k] += v
         return hit
 
-    def cached_prefix(self, req: SimRequest) -> int:
+    def cached_prefix(self, req: SimRequest, kv: bool = False) -> int:
         """Units of the request's prompt a match would serve now (what the engine's
-        ``lpm`` schedule ranks waiting requests by); no change to the cache."""
+        ``lpm`` schedule ranks waiting requests by); ``kv``: the KV held, whether or not
+        a state is there to resume from. No change to the cache."""
         key = RadixKey(np.asarray(req.units[: req.num_prompt_units], dtype=np.int64))
-        return self.cache.match_len(key)
+        return self.cache.match_len(key, full=kv)
 
     def _positions(
         self, req: SimRequest, full: int, hit: int, outputs: bool
@@ -544,7 +545,7 @@ def simulate_hybrid(
     saved = total = 0.0
     lpm = schedule == "lpm" and policy not in marconi.POLICIES
     for req in lpm_order(trace, sim) if lpm else trace.requests:
-        held = sim.cached_prefix(req) if on_request and isinstance(sim, _Sim) else None
+        held = sim.cached_prefix(req, kv=True) if on_request and isinstance(sim, _Sim) else None
         hit = sim.serve(req, cache_outputs)
         tokens = trace.hit_tokens(req, hit)
         if on_request is not None:
