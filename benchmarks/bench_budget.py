@@ -60,13 +60,19 @@ class ScanningBudget(HybridBudget):
         value = [self.flops(units_before(n) + len(n)) * (1 + c.uses * self.frequency)
                  for n, c in segs]  # fmt: skip
         cost = [state.state_bytes + self._segment(n) * self.token_bytes for n, _ in segs]
-        score = utility([float(c.tick) for _, c in segs], value, cost, self.alpha)
+        if self.order == "greedy-dual":
+            pairs = zip(segs, value, cost, strict=True)
+            score = [c.age + v / max(b, 1.0) for (_, c), v, b in pairs]
+        else:
+            score = utility([float(c.tick) for _, c in segs], value, cost, self.alpha)
         drop, gone = [], 0.0
         for i in sorted(range(len(segs)), key=score.__getitem__):
             drop.append(segs[i][1])
             gone += cost[i]
             if gone >= over:
                 break
+        if self.order == "greedy-dual":
+            state.age = max(state.age, score[i])
         state.drop(drop)
         return True
 

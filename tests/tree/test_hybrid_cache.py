@@ -386,6 +386,43 @@ def test_budget_weighs_what_a_segment_saves_by_the_hits_through_it(frequency):
     cache.check_integrity()
 
 
+def test_greedy_dual_lets_a_segment_left_alone_go_once_the_clock_passes_it():
+    """A saves the most per byte (a prefix's FLOPs grow as its square); B, then C, each
+    saving less, go first, and each victim moves the clock to its score. D, taken after
+    C went, starts from that clock and outscores A: A goes, however much it saves (with
+    the clock ignored, D would go and A never)."""
+    cache, state, _pool = hybrid()
+    budget = HybridBudget(cache, state, token_bytes=1, flops=lambda n: float(n * n))
+    state.state_bytes = 10
+
+    def take(first: int, n: int, slot: int) -> None:
+        state.add(cache.insert_node(K(*seq(first, n))).last_node, slot)
+
+    def drop_one() -> int:
+        held = set(state.held)
+        while set(state.held) == held:  # (a round may free dead KV first)
+            budget.fit(budget.total() - 1)
+        (gone,) = held - set(state.held)
+        return gone
+
+    take(100, 16, 1)  # A: 256 / 26 = 9.8 per byte
+    take(200, 8, 2)  # B: 64 / 18 = 3.6
+    assert drop_one() == 2 and state.age == pytest.approx(64 / 18)
+    take(300, 8, 3)  # C: 3.6 + 3.6 = 7.1
+    assert drop_one() == 3 and state.age == pytest.approx(2 * 64 / 18)
+    take(400, 8, 4)  # D: 7.1 + 3.6 = 10.7 > A's 9.8
+    assert state.held[4].age == state.age and state.held[1].age == 0.0
+    assert drop_one() == 1
+    cache.check_integrity()
+
+
+def test_budget_refuses_an_unknown_order():
+    cache, state, _pool = hybrid()
+    with pytest.raises(ValueError, match="order must be one of"):
+        HybridBudget(cache, state, token_bytes=1, order="lfu")
+    assert not cache.components or all(c.name != "budget" for c in cache.components)
+
+
 def test_a_hit_counts_a_use_of_every_checkpoint_on_its_path_through_splits():
     """A hit at the end of a conversation counts for the system prompt's checkpoint
     before it too; a split of the node moves the checkpoints with their counts."""
@@ -431,10 +468,13 @@ def scanning_budget() -> type:
     return module.ScanningBudget
 
 
+@pytest.mark.parametrize("order", ["greedy-dual", "utility"])
 @pytest.mark.parametrize("preset", ["qwen3.5-4b", "nemotron-h", "gemma-3"])
-def test_budget_keeps_the_order_of_a_full_scan(preset, monkeypatch):
+def test_budget_keeps_the_order_of_a_full_scan(preset, order, monkeypatch):
     """The incremental candidate sets evict exactly what scanning the whole tree every
     round evicts: the same hits, checkpoints and bytes, at tight and loose budgets."""
+    from functools import partial
+
     import radixkv.sim.hybrid as sim
     from radixkv.sim.traces import gen_chat
 
@@ -444,8 +484,9 @@ def test_budget_keeps_the_order_of_a_full_scan(preset, monkeypatch):
     every = sum(len(r.units) for r in trace.requests) * 16 * (spec.full_kv + spec.window_kv)
     ceiling = sim.simulate_hybrid(trace, spec, sim.UNBOUNDED, "radixkv").hit_tokens
     for frac in (0.02, 0.05, 0.1) if spec.window else (0.15, 0.3, 0.6):
+        monkeypatch.setattr(sim, "HybridBudget", partial(HybridBudget, order=order))
         got = sim.simulate_hybrid(trace, spec, int(every * frac), "radixkv")
-        monkeypatch.setattr(sim, "HybridBudget", scanning_budget())
+        monkeypatch.setattr(sim, "HybridBudget", partial(scanning_budget(), order=order))
         want = sim.simulate_hybrid(trace, spec, int(every * frac), "radixkv")
         monkeypatch.undo()
         assert 0 < got.hit_tokens < ceiling, frac  # it hit, and the budget bit

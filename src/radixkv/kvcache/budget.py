@@ -11,17 +11,21 @@ so bytes are not all alike. `evict_bytes` frees, in this order, until enough is 
 2. **Superseded checkpoints** (`StateCheckpoints.superseded`: an earlier turn's end
    that the conversation went on from, with no branch there), least recently used
    first; the KV stays, the conversation's later checkpoint still needs it.
-3. **Leaf segments by utility**: a leaf's last checkpoint and the KV that dropping it
-   frees (back to the checkpoint before it on the path, a branch point or a lock), the
-   lowest ``recency + alpha x efficiency`` first, where efficiency is the prefill FLOPs
-   a hit there saves (the whole prefix's, as Marconi counts) times how often hits came
-   through it (``1 + uses`` of the checkpoint: Greedy-Dual-Size-Frequency's frequency x
-   cost / size; ``frequency=False``: Marconi's, without it) per byte it frees, each term
-   scaled to [0, 1] over the candidates. Its KV turns dead and goes by step 1.
+3. **Leaf segments by worth**: a leaf's last checkpoint and the KV that dropping it
+   frees (back to the checkpoint before it on the path, a branch point or a lock). Its
+   worth per byte is the prefill FLOPs a hit there saves (the whole prefix's, as Marconi
+   counts) times how often hits came through it (``1 + uses`` of the checkpoint;
+   ``frequency=False``: once) over the bytes it frees. The default order,
+   Greedy-Dual-Size-Frequency (Cherkasova, 1998), drops the lowest ``age + worth``
+   first, where ``age`` is a clock that rises to each victim's score and a checkpoint
+   keeps the clock's value from when it was last used or taken (`Checkpoint.age`): a
+   segment left alone long enough goes, however much it saves, and no weight needs
+   tuning. ``order="utility"`` is Marconi's: the lowest ``recency + alpha x worth``,
+   each term scaled to [0, 1] over the candidates. Its KV turns dead and goes by step 1.
    (Counting only the FLOPs over the checkpoint before it, or the node's bytes, lost 3-5
    points on one trace or the other; counting hits gained up to 0.05 on Marconi's trace
-   and the synthetic chat and 0.22 in the engine at one size, lost 0.003 on Mooncake's
-   at 5%: docs/hybrid.md.)
+   and the synthetic chat; greedy-dual over utility gained up to 0.08 on both and in
+   the engine, and lost 0.007 on Mooncake's at 5%: docs/hybrid.md.)
 
 With a window and no recurrent layers, step 3 evicts whole leaves, least recently used
 first (trimming a leaf's tail would leave its new end without window KV); a `WindowKV`
@@ -64,6 +68,8 @@ from radixkv.units import div_ceil
 _LRU = attrgetter("last_access", "id")  # least recently used first (ids break ties)
 _TICK = attrgetter("tick")
 _USES = attrgetter("uses")
+_AGE = attrgetter("age")
+ORDERS = ("greedy-dual", "utility")  # step 3's order (the module docstring)
 
 if TYPE_CHECKING:
     from radixkv.tree.core import RadixCache
@@ -81,12 +87,13 @@ class HybridBudget(TreeComponent):
         token_bytes: full-attention KV bytes of one unit (all full layers together).
         window_bytes: window-layer KV bytes of one unit.
         flops: prefill FLOPs of a prefix of ``n`` units (what a hit saves).
-        alpha: weight of efficiency against recency.
+        alpha: weight of efficiency against recency (``order="utility"`` only).
         frequency: weigh what a segment saves by how many hits came through its
             checkpoint (``1 + Checkpoint.uses``); ``False``: Marconi's efficiency alone.
+        order: step 3's order, ``greedy-dual`` or ``utility`` (Marconi's).
 
     Raises:
-        ValueError: bad sizes, or a cache that holds pages already.
+        ValueError: bad sizes, an unknown ``order``, or a cache that holds pages already.
     """
 
     name = "budget"
@@ -102,12 +109,16 @@ class HybridBudget(TreeComponent):
         flops: Callable[[int], float] = float,
         alpha: float = 1.0,
         frequency: bool = True,
+        order: str = "greedy-dual",
     ) -> None:
         if token_bytes < 0 or window_bytes < 0 or token_bytes + window_bytes < 1:
             raise ValueError("token_bytes and window_bytes must be >= 0, one of them > 0")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         self.state, self.window = state, window
         self.token_bytes, self.window_bytes = token_bytes, window_bytes
         self.flops, self.alpha, self.frequency = flops, alpha, frequency
+        self.order = order
         self._marked: set[TreeNode] = set()  # touched since the last round
         self._leaves: set[TreeNode] = set()  # unlocked leaves
         self._dead: set[TreeNode] = set()  # unlocked leaves with dead KV (no window)
@@ -188,7 +199,10 @@ class HybridBudget(TreeComponent):
         cost = np.fromiter(map(self._cost.__getitem__, segs), np.float64, n)
         if self.frequency:  # the hits that came through it (read now: they count at once)
             value *= 1.0 + np.fromiter(map(_USES, last), np.float64, n)
-        score = utility_array(ticks, value, cost, self.alpha)
+        if self.order == "greedy-dual":  # the clock when last used + what it saves per byte
+            score = np.fromiter(map(_AGE, last), np.float64, n) + value / np.maximum(cost, 1.0)
+        else:
+            score = utility_array(ticks, value, cost, self.alpha)
         drop: list[Checkpoint] = []
         gone = 0.0
         for i in np.argsort(score, kind="stable").tolist():
@@ -196,6 +210,8 @@ class HybridBudget(TreeComponent):
             gone += cost[i]
             if gone >= over:
                 break
+        if self.order == "greedy-dual":  # the clock moves to the last victim's score
+            state.age = max(state.age, float(score[i]))
         state.drop(drop)  # their KV is dead now: the next round frees it
         return True
 

@@ -65,13 +65,14 @@ UTILITY_ALPHA = 1.0  # Marconi's weight of efficiency against recency
 
 
 class Checkpoint:
-    """One snapshot: where it sits, its slot, when it was last used, what it saves
+    """One snapshot: where it sits, its slot, when it was last used (``tick``; ``age``:
+    `StateCheckpoints.age` then, the clock a Greedy-Dual order reads), what it saves
     (``flops``: computed for the ``utility`` policy only, which reads it; 0.0 under
     ``lru``), and ``uses``: the hits that resumed from it or from a checkpoint past it on
     the same path (`StateCheckpoints.used`; it moves with the checkpoint through splits
     and merges, where a node's counts would not)."""
 
-    __slots__ = ("flops", "kind", "node", "offset", "slot", "tick", "uses")
+    __slots__ = ("age", "flops", "kind", "node", "offset", "slot", "tick", "uses")
 
     def __init__(
         self, node: TreeNode, offset: int, slot: int, tick: int, flops: float, kind: str
@@ -79,6 +80,7 @@ class Checkpoint:
         self.node, self.offset, self.slot, self.tick, self.flops = node, offset, slot, tick, flops
         self.kind = kind
         self.uses = 0
+        self.age = 0.0
 
     def __repr__(self) -> str:
         return f"Checkpoint(node={self.node.id}, offset={self.offset}, slot={self.slot})"
@@ -122,6 +124,9 @@ class StateCheckpoints(TreeComponent):
         self.state_bytes, self.every_pages = state_bytes, every_pages
         self.held: dict[int, Checkpoint] = {}  # slot -> checkpoint
         self._clock = itertools.count(1)
+        # Greedy-Dual's clock L, raised by an eviction order that reads it (`HybridBudget`):
+        # a checkpoint keeps the value it had when last used or taken (`Checkpoint.age`)
+        self.age = 0.0
         self._lru: list[tuple[int, int]] = []  # (tick, slot), lazily invalidated
         self.evictions = 0  # checkpoints evicted to stay within max_states
         self.hits = 0  # matches served from a checkpoint
@@ -176,8 +181,7 @@ class StateCheckpoints(TreeComponent):
         path to it counts one more use (one request's hit passed them all). O(depth)."""
         for c in self._of(node):
             if c.offset == len(node):
-                c.tick = next(self._clock)
-                heapq.heappush(self._lru, (c.tick, c.slot))
+                self._touch(c)
                 self.hits += 1
                 x: TreeNode | None = node
                 while x is not None:
@@ -186,6 +190,10 @@ class StateCheckpoints(TreeComponent):
                     x = x.parent
                 return c.slot
         return None
+
+    def _touch(self, c: Checkpoint) -> None:
+        c.tick, c.age = next(self._clock), self.age
+        heapq.heappush(self._lru, (c.tick, c.slot))
 
     # --- adding -------------------------------------------------------------------------
     def add(self, node: TreeNode, slot: int, offset: int | None = None, kind: str = "end") -> bool:
@@ -212,12 +220,12 @@ class StateCheckpoints(TreeComponent):
         cps = self._of(node)
         for c in cps:
             if c.offset == offset:  # the same state again: it was just reached, refresh it
-                c.tick = next(self._clock)
-                heapq.heappush(self._lru, (c.tick, c.slot))
+                self._touch(c)
                 return False
         # the compute it saves: only the utility policy reads it (an O(depth) walk)
         flops = self.prefill_flops(units_before(node) + offset) if self.policy == "utility" else 0.0
         c = Checkpoint(node, offset, slot, next(self._clock), flops, kind)
+        c.age = self.age
         node.ext[self.index] = (  # type: ignore[index]
             tuple(sorted((*cps, c), key=lambda x: x.offset)) if cps else (c,)
         )
@@ -410,6 +418,7 @@ class StateCheckpoints(TreeComponent):
         self.held.clear()
         self._lru.clear()
         self.protected.clear()
+        self.age = 0.0
 
     def check_node(self, node: TreeNode, parent: TreeNode) -> None:
         page = self.cache.page_size
@@ -432,6 +441,8 @@ class StateCheckpoints(TreeComponent):
         for c in self.held.values():
             if id(c.node) not in nodes:
                 raise AssertionError(f"checkpoint slot {c.slot} sits on a node not in the tree")
+            if c.age > self.age:
+                raise AssertionError(f"checkpoint slot {c.slot} is older than the clock")
 
 
 def utility(ticks: list[float], value: list[float], cost: list[float], alpha: float) -> list[float]:
