@@ -25,7 +25,6 @@ from radixkv.engine.loader import build_memory, build_states, plan_arena, split_
 from radixkv.kvcache.arena import ArenaCheckpoints, ArenaRoom
 from radixkv.kvcache.budget import HybridBudget
 from radixkv.kvcache.recurrent import RecurrentStates
-from radixkv.kvcache.spec import prefill_flops
 
 MIB = 2**-20
 
@@ -69,22 +68,18 @@ class CacheMemory:
         self.budget: HybridBudget | None = None
         self.room: ArenaRoom | None = None
         if self.arena is not None:
-            self._use_room(model, cfg.page_size)
+            self._use_room(cfg.page_size)
 
-    def _use_room(self, model: torch.nn.Module, p: int) -> None:
+    def _use_room(self, p: int) -> None:
         """One arena: its room frees units across kinds in the budget's order; every
         kind's allocation goes through it."""
-        plan, mc = self.arena, model.config  # type: ignore[attr-defined]
+        plan = self.arena
         assert plan is not None
         unit = plan.arena.unit_bytes
-        params = float(sum(w.numel() for w in model.parameters()))
-        width = mc.num_attention_heads * mc.head_dim
-        full, wl = plan.full_columns * plan.group, len(plan.window_layers)
         win = self.window.component if self.window is not None else None
-        self.budget = HybridBudget(
+        self.budget = HybridBudget(  # a hit's worth: the tokens it saves (the budget's default)
             self.cache, self.recurrent.component if self.recurrent is not None else None, win,
             token_bytes=plan.full_columns * unit // p, window_bytes=plan.window_columns * unit // p,
-            flops=lambda units: prefill_flops(units * p, params, width, full, wl, plan.window),
         )  # fmt: skip
         self.room = ArenaRoom(plan.arena, self.budget, plan.full_columns, win,
                               max(plan.window_columns, 1), p)  # fmt: skip

@@ -13,19 +13,21 @@ so bytes are not all alike. `evict_bytes` frees, in this order, until enough is 
    first; the KV stays, the conversation's later checkpoint still needs it.
 3. **Leaf segments by worth**: a leaf's last checkpoint and the KV that dropping it
    frees (back to the checkpoint before it on the path, a branch point or a lock). Its
-   worth per byte is the prefill FLOPs a hit there saves (the whole prefix's, as Marconi
-   counts) times how often hits came through it (``1 + uses`` of the checkpoint;
-   ``frequency=False``: once) over the bytes it frees. The default order,
-   Greedy-Dual-Size-Frequency (Cherkasova, 1998), drops the lowest ``age + worth``
-   first, where ``age`` is a clock that rises to each victim's score and a checkpoint
-   keeps the clock's value from when it was last used or taken (`Checkpoint.age`): a
-   segment left alone long enough goes, however much it saves, and no weight needs
-   tuning. ``order="utility"`` is Marconi's: the lowest ``recency + alpha x worth``,
-   each term scaled to [0, 1] over the candidates. Its KV turns dead and goes by step 1.
+   worth per byte is what a hit there saves (``flops`` of the whole prefix: by default
+   its units, the tokens a hit saves; Marconi counts prefill FLOPs) times how often hits
+   came through it (``1 + uses`` of the checkpoint; ``frequency=False``: once) over the
+   bytes it frees. The default order, Greedy-Dual-Size-Frequency (Cherkasova, 1998),
+   drops the lowest ``age + worth`` first, where ``age`` is a clock that rises to each
+   victim's score and a checkpoint keeps the clock's value from when it was last used
+   or taken (`Checkpoint.age`): a segment left alone long enough goes, however much it
+   saves, and no weight needs tuning. ``order="utility"`` is Marconi's: the lowest
+   ``recency + alpha x worth``, each term scaled to [0, 1] over the candidates. Its KV
+   turns dead and goes by step 1.
    (Counting only the FLOPs over the checkpoint before it, or the node's bytes, lost 3-5
    points on one trace or the other; counting hits gained up to 0.05 on Marconi's trace
    and the synthetic chat; greedy-dual over utility gained up to 0.08 on both and in
-   the engine, and lost 0.007 on Mooncake's at 5%: docs/hybrid.md.)
+   the engine; worth in tokens rather than FLOPs did as well or better nearly
+   everywhere, in FLOPs saved too: docs/hybrid.md.)
 
 With a window and no recurrent layers, step 3 evicts whole leaves, least recently used
 first (trimming a leaf's tail would leave its new end without window KV); a `WindowKV`
@@ -86,7 +88,8 @@ class HybridBudget(TreeComponent):
             ``window``: its components, if the model has them.
         token_bytes: full-attention KV bytes of one unit (all full layers together).
         window_bytes: window-layer KV bytes of one unit.
-        flops: prefill FLOPs of a prefix of ``n`` units (what a hit saves).
+        flops: what a hit at a prefix of ``n`` units saves (default: ``n``, its tokens;
+            Marconi's worth is its prefill FLOPs, `radixkv.kvcache.spec.prefill_flops`).
         alpha: weight of efficiency against recency (``order="utility"`` only).
         frequency: weigh what a segment saves by how many hits came through its
             checkpoint (``1 + Checkpoint.uses``); ``False``: Marconi's efficiency alone.

@@ -331,10 +331,10 @@ class _Sim:
         self.cache = RadixCache(self.page, eviction_mode=mode, components=tuple(comps))
         if policy == "sglang":
             self.state.on_evict = self._drop_stateless_leaves
+        # a hit's worth: the tokens it saves (the budget's default), as in the engine
         self.budget = HybridBudget(
             self.cache, self.state if spec.recurrent_layers else None, self.window,
             token_bytes=self.unit * spec.full_kv, window_bytes=self.unit * spec.window_kv,
-            flops=lambda units: spec.flops(units * self.unit),
         )  # fmt: skip
         self.next_slot = 0
         self.checkpoints = 0
