@@ -197,7 +197,6 @@ class HybridBudget(TreeComponent):
         segs = sorted(self._segs, key=_LRU)  # (ties in score go least recent first)
         last = list(map(self._last.__getitem__, segs))
         n = len(segs)
-        ticks = np.fromiter(map(_TICK, last), np.float64, n)
         value = np.fromiter(map(self._value.__getitem__, segs), np.float64, n)
         cost = np.fromiter(map(self._cost.__getitem__, segs), np.float64, n)
         if self.frequency:  # the hits that came through it (read now: they count at once)
@@ -205,6 +204,7 @@ class HybridBudget(TreeComponent):
         if self.order == "greedy-dual":  # the clock when last used + what it saves per byte
             score = np.fromiter(map(_AGE, last), np.float64, n) + value / np.maximum(cost, 1.0)
         else:
+            ticks = np.fromiter(map(_TICK, last), np.float64, n)
             score = utility_array(ticks, value, cost, self.alpha)
         drop: list[Checkpoint] = []
         gone = 0.0
