@@ -381,4 +381,4 @@ class HybridBudget(TreeComponent):
                 raise AssertionError(f"budget: leaf {n.id}'s depth or segment is stale")
 
 
-__all__ = ["HybridBudget", "utility"]
+__all__ = ["ORDERS", "HybridBudget", "utility"]
