@@ -28,7 +28,8 @@ With ``--mooncake conversation_trace.jsonl`` it replays Mooncake's trace instead
 at fractions of all its prompt tokens' KV, with no published cells to compare:
 
     python benchmarks/bench_marconi.py --mooncake conversation_trace.jsonl \\
-        [--fractions 0.01,0.05,0.25] [--policies radixkv,marconi,sglang+,vllm+,sglang,vllm]
+        [--fractions 0.01,0.05,0.25] [--policies radixkv,marconi,sglang+,vllm+,sglang,vllm] \\
+        [--checkpoint-every 2048]
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def mooncake(args: argparse.Namespace) -> int:
     print(f"{'policy':<9}" + "".join(f"{f:>10.0%}" for f in fractions) + "   seconds")
     for policy in args.policies.split(","):
         t0 = time.perf_counter()
-        rates = [simulate_hybrid(trace, spec, int(every * f), policy, False).token_hit_rate
+        kw = {"checkpoint_every": args.checkpoint_every} if policy == "radixkv" else {}
+        rates = [simulate_hybrid(trace, spec, int(every * f), policy, False, **kw).token_hit_rate
                  for f in fractions]  # fmt: skip
         print(f"{policy:<9}" + "".join(f"{r:>10.3f}" for r in rates)
               + f"   {time.perf_counter() - t0:.1f}", flush=True)  # fmt: skip
@@ -117,6 +119,9 @@ def main() -> int:
     ap.add_argument("--mooncake", help="Mooncake's trace: replay it instead")
     ap.add_argument("--fractions", default="0.01,0.05,0.25")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="Mooncake: radixkv also checkpoints every N tokens of a prompt, as "
+                    "serve --checkpoint-every (a multiple of 512)")  # fmt: skip
     ap.add_argument("--by-request", type=float, metavar="GB",
                     help="radixkv against Marconi's row at GB, request by request")  # fmt: skip
     args = ap.parse_args()

@@ -109,6 +109,31 @@ def test_the_budget_simulator_admits_as_the_engine_does(tmp_path, hybrid_models,
     assert sim.hit_tokens == sum(r["cached"] for r in records) > 0
 
 
+@pytest.mark.parametrize("every", [0, 8])
+def test_the_budget_simulator_takes_the_engines_checkpoint_grid(tmp_path, hybrid_models, every):
+    """``checkpoint_every`` in the engine and in the simulator: two prompts share 40
+    tokens inside the first's node (no branch point yet); on an 8-token grid both resume
+    the second from 40, without it both compute it whole."""
+    cfg = config(1, cache_bytes=2**22, checkpoint_every=every)
+    engine = Engine(hybrid_models["qwen3.5"], cfg)
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 384, (40,), generator=g).tolist()
+    records = []
+    for _ in range(2):
+        prompt = shared + torch.randint(3, 384, (20,), generator=g).tolist()
+        req = engine.requests[engine.add_request(prompt, SamplingParams(4, ignore_eos=True),
+                                                 chat=False)]  # fmt: skip
+        while engine.has_unfinished():
+            engine.step()
+        records.append({"token_ids": prompt, "output_ids": list(req.output_ids),
+                        "cached": req.prompt_cached})  # fmt: skip
+    assert [r["cached"] for r in records] == [0, 40 if every else 0]
+    trace = write_trace(tmp_path / "served.jsonl", records)
+    spec = ModelSpec.from_folder(hybrid_models["qwen3.5"])
+    sim = simulate_hybrid(trace, spec, 2**22, "radixkv", checkpoint_every=every)
+    assert sim.hit_tokens == records[1]["cached"]
+
+
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
 def test_under_pressure_the_budget_simulator_follows_the_lpm_schedule(
     tmp_path, hybrid_models, name

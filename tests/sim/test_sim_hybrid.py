@@ -245,6 +245,19 @@ def test_model_spec_from_a_folder_counts_the_bytes_the_engine_holds(tmp_path, fa
         (["--model-spec", "qwen3.5-4b", "--policy", "lru"], "--policy: unknown 'lru'"),
         (["--model-spec", "nope"], "--model-spec: "),
         (["--model-spec", "gemma-3", "--capacity", "3b"], "--capacity: "),
+        (["--checkpoint-every", "64"], "--checkpoint-every: only with --model-spec"),
+        (
+            ["--model-spec", "qwen3.5-4b", "--policy", "vllm", "--checkpoint-every", "64"],
+            "--checkpoint-every: only for the radixkv policy",
+        ),
+        (
+            ["--model-spec", "qwen3.5-4b", "--policy", "radixkv", "--checkpoint-every", "24"],
+            "--checkpoint-every must be a multiple of the trace's block size (16)",
+        ),
+        (
+            ["--model-spec", "gemma-3", "--policy", "radixkv", "--checkpoint-every", "64"],
+            "--checkpoint-every: gemma-3-like has no recurrent layers",
+        ),
     ],
 )
 def test_cli_model_spec_errors(args, msg):
@@ -330,6 +343,45 @@ def test_the_kv_reported_counts_what_the_tree_holds_without_a_state_there():
     simulate_hybrid(Trace("two", 1, [a, b]), spec, 10**9, "radixkv", False,
                     on_request=lambda _r, hit, kv: seen.append((hit, kv)))  # fmt: skip
     assert seen == [(0, 0), (0, 64)]
+
+
+def test_checkpoint_every_lets_a_prefix_hit_the_first_time_it_is_shared():
+    """As the engine's ``checkpoint_every``: two prompts share 64 tokens, inside the
+    first's node; on a 32-token grid the second resumes from 64, without one from 0."""
+    from radixkv.sim.traces import SimRequest, Trace
+
+    spec = ModelSpec("tiny-states", 8, 4096, recurrent_layers=1, state_bytes=4096)
+    shared = list(range(1000, 1064))
+    a = SimRequest([*shared, *range(1, 37)], 100, 100)
+    b = SimRequest([*shared, *range(2001, 2037)], 100, 100)
+    trace = Trace("two", 1, [a, b])
+    hits = {}
+    for every in (0, 32):
+        seen: list[int] = []
+        simulate_hybrid(trace, spec, 10**9, "radixkv", False, checkpoint_every=every,
+                        on_request=lambda _r, hit, _kv, seen=seen: seen.append(hit))  # fmt: skip
+        hits[every] = seen
+    assert hits == {0: [0, 0], 32: [0, 64]}
+
+
+@pytest.mark.parametrize(
+    ("every", "policy", "spec", "match"),
+    [
+        (-1, "radixkv", "qwen3.5-4b", "non-negative int"),
+        (True, "radixkv", "qwen3.5-4b", "non-negative int"),
+        (32, "vllm", "qwen3.5-4b", "the radixkv policy's"),
+        (32, "radixkv", "gemma-3", "no recurrent layers"),
+        (24, "radixkv", "qwen3.5-4b", "multiple of the trace's block size"),
+    ],
+)
+def test_checkpoint_every_refuses_what_the_engine_would(every, policy, spec, match):
+    from radixkv.sim.hybrid import PRESETS
+    from radixkv.sim.traces import gen_chat
+
+    trace = gen_chat(conversations=2, turns=1, systems=1, system_len=32, message_len=16,
+                     output_len=8)  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        simulate_hybrid(trace, PRESETS[spec], 10**9, policy, checkpoint_every=every)
 
 
 def test_each_requests_hit_and_the_kv_the_tree_found_are_reported(tmp_path):

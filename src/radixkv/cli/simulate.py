@@ -100,6 +100,14 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --policy serve: prefill tokens a step, as serve's [512]",
     )
+    sim.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=None,
+        help="with --model-spec: the radixkv policy and serve also checkpoint every N "
+        "tokens of a prompt, as serve --checkpoint-every does (a multiple of the trace's "
+        "block size; the other rows are the peers' own) [never]",
+    )
     sim.add_argument("--tokenizer",
                      help="for token traces whose lines carry text: 'byte' (UTF-8 bytes), "
                      "'smollm2', or a gguf_tokenizer.json written by the engine's weight "
@@ -313,6 +321,26 @@ def _replicas(args, trace, counts, caps, labels, outputs, console) -> int:  # ty
     return 0
 
 
+def _hybrid_row(
+    args: argparse.Namespace, trace: Any, spec: Any, cap: int, outputs: bool, policy: str
+) -> Any:
+    """One policy's row at one capacity: the engine's replay, or the budget simulator."""
+    from radixkv.sim import hybrid
+
+    if policy in SERVE:
+        return _serve(args, trace, spec, cap, outputs, policy)
+    every = (args.checkpoint_every or 0) if policy == "radixkv" else 0
+    try:
+        return hybrid.simulate_hybrid(trace, spec, cap, policy, outputs,
+                                      args.accounting or "served", args.schedule or "fcfs",
+                                      checkpoint_every=every)  # fmt: skip
+    except ValueError as e:
+        text = str(e)
+        if not text.startswith("checkpoint_every"):
+            raise
+        raise CliError("--checkpoint-every" + text.removeprefix("checkpoint_every")) from None
+
+
 # flags the hybrid replay has no use for: refused rather than ignored
 _NOT_HYBRID = (("--model", "model"), ("--bytes-per-token", "bytes_per_token"),
                ("--tiers", "tiers"), ("--replicas", "replicas"), ("--router", "router"),
@@ -320,7 +348,8 @@ _NOT_HYBRID = (("--model", "model"), ("--bytes-per-token", "bytes_per_token"),
 
 
 _HYBRID_ONLY = (("--accounting", "accounting"), ("--schedule", "schedule"),
-                ("--concurrency", "concurrency"), ("--chunk-size", "chunk_size"))  # fmt: skip
+                ("--concurrency", "concurrency"), ("--chunk-size", "chunk_size"),
+                ("--checkpoint-every", "checkpoint_every"))  # fmt: skip
 
 
 SERVE = {"serve": "one", "serve-sglang": "sglang"}  # the engine, and its --cache-split
@@ -334,7 +363,8 @@ def _serve(
     try:
         return serve_result(trace, args.model_spec, spec, cap, args.concurrency or 1, outputs,
                             chunk_size=args.chunk_size or 512, schedule=args.schedule or "lpm",
-                            split=SERVE[policy])  # fmt: skip
+                            split=SERVE[policy],
+                            checkpoint_every=args.checkpoint_every or 0)  # fmt: skip
     except ValueError as e:
         text = str(e)
         if text.startswith("cache_bytes: "):
@@ -371,6 +401,9 @@ def _hybrid(args: argparse.Namespace) -> int:
     for flag, value in (("--concurrency", args.concurrency), ("--chunk-size", args.chunk_size)):
         if value is not None and not serve:
             raise CliError(f"{flag}: only with --policy serve (the engine's own knob)")
+    if args.checkpoint_every and not (serve or "radixkv" in policies):
+        raise CliError("--checkpoint-every: only for the radixkv policy and serve (the "
+                       "engine's knob; the other rows are the peers' own)")  # fmt: skip
     trace = _load_trace(args)
     if trace.block_size == traces.MOONCAKE_BLOCK:  # hybrid caches work in pages
         try:
@@ -402,12 +435,7 @@ def _hybrid(args: argparse.Namespace) -> int:
                             total=len(caps) * len(policies))  # fmt: skip
         for cap in caps:
             for policy in policies:
-                if policy in SERVE:
-                    results.append(_serve(args, trace, spec, cap, outputs, policy))
-                else:
-                    results.append(hybrid.simulate_hybrid(
-                        trace, spec, cap, policy, outputs, args.accounting or "served",
-                        args.schedule or "fcfs"))  # fmt: skip
+                results.append(_hybrid_row(args, trace, spec, cap, outputs, policy))
                 bar.advance(task)
     hybrid.print_hybrid_table(results, trace, spec, console)
     rows = {"model": spec.__dict__, "results": [r.to_dict() for r in results]}

@@ -300,8 +300,9 @@ class _Sim:
     """One policy's cache over a trace."""
 
     def __init__(
-        self, trace: Trace, spec: ModelSpec, cap: int, policy: str, accounting: str = "served"
-    ) -> None:
+        self, trace: Trace, spec: ModelSpec, cap: int, policy: str, accounting: str = "served",
+        every_pages: int = 0,
+    ) -> None:  # fmt: skip
         self.trace, self.spec, self.cap, self.policy = trace, spec, cap, policy
         self.accounting = accounting
         self.unit = trace.block_size  # tokens a unit
@@ -320,6 +321,7 @@ class _Sim:
         self.state = StateCheckpoints(
             states, _Slots(), "utility" if policy == "radixkv" else "lru",
             prefill_flops=lambda units: spec.flops(units * self.unit), state_bytes=self.ckpt,
+            every_pages=every_pages,
         )  # fmt: skip
         comps: list[Any] = [self.state] if spec.recurrent_layers else []
         self.window = None
@@ -522,25 +524,29 @@ def simulate_hybrid(
     trace: Trace, spec: ModelSpec, capacity_bytes: int, policy: str, cache_outputs: bool = True,
     accounting: str = "served", schedule: str = "fcfs",
     on_request: Callable[[SimRequest, int, int | None], None] | None = None,
+    checkpoint_every: int = 0,
 ) -> HybridResult:  # fmt: skip
     """Replay ``trace`` through one policy's cache of ``capacity_bytes``; ``accounting``
     (`ACCOUNTING`) for the engines' policies (Marconi's keep their own); ``schedule``:
     ``fcfs`` (the trace's order) or ``lpm`` (`lpm_order`, for the engines' policies).
     ``on_request(req, hit_tokens, kv_tokens)``, after each request: its hit, and for the
     tree rows the tokens of its prompt the cache held before it ran (KV, whether or not
-    a state was there to resume from; None for the other rows)."""
+    a state was there to resume from; None for the other rows). ``checkpoint_every``: the
+    ``radixkv`` policy also checkpoints every this many tokens, as the engine does."""
     if policy not in POLICIES:
         raise ValueError(f"policy: unknown {policy!r}; valid: {', '.join(POLICIES)}")
     if accounting not in ACCOUNTING:
         raise ValueError(f"accounting: unknown {accounting!r}; valid: {', '.join(ACCOUNTING)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: unknown {schedule!r}; valid: {', '.join(SCHEDULES)}")
+    _check_every(checkpoint_every, policy, spec, trace.block_size)
     if policy in marconi.POLICIES:
         sim: Any = _MarconiSim(trace, spec, capacity_bytes, policy)
     elif policy == "vllm" and spec.recurrent_layers and not spec.window_layers:
         sim = VllmAlignPool(trace, spec, capacity_bytes)  # its block pool, block for block
     else:
-        sim = _Sim(trace, spec, capacity_bytes, policy, accounting)
+        sim = _Sim(trace, spec, capacity_bytes, policy, accounting,
+                   checkpoint_every // trace.block_size)  # fmt: skip
     hit_tokens = prompt_tokens = 0
     saved = total = 0.0
     lpm = schedule == "lpm" and policy not in marconi.POLICIES
@@ -585,6 +591,19 @@ def window_bytes_per_token(trace: Trace, spec: ModelSpec, retain: str) -> float:
 
 
 UNBOUNDED = 1 << 62  # a capacity in bytes no trace fills
+
+
+def _check_every(every: int, policy: str, spec: ModelSpec, block: int) -> None:
+    """``checkpoint_every``: the engine's knob, so radixkv's policy alone takes it."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(f"checkpoint_every must be a non-negative int, got {every!r}")
+    for bad, why in (
+        (policy != "radixkv", f": the radixkv policy's (the engine's), not {policy}'s"),
+        (not spec.recurrent_layers, f": {spec.name} has no recurrent layers to checkpoint"),
+        (every % block, f" must be a multiple of the trace's block size ({block}), got {every}"),
+    ):
+        if every and bad:
+            raise ValueError("checkpoint_every" + why)
 
 
 def sweep_hybrid(

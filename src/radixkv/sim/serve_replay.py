@@ -171,14 +171,15 @@ def replay_serve(
 def serve_result(
     trace: Trace, folder: str | Path, spec: ModelSpec, capacity_bytes: int,
     concurrency: int = 1, cache_outputs: bool = True, chunk_size: int = 512,
-    schedule: str = "lpm", split: str = "one",
+    schedule: str = "lpm", split: str = "one", checkpoint_every: int = 0,
 ) -> HybridResult:  # fmt: skip
     """`replay_serve` as a row of the hybrid simulator's table, with ``radixkv serve``'s
     other defaults: policy ``serve`` (one arena), or ``serve-sglang`` with ``split=
     "sglang"`` (the engine with SGLang's fixed split of the same bytes, ``serve
-    --cache-split sglang``)."""
+    --cache-split sglang``); ``checkpoint_every`` as ``serve --checkpoint-every``."""
     cfg = EngineConfig(chunk_size=chunk_size, schedule_policy=schedule,
-                       cache_bytes=capacity_bytes, cache_split=split)  # fmt: skip
+                       cache_bytes=capacity_bytes, cache_split=split,
+                       checkpoint_every=checkpoint_every)  # fmt: skip
     rep = replay_serve(trace, folder, capacity_bytes, cfg, concurrency=concurrency,
                        cache_outputs=cache_outputs)  # fmt: skip
     saved = sum(spec.flops(c) for c in rep.cached)
