@@ -420,6 +420,8 @@ def test_budget_refuses_an_unknown_order():
     cache, state, _pool = hybrid()
     with pytest.raises(ValueError, match="order must be one of"):
         HybridBudget(cache, state, token_bytes=1, order="lfu")
+    with pytest.raises(ValueError, match="alpha weighs the utility order only"):
+        HybridBudget(cache, state, token_bytes=1, alpha=2.0)
     assert not cache.components or all(c.name != "budget" for c in cache.components)
 
 

@@ -96,7 +96,8 @@ class HybridBudget(TreeComponent):
         order: step 3's order, ``greedy-dual`` or ``utility`` (Marconi's).
 
     Raises:
-        ValueError: bad sizes, an unknown ``order``, or a cache that holds pages already.
+        ValueError: bad sizes, an unknown ``order`` (or ``alpha`` without the utility
+            order), or a cache that holds pages already.
     """
 
     name = "budget"
@@ -118,6 +119,8 @@ class HybridBudget(TreeComponent):
             raise ValueError("token_bytes and window_bytes must be >= 0, one of them > 0")
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        if alpha != 1.0 and order != "utility":
+            raise ValueError(f"alpha weighs the utility order only, not {order!r}")
         self.state, self.window = state, window
         self.token_bytes, self.window_bytes = token_bytes, window_bytes
         self.flops, self.alpha, self.frequency = flops, alpha, frequency

@@ -442,7 +442,7 @@ class StateCheckpoints(TreeComponent):
             if id(c.node) not in nodes:
                 raise AssertionError(f"checkpoint slot {c.slot} sits on a node not in the tree")
             if c.age > self.age:
-                raise AssertionError(f"checkpoint slot {c.slot} is older than the clock")
+                raise AssertionError(f"checkpoint slot {c.slot}: its age is past the clock")
 
 
 def utility(ticks: list[float], value: list[float], cost: list[float], alpha: float) -> list[float]:
