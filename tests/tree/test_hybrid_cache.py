@@ -35,9 +35,9 @@ def seq(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
 
-def hybrid(max_states=8, policy="lru", page=1):
+def hybrid(max_states=8, policy="lru", page=1, **kw):
     pool = Pool()
-    state = StateCheckpoints(max_states, pool, policy)
+    state = StateCheckpoints(max_states, pool, policy, **kw)
     cache = RadixCache(page, components=(state,))
     return cache, state, pool
 
@@ -198,6 +198,9 @@ def test_state_api_errors_name_the_argument():
         StateCheckpoints(2, policy="fifo")
     with pytest.raises(TypeError, match="allocator"):
         StateCheckpoints(2, allocator=object())
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="history"):
+            StateCheckpoints(2, history=bad)
     other = RadixCache(2).insert_node(K(1, 2)).last_node
     with pytest.raises(ValueError, match="not in this cache"):
         state.add(other, 5)
@@ -439,6 +442,59 @@ def test_a_hit_counts_a_use_of_every_checkpoint_on_its_path_through_splits():
     state.used(cache.match_prefix(K(*seq(0, 4))).last_node)
     assert [state.held[s].uses for s in (1, 2)] == [2, 1]
     assert other.parent is state.held[1].node
+    cache.check_integrity()
+
+
+def test_a_prefix_taken_again_after_its_checkpoint_was_dropped_starts_from_its_uses():
+    """The use history: a dropped checkpoint leaves its count behind; one taken again at
+    the same prefix, its KV evicted and computed again meanwhile, starts from it plus
+    one. Another prefix, the same tokens in another namespace, or a count the bounded
+    history forgot start at 0."""
+    cache, state, _pool = hybrid(history=2)
+    a = cache.insert_node(K(*seq(0, 8))).last_node
+    state.add(a, 1)
+    for _ in range(2):
+        state.used(cache.match_prefix(K(*seq(0, 8))).last_node)
+    state.drop([state.held[1]])
+    assert cache.evict(8) == 8 and cache.total_size() == 0  # its KV goes too
+    state.add(cache.insert_node(K(*seq(0, 8))).last_node, 2)
+    assert state.held[2].uses == 3
+    state.add(cache.insert_node(K(*seq(100, 8))).last_node, 3)
+    assert state.held[3].uses == 0
+    state.drop([state.held[2]])
+    tenant = RadixKey(np.asarray(seq(0, 8), dtype=np.int64), "tenant-b")
+    state.add(cache.insert_node(tenant).last_node, 4)
+    assert state.held[4].uses == 0  # another namespace's prefix
+    for s in (3, 4):  # two more drops: the history (2) forgets the first
+        state.drop([state.held[s]])
+    state.add(cache.insert_node(K(*seq(0, 8))).last_node, 5)
+    assert state.held[5].uses == 0
+    state.add(cache.insert_node(K(*seq(100, 8))).last_node, 6)
+    assert state.held[6].uses == 1
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("history", [4096, 0])
+def test_the_budget_keeps_a_prefix_that_came_back_over_one_seen_once(history):
+    """A was evicted and came back; B, as long, is newer and seen once. With the use
+    history A's segment is worth two hits and B goes; without it they tie and A, the
+    less recent, goes (the behaviour before the history)."""
+    cache, state, _pool = hybrid(history=history)
+    budget = HybridBudget(cache, state, token_bytes=1)
+    state.state_bytes = 10
+
+    def take(first: int, slot: int) -> None:
+        state.add(cache.insert_node(K(*seq(first, 8))).last_node, slot)
+
+    take(200, 1)
+    budget.fit(0)  # A goes, checkpoint and KV
+    assert budget.total() == 0
+    take(200, 2)  # A again
+    take(300, 3)  # B
+    held = set(state.held)
+    while set(state.held) == held:
+        budget.fit(budget.total() - 1)
+    assert set(state.held) == ({2} if history else {3})
     cache.check_integrity()
 
 

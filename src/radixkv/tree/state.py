@@ -32,6 +32,14 @@ The contract (besides `radixkv.tree.component`'s):
   ``every_pages`` pages of a long prefill (0: never), and boundaries the caller knows
   (a chat template's end of the system message, a prompt-cache breakpoint). The end of
   each output is the caller's to add when the request finishes.
+* **Use history.** A checkpoint counts its ``uses`` (hits through it). One the caller
+  drops (`drop`: an eviction order's victim) leaves its count behind, keyed by a hash
+  of its prefix (namespace and units), for the last ``history`` drops; a checkpoint
+  taken again at that prefix starts from it, plus one: the prefix came back after
+  it was evicted, a use the cache missed. An eviction order that weighs ``uses``
+  (`radixkv.kvcache.budget`) then tells a prefix that keeps returning from one seen
+  once, across evictions (ARC's ghost lists, TinyLFU's history, for one count). A hash
+  collision can only move a count, never what a match serves.
 
 Invariants (``check``): every checkpoint is at a page-aligned position of its node, held
 once, its slot held once; ``len(held) <= max_states``.
@@ -62,6 +70,20 @@ STATE_POLICIES = ("lru", "utility")
 # starts)
 KINDS = ("end", "branch", "boundary", "interval", "resend")
 UTILITY_ALPHA = 1.0  # Marconi's weight of efficiency against recency
+HISTORY = 4096  # dropped checkpoints whose use counts are remembered (the use history)
+
+
+def prefix_hash(node: TreeNode, offset: int) -> int:
+    """A hash of the prefix that ends ``offset`` units into ``node``: its namespace and
+    every unit from the root. O(depth)."""
+    per = len(node.key_bytes) // len(node) if len(node) else 8  # (pairs under EAGLE)
+    parts = [node.key_bytes[: offset * per]]
+    x = node.parent
+    while x is not None and x.id:
+        parts.append(x.key_bytes)
+        x = x.parent
+    parts.reverse()
+    return hash((node.extra_key, b"".join(parts)))
 
 
 class Checkpoint:
@@ -70,7 +92,8 @@ class Checkpoint:
     (``flops``: computed for the ``utility`` policy only, which reads it; 0.0 under
     ``lru``), and ``uses``: the hits that resumed from it or from a checkpoint past it on
     the same path (`StateCheckpoints.used`; it moves with the checkpoint through splits
-    and merges, where a node's counts would not)."""
+    and merges, where a node's counts would not), and those of an earlier checkpoint at
+    the same prefix that was dropped, plus one (the use history)."""
 
     __slots__ = ("age", "flops", "kind", "node", "offset", "slot", "tick", "uses")
 
@@ -98,6 +121,8 @@ class StateCheckpoints(TreeComponent):
             compute saved; the default counts tokens, which ranks alike for one model).
         state_bytes: bytes of one checkpoint (the utility policy's cost).
         every_pages: `plan` also snapshots every this many pages (0: never).
+        history: how many dropped checkpoints' use counts are remembered (0: none;
+            the module docstring's use history).
     """
 
     name = "state"
@@ -110,6 +135,7 @@ class StateCheckpoints(TreeComponent):
         prefill_flops: Callable[[int], float] | None = None,
         state_bytes: int = 1,
         every_pages: int = 0,
+        history: int = HISTORY,
     ) -> None:
         if isinstance(max_states, bool) or not isinstance(max_states, int) or max_states < 1:
             raise ValueError(f"max_states must be a positive int, got {max_states!r}")
@@ -117,11 +143,15 @@ class StateCheckpoints(TreeComponent):
             raise ValueError(f"policy must be one of {STATE_POLICIES}, got {policy!r}")
         if isinstance(every_pages, bool) or not isinstance(every_pages, int) or every_pages < 0:
             raise ValueError(f"every_pages must be a non-negative int, got {every_pages!r}")
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ValueError(f"history must be a non-negative int, got {history!r}")
         if allocator is not None and not callable(getattr(allocator, "free", None)):
             raise TypeError("allocator must have a free(slots) method")
         self.max_states, self.allocator, self.policy = max_states, allocator, policy
         self.prefill_flops = prefill_flops or float
         self.state_bytes, self.every_pages = state_bytes, every_pages
+        self.history = history
+        self._history: dict[int, int] = {}  # prefix hash -> uses, oldest drop first
         self.held: dict[int, Checkpoint] = {}  # slot -> checkpoint
         self._clock = itertools.count(1)
         # Greedy-Dual's clock L, raised by an eviction order that reads it (`HybridBudget`):
@@ -226,6 +256,10 @@ class StateCheckpoints(TreeComponent):
         flops = self.prefill_flops(units_before(node) + offset) if self.policy == "utility" else 0.0
         c = Checkpoint(node, offset, slot, next(self._clock), flops, kind)
         c.age = self.age
+        if self._history:  # the prefix came back after its checkpoint was dropped
+            before = self._history.pop(prefix_hash(node, offset), None)
+            if before is not None:
+                c.uses = before + 1
         node.ext[self.index] = (  # type: ignore[index]
             tuple(sorted((*cps, c), key=lambda x: x.offset)) if cps else (c,)
         )
@@ -361,7 +395,14 @@ class StateCheckpoints(TreeComponent):
 
     def drop(self, victims: list[Checkpoint]) -> None:
         """Evict these checkpoints (a caller's own order): forget them, free their
-        slots (one ``allocator.free``; a failed one stays pending, see `release`)."""
+        slots (one ``allocator.free``; a failed one stays pending, see `release`), and
+        remember their use counts (the module docstring's use history)."""
+        if self.history:
+            remembered = self._history
+            for c in victims:
+                remembered[prefix_hash(c.node, c.offset)] = c.uses
+            while len(remembered) > self.history:
+                del remembered[next(iter(remembered))]
         self._drop(victims)
         self.evictions += len(victims)
 
@@ -418,6 +459,7 @@ class StateCheckpoints(TreeComponent):
         self.held.clear()
         self._lru.clear()
         self.protected.clear()
+        self._history.clear()
         self.age = 0.0
 
     def check_node(self, node: TreeNode, parent: TreeNode) -> None:
