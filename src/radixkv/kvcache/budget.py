@@ -16,11 +16,12 @@ so bytes are not all alike. `evict_bytes` frees, in this order, until enough is 
    worth per byte is what a hit there saves (``flops`` of the whole prefix: by default
    its units, the tokens a hit saves; Marconi counts prefill FLOPs) times how often hits
    came through it (``1 + uses`` of the checkpoint, whose count outlives an eviction:
-   `StateCheckpoints`' use history; ``frequency=False``: once) over the bytes it frees. The default order, Greedy-Dual-Size-Frequency (Cherkasova, 1998),
-   drops the lowest ``age + worth`` first, where ``age`` is a clock that rises to each
-   victim's score and a checkpoint keeps the clock's value from when it was last used
-   or taken (`Checkpoint.age`): a segment left alone long enough goes, however much it
-   saves, and no weight needs tuning. ``order="utility"`` is Marconi's: the lowest
+   `StateCheckpoints`' use history; ``frequency=False``: once) over the bytes it frees.
+   The default order, Greedy-Dual-Size-Frequency (Cherkasova, 1998), drops the lowest
+   ``age + worth`` first, where ``age`` is a clock that rises to each victim's score
+   and a checkpoint keeps the clock's value from when it was last used or taken
+   (`Checkpoint.age`): a segment left alone long enough goes, however much it saves,
+   and no weight needs tuning. ``order="utility"`` is Marconi's: the lowest
    ``recency + alpha x worth``, each term scaled to [0, 1] over the candidates. Its KV
    turns dead and goes by step 1.
    (Counting only the FLOPs over the checkpoint before it, or the node's bytes, lost 3-5
