@@ -448,8 +448,8 @@ def test_a_hit_counts_a_use_of_every_checkpoint_on_its_path_through_splits():
 def test_a_prefix_taken_again_after_its_checkpoint_was_dropped_starts_from_its_uses():
     """The use history: a dropped checkpoint leaves its count behind; one taken again at
     the same prefix, its KV evicted and computed again meanwhile, starts from it plus
-    one. Another prefix, the same tokens in another namespace, or a count the bounded
-    history forgot start at 0."""
+    one. Another prefix, the same tokens in another namespace, a count the bounded
+    history forgot, or one dropped as superseded start at 0."""
     cache, state, _pool = hybrid(history=2)
     a = cache.insert_node(K(*seq(0, 8))).last_node
     state.add(a, 1)
@@ -471,6 +471,9 @@ def test_a_prefix_taken_again_after_its_checkpoint_was_dropped_starts_from_its_u
     assert state.held[5].uses == 0
     state.add(cache.insert_node(K(*seq(100, 8))).last_node, 6)
     assert state.held[6].uses == 1
+    state.drop([state.held[6]], remember=False)  # superseded, not evicted for its worth
+    state.add(cache.insert_node(K(*seq(100, 8))).last_node, 7)
+    assert state.held[7].uses == 0
     cache.check_integrity()
 
 

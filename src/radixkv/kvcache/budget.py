@@ -195,7 +195,7 @@ class HybridBudget(TreeComponent):
             return bool(leaves)
         old = sorted((c for cps in self._old.values() for c in cps), key=_TICK)
         if old:  # 2. superseded checkpoints
-            state.drop(old[: max(1, div_ceil(over, max(state.state_bytes, 1)))])
+            state.drop(old[: max(1, div_ceil(over, max(state.state_bytes, 1)))], remember=False)
             return True
         if not self._segs:  # 3. leaf segments
             return False

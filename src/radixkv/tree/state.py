@@ -33,13 +33,13 @@ The contract (besides `radixkv.tree.component`'s):
   (a chat template's end of the system message, a prompt-cache breakpoint). The end of
   each output is the caller's to add when the request finishes.
 * **Use history.** A checkpoint counts its ``uses`` (hits through it). One the caller
-  drops (`drop`: an eviction order's victim) leaves its count behind, keyed by a hash
-  of its prefix (namespace and units), for the last ``history`` drops; a checkpoint
-  taken again at that prefix starts from it, plus one: the prefix came back after
-  it was evicted, a use the cache missed. An eviction order that weighs ``uses``
-  (`radixkv.kvcache.budget`) then tells a prefix that keeps returning from one seen
-  once, across evictions (ARC's ghost lists, TinyLFU's history, for one count). A hash
-  collision can only move a count, never what a match serves.
+  drops for its worth (`drop`: an eviction order's victim; not a superseded one) leaves
+  its count behind, keyed by a hash of its prefix (namespace and units), for the last
+  ``history`` drops; a checkpoint taken again at that prefix starts from it, plus one:
+  the prefix came back after it was evicted, a use the cache missed. An eviction order
+  that weighs ``uses`` (`radixkv.kvcache.budget`) then tells a prefix that keeps
+  returning from one seen once, across evictions (ARC's ghost lists, TinyLFU's history,
+  for one count). A hash collision can only move a count, never what a match serves.
 
 Invariants (``check``): every checkpoint is at a page-aligned position of its node, held
 once, its slot held once; ``len(held) <= max_states``.
@@ -393,11 +393,13 @@ class StateCheckpoints(TreeComponent):
         order = sorted(range(len(cands)), key=lambda i: (score[i], ticks[i]))
         return [cands[i] for i in order[:n]]
 
-    def drop(self, victims: list[Checkpoint]) -> None:
+    def drop(self, victims: list[Checkpoint], remember: bool = True) -> None:
         """Evict these checkpoints (a caller's own order): forget them, free their
         slots (one ``allocator.free``; a failed one stays pending, see `release`), and
-        remember their use counts (the module docstring's use history)."""
-        if self.history:
+        remember their use counts (the module docstring's use history; ``remember=False``
+        for checkpoints dropped as superseded, not for their worth: the hits through
+        them counted on the later checkpoints of their path too)."""
+        if self.history and remember:
             remembered = self._history
             for c in victims:
                 remembered[prefix_hash(c.node, c.offset)] = c.uses
