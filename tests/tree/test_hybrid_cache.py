@@ -556,3 +556,41 @@ def test_budget_keeps_the_order_of_a_full_scan(preset, order, monkeypatch):
             want.checkpoints,
             want.mean_bytes,
         ), frac
+
+
+@pytest.mark.parametrize("order", ["greedy-dual", "utility"])
+def test_budget_keeps_the_order_of_a_full_scan_when_conversations_fork(order, monkeypatch):
+    """Chats whose earlier turns are taken up again with another message (an edit, a
+    retry): a checkpoint dropped as superseded is taken again where it was, which the
+    use history must treat alike in both (the scan once remembered those drops and
+    evicted differently at 0.3 and 0.6 of the KV)."""
+    from functools import partial
+
+    import radixkv.sim.hybrid as sim
+    from radixkv.sim.traces import SimRequest, Trace, gen_chat
+
+    base = gen_chat(conversations=24, turns=4, systems=2, system_len=256, message_len=64,
+                    output_len=64)  # fmt: skip
+    reqs, fresh = [], 1 << 40
+    for i, r in enumerate(base.requests):
+        reqs.append(r)
+        if i >= 12 and i % 3 == 0:  # a fork of the turn 12 requests back: its history + 4
+            old = base.requests[i - 12]
+            units = [*old.units[: base.cached_units(old, True)], *range(fresh, fresh + 4)]
+            fresh += 4
+            reqs.append(SimRequest(units, len(units), len(units) * base.block_size))
+    trace = Trace("forks", base.block_size, reqs)
+    spec = sim.PRESETS["qwen3.5-4b"]
+    every = sum(len(r.units) for r in reqs) * base.block_size * spec.full_kv
+    for frac in (0.3, 0.6):
+        monkeypatch.setattr(sim, "HybridBudget", partial(HybridBudget, order=order))
+        got = sim.simulate_hybrid(trace, spec, int(every * frac), "radixkv")
+        monkeypatch.setattr(sim, "HybridBudget", partial(scanning_budget(), order=order))
+        want = sim.simulate_hybrid(trace, spec, int(every * frac), "radixkv")
+        monkeypatch.undo()
+        assert got.hit_tokens > 0, frac
+        assert (got.hit_tokens, got.checkpoints, got.mean_bytes) == (
+            want.hit_tokens,
+            want.checkpoints,
+            want.mean_bytes,
+        ), frac
