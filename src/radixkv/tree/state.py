@@ -42,7 +42,8 @@ The contract (besides `radixkv.tree.component`'s):
   for one count). A hash collision can only move a count, never what a match serves.
 
 Invariants (``check``): every checkpoint is at a page-aligned position of its node, held
-once, its slot held once; ``len(held) <= max_states``.
+once, its slot held once; ``len(held) <= max_states``; at most ``history`` counts are
+remembered.
 
 Owns: the checkpoints (positions, slots, use, utility). Must not touch: the tree's
 structure, the full KV, the state pool's contents (the engine copies states).
@@ -478,6 +479,8 @@ class StateCheckpoints(TreeComponent):
     def check(self, nodes: set[int]) -> None:
         if len(self.held) > self.max_states:
             raise AssertionError(f"{len(self.held)} checkpoints, at most {self.max_states}")
+        if len(self._history) > self.history:
+            raise AssertionError(f"{len(self._history)} counts remembered, at most {self.history}")
         if not self.protected.keys() <= self.held.keys():
             raise AssertionError(
                 f"protected slots not held: {self.protected.keys() - self.held.keys()}"
