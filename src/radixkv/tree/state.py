@@ -152,7 +152,7 @@ class StateCheckpoints(TreeComponent):
         self.prefill_flops = prefill_flops or float
         self.state_bytes, self.every_pages = state_bytes, every_pages
         self.history = history
-        self._history: dict[int, int] = {}  # prefix hash -> uses, oldest drop first
+        self._remembered: dict[int, int] = {}  # prefix hash -> uses, oldest drop first
         self.held: dict[int, Checkpoint] = {}  # slot -> checkpoint
         self._clock = itertools.count(1)
         # Greedy-Dual's clock L, raised by an eviction order that reads it (`HybridBudget`):
@@ -257,8 +257,8 @@ class StateCheckpoints(TreeComponent):
         flops = self.prefill_flops(units_before(node) + offset) if self.policy == "utility" else 0.0
         c = Checkpoint(node, offset, slot, next(self._clock), flops, kind)
         c.age = self.age
-        if self._history:  # the prefix came back after its checkpoint was dropped
-            before = self._history.pop(prefix_hash(node, offset), None)
+        if self._remembered:  # the prefix came back after its checkpoint was dropped
+            before = self._remembered.pop(prefix_hash(node, offset), None)
             if before is not None:
                 c.uses = before + 1
         node.ext[self.index] = (  # type: ignore[index]
@@ -401,9 +401,11 @@ class StateCheckpoints(TreeComponent):
         for checkpoints dropped as superseded, not for their worth: the hits through
         them counted on the later checkpoints of their path too)."""
         if self.history and remember:
-            remembered = self._history
+            remembered = self._remembered
             for c in victims:
-                remembered[prefix_hash(c.node, c.offset)] = c.uses
+                key = prefix_hash(c.node, c.offset)
+                remembered.pop(key, None)  # (a prefix dropped again is the newest drop)
+                remembered[key] = c.uses
             while len(remembered) > self.history:
                 del remembered[next(iter(remembered))]
         self._drop(victims)
@@ -462,7 +464,7 @@ class StateCheckpoints(TreeComponent):
         self.held.clear()
         self._lru.clear()
         self.protected.clear()
-        self._history.clear()
+        self._remembered.clear()
         self.age = 0.0
 
     def check_node(self, node: TreeNode, parent: TreeNode) -> None:
@@ -479,8 +481,8 @@ class StateCheckpoints(TreeComponent):
     def check(self, nodes: set[int]) -> None:
         if len(self.held) > self.max_states:
             raise AssertionError(f"{len(self.held)} checkpoints, at most {self.max_states}")
-        if len(self._history) > self.history:
-            raise AssertionError(f"{len(self._history)} counts remembered, at most {self.history}")
+        if len(self._remembered) > self.history:
+            raise AssertionError(f"{len(self._remembered)} counts kept, at most {self.history}")
         if not self.protected.keys() <= self.held.keys():
             raise AssertionError(
                 f"protected slots not held: {self.protected.keys() - self.held.keys()}"
