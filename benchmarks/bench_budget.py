@@ -52,7 +52,7 @@ class ScanningBudget(HybridBudget):
         old = sorted((c for c in state.held.values() if state.superseded(c)),
                      key=lambda c: c.tick)  # fmt: skip
         if old:  # 2. superseded checkpoints
-            state.drop(old[: max(1, -(-over // max(state.state_bytes, 1)))], remember=False)
+            state.drop_superseded(old[: max(1, -(-over // max(state.state_bytes, 1)))])
             return True
         segs = [(n, state.checkpoints(n)[-1]) for n in leaves if state.checkpoints(n)]
         if not segs:  # 3. leaf segments

@@ -471,7 +471,7 @@ def test_a_prefix_taken_again_after_its_checkpoint_was_dropped_starts_from_its_u
     assert state.held[5].uses == 0
     state.add(cache.insert_node(K(*seq(100, 8))).last_node, 6)
     assert state.held[6].uses == 1
-    state.drop([state.held[6]], remember=False)  # superseded, not evicted for its worth
+    state.drop_superseded([state.held[6]])  # not evicted for its worth
     state.add(cache.insert_node(K(*seq(100, 8))).last_node, 7)
     assert state.held[7].uses == 0
     cache.check_integrity()
@@ -498,6 +498,63 @@ def test_the_budget_keeps_a_prefix_that_came_back_over_one_seen_once(history):
     while set(state.held) == held:
         budget.fit(budget.total() - 1)
     assert set(state.held) == ({2} if history else {3})
+    cache.check_integrity()
+
+
+def test_a_superseded_checkpoint_requests_came_back_to_twice_hands_the_next_one_a_use():
+    """A chat's earlier turn, dropped as superseded after requests went on from it
+    twice or more, gives the checkpoint after it on the path one use (not its count);
+    one in the same batch is passed over. A turn resumed once, or one with nothing
+    after it, hands on nothing. The counts are not remembered."""
+    cache, state, _pool = hybrid()
+
+    def turn(n: int, slot: int, first: int = 0) -> None:
+        state.add(cache.insert_node(K(*seq(first, 8 * n))).last_node, slot)
+
+    def resume(n: int, first: int = 0) -> None:
+        state.used(cache.match_prefix(K(*seq(first, 8 * n))).last_node)
+
+    turn(1, 1)
+    for _ in range(3):
+        resume(1)
+    turn(2, 2)
+    assert state.superseded(state.held[1]) and state.held[2].uses == 0
+    state.drop_superseded([state.held[1]])
+    assert state.held[2].uses == 1
+    resume(2)
+    turn(3, 3)
+    turn(4, 4)
+    state.drop_superseded([state.held[2], state.held[3]])  # 3 is going too: 4 gets it
+    assert state.held[4].uses == 1
+    turn(1, 5, first=100)  # another conversation, resumed once
+    resume(1, first=100)
+    turn(2, 6, first=100)
+    state.drop_superseded([state.held[5]])
+    assert state.held[6].uses == 0
+    for _ in range(2):
+        resume(2, first=100)
+    state.drop_superseded([state.held[6]])  # its last turn: nothing after it
+    assert sorted(state.held) == [4] and not state._remembered
+    cache.check_integrity()
+
+
+def test_the_budget_keeps_a_conversation_requests_came_back_to_over_a_prompt_seen_once():
+    """Requests went on twice from A's first turn, then A went on; B, as long, newer,
+    was seen once. Squeezed, the budget drops A's superseded first turn, whose use
+    passes to A's latest: its segment is worth two hits, and B goes (with equal worth
+    the less recent, A, would)."""
+    cache, state, _pool = hybrid()
+    budget = HybridBudget(cache, state, token_bytes=1)
+    state.state_bytes = 10
+    state.add(cache.insert_node(K(*seq(0, 8))).last_node, 1)
+    for _ in range(2):
+        state.used(cache.match_prefix(K(*seq(0, 8))).last_node)
+    state.add(cache.insert_node(K(*seq(0, 16))).last_node, 2)
+    state.add(cache.insert_node(K(*seq(100, 16))).last_node, 3)
+    budget.fit(budget.total() - 1)  # 2. the superseded first turn
+    assert sorted(state.held) == [2, 3] and state.held[2].uses == 1
+    budget.fit(budget.total() - 1)  # 3. by worth
+    assert sorted(state.held) == [2]
     cache.check_integrity()
 
 

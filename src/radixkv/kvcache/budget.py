@@ -10,7 +10,9 @@ so bytes are not all alike. `evict_bytes` frees, in this order, until enough is 
    end lost its window KV is dead whole), least recently used first.
 2. **Superseded checkpoints** (`StateCheckpoints.superseded`: an earlier turn's end
    that the conversation went on from, with no branch there), least recently used
-   first; the KV stays, the conversation's later checkpoint still needs it.
+   first; the KV stays, the conversation's later checkpoint still needs it (and starts
+   with one use if requests went on from the dropped one twice or more:
+   `StateCheckpoints.drop_superseded`).
 3. **Leaf segments by worth**: a leaf's last checkpoint and the KV that dropping it
    frees (back to the checkpoint before it on the path, a branch point or a lock). Its
    worth per byte is what a hit there saves (``flops`` of the whole prefix: by default
@@ -29,7 +31,8 @@ so bytes are not all alike. `evict_bytes` frees, in this order, until enough is 
    and the synthetic chat; greedy-dual over utility gained up to 0.08 on both and in
    the engine; worth in tokens rather than FLOPs did as well or better nearly
    everywhere, in FLOPs saved too; the use history gained up to 0.07 at the tightest
-   sizes and lost at most 0.003: docs/hybrid.md.)
+   sizes and lost at most 0.003; the hand-on of a superseded checkpoint's use gained
+   0.003 on Mooncake's trace and moved nothing else: docs/hybrid.md.)
 
 With a window and no recurrent layers, step 3 evicts whole leaves, least recently used
 first (trimming a leaf's tail would leave its new end without window KV); a `WindowKV`
@@ -195,7 +198,7 @@ class HybridBudget(TreeComponent):
             return bool(leaves)
         old = sorted((c for cps in self._old.values() for c in cps), key=_TICK)
         if old:  # 2. superseded checkpoints
-            state.drop(old[: max(1, div_ceil(over, max(state.state_bytes, 1)))], remember=False)
+            state.drop_superseded(old[: max(1, div_ceil(over, max(state.state_bytes, 1)))])
             return True
         if not self._segs:  # 3. leaf segments
             return False

@@ -40,6 +40,8 @@ The contract (besides `radixkv.tree.component`'s):
   that weighs ``uses`` (`radixkv.kvcache.budget`) then tells a prefix that keeps
   returning from one seen once, across evictions (ARC's ghost lists, TinyLFU's history,
   for one count). A hash collision can only move a count, never what a match serves.
+  A superseded checkpoint (`drop_superseded`) leaves no count; if requests went on from
+  it twice or more, the next checkpoint on its path starts with one use.
 
 Invariants (``check``): every checkpoint is at a page-aligned position of its node, held
 once, its slot held once; ``len(held) <= max_states``; at most ``history`` counts are
@@ -410,6 +412,32 @@ class StateCheckpoints(TreeComponent):
                 del remembered[next(iter(remembered))]
         self._drop(victims)
         self.evictions += len(victims)
+
+    def drop_superseded(self, victims: list[Checkpoint]) -> None:
+        """Evict checkpoints a longer cached sequence passes through (`superseded`: a
+        chat's earlier turns). They go for the conversation's sake, not their worth, so
+        their counts are not remembered; one that requests went on from more than once
+        (a resent prompt, a retried turn, a document two requests shared) hands the next
+        checkpoint on its path, where the conversation is now, one use: the prefix is
+        one requests come back to. Once is no sign (every chat's next turn does it; on
+        fixed-length chats it foretells an end as often as a return), nor is the whole
+        count handed on (it kept long conversations after they ended): docs/hybrid.md."""
+        gone = {id(c) for c in victims}
+        for c in victims:
+            nxt = self._next(c, gone) if c.uses >= 2 else None
+            if nxt is not None and not nxt.uses:
+                nxt.uses = 1
+        self.drop(victims, remember=False)
+
+    def _next(self, c: Checkpoint, skip: set[int]) -> Checkpoint | None:
+        """The first checkpoint past ``c`` on its path (not one in ``skip``), down its
+        node and the single-child chain below it. O(chain)."""
+        node: TreeNode = c.node
+        later = [x for x in self._of(node) if x.offset > c.offset and id(x) not in skip]
+        while not later and len(node.children) == 1:
+            node = next(iter(node.children.values()))
+            later = [x for x in self._of(node) if id(x) not in skip]
+        return later[0] if later else None
 
     def _drop(self, victims: list[Checkpoint]) -> None:
         """Forget checkpoints and free their slots."""
