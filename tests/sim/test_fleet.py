@@ -139,17 +139,27 @@ def test_a_release_heard_late_counts_as_load_when_the_next_turn_is_routed(turns)
 
 
 # --- SGLang's cache_aware ----------------------------------------------------------------
-def test_cache_aware_spreads_new_text_by_tree_size_and_keeps_continuations():
-    now = [0.0]
-    ca = CacheAware(3, lambda: now[0])
-    first = [ca.choose("a" * 100).worker_name, ca.choose("b" * 50).worker_name]
-    assert first == [0, 1]  # ties go to the first worker, then the smallest tree
-    assert ca.choose("c" * 10).worker_name == 2
-    assert ca.choose("d" * 10).worker_name == 2  # 10 chars < 50 < 100
-    # a continuation matching more than 0.3 of its text sticks, whatever the sizes
-    assert ca.choose("a" * 100 + "x" * 40).worker_name == 0
-    # at most 0.3 matched: the smallest tree instead
-    assert ca.choose("b" * 15 + "y" * 35).worker_name == 2
+def test_cache_aware_sends_new_text_to_the_least_loaded_worker_and_keeps_continuations():
+    """SGLang router 0.3.2: a text nothing matches goes to the least loaded worker,
+    ties to the first in the router's order (the workers' registration order), so new
+    prompts sent one at a time all land on one worker (as measured live); a
+    continuation matching more than 0.3 of its text sticks, whatever the loads."""
+    ca = CacheAware(3, lambda: 0.0, order=[2, 0, 1])
+    first = [ca.choose(t) for t in ("a" * 100, "b" * 50, "c" * 10)]
+    assert [c.worker_name for c in first] == [2, 0, 1]  # each time the least loaded
+    first[0].release()
+    assert ca.choose("d" * 10).worker_name == 2
+    for c in first[1:]:
+        c.release()
+    assert ca.loads == [0, 0, 1]
+    for t in ("e" * 30, "f" * 30, "g" * 30):  # one at a time: every one to worker 0
+        c = ca.choose(t)
+        assert c.worker_name == 0
+        c.release()
+    assert ca.choose("a" * 100 + "x" * 40).worker_name == 2  # 100 of 140 matched
+    assert ca.choose("b" * 15 + "y" * 35).worker_name == 0  # 15 of 50: the least loaded
+    with pytest.raises(ValueError, match="order"):
+        CacheAware(3, lambda: 0.0, order=[0, 0, 1])
 
 
 def test_cache_aware_balances_only_past_both_thresholds():
