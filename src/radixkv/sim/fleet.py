@@ -447,7 +447,8 @@ def simulate_fleet(
     client (HTTP, the router's own time). ``seed``: the steps' jitter (`StepCost.jitter`):
     under pressure which turn a pool still holds turns on the order of a few
     milliseconds, so a live run varies from run to run, and so does this one with
-    jitter; compare medians over seeds with medians over live runs. ``arrivals``: when
+    jitter; compare medians over seeds with medians over live runs (for ``cache_aware``
+    the seed also draws the order its workers registered in). ``arrivals``: when
     each turn is sent (seconds, one list per conversation, as ``turns``): requests arrive
     at those times whatever the answers (open loop; ``concurrency`` is not used), as a
     trace's timestamps say (`trace_turns`). ``release_race``: the chance that the router
