@@ -76,19 +76,6 @@ UTILITY_ALPHA = 1.0  # Marconi's weight of efficiency against recency
 HISTORY = 4096  # dropped checkpoints whose use counts are remembered (the use history)
 
 
-def prefix_hash(node: TreeNode, offset: int) -> int:
-    """A hash of the prefix that ends ``offset`` units into ``node``: its namespace and
-    every unit from the root. O(depth)."""
-    per = len(node.key_bytes) // len(node) if len(node) else 8  # (pairs under EAGLE)
-    parts = [node.key_bytes[: offset * per]]
-    x = node.parent
-    while x is not None and x.id:
-        parts.append(x.key_bytes)
-        x = x.parent
-    parts.reverse()
-    return hash((node.extra_key, b"".join(parts)))
-
-
 class Checkpoint:
     """One snapshot: where it sits, its slot, when it was last used (``tick``; ``age``:
     `StateCheckpoints.age` then, the clock a Greedy-Dual order reads), what it saves
@@ -260,7 +247,7 @@ class StateCheckpoints(TreeComponent):
         c = Checkpoint(node, offset, slot, next(self._clock), flops, kind)
         c.age = self.age
         if self._remembered:  # the prefix came back after its checkpoint was dropped
-            before = self._remembered.pop(prefix_hash(node, offset), None)
+            before = self._remembered.pop(self._prefix_hash(node, offset), None)
             if before is not None:
                 c.uses = before + 1
         node.ext[self.index] = (  # type: ignore[index]
@@ -396,16 +383,14 @@ class StateCheckpoints(TreeComponent):
         order = sorted(range(len(cands)), key=lambda i: (score[i], ticks[i]))
         return [cands[i] for i in order[:n]]
 
-    def drop(self, victims: list[Checkpoint], remember: bool = True) -> None:
+    def drop(self, victims: list[Checkpoint]) -> None:
         """Evict these checkpoints (a caller's own order): forget them, free their
         slots (one ``allocator.free``; a failed one stays pending, see `release`), and
-        remember their use counts (the module docstring's use history; ``remember=False``
-        for checkpoints dropped as superseded, not for their worth: the hits through
-        them counted on the later checkpoints of their path too)."""
-        if self.history and remember:
+        remember their use counts (the module docstring's use history)."""
+        if self.history:
             remembered = self._remembered
             for c in victims:
-                key = prefix_hash(c.node, c.offset)
+                key = self._prefix_hash(c.node, c.offset)
                 remembered.pop(key, None)  # (a prefix dropped again is the newest drop)
                 remembered[key] = c.uses
             while len(remembered) > self.history:
@@ -416,7 +401,8 @@ class StateCheckpoints(TreeComponent):
     def drop_superseded(self, victims: list[Checkpoint]) -> None:
         """Evict checkpoints a longer cached sequence passes through (`superseded`: a
         chat's earlier turns). They go for the conversation's sake, not their worth, so
-        their counts are not remembered; one that requests went on from more than once
+        their counts are not remembered (the hits through them counted on the later
+        checkpoints of their path too); one that requests went on from more than once
         (a resent prompt, a retried turn, a document two requests shared) hands the next
         checkpoint on its path, where the conversation is now, one use: the prefix is
         one requests come back to. Once is no sign (every chat's next turn does it; on
@@ -427,7 +413,19 @@ class StateCheckpoints(TreeComponent):
             nxt = self._next(c, gone) if c.uses >= 2 else None
             if nxt is not None and not nxt.uses:
                 nxt.uses = 1
-        self.drop(victims, remember=False)
+        self._drop(victims)
+        self.evictions += len(victims)
+
+    def _prefix_hash(self, node: TreeNode, offset: int) -> int:
+        """A hash of the prefix that ends ``offset`` units into ``node``: its namespace
+        and every unit from the root. O(depth)."""
+        parts = [node.key_bytes[: offset * self.cache.unit_bytes]]
+        x = node.parent
+        while x is not None and x.id:
+            parts.append(x.key_bytes)
+            x = x.parent
+        parts.reverse()
+        return hash((node.extra_key, b"".join(parts)))
 
     def _next(self, c: Checkpoint, skip: set[int]) -> Checkpoint | None:
         """The first checkpoint past ``c`` on its path (not one in ``skip``), down its
