@@ -145,6 +145,38 @@ def test_a_request_whose_logits_go_non_finite_fails_alone(poisoned):
         assert again[1].usage.prompt_tokens_details.cached_tokens > 0  # the cache serves
 
 
+def test_the_kv_a_failed_request_leaves_behind_fails_no_other_request(poisoned):
+    """A poisoned prompt's first token goes to slot 0 of a fresh pool and writes inf
+    there; the request fails and frees it. The two clean requests beside it then decode
+    in one padded batch: the shorter one's padding once read slot 0, and a masked inf
+    still turns PyTorch's attention NaN, so it failed too (as the canary would, and the
+    engine with it). Both finish, with the tokens each produces alone."""
+    from radixkv.engine.engine import Engine
+    from radixkv.engine.request import SamplingParams
+
+    prompts = {"short": [7, 8, 9, 10, 11], "long": list(range(20, 29))}
+
+    def run(*first: str) -> dict:
+        eng = Engine(poisoned, kv_tokens=256, page_size=4, check_memory=True)
+        for rid in first:
+            eng.add_request([POISON, 5, 6], SamplingParams(4, ignore_eos=True), rid=rid,
+                            chat=False)  # fmt: skip
+        for rid, ids in prompts.items():
+            eng.add_request(ids, SamplingParams(6, ignore_eos=True), rid=rid, chat=False)
+        tokens: dict = {}
+        reasons = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                tokens.setdefault(o.rid, []).extend(o.token_ids)
+                if o.finished:
+                    reasons[o.rid] = o.finish_reason
+        return {rid: (reason, tokens[rid]) for rid, reason in reasons.items()}
+
+    beside = run("poisoned")
+    assert beside.pop("poisoned")[0] == "error"
+    assert beside == run() and {r for r, _ in beside.values()} == {"length"}
+
+
 @pytest.mark.parametrize("model", ["random", "qwen3_5"])
 @pytest.mark.parametrize("where", ["append", "finishing"])
 def test_an_exception_for_one_request_fails_it_alone_and_frees_everything(tmp_path, model, where):

@@ -242,12 +242,19 @@ def _attend_decode(
     window: int, scale: float | None,
 ) -> torch.Tensor:  # fmt: skip
     """`attend` for one new token per sequence: every sequence's context gathered at
-    once, padded to the longest (the padding masked out), one attention call."""
+    once, padded to the longest (the padding masked out), one attention call.
+
+    A sequence's padding reads its own newest slot again. A masked key still reaches
+    the output (PyTorch's attention adds the mask to ``q.k`` and weighs ``v`` by 0, so an
+    inf or NaN there makes the row NaN), and a slot the sequence does not own may hold
+    anything: padding with slot 0 once read the non-finite KV a failed request had left
+    there and failed the clean request beside it. Its own slots it reads unmasked anyway."""
     b, nh, hd = q.shape
     longest = max(lens)
-    idx = torch.zeros(b, longest, dtype=torch.int64, device=q.device)
+    idx = torch.empty(b, longest, dtype=torch.int64, device=q.device)
     for i, slots in enumerate(kv_slots):
         idx[i, : lens[i]] = slots
+        idx[i, lens[i] :] = slots[-1]
     keys, values = keys_values(idx.view(-1))
     nkv = keys.shape[1]
     k = keys.to(q.dtype).view(b, longest, nkv, hd).transpose(1, 2)  # [B, nkv, S, hd]
