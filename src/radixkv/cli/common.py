@@ -65,8 +65,9 @@ class Parser(argparse.ArgumentParser):
         sys.exit(EXIT_BAD_INPUT)
 
 
-def number(kind: type, lo: float, what: str) -> Callable[[str], Any]:
-    """An argument type: a ``kind`` number at least ``lo`` (nan refused)."""
+def number(kind: type, lo: float, what: str, hi: float | None = None) -> Callable[[str], Any]:
+    """An argument type: a ``kind`` number at least ``lo`` and, given ``hi``, at most
+    ``hi`` (nan refused)."""
 
     def parse(text: str) -> Any:
         try:
@@ -75,6 +76,8 @@ def number(kind: type, lo: float, what: str) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
         if not value >= lo:  # also refuses nan
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        if hi is not None and not value <= hi:
+            raise argparse.ArgumentTypeError(f"must be {what} up to {hi:g}, got {text!r}")
         return value
 
     return parse

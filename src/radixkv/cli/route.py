@@ -57,6 +57,22 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="the workers' KV page size, for workers whose /v1/models does not "
                    "say it (vLLM) [the workers' cards]")  # fmt: skip
     r.add_argument("--health-interval", type=number(float, 0.05, "seconds >= 0.05"), default=1.0)
+    r.add_argument("--worker-connections", type=positive_int, default=64,
+                   help="connections to each worker at once: a hung worker cannot take "
+                   "those the others need [64]")  # fmt: skip
+    r.add_argument("--header-timeout", type=number(float, 0.001, "seconds > 0", 1e7),
+                   default=1800.0, metavar="SECONDS",
+                   help="seconds a worker has to start its answer (a non-streamed answer "
+                   "starts when it is whole); past it the client gets a 504 and the worker's "
+                   "connection is closed, which cancels the request [1800]")  # fmt: skip
+    r.add_argument("--breaker-failures", type=number(int, 0, "an int >= 0", 1 << 20),
+                   default=5, metavar="N",
+                   help="failed requests in a row (5xx, no headers in time, a broken "
+                   "connection) that take a worker out; 0: never [5]")  # fmt: skip
+    r.add_argument("--breaker-cooldown", type=number(float, 0.001, "seconds > 0", 1e6),
+                   default=10.0, metavar="SECONDS",
+                   help="seconds a worker stays out before one request tries it; doubled "
+                   "each time that request fails, up to 120 [10]")  # fmt: skip
     r.add_argument("--kv-events-key", default=os.environ.get("RADIXKV_EVENTS_KEY"),
                    help="the workers' --kv-events-key [$RADIXKV_EVENTS_KEY]")  # fmt: skip
     add_key_flags(r, "/workers: list, add, remove")
@@ -69,8 +85,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     require_serve_extra()
     sock = listen(args.host, args.port)  # first of all: a busy port is refused at once
-    from radixkv.router.fleet import radixkv_info, read_card, workers_tokenizer
-    from radixkv.router.proxy import Router, WorkerSpec, build_router_app, check_workers
+    from radixkv.router.breaker import BreakerConfig
+    from radixkv.router.fleet import card_problems, radixkv_info, read_cards, workers_tokenizer
+    from radixkv.router.proxy import Limits, Router, WorkerSpec, build_router_app, check_workers
     from radixkv.tokenizer import load_tokenizer
     from radixkv.web.serving import bound_url, uvicorn_server
 
@@ -91,7 +108,10 @@ def run(args: argparse.Namespace) -> int:
         raise flag_error(e) from None
     key = args.kv_events_key.encode() if args.kv_events_key else None
     headers = {"authorization": f"Bearer {args.worker_api_key}"} if args.worker_api_key else {}
-    cards = {s.url: read_card(s, headers=headers) for s in specs}
+    cards = read_cards(specs, headers)  # all at once, each within 5 s and 1 MiB
+    bad = [p for url, c in cards.items() for p in card_problems(url, c)]
+    if bad:
+        raise CliError("; ".join(bad))
     tokenizer = None
     try:
         if args.model is None:
@@ -115,8 +135,11 @@ def run(args: argparse.Namespace) -> int:
                        "give the workers' block size")  # fmt: skip
     router = Router(specs, args.policy, tokenizer, args.kv_weight, key,
                     worker_key=args.worker_api_key, cards=cards,
-                    block_size=args.block_size)  # fmt: skip
-    app = build_router_app(router, args.health_interval, access)
+                    block_size=args.block_size,
+                    breaker=BreakerConfig(args.breaker_failures, args.breaker_cooldown,
+                                          max(120.0, args.breaker_cooldown)))  # fmt: skip
+    limits = Limits(args.worker_connections, args.header_timeout)
+    app = build_router_app(router, args.health_interval, access, limits)
     print(
         f"radixkv route: {args.policy} over {len(specs)} workers on "
         f"{bound_url(sock)}/v1 (Ctrl-C stops)",

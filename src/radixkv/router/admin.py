@@ -16,7 +16,14 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixkv.router.fleet import Router, Worker, WorkerSpec, check_workers, read_card
+from radixkv.router.fleet import (
+    Router,
+    Worker,
+    WorkerSpec,
+    card_problems,
+    check_workers,
+    read_card,
+)
 from radixkv.web.errors import ApiError
 
 ADMIN_PATHS = ("/workers",)  # changing the fleet: the router's --admin-key only
@@ -24,7 +31,8 @@ CHECK_TIMEOUT_S = 5.0  # a new worker's card and check answer within this
 
 
 def describe(w: Worker) -> dict[str, Any]:
-    return {"id": w.id, "url": w.url, "events": w.spec.events, "alive": w.alive}
+    return {"id": w.id, "url": w.url, "events": w.spec.events, "alive": w.alive,
+            "healthy": w.healthy, "breaker": w.breaker.state}
 
 
 def _refuse(status: int, message: str, code: str | None = None) -> ApiError:
@@ -64,8 +72,8 @@ def fleet_routes(router: Router, client: httpx.AsyncClient) -> APIRouter:
             raise _refuse(409, f"the router already has the worker {spec.url}", "worker_exists")
         others = [w.spec for w in router.workers]
         headers = router.worker_headers
-        card = await asyncio.to_thread(read_card, spec, CHECK_TIMEOUT_S, headers)
-        problems = await asyncio.to_thread(
+        card = await read_card(client, spec, CHECK_TIMEOUT_S)
+        problems = card_problems(spec.url, card) or await asyncio.to_thread(
             check_workers, [*others, spec], router.tokenizer, CHECK_TIMEOUT_S, headers,
             {**router.cards, spec.url: card},
         )  # fmt: skip

@@ -3,17 +3,24 @@ the router's metrics, around one `RoutingCore` (`radixkv.router.core`).
 
 Owns: worker addresses (`WorkerSpec`), health (three failed checks in a row, or a failed
 connection, take a worker out until it answers again; its index entries stay: a restarted
-worker's event stream starts over and clears them), the event subscribers, the check
-that a worker matches the router (tokenizer, page size, model), and the Prometheus
-counters. Must not touch: how a worker is chosen (the core's), HTTP (the proxy's).
+worker's event stream starts over and clears them), each worker's circuit breaker
+(`radixkv.router.breaker`: requests that keep failing take it out though its health says
+200), the event subscribers, the check that a worker matches the router (tokenizer, page
+size, model) and that its card is sane, and the Prometheus counters. Must not touch: how a
+worker is chosen (the core's), HTTP (the proxy's).
+
+A worker is routable (its `WorkerLoad.alive`, which the core reads) while it is healthy
+and its breaker admits requests; `Router.refresh` turns a breaker whose cooldown ended
+half-open, and the proxy calls it before each choice.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import httpx
@@ -21,8 +28,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from radixkv.events import KVEventBatch, replay_endpoint
 from radixkv.router import policies
+from radixkv.router.breaker import Breaker, BreakerConfig
 from radixkv.router.core import RoutingCore, Ticket, WorkerLoad
 from radixkv.tokenizer import Tokenizer, load_tokenizer, tokenizer_fingerprint
+from radixkv.web.bounded import PeerError, bounded_get
 from radixkv.web.errors import ApiError
 
 
@@ -35,6 +44,10 @@ class Parsed(NamedTuple):
 
 log = logging.getLogger("radixkv.router")
 HEALTH_FAILURES = 3  # health checks failed in a row that take a worker out (SGLang's: 3)
+CARD_BYTES = 1 << 20  # a worker's /v1/models answer, at most (a card is a few hundred bytes)
+CARD_TIMEOUT_S = 5.0  # ... and all of it within this
+# a card's sizes: positive ints, at most these (a page of 2^16 tokens, a context of 2^31)
+CARD_INTS = {"page_size": 1 << 16, "kv_blocks": 1 << 40, "max_model_len": 1 << 31}
 
 
 @dataclass
@@ -66,7 +79,10 @@ class Worker:
 
     spec: WorkerSpec
     load: WorkerLoad
+    breaker: Breaker = field(default_factory=Breaker)
     failed_checks: int = 0  # health checks failed in a row
+    healthy: bool = True  # its health checks and connections say it is up
+    why: str | None = None  # why it is out, while it is
 
     @property
     def url(self) -> str:
@@ -79,6 +95,7 @@ class Worker:
 
     @property
     def alive(self) -> bool:
+        """Routable: healthy, and its breaker admits requests."""
         return self.load.alive
 
     @property
@@ -86,16 +103,61 @@ class Worker:
         return self.load.in_flight
 
 
-def read_card(spec: WorkerSpec, timeout: float = 5.0, headers: dict | None = None) -> dict | None:
+async def read_card(
+    client: httpx.AsyncClient, spec: WorkerSpec, timeout: float = CARD_TIMEOUT_S
+) -> dict | None:
     """The worker's model card (its ``/v1/models``' first entry), or ``None`` when it
-    does not answer or has none (a warning says so)."""
+    does not answer in full within ``timeout`` s and `CARD_BYTES`, or has none (a warning
+    says so)."""
     try:
-        r = httpx.get(f"{spec.url}/v1/models", timeout=timeout, headers=headers)
-        card = r.json()["data"][0]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-        log.warning("worker %s: cannot read /v1/models (%s); not checked", spec.url, e)
+        answer = await bounded_get(client, f"{spec.url}/v1/models", CARD_BYTES, timeout)
+        card = json.loads(answer.body)["data"][0]
+    except (PeerError, ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
+        log.warning("worker %s: cannot read /v1/models (%s); not checked", spec.url,
+                    str(e)[:200])  # fmt: skip
         return None
     return card if isinstance(card, dict) else None
+
+
+def read_cards(
+    specs: list[WorkerSpec], headers: dict | None = None, timeout: float = CARD_TIMEOUT_S
+) -> dict[str, dict | None]:
+    """Every worker's card (`read_card`), read at once: the whole read takes at most
+    ``timeout`` s however many workers are slow."""
+
+    async def read_all() -> list[dict | None]:
+        async with httpx.AsyncClient(headers=headers, trust_env=False) as client:
+            return await asyncio.gather(*(read_card(client, s, timeout) for s in specs))
+
+    return dict(zip([s.url for s in specs], asyncio.run(read_all()), strict=True))
+
+
+def card_problems(url: str, card: dict | None) -> list[str]:
+    """What is wrong with a worker's card: its sizes (``page_size``, ``kv_blocks`` and
+    ``max_model_len``, where given) must be positive ints within `CARD_INTS`, and its
+    descriptive fields strings. The router computes with them on every request, so a
+    card it cannot use is refused when the worker joins, not met as a 500 later."""
+    if not isinstance(card, dict):
+        return []
+    problems = []
+    raw = card.get("radixkv")
+    if raw is not None and not isinstance(raw, dict):
+        problems.append(f"worker {url}: its card's radixkv must be an object, got "
+                        f"{type(raw).__name__}")  # fmt: skip
+    info = radixkv_info(card)
+    fields = [(k, info[k]) for k in ("page_size", "kv_blocks") if k in info]
+    fields += [("max_model_len", card["max_model_len"])] if "max_model_len" in card else []
+    for name, value in fields:
+        if value is None and name == "max_model_len":
+            continue  # (OpenAI-style cards may say null: no limit known)
+        if isinstance(value, bool) or not isinstance(value, int) or not (
+                1 <= value <= CARD_INTS[name]):  # fmt: skip
+            problems.append(f"worker {url}: its card's {name} must be an int in 1.."
+                            f"{CARD_INTS[name]}, got {str(value)[:40]!r}")  # fmt: skip
+    for name in ("tokenizer", "tokenizer_source", "model", "events"):
+        if info.get(name) is not None and not isinstance(info[name], str):
+            problems.append(f"worker {url}: its card's {name} must be a string")
+    return problems
 
 
 def radixkv_info(card: dict | None) -> dict:
@@ -155,23 +217,29 @@ def check_workers(
     with a warning. ``cards``: the cards read already (by URL)."""
     mine = tokenizer_fingerprint(tokenizer)
     problems, pages, models = [], {}, {}
+    missing = [s for s in specs if cards is None or s.url not in cards]
+    cards = {**(cards or {}), **(read_cards(missing, headers, timeout) if missing else {})}
     for spec in specs:
-        card = cards[spec.url] if cards is not None and spec.url in cards else read_card(
-            spec, timeout, headers)  # fmt: skip
+        card = cards[spec.url]
         info = radixkv_info(card)
         if card is None:
+            continue
+        bad = card_problems(spec.url, card)
+        if bad:
+            problems += bad
             continue
         if not info:
             log.warning("worker %s does not describe its tokenizer; not checked", spec.url)
             continue
         if info.get("tokenizer") != mine:
             problems.append(
-                f"worker {spec.url} ({card.get('id')}) tokenizes with {info.get('tokenizer')}, "
+                f"worker {spec.url} ({str(card.get('id'))[:100]}) tokenizes with "
+                f"{str(info.get('tokenizer'))[:100]}, "
                 f"the router with {mine}: give route --model the workers' model"
             )
         pages[spec.url] = info.get("page_size")
         if info.get("model") is not None:
-            models[spec.url] = f"{card.get('id')} {str(info['model'])[:16]}"
+            models[spec.url] = f"{str(card.get('id'))[:100]} {str(info['model'])[:16]}"
     if len(set(pages.values())) > 1:
         problems.append(f"the workers' page sizes differ: {pages}")
     if len(set(models.values())) > 1:
@@ -231,6 +299,7 @@ class Router:
             index's block size, their pool its bound on what each may claim to hold,
             their context the longest prompt the router tokenizes.
         block_size: the fleet's block size when no card says it (vLLM workers).
+        breaker: each worker's circuit breaker (`radixkv.router.breaker`).
     """
 
     def __init__(
@@ -243,9 +312,11 @@ class Router:
         worker_key: str | None = None,
         cards: dict[str, dict | None] | None = None,
         block_size: int | None = None,
+        breaker: BreakerConfig | None = None,
     ) -> None:
         if not specs:
             raise ValueError("give at least one worker")
+        self.breaker = breaker or BreakerConfig()
         self.core = RoutingCore(policy, kv_weight, events_key)
         self.cards: dict[str, dict | None] = dict(cards or {})
         sizes = {radixkv_info(c).get("page_size") for c in self.cards.values()} - {None}
@@ -293,6 +364,11 @@ class Router:
         self.m_delivered = Counter("radixkv_router:engine_delivered_tokens", "Prompt tokens "
                                    "the chosen worker served from its cache (its usage's "
                                    "cached_tokens)", registry=r)  # fmt: skip
+        self.m_failures = Counter("radixkv_router:worker_failures", "Requests a worker "
+                                  "failed (a 5xx other than queue_full, no headers in time, "
+                                  "a broken connection)", ["worker"], registry=r)  # fmt: skip
+        self.m_trips = Counter("radixkv_router:breaker_trips", "Times a worker's circuit "
+                               "breaker opened", ["worker"], registry=r)  # fmt: skip
         self.m_cut = Counter("radixkv_router:streams_cut", "Answers a worker broke off "
                              "after the first byte (the client got an error event)",
                              ["worker"], registry=r)  # fmt: skip
@@ -361,7 +437,7 @@ class Router:
             raise ValueError(f"the router already has the worker {spec.url}")
         if card is not None:
             self.cards[spec.url] = card
-        w = Worker(spec, self.core.add(spec.url))
+        w = Worker(spec, self.core.add(spec.url), Breaker(self.breaker, self.core.clock))
         info = radixkv_info(self.cards.get(spec.url))
         blocks = info.get("kv_blocks")
         if isinstance(blocks, int) and blocks > 0:  # a worker never holds more than its pool
@@ -448,21 +524,33 @@ class Router:
         self.m_in_flight.labels(w.url).set(w.in_flight)
 
     # --- health -------------------------------------------------------------------------
+    def _update(self, w: Worker) -> None:
+        """``w``'s routability (what the core reads) from its health and its breaker."""
+        routable = w.healthy and w.breaker.admits()
+        if routable != w.load.alive:
+            w.load.alive = routable
+            self.m_alive.labels(w.url).set(int(routable))
+
+    def refresh(self) -> None:
+        """Turn breakers whose cooldown is over half-open (O(workers))."""
+        for w in self.workers:
+            self._update(w)
+
     def mark_dead(self, w: Worker, why: str) -> None:
         """Stop routing to ``w``. Its index entries stay: a worker that was only slow
         comes back with its cache, and one that restarted starts its event stream over,
         which clears them (`EventSubscriber`)."""
-        if w.alive:
+        if w.healthy:
             log.warning("worker %s is out: %s", w.url, why)
-        w.load.alive = False
-        self.m_alive.labels(w.url).set(0)
+        w.healthy, w.why = False, why
+        self._update(w)
 
     def mark_alive(self, w: Worker) -> None:
         w.failed_checks = 0
-        if not w.alive:
+        if not w.healthy:
             log.warning("worker %s is back", w.url)
-        w.load.alive = True
-        self.m_alive.labels(w.url).set(1)
+            w.healthy, w.why = True, None
+        self._update(w)
 
     def health_checked(self, w: Worker, ok: bool, certain: bool = False) -> None:
         """A health check's answer: a ``certain`` failure (``/health`` answered other
@@ -476,3 +564,36 @@ class Router:
         w.failed_checks += 1
         if certain or w.failed_checks >= HEALTH_FAILURES:
             self.mark_dead(w, f"{w.failed_checks} health checks failed in a row")
+
+    # --- outcomes (the breaker) ---------------------------------------------------------
+    def request_started(self, w: Worker) -> None:
+        """A request goes to ``w`` now (a half-open breaker's probe: no other until it
+        ends)."""
+        w.breaker.started()
+        self._update(w)
+
+    def request_ended(self, w: Worker, ok: bool | None, why: str = "") -> None:
+        """What came of a request sent to ``w``: ``ok`` True (it answered, a 4xx
+        included: the client's fault), False (a 5xx other than ``queue_full``, no
+        headers in time, a broken connection), None (no outcome: its client left
+        first, or it was refused before running)."""
+        b = w.breaker
+        if ok is None:
+            b.abandoned()
+        elif ok:
+            b.succeeded()
+        else:
+            self.m_failures.labels(w.url).inc()
+            if b.failed_once():
+                self.m_trips.labels(w.url).inc()
+                log.warning("worker %s: breaker open for %g s after %d failed requests (%s)",
+                            w.url, b.cooldown, b.failed, why)  # fmt: skip
+        self._update(w)
+
+    def out_reason(self, w: Worker) -> str | None:
+        """Why ``w`` gets no traffic now (None: it does)."""
+        if not w.healthy:
+            return w.why or "unhealthy"
+        if not w.alive:
+            return f"circuit breaker {w.breaker.state} after {w.breaker.failed} failed requests"
+        return None

@@ -15,10 +15,21 @@ Owns: HTTP (the OpenAI endpoints, forwarding, retries, streams) and the health l
 not touch: how a worker is chosen (`radixkv.router.core`), the fleet's bookkeeping
 (`radixkv.router.fleet`) or its admin endpoints (`radixkv.router.admin`).
 
-A health check (``GET /health``) runs every ``health_interval`` seconds (see
+A health check (``GET /health``) runs every ``health_interval`` seconds for each worker on
+its own (a slow one delays no other's), each within `HEALTH_TIMEOUT_S` in all (see
 `radixkv.router.fleet`). A request is retried on the next worker only when it never ran
 (the connection never opened, or a 503 ``queue_full``); an error the request may have
 caused goes back to its client, so one request cannot take down the fleet.
+
+What a worker can cost the router (`Limits`): at most ``worker_connections`` connections
+each (a hung worker cannot take the connections the others need), an answer's headers
+within ``header_timeout`` (else a 504, and the connection is closed: the worker drops the
+request), and every body the router reads whole (a card, ``/v1/models``, ``/health``, an
+error) capped in size and time (`radixkv.web.bounded`); answers are relayed, never held.
+A client that leaves before the headers arrive closes the worker's connection too, so
+the worker aborts the request (a stream's client leaving does the same through the relay).
+5xx answers, timeouts and broken connections count against a worker's circuit breaker
+(`radixkv.router.breaker`).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import aiohttp
 import httpx
@@ -39,8 +51,9 @@ from starlette.requests import ClientDisconnect
 
 from radixkv.router.admin import ADMIN_PATHS, fleet_routes
 from radixkv.router.core import Ticket
-from radixkv.router.fleet import Router, Worker, WorkerSpec, check_workers
+from radixkv.router.fleet import CARD_BYTES, Router, Worker, WorkerSpec, check_workers
 from radixkv.web.access import Access, AccessMiddleware
+from radixkv.web.bounded import PeerError, bounded_get
 from radixkv.web.errors import ApiError
 
 MAX_CACHE_KEY = 1024  # as radixkv.server.protocol (the router imports no server module)
@@ -56,14 +69,46 @@ NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # closes idle ones after 5 s, and reusing one it closed would fail a request that ran
 KEEPALIVE_S = 4.0
 CONNECT_TIMEOUT_S = 5.0
-# connections to all workers at once (httpx's default, as before): past it a request
-# waits for one, so a flood cannot take every file descriptor the router has
-MAX_WORKER_CONNECTIONS = 100
-HEALTH_TIMEOUT_S = 2.0  # a worker's /health answers within this, or the check failed
+HEALTH_TIMEOUT_S = 2.0  # a worker's /health answers in full within this, or the check failed
+HEALTH_BYTES = 64 << 10  # a /health answer, at most
+MODELS_TIMEOUT_S = 5.0  # GET /v1/models through the router: the worker's answer, in full
 ERROR_BODY_BYTES = 64 << 10  # an error body read to learn its code, at most
 # a body this small is parsed and tokenized on the event loop (well under a millisecond
 # with a Rust tokenizer); a larger one in a thread
 INLINE_BODY_BYTES = 8 << 10
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one worker may cost the router (the module docstring).
+
+    ``worker_connections``: connections to each worker at once; past it a request waits
+    for one of that worker's (100 was the router's total for every worker, which a hung
+    worker took whole). ``header_timeout``: seconds for an answer's headers (a
+    non-streamed answer's headers come with the whole answer; SGLang's gateway allows a
+    request 30 minutes)."""
+
+    worker_connections: int = 64
+    header_timeout: float = 1800.0
+
+    def __post_init__(self) -> None:
+        n = self.worker_connections
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"worker_connections must be an int >= 1, got {n!r}")
+        t = self.header_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"header_timeout must be a positive number of seconds, got {t!r}")
+
+
+class ClientGone(Exception):
+    """The client left before the worker's answer began."""
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client has gone (its body was read whole before: what it
+    receives next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _cached_tokens(tail: bytes) -> int:
@@ -103,31 +148,44 @@ class Proxy:
     and the health checks. ``client`` (httpx) checks and describes workers; ``session``
     (aiohttp, opened with the app's event loop) forwards requests."""
 
-    def __init__(self, router: Router, health_interval: float) -> None:
+    def __init__(
+        self, router: Router, health_interval: float, limits: Limits | None = None
+    ) -> None:
         self.router, self.health_interval = router, health_interval
+        self.limits = limits or Limits()
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S), headers=router.worker_headers
-        )
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S), headers=router.worker_headers,
+            trust_env=False,
+        )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
+        self.checks: dict[Worker, asyncio.Task] = {}  # each worker's health check running
 
     # --- health --------------------------------------------------------------------------
     async def check(self, w: Worker) -> None:
-        """One health check: an answer other than 200, or a refused connection, is
-        certain (the worker is out at once); a timeout may be a busy worker (it counts
-        towards `HEALTH_FAILURES`)."""
+        """One health check, all of it within `HEALTH_TIMEOUT_S`: an answer other than
+        200, or a refused connection, is certain (the worker is out at once); a timeout
+        may be a busy worker (it counts towards `HEALTH_FAILURES`)."""
         try:
-            answer = await self.client.get(f"{w.url}/health", timeout=HEALTH_TIMEOUT_S)
-            ok, certain = answer.status_code == 200, True
-        except (httpx.ConnectError, httpx.RemoteProtocolError):
-            ok, certain = False, True
-        except httpx.HTTPError:
-            ok, certain = False, False
+            answer = await bounded_get(self.client, f"{w.url}/health", HEALTH_BYTES,
+                                       HEALTH_TIMEOUT_S)  # fmt: skip
+            ok, certain = answer.status == 200, True
+        except PeerError as e:
+            ok, certain = False, e.refused
         if w in self.router.workers:  # (not removed meanwhile)
             self.router.health_checked(w, ok, certain)
 
     async def health_loop(self) -> None:
-        while True:  # every worker at once: a hung one delays no other's check
-            await asyncio.gather(*(self.check(w) for w in list(self.router.workers)))
+        """Every interval, a check of each worker whose last one is over: checks never
+        wait for each other, so one slow ``/health`` delays no other worker's."""
+        while True:
+            workers = list(self.router.workers)
+            for w in workers:
+                task = self.checks.get(w)
+                if task is None or task.done():
+                    self.checks[w] = asyncio.ensure_future(self.check(w))
+            for w in [w for w in self.checks if w not in workers]:
+                self.checks.pop(w).cancel()
+            self.router.refresh()
             await asyncio.sleep(self.health_interval)
 
     @asynccontextmanager
@@ -139,8 +197,8 @@ class Proxy:
             headers=self.router.worker_headers, auto_decompress=False, trust_env=False,
             skip_auto_headers=("Accept-Encoding",), cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
-            connector=aiohttp.TCPConnector(limit=MAX_WORKER_CONNECTIONS,
-                                           keepalive_timeout=KEEPALIVE_S),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S,
+                                           limit_per_host=self.limits.worker_connections),
         )  # fmt: skip
         self.router.start_events()
         task = asyncio.ensure_future(self.health_loop())
@@ -148,6 +206,8 @@ class Proxy:
             yield
         finally:
             task.cancel()
+            for check in self.checks.values():
+                check.cancel()
             self.router.stop_events()
             await self.client.aclose()
             await self.session.close()
@@ -176,6 +236,7 @@ class Proxy:
         max_tokens = max_tokens if isinstance(max_tokens, int) else 16
         n = body.get("n")  # choices run as n sequences on the worker (it checks the value)
         n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_CHOICES else 1
+        self.router.refresh()  # a breaker whose cooldown is over may take its probe
         ticket = self.choose(body, tokens, max_tokens, n)
         streamed = body.get("stream") is True
         first = self.router.worker_of(ticket)
@@ -183,7 +244,9 @@ class Proxy:
         for attempt, w in enumerate(order):
             if w is not first:  # a retry: the load moves with it
                 ticket = self.router.core.assign(w.url, tokens, max_tokens, n)
-            answer = await self.attempt(w, ticket, (raw, path, streamed), attempt + 1 < len(order))
+            answer = await self.attempt(
+                request, w, ticket, (raw, path, streamed), attempt + 1 < len(order)
+            )  # fmt: skip
             if answer is None:
                 continue
             if answer.status_code != 503:
@@ -209,52 +272,92 @@ class Proxy:
         return ticket
 
     async def attempt(
-        self, w: Worker, ticket: Ticket, request: tuple[bytes, str, bool], retry: bool
-    ) -> Response | None:
-        """Send ``request`` (its body, path, and whether it streams) to ``w``: the answer,
+        self, request: Request, w: Worker, ticket: Ticket, sent: tuple[bytes, str, bool],
+        retry: bool,
+    ) -> Response | None:  # fmt: skip
+        """Send ``sent`` (the body, path, and whether it streams) to ``w``: the answer,
         or None when it never ran there and the next worker may take it (``retry``: there
-        is a next one)."""
+        is a next one). Every path tells the breaker what came of it."""
         router = self.router
-        raw, path, streamed = request
+        raw, path, streamed = sent
         router.in_flight_changed(w)
+        router.request_started(w)
         try:
-            upstream = await self.send(w, raw, path)
+            upstream = await self.send_watched(request, w, raw, path)
         except NEVER_SENT as e:  # it never reached the worker: the next one may take it
-            self.give_back(w, ticket)
+            self.give_back(w, ticket, False, f"{type(e).__name__}: {e}")
             router.mark_dead(w, f"{type(e).__name__}: {e}")
             router.m_retries.labels(w.url).inc()
             return None
         except aiohttp.ClientError as e:  # it reached the worker, which then broke
             # the connection: the request may have run, or broken it; never retried
-            self.give_back(w, ticket)
+            self.give_back(w, ticket, False, f"{type(e).__name__}: {e}")
             router.mark_dead(w, f"{type(e).__name__}: {e}")
             raise ApiError(502, f"the worker {w.url} broke the connection before answering "
                            f"({type(e).__name__}); not retried: the request may have run",
                            code="worker_failed", kind="router_error") from None  # fmt: skip
+        except asyncio.TimeoutError:  # its connection is closed: the worker drops it
+            t = self.limits.header_timeout
+            self.give_back(w, ticket, False, f"no answer within {t:g} s")
+            raise ApiError(504, f"the worker {w.url} did not answer within {t:g} s "
+                           "(--header-timeout); the request was cancelled there",
+                           code="worker_timeout", kind="router_error") from None  # fmt: skip
+        except ClientGone:  # nobody to answer; the worker's connection is closed
+            self.give_back(w, ticket, None)
+            raise ApiError(400, "the client went away before the answer began",
+                           code="client_disconnected", kind="router_error") from None  # fmt: skip
         except BaseException:
-            self.give_back(w, ticket)
+            self.give_back(w, ticket, None)
             raise
         ticket.started()  # the answer started: its prefill is done
         headers = {k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_HEADERS}
         headers["x-radixkv-worker"] = w.url
         if upstream.status == 503:
             data, code = await _read_error(upstream)
-            self.give_back(w, ticket)
+            # queue_full: refused before it ran, no failure (the worker is busy)
+            self.give_back(w, ticket, None if code == "queue_full" else False, "answered 503")
             if code == "engine_dead":  # /health says so too; stop sending there now
                 router.mark_dead(w, "its engine is not running")
             if code == "queue_full" and retry:
                 router.m_retries.labels(w.url).inc()  # refused before it ran: the next
                 return None
             return Response(data, 503, headers=headers)
+        router.request_ended(w, upstream.status < 500, f"answered {upstream.status}")
         sse = streamed and upstream.status == 200
         return StreamingResponse(
             self.relay(w, ticket, upstream, sse), status_code=upstream.status, headers=headers
         )
 
-    def give_back(self, w: Worker, ticket: Ticket) -> None:
-        """Release a ticket for a request that did not run on ``w``."""
+    async def send_watched(
+        self, request: Request, w: Worker, raw: bytes, path: str
+    ) -> aiohttp.ClientResponse:
+        """`send`, until the answer's headers arrive: within ``header_timeout``
+        (`asyncio.TimeoutError`), and while the client is there (`ClientGone`). Either
+        way the send is cancelled, which closes its connection: the worker sees its client
+        leave and aborts the request, as it would for a client of its own."""
+        send = asyncio.ensure_future(self.send(w, raw, path))
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            done, _ = await asyncio.wait([send, gone], timeout=self.limits.header_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            gone.cancel()
+        if send in done:
+            return send.result()
+        send.cancel()
+        late = (await asyncio.gather(send, return_exceptions=True))[0]
+        if isinstance(late, aiohttp.ClientResponse):  # it answered as it was cancelled
+            late.close()
+        if gone in done and not gone.cancelled():
+            raise ClientGone
+        raise asyncio.TimeoutError
+
+    def give_back(self, w: Worker, ticket: Ticket, ok: bool | None, why: str = "") -> None:
+        """Release a ticket for a request that did not run on ``w`` (or may have, and
+        failed), telling the breaker ``ok`` (`Router.request_ended`)."""
         ticket.release(served=False)
         self.router.in_flight_changed(w)
+        self.router.request_ended(w, ok, why)
 
     async def send(self, w: Worker, raw: bytes, path: str) -> aiohttp.ClientResponse:
         assert self.session is not None, "the app's lifespan opens the session"
@@ -316,18 +419,26 @@ def openai_routes(proxy: Proxy) -> APIRouter:
     async def models() -> Response:
         for w in router.workers:
             if w.alive:
-                try:
-                    r = await proxy.client.get(f"{w.url}/v1/models", timeout=5.0)
-                    return Response(r.content, r.status_code, media_type="application/json")
-                except httpx.HTTPError as e:
-                    router.mark_dead(w, str(e))
+                try:  # the worker's answer, bounded: any client can ask for it
+                    r = await bounded_get(proxy.client, f"{w.url}/v1/models", CARD_BYTES,
+                                          MODELS_TIMEOUT_S)  # fmt: skip
+                    return Response(r.body, r.status, media_type="application/json")
+                except PeerError as e:
+                    if e.refused:
+                        router.mark_dead(w, str(e))
+                    raise ApiError(502, f"the worker's /v1/models: {e}",
+                                   code="worker_failed", kind="router_error") from None  # fmt: skip
         raise ApiError(503, "no worker is alive", code="no_worker", kind="router_error")
 
     @api.get("/health")
     async def health() -> Response:
+        """200 while a worker takes requests (``degraded`` when some do not, each with
+        why), 503 when none does."""
         alive = [w.url for w in router.workers if w.alive]
-        status = 200 if alive else 503
-        return JSONResponse({"status": "ok" if alive else "no worker", "alive": alive}, status)
+        out = {w.url: router.out_reason(w) for w in router.workers if not w.alive}
+        status = "ok" if not out else "degraded" if alive else "no worker"
+        return JSONResponse({"status": status, "alive": alive, "out": out},
+                            200 if alive else 503)  # fmt: skip
 
     @api.get("/metrics")
     async def metrics() -> Response:
@@ -342,6 +453,8 @@ def openai_routes(proxy: Proxy) -> APIRouter:
                 {
                     "url": w.url,
                     "alive": w.alive,
+                    "healthy": w.healthy,
+                    "breaker": w.breaker.state,
                     "in_flight": w.in_flight,
                     "queued_blocks": w.load.queued_blocks,
                     "events_stale": w.load.stale,
@@ -356,12 +469,14 @@ def openai_routes(proxy: Proxy) -> APIRouter:
 
 
 def build_router_app(
-    router: Router, health_interval: float = 1.0, access: Access | None = None
-) -> FastAPI:
+    router: Router, health_interval: float = 1.0, access: Access | None = None,
+    limits: Limits | None = None,
+) -> FastAPI:  # fmt: skip
     """The proxy app. Its lifespan starts the event subscribers and the health loop.
     ``access``: who may reach it (`radixkv.web.access`; admin paths are ``/workers``:
-    without an admin key, the fleet cannot be changed at run time)."""
-    proxy = Proxy(router, health_interval)
+    without an admin key, the fleet cannot be changed at run time); ``limits``: what one
+    worker may cost the router (`Limits`)."""
+    proxy = Proxy(router, health_interval, limits)
     app = FastAPI(title="radixkv route", lifespan=proxy.lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(AccessMiddleware, access=access or Access(admin_paths=ADMIN_PATHS))
     app.state.router = router
@@ -377,4 +492,4 @@ def build_router_app(
     return app
 
 
-__all__ = ["ADMIN_PATHS", "Router", "WorkerSpec", "build_router_app", "check_workers"]
+__all__ = ["ADMIN_PATHS", "Limits", "Router", "WorkerSpec", "build_router_app", "check_workers"]
