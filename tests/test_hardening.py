@@ -5,6 +5,7 @@ records, command lines); the examples found by hand are pinned as table rows."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -361,6 +362,14 @@ def fifo(tmp) -> str:
     return str(path)
 
 
+def dangling(tmp) -> str:
+    import os
+
+    path = tmp / "dangling"
+    os.symlink(tmp / "nowhere", path)
+    return str(path)
+
+
 def bad_cli_cases(tmp):
     mc = write_lines(tmp, [MC], "mc.jsonl")
     tok = write_lines(tmp, [TOK], "tok.jsonl")
@@ -410,6 +419,18 @@ def bad_cli_cases(tmp):
             for text, match in SPECS
         ],
         (["demo", "--page-size", "0"], "--page-size: must be a positive"),
+        (["make-model", "llama", dangling(tmp)], "folder: .* is a link to nothing"),
+        (["make-model", "llama", str(mc / "sub")], "folder: cannot create .*Not a directory"),
+        (["serve", "--cache-bytes", "9" * 400], "--cache-bytes: .*at most 1EiB"),
+        (["serve", "--cache-bytes", "1" + "0" * 30 + "TiB"], "--cache-bytes: .*at most 1EiB"),
+        (["route", "--worker", "http://127.0.0.1:9", "--header-timeout", "0"],
+         "--header-timeout: must be seconds > 0"),
+        (["route", "--worker", "http://127.0.0.1:9", "--header-timeout", "1e300"],
+         "--header-timeout: must be seconds > 0 up to"),
+        (["route", "--worker", "http://127.0.0.1:9", "--breaker-failures", "-1"],
+         "--breaker-failures: must be an int >= 0"),
+        (["route", "--worker", "http://127.0.0.1:9", "--worker-connections", "0"],
+         "--worker-connections: must be a positive integer"),
         (["demo", "--model", str(tmp)], "--model"),
     ]
 
@@ -589,3 +610,38 @@ def test_serve_on_a_busy_port_is_refused_before_loading_a_model(tmp_path):
             assert done.returncode == 2, done.stderr
             want = f"error: --port: cannot listen on 127.0.0.1:{port} (Address already in use)\n"
             assert done.stderr == want  # nothing loaded, nothing printed before
+
+
+@pytest.mark.slow
+def test_a_size_this_model_or_machine_refuses_names_the_flag_that_set_it(hybrid_models, capsys):
+    """Not ``--model``: the window pool Gemma's window needs names --window-tokens, and
+    SGLang's split of a budget larger than the machine names --cache-bytes."""
+    cases = [
+        (["--model", hybrid_models["gemma3"], "--window-tokens", "16"], "--window-tokens: "),
+        (["--model", hybrid_models["qwen3.5"], "--cache-split", "sglang", "--cache-bytes",
+          "900GiB"], r"--cache-bytes: needs [\d,.]+ GiB"),
+    ]  # fmt: skip
+    for argv, match in cases:
+        code, _out, err = cli(["serve", "--port", "0", *argv], capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and re.match(f"error: {match}", lines[0]), err
+
+
+@pytest.mark.slow
+def test_a_budget_past_the_address_space_limit_is_refused_not_crashed():
+    """``ulimit -v 6GiB`` and --cache-bytes 8GiB: the check reads the process's limits
+    (and a container's cgroup), not only the host's MemAvailable, so the answer is one
+    line naming the flag instead of the allocator's traceback."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    done = subprocess.run([sys.executable, "-m", "radixkv.cli", "serve", "--port", "0",
+                           "--model", "random", "--cache-bytes", "8GiB"], preexec_fn=limit,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith("error: --cache-bytes: needs 8.00 GiB")

@@ -5,7 +5,9 @@ Owns: page arithmetic and byte sizes as people write them. Must not touch: anyth
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
+MAX_BYTES = 1 << 60  # 1 EiB: no size past it is one a machine has
 BYTE_UNITS = {
     "B": 1,
     "bytes": 1,
@@ -32,10 +34,13 @@ def parse_bytes(text: str) -> int:
     raw = text.strip().replace("_", "")
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([A-Za-z]*)", raw)
     if not m or (m.group(2) and m.group(2) not in BYTE_UNITS):
-        raise ValueError(f"a byte size like 384KiB, 256MiB, 4GiB or 1000000, got {text!r}")
-    n = int(float(m.group(1)) * BYTE_UNITS[m.group(2) or "B"])
+        raise ValueError(f"a byte size like 384KiB, 256MiB, 4GiB or 1000000, got {text[:60]!r}")
+    # exact decimal arithmetic: a float would overflow (400 nines) or round
+    n = int(Decimal(m.group(1)) * BYTE_UNITS[m.group(2) or "B"])
     if n < 1:
         raise ValueError(f"a byte size of at least 1 byte, got {text!r}")
+    if n > MAX_BYTES:
+        raise ValueError(f"a byte size of at most 1EiB, got {text[:60]!r}")
     return n
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,14 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     folder = Path(args.folder)
+    if folder.is_symlink() and not folder.exists():
+        raise CliError(f"folder: {folder} is a link to nothing ({os.readlink(folder)})")
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise CliError(f"folder: {folder} exists and is not an empty folder")
+    try:  # first: a path that cannot be a folder (under a file, unwritable) says so now
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"folder: cannot create {folder}: {e.strerror or e}") from None
     try:
         import torch
         import transformers
@@ -73,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
            "eos_token_id": 256 + SPECIALS.index("<|im_end|>")}  # fmt: skip
     config = getattr(transformers, config_cls)(**SIZES, **own, **ids, tie_word_embeddings=False)
     model = getattr(transformers, model_cls)(config)
-    folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     write_tokenizer(folder)
     print(f"wrote a tiny random {args.family} ({model_cls}, {config.num_hidden_layers} layers) "

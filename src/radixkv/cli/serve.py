@@ -228,6 +228,29 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
 
 
+# engine settings a flag sets, by their config names (a message naming one names its flag)
+SIZING_FIELDS = ("cache_bytes", "kv_tokens", "window_tokens", "max_checkpoints", "host_tokens",
+                 "chunk_size", "max_running", "max_context_len", "page_size",
+                 "checkpoint_every", "max_retained_tokens")  # fmt: skip
+
+
+def _sizing_flag(message: str, args: argparse.Namespace) -> str | None:
+    """The flag an engine's sizing error is about: the setting it starts with
+    (``window_tokens must ...``), or for what the machine cannot hold (``needs ... GiB``)
+    the flag that sized it: ``--cache-bytes`` when a size was given (it sizes every pool,
+    SGLang's split included), else the largest part's. None: the model's own (its
+    config), which names ``--model``."""
+    first = message.split(" ", 1)[0].rstrip(":")
+    if first in SIZING_FIELDS:
+        return f"--{first.replace('_', '-')}"
+    if not message.startswith("needs"):
+        return None
+    if isinstance(args.cache_bytes, int):
+        return "--cache-bytes"
+    part = message.partition("(")[2].split("=", 1)[0].strip()
+    return f"--{part.replace('_', '-')}" if part in SIZING_FIELDS else "--kv-tokens"
+
+
 def run(args: argparse.Namespace) -> int:
     require_serve_extra()
     if args.port > 65535:
@@ -275,9 +298,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         server, aeng = build_server(serve, engine_config)
     except (FileNotFoundError, ValueError, ModuleNotFoundError) as e:
-        if str(e).startswith(("cache_bytes:", "kv_tokens:")):  # the budget against this model
-            raise flag_error(e) from None
+        flag = _sizing_flag(str(e), args)
+        if flag is not None:  # a size the flags set, against this model or this machine
+            text = str(e).removeprefix(f"{flag[2:].replace('-', '_')}:").strip()
+            raise CliError(f"{flag}: {text}") from None
         raise CliError(f"--model {args.model}: {e}") from None
+    except (MemoryError, RuntimeError) as e:  # the allocator said no, past every check
+        if isinstance(e, RuntimeError) and "alloc" not in str(e).lower():
+            raise
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CliError(f"{_sizing_flag('needs', args)}: the cache could not be allocated "
+                       f"({first}): give a smaller size") from None  # fmt: skip
     except Exception as e:
         if type(e).__name__ == "ZMQError":  # pyzmq's: a bad or busy events address
             raise CliError(f"--kv-events {args.kv_events}: cannot bind ({e})") from None
