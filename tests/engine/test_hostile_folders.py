@@ -214,6 +214,7 @@ def test_a_well_formed_folder_still_loads_its_weights_exactly(tmp_path):
 
 
 # --- the chat template: bounded work and output ------------------------------------------
+NS = "{% set ns = namespace(s=messages[0].content, l=[1]) %}"
 HOSTILE_TEMPLATES = [
     # nested range(100000) loops grew a request to 7.6 GB
     ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
@@ -228,6 +229,29 @@ HOSTILE_TEMPLATES = [
     ("{{ 2 ** 100000 }}", "raised a number"),
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed"),
     ("{% for m in messages %}{{ m.content * 3 }}{% endfor %}" * 4, "output went beyond"),
+    # issue 59's seven: each reached 2.3-2.6 GB in about a second, or never returned
+    ("{% macro f(n) %}{% if n > 0 %}{{ f(n-1) ~ f(n-1) }}{% else %}{{ messages[0].content }}"
+     "{% endif %}{% endmacro %}{{ f(40) }}", "a value of|values in all"),
+    (NS + "{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "a value of"),
+    (NS + "{% for i in range(60) %}{% set ns.s = ns.s.replace('x', 'xx') %}{% endfor %}",
+     "a value of"),
+    (NS + "{% for i in range(60) %}{% set ns.l = ns.l + ns.l %}{% endfor %}", "a value of"),
+    (NS + "{% for i in range(60) %}{% set ns.s = '{}{}'.format(ns.s, ns.s) %}{% endfor %}",
+     "a value of"),
+    (NS + "{% for i in range(60) %}{% set ns.s = [ns.s, ns.s]|join %}{% endfor %}", "a value of"),
+    ("{% macro f(n) %}{% if n > 0 %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(40) }}",
+     "loop steps and calls|to render"),
+    # and their cousins: one step that multiplies a size, or many small values kept
+    (NS + "{% for i in range(60) %}{% set ns.s = ns.s|replace('x', 'xx') %}{% endfor %}",
+     "a value of"),
+    (NS + "{% for i in range(60) %}{% set ns.s = '%s%s'|format(ns.s, ns.s) %}{% endfor %}",
+     "a value of"),
+    (NS + "{% for i in range(60) %}{% set ns.s = ns.s.join('abc') %}{% endfor %}", "a value of"),
+    (NS + "{{ ns.s.replace('x', ns.s) }}", "a value of"),
+    (NS + "{{ ('%s' * 5000) % ((ns.s,) * 5000) }}", "a value of"),
+    (NS + "{{ ('{0}' * 5000).format(ns.s) }}", "a value of"),
+    (NS + "{{ ('\n' * 100000)|indent(100000) }}", "a value of"),
+    (NS + "{% for i in range(100000) %}{% set ns.l = [ns.s ~ i] %}{% endfor %}", "values in all"),
 ]  # fmt: skip
 
 
@@ -256,26 +280,33 @@ def test_an_ordinary_template_renders_as_jinja_does():
         render("{{ raise_exception('no system') }}", 1 << 20, messages=messages)
 
 
-def test_a_hostile_template_is_a_400_and_the_server_goes_on(tmp_path):
-    """Through a real server: the template's folder is the operator's, its work scales
-    with what a client sends; either bound gives a 400 naming messages."""
+def template_folder(folder, template: str) -> str:
+    """`checkpoint` with a character-level tokenizer and ``template`` as its chat
+    template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from radixkv.web.process import ServerProcess
-
-    folder = checkpoint(tmp_path / "tpl")
+    folder = checkpoint(folder)
     vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate("abcdefghij")}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tk.save(f"{folder}/tokenizer.json")
+    config = {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}
+    with open(f"{folder}/tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+def test_a_hostile_template_is_a_400_and_the_server_goes_on(tmp_path):
+    """Through a real server: the template's folder is the operator's, its work scales
+    with what a client sends; either bound gives a 400 naming messages."""
+    from radixkv.web.process import ServerProcess
+
     template = (
         "{% if messages[0].content == 'loop' %}{% for i in range(100000) %}{% for j in "
         "range(100000) %}{% endfor %}{% endfor %}{% endif %}"
         "{% for m in messages %}{{ m.content }}{% endfor %}"
     )
-    config = {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}
-    with open(f"{folder}/tokenizer_config.json", "w") as f:
-        json.dump(config, f)
+    folder = template_folder(tmp_path / "tpl", template)
     import httpx
 
     with ServerProcess("--model", folder, "--served-model-name", "m", timeout=120) as srv:
@@ -303,3 +334,47 @@ def test_a_workers_card_naming_a_device_or_a_fifo_is_refused_not_read(tmp_path):
         card = {"radixkv": {"tokenizer": "0123456789abcdef", "tokenizer_source": source}}
         with pytest.raises(ValueError, match="give --model"):
             workers_tokenizer({"http://w": card})
+
+
+@pytest.mark.slow
+def test_template_bombs_in_flight_are_400s_and_a_plain_chat_is_served_beside_them(tmp_path):
+    """The seven bombs of issue 59 in one template, chosen by the message: all at once,
+    and a plain chat meanwhile. Each bomb is a 400 naming messages within 5 s, the plain
+    chat a 200, and the server stays under 1.5 GB."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from radixkv.web.process import ServerProcess
+
+    bombs = [source for source, _ in HOSTILE_TEMPLATES[10:17]]
+    dispatch = "".join(
+        f"{{% {'if' if i == 0 else 'elif'} messages[0].content == 'bomb{i}' %}}{b}"
+        for i, b in enumerate(bombs)
+    )
+    template = dispatch + "{% else %}{% for m in messages %}{{ m.content }}{% endfor %}{% endif %}"
+    folder = template_folder(tmp_path / "bombs", template)
+
+    async def run(url: str) -> tuple[list, float, int]:
+        async with httpx.AsyncClient(timeout=60) as c:
+
+            async def chat(content: str) -> tuple[int, dict, float]:
+                start = time.monotonic()
+                body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+                r = await c.post(f"{url}/v1/chat/completions", json=body)
+                return r.status_code, r.json(), time.monotonic() - start
+
+            tasks = [asyncio.ensure_future(chat(f"bomb{i}")) for i in range(len(bombs))]
+            plain = await chat("a plain question")
+            return [*(await asyncio.gather(*tasks)), plain]
+
+    with ServerProcess("--model", folder, timeout=120) as srv:
+        results = asyncio.run(run(srv.url))
+        for status, body, took in results[:-1]:
+            assert status == 400 and body["error"]["param"] == "messages", body
+            assert took < 5, took
+        assert results[-1][0] == 200, results[-1]
+        with open(f"/proc/{srv.proc.pid}/status") as f:
+            peak = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 1024
+        assert peak < 1536, peak
