@@ -237,3 +237,62 @@ def test_the_replay_builds_a_model_of_any_size_without_its_memory(tmp_path, hybr
     ])  # fmt: skip
     rep = replay_serve(trace, big, 2**30, config(1))
     assert rep.cached == [0, 40]  # the second hits the first's prompt + answer, page-aligned
+
+
+def _burst_trace(vocab: int) -> traces.Trace:
+    """80 multi-turn requests (16 chats x 5 turns, the longest 352 tokens), every one
+    arriving at once."""
+    trace = traces.gen_multi_turn(conversations=16, turns=5, first_len=64, message_len=32,
+                                  output_len=32, block_size=16, seed=1)  # fmt: skip
+    for r in trace.requests:
+        r.prompt_ids = [t % vocab for t in r.prompt_ids]
+        r.output_ids = [t % vocab for t in r.output_ids or ()]
+        r.timestamp = 0
+    return trace
+
+
+def _tightest(trace: traces.Trace, folder: str, hi: int) -> int:
+    """The least budget (within 1%) at which the trace's longest request runs alone."""
+    longest = max(trace.requests, key=lambda r: len(r.prompt_ids))
+    alone = traces.Trace("alone", trace.block_size, [longest])
+    lo = 1024
+    while hi - lo > hi // 100:
+        mid = (lo + hi) // 2
+        try:
+            replay_serve(alone, folder, mid)
+            hi = mid
+        except ValueError:
+            lo = mid
+    return hi
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3.5", "gemma3", "llama"])
+def test_a_burst_at_the_tightest_budget_finishes(tmp_path, hybrid_models, family):
+    """Every request at once, at the least budget that serves the longest alone, 8 and
+    32 running: the engine's scheduler and memory make progress. A lone request whose
+    own path held the checkpoints its KV needed once waited for ever (a prefill chunk)
+    or raised (a decode); the budget now drops such checkpoints last of all."""
+    import signal
+
+    from radixkv.cli.make_model import run as make_model
+
+    folder = hybrid_models.get(family)
+    if folder is None:
+        folder = str(tmp_path / family)
+        make_model(type("Args", (), {"folder": folder, "family": family, "seed": 0})())
+    trace = _burst_trace(256)
+    budget = _tightest(trace, folder, 4 << 20)
+
+    def stalled(*_: object) -> None:
+        raise AssertionError(f"{family}: the burst did not finish in 120 s")
+
+    old = signal.signal(signal.SIGALRM, stalled)
+    signal.alarm(120)
+    try:
+        for concurrency in (8, 32):
+            rep = replay_serve(trace, folder, budget, concurrency=concurrency)
+            assert len(rep.cached) == len(trace.requests)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

@@ -39,8 +39,13 @@ first (trimming a leaf's tail would leave its new end without window KV); a `Win
 with ``retain="ends"`` frees window KV no useful end needs as the tree changes. With
 neither, the tree's own eviction (its policy's order) frees full KV.
 
+4. **Checkpoints under a lock**, only when nothing above can go: a running request
+   copied what it needed at admission, so a checkpoint on its locked path is worth only
+   later hits, and units it holds may be the ones the request alone needs to go on.
+
 Invariants: only unlocked nodes lose KV; a checkpoint a running request holds a lock
-under is never dropped by steps 1 and 3 (its node is locked); every byte freed goes
+under is dropped only by step 4, when nothing else can be (its node is locked), and a
+retained (protected) one never; every byte freed goes
 through the tree's or a component's eviction (their allocators, their hooks).
 
 Incremental: the budget is a tree component (it joins the cache at construction,
@@ -201,7 +206,7 @@ class HybridBudget(TreeComponent):
             state.drop_superseded(old[: max(1, div_ceil(over, max(state.state_bytes, 1)))])
             return True
         if not self._segs:  # 3. leaf segments
-            return False
+            return self._locked_checkpoints(over)
         segs = sorted(self._segs, key=_LRU)  # (ties in score go least recent first)
         last = list(map(self._last.__getitem__, segs))
         n = len(segs)
@@ -224,6 +229,20 @@ class HybridBudget(TreeComponent):
         if self.order == "greedy-dual":  # the clock moves to the last victim's score
             state.age = max(state.age, float(score[i]))
         state.drop(drop)  # their KV is dead now: the next round frees it
+        return True
+
+    def _locked_checkpoints(self, over: int) -> bool:
+        """4. With nothing else to free: checkpoints under a running request's lock,
+        least recently used first (never a retained one). A hit copies its checkpoint
+        (never lends it), so none is needed by the requests running; keeping them could
+        leave a request alone without the units its own KV needs, waiting for ever (a
+        burst at the tightest budget stalled so). Dropping one loses only a later hit."""
+        state = self.state
+        held = [c for c in state.held.values() if c.slot not in state.protected]  # type: ignore[union-attr]
+        if not held:
+            return False
+        held.sort(key=_TICK)
+        state.drop(held[: max(1, div_ceil(over, max(state.state_bytes, 1)))])  # type: ignore[union-attr]
         return True
 
     def _segment(self, leaf: TreeNode) -> int:
