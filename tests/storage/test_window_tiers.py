@@ -146,3 +146,24 @@ def test_a_huge_value_planted_under_a_window_key_is_refused_unread(model, tmp_pa
     second.tier.store.get = whole
     res = second.generate([prompt], max_new_tokens=2, chat=False, ignore_eos=True)
     assert res.stats.cached_tokens == 0 and second.window_tiers.bad >= 1
+
+
+def test_a_prompt_sent_again_to_a_fresh_engine_hits_the_window_store(model, tmp_path):
+    """The same prompt sent again matches up to its last whole page before its last
+    token, so the window there is what it needs: the store keeps it (the tree marks the
+    prompt's resend point). It got 0 cached, while the prompt extended got all of it."""
+    import transformers
+
+    arch, path = model
+    prompt = rand(203, 7)
+    kw = {"page_size": 16, "chunk_size": 32, "check_memory": True,
+          "storage": f"file://{tmp_path}/store"}  # fmt: skip
+    first = Engine(str(path), **kw)  # its answer runs past a page: the row's window
+    first.generate([prompt], max_new_tokens=12, chat=False, ignore_eos=True)  # moved on
+    first.tier.flush()
+    second = Engine(str(path), **kw)
+    res = second.generate([prompt], max_new_tokens=6, chat=False, ignore_eos=True)
+    assert res.stats.cached_tokens == 192  # align_down(203 - 1, 16)
+    assert second.window_tiers.loaded > 0 and second.tier.stats.store_hit_tokens >= 192
+    reference = getattr(transformers, arch).from_pretrained(path).eval()
+    assert res.outputs[0].token_ids == greedy(reference, prompt, 6)

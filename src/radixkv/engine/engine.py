@@ -46,6 +46,7 @@ from radixkv.engine.scheduler import DoesNotFit, Scheduler
 from radixkv.key import RadixKey, check_namespace
 from radixkv.kvcache.retention import Retention
 from radixkv.tokenizer import Tokenizer
+from radixkv.units import align_down
 
 log = logging.getLogger("radixkv.engine")
 
@@ -555,7 +556,9 @@ class Engine:
             slots = self.mgr.req_pool.read(r.row, 0, n).clone()
             hashes = self.tier.save(r.token_array()[:n], r.extra_key, slots)
             if self.window_tiers is not None:  # (the page hashes once for both)
-                self.window_tiers.save(r.token_array()[:n], r.extra_key, r.row, n, hashes)
+                resend = align_down(len(r.input_ids) - 1, self.cache.page_size)
+                self.window_tiers.save(r.token_array()[:n], r.extra_key, r.row, n, hashes,
+                                       resend)  # fmt: skip
 
     def _check(self) -> None:
         self.mgr.check_memory()

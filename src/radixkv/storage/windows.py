@@ -13,7 +13,10 @@ window pages too, apart from the full ones.
              so a window page is never read as a full one, nor one layout as another
     write    ``write_through`` (and ``_selective``): at a request's finish, the whole
              pages of its tokens whose window slots it still has (its last window and
-             chunk); ``write_back``: when they leave the last tier above the store
+             chunk) and the window before its prompt's resend point, which the tree
+             keeps (the same prompt sent again matches up to its last whole page
+             before its last token); ``write_back``: when they leave the last tier
+             above the store
     host     ``host_pages`` window pages the device evicted with their nodes
              (`WindowKV.demote`), least recently used first; exclusive, as the KV's
     load     before admission, once the full pages are back (`KVTiers.load`): the
@@ -85,11 +88,14 @@ class WindowTiers:
 
     # --- writing ------------------------------------------------------------------------
     def save(
-        self, tokens: Any, ns: Any, row: int, n: int, hashes: list[bytes] | None = None
-    ) -> None:
+        self, tokens: Any, ns: Any, row: int, n: int, hashes: list[bytes] | None = None,
+        resend: int = 0,
+    ) -> None:  # fmt: skip
         """A request finished with ``n`` tokens computed (whole pages): queue the pages
-        whose window slots row ``row`` still has, as the write policy says. ``hashes``:
-        the pages' hashes, when the caller has them (`KVTiers.save` returns them)."""
+        whose window slots row ``row`` still has, and those of the window before
+        ``resend`` (its prompt's resend point, which the tree keeps: the same prompt
+        sent again matches up to there), as the write policy says. ``hashes``: the
+        pages' hashes, when the caller has them (`KVTiers.save` returns them)."""
         tiers = self.tiers
         if tiers.store is None or tiers.write_policy == "write_back":
             return
@@ -97,12 +103,16 @@ class WindowTiers:
         n_pages = n // p
         held = (table[: n_pages * p] >= 0).reshape(n_pages, p).all(axis=1) if n_pages else []
         first = next((j for j in range(n_pages) if held[j]), n_pages)
-        if first == n_pages or not held[first:].all():
-            return  # (a row's window slots are one run up to its end)
+        if first < n_pages and not held[first:].all():
+            first = n_pages  # (a row's window slots are one run up to its end)
+        pages = {j: table[j * p : (j + 1) * p] for j in range(first, n_pages)}
+        pages.update(self._resend_window(tokens, ns, resend, first))
+        if not pages:
+            return
         if hashes is None or len(hashes) < n_pages:
             hashes = tiers.page_hashes(tokens, ns, n_pages)
-        hashes = hashes[first:n_pages]
-        keys = [self._key(h) for h in hashes]
+        order = sorted(pages)
+        keys = [self._key(hashes[j]) for j in order]
         if tiers.write_policy == "write_through_selective":
             keep = [i for i, k in enumerate(keys) if tiers.seen(k) >= 2]  # (counted here)
         else:
@@ -110,9 +120,26 @@ class WindowTiers:
         keep = [i for i in keep if not tiers.knows(keys[i])]
         if not keep:
             return
-        at = torch.from_numpy(table[first * p : n_pages * p].copy())
-        pages = gather_pages(self.kv, self.layers, at, p)
-        self._write([keys[i] for i in keep], [hashes[i] for i in keep], pages[keep])
+        at = torch.from_numpy(np.concatenate([pages[order[i]] for i in keep]).astype(np.int64))
+        data = gather_pages(self.kv, self.layers, at, p)
+        self._write([keys[i] for i in keep], [hashes[order[i]] for i in keep], data)
+
+    def _resend_window(self, tokens: Any, ns: Any, resend: int, first: int) -> dict:
+        """The window slots the tree holds before ``resend``, by page, for the pages
+        before ``first`` (the row's own run): what a resend's match end needs."""
+        p, span = self.page, -(-self.window.span // self.page)
+        end = resend // p
+        lo = max(0, end - span)
+        if end <= 0 or lo >= min(first, end):
+            return {}
+        hit = self.cache.match_prefix(RadixKey(tokens[: end * p], ns), full=True)
+        if hit.prefix_len < end * p:
+            return {}
+        try:
+            slots = self.window.tail_slots(hit.last_node, (end - lo) * p).numpy()
+        except ValueError:  # the tree keeps no window there (evicted meanwhile)
+            return {}
+        return {j: slots[(j - lo) * p : (j - lo + 1) * p] for j in range(lo, min(first, end))}
 
     def _write(self, keys: list[bytes], hashes: list[bytes], pages: torch.Tensor) -> None:
         cpu = pages.to("cpu").contiguous().view(torch.uint8).numpy()
