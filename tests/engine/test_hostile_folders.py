@@ -280,13 +280,14 @@ def test_an_ordinary_template_renders_as_jinja_does():
         render("{{ raise_exception('no system') }}", 1 << 20, messages=messages)
 
 
-def template_folder(folder, template: str) -> str:
-    """`checkpoint` with a character-level tokenizer and ``template`` as its chat
-    template."""
+def template_folder(folder, template: str, extra: dict | None = None) -> str:
+    """`checkpoint` with a character-level tokenizer (``extra``: more tokens, by id) and
+    ``template`` as its chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     folder = checkpoint(folder)
-    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate("abcdefghij")}}
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate("abcdefghij")},
+             **(extra or {})}  # fmt: skip
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tk.save(f"{folder}/tokenizer.json")
@@ -378,3 +379,24 @@ def test_template_bombs_in_flight_are_400s_and_a_plain_chat_is_served_beside_the
         with open(f"/proc/{srv.proc.pid}/status") as f:
             peak = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 1024
         assert peak < 1536, peak
+
+
+def test_a_token_the_models_vocabulary_lacks_is_a_400_naming_the_prompt(tmp_path):
+    """A tokenizer whose ids run past the model's vocabulary (its ``z`` is 5000): a text
+    prompt or a chat holding it is refused naming ``prompt`` or ``messages`` (the
+    engine's own check named nothing)."""
+    import httpx
+
+    from radixkv.web.process import ServerProcess
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    folder = template_folder(tmp_path / "vocab", template, {"z": 5000})
+    with ServerProcess("--model", folder, timeout=120) as srv:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "abz", "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "5000" in r.json()["error"]["message"]
+        chat = {"messages": [{"role": "user", "content": "az"}], "max_tokens": 1}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "abc", "max_tokens": 1})
+        assert r.status_code == 200
