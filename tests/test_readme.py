@@ -45,22 +45,52 @@ def test_the_readme_shows_a_runnable_example_of_each_command():
         assert command in shown, command
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("where", "script"), RUNNABLE, ids=[w for w, _ in RUNNABLE])
-def test_every_runnable_block_runs_as_written(where, script, tmp_path):
-    for port in PORTS:
-        script = re.sub(rf"\b{port}\b", str(free_port_pair()), script)
-    env = {**os.environ, "RADIXKV_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=tmp_path,
+def run_block(script: str, cwd: Path, timeout: float = 600) -> tuple[int, str]:
+    """A shell block as a newcomer runs it (``bash -e``), on ports of its own; whatever
+    it leaves running is killed. Its exit status and output."""
+    env = {**os.environ, "RADIXKV_CACHE": str(cwd / "cache")}
+    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
     try:
-        out, _ = proc.communicate(timeout=600)
+        out, _ = proc.communicate(timeout=timeout)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # whatever it left running
-    assert proc.returncode == 0, f"{where} failed:\n{script}\n--- its output ---\n{out}"
-    assert "Traceback" not in out and "error:" not in out, out
+    return proc.returncode, out
+
+
+def own_ports(script: str) -> str:
+    for port in PORTS:
+        script = re.sub(rf"\b{port}\b", str(free_port_pair()), script)
+    return script
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("where", "script"), RUNNABLE, ids=[w for w, _ in RUNNABLE])
+def test_every_runnable_block_runs_as_written_twice(where, script, tmp_path):
+    """Twice in the same folder: a block that made a folder or left a file the first
+    time runs again as written."""
+    script = own_ports(script)
+    for run in (1, 2):
+        code, out = run_block(script, tmp_path)
+        assert code == 0, f"{where} failed (run {run}):\n{script}\n--- its output ---\n{out}"
+        assert "Traceback" not in out and "error:" not in out, out
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_start_ends_its_block_with_its_error(tmp_path):
+    """The README's wait is bounded and reads the server's log: a model folder that
+    does not exist ends the block at once with the server's one-line error, where an
+    unbounded wait looped for ever."""
+    import time
+
+    serve = next(s for w, s in RUNNABLE if w.startswith("README") and "--port 8000" in s)
+    script = own_ports(serve.replace("--model random", "--model no-such-folder"))
+    start = time.monotonic()
+    code, out = run_block(script, tmp_path, timeout=120)
+    assert code != 0 and time.monotonic() - start < 60, out
+    assert "error: --model no-such-folder" in out, out
 
 
 def test_import_radixkv_is_light():

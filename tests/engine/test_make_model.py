@@ -44,3 +44,17 @@ def test_a_folder_in_use_is_refused(tmp_path, capsys):
     (tmp_path / "x").write_text("mine")
     assert main(["make-model", "llama", str(tmp_path)]) == 2
     assert "is not an empty folder" in capsys.readouterr().err
+
+
+def test_the_same_command_again_leaves_its_folder_and_another_is_refused(tmp_path, capsys):
+    """A README block runs twice: make-model on the folder it wrote, with the same family
+    and seed, changes nothing and exits 0; another family or seed there is refused."""
+    folder = tmp_path / "m"
+    assert main(["make-model", "llama", str(folder)]) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    assert main(["make-model", "llama", str(folder)]) == 0
+    assert "already holds a tiny random llama (seed 0)" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+    for other in (["qwen2", str(folder)], ["llama", str(folder), "--seed", "1"]):
+        assert main(["make-model", *other]) == 2
+        assert "is not an empty folder" in capsys.readouterr().err

@@ -55,7 +55,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "(the dev extra).",
     )  # fmt: skip
     p.add_argument("family", choices=list(FAMILIES), help="the architecture")
-    p.add_argument("folder", help="where to write it (must not exist, or be empty)")
+    p.add_argument("folder", help="where to write it (must not exist, or be empty; one "
+                   "this command wrote with the same family and seed is left as it is)")
     p.add_argument("--seed", type=number(int, 0, "a non-negative integer"), default=0)
 
 
@@ -63,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     folder = Path(args.folder)
     if folder.is_symlink() and not folder.exists():
         raise CliError(f"folder: {folder} is a link to nothing ({os.readlink(folder)})")
+    made = {"family": args.family, "seed": args.seed}
+    if _made_here(folder) == made:  # the same command ran before: the folder is as it
+        print(f"{folder} already holds a tiny random {args.family} (seed {args.seed}); "
+              f"serve it with: radixkv serve --model {folder}")  # fmt: skip
+        return 0
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise CliError(f"folder: {folder} exists and is not an empty folder")
     try:  # first: a path that cannot be a folder (under a file, unwritable) says so now
@@ -82,9 +88,23 @@ def run(args: argparse.Namespace) -> int:
     model = getattr(transformers, model_cls)(config)
     model.save_pretrained(folder)
     write_tokenizer(folder)
+    (folder / STAMP).write_text(json.dumps(made))  # last: a folder half written has none
     print(f"wrote a tiny random {args.family} ({model_cls}, {config.num_hidden_layers} layers) "
           f"to {folder}; serve it with: radixkv serve --model {folder}")  # fmt: skip
     return 0
+
+
+STAMP = "radixkv-make-model.json"  # what make-model wrote here: running it again is a no-op
+
+
+def _made_here(folder: Path) -> dict | None:
+    """The family and seed make-model wrote ``folder`` with (None: it did not)."""
+    try:
+        with open(folder / STAMP, encoding="utf-8") as f:
+            made = json.loads(f.read(4096))
+    except (OSError, ValueError):
+        return None
+    return made if isinstance(made, dict) else None
 
 
 def write_tokenizer(folder: Path) -> None:
