@@ -68,3 +68,53 @@ def test_multi_turn_chats_can_open_with_one_shared_system_prompt():
     assert longest_prompt_words(cfg)[0] == plain + 50
     with pytest.raises(ValueError, match="shared_system_words"):
         BenchConfig(shared_system_words=-1)
+
+
+def test_piped_progress_says_at_once_then_every_period_with_an_estimate():
+    """Piped (a log, CI), a long command prints a line at once, then one a period while
+    it runs (from a timer: a single long step is not silent), and one when it ends."""
+    import threading
+
+    from radixkv.cli.progress import progress
+
+    out = io.StringIO()
+    console = Console(file=out, width=200)  # not a terminal
+    ticked = threading.Event()
+    with progress(console, "work", total=4, every=0.05) as update:
+        assert out.getvalue() == "work: 0/4 (0%), 0s\n"  # at once
+        update(1)
+        while out.getvalue().count("\n") < 3:  # the timer's lines, with the count so far
+            ticked.wait(0.01)
+        update(4)
+    lines = out.getvalue().splitlines()
+    assert "work: 1/4 (25%), 0s, about 0s left" in lines
+    assert lines[-1] == "work: 4/4 (100%), 0s, done"
+
+
+def _first_line_s(argv: list[str], limit: float = 60) -> tuple[float, str]:
+    """Seconds until a command's piped output shows its first line (stdout and stderr)."""
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "radixkv.cli", *argv], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        return time.monotonic() - start, line
+    finally:
+        proc.kill()
+        proc.communicate(timeout=limit)
+
+
+@pytest.mark.slow
+def test_bench_serve_and_demo_say_what_they_do_within_five_seconds():
+    """Piped, bench-serve's first progress line and the demo's first line come at once
+    (bench-serve was silent for 272 s, the demo's first run for about 90)."""
+    with ServerProcess("--model", "random", "--page-size", "16", timeout=60) as srv:
+        took, line = _first_line_s(["bench-serve", "--url", srv.url, "--num-prompts", "400",
+                                    "--max-tokens", "64"])  # fmt: skip
+        assert took < 5 and line.startswith("bench-serve shared-prefix: requests done: 0"), line
+    took, line = _first_line_s(["demo", "--model", "random"])
+    assert took < 5 and line.startswith("loading the model (random)"), line

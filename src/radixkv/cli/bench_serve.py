@@ -20,6 +20,7 @@ from radixkv.cli.common import (
     positive_int,
     require_serve_extra,
 )
+from radixkv.cli.progress import progress
 
 HELP = "load-test an OpenAI-compatible server on loopback"
 
@@ -81,8 +82,6 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     require_serve_extra()
-    from rich.progress import Progress
-
     from radixkv.bench.client import BenchConfig, format_report, run_bench, write_json
 
     check_output("--json", args.json_out)
@@ -97,11 +96,8 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     try:
-        with Progress(console=console, transient=True) as bar:
-            task = bar.add_task(f"{cfg.workload} requests", total=None)
-            rep = asyncio.run(
-                run_bench(cfg, lambda done, total: bar.update(task, completed=done, total=total))
-            )
+        with progress(console, f"bench-serve {cfg.workload}: requests done") as update:
+            rep = asyncio.run(run_bench(cfg, update))
     except httpx.TransportError as e:
         raise CliError(f"--url {args.url}: cannot reach the server ({e})") from None
     except ValueError as e:

@@ -75,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CliError(f"folder: cannot create {folder}: {e.strerror or e}") from None
+    print(f"writing a tiny random {args.family} to {folder} (transformers' save_pretrained)...",
+          flush=True)  # fmt: skip
     try:
         import torch
         import transformers

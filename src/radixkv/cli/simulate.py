@@ -21,6 +21,7 @@ from radixkv.cli.common import (
     positive_int,
 )
 from radixkv.cli.common import write_output as write
+from radixkv.cli.progress import progress
 from radixkv.router.policies import KV_OVERLAP_WEIGHT
 from radixkv.units import BYTE_UNITS, parse_bytes
 
@@ -76,7 +77,11 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                      "own rules; sglang, vllm; and, with a model folder, serve: the "
                      "engine's own scheduler and memory replayed without the model, "
                      "serve-sglang: the same with SGLang's fixed split of the bytes); "
-                     "capacities in bytes")  # fmt: skip
+                     "capacities in bytes. Its table: full KV, window KV and states are "
+                     "the bytes each kind held (the mean after each request), "
+                     "checkpoints the states taken, hit grid the tokens a hit counts in; "
+                     "a row marked * held past its capacity by Marconi's own rules "
+                     "(docs/simulation.md, 'Reading the hybrid table')")  # fmt: skip
     sim.add_argument("--accounting", choices=["served", "after"], default=None,
                      help="with --model-spec: when a request's new KV counts against the "
                      "budget: served (while it runs, as the engine holds it) or after (once "
@@ -244,16 +249,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _sweep(args, trace, caps, labels, policies, outputs, console) -> int:  # type: ignore[no-untyped-def]
-    from rich.progress import Progress
-
     from radixkv.sim import sweep
 
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(f"replaying {len(trace.requests):,} requests",
-                            total=len(sweep.bounded_caps(caps)) * len(policies))  # fmt: skip
+    total, done = len(sweep.bounded_caps(caps)) * len(policies), [0]
+    what = f"replaying {len(trace.requests):,} requests: (capacity, policy) rows done"
+    with progress(None, what, total) as update:
+
+        def advance(_r: object) -> None:
+            done[0] += 1
+            update(done[0])
+
         results, ceiling = sweep.run_sweep(
             trace, caps, policies, outputs, args.warmup, args.workers,
-            progress=lambda _r: bar.advance(task), scope=args.scope,
+            progress=advance, scope=args.scope,
         )  # fmt: skip
     sweep.print_table(results, ceiling, trace, console, labels)
     write("--json", args.json_out, lambda: sweep.to_json(results, ceiling))
@@ -373,8 +381,6 @@ def _serve(
 
 
 def _hybrid(args: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
     from radixkv.sim import hybrid, sweep, traces
 
     for flag, dest in _NOT_HYBRID:
@@ -430,13 +436,12 @@ def _hybrid(args: argparse.Namespace) -> int:
     outputs = trace.carries_outputs() if args.cache_outputs is None else args.cache_outputs
     console = make_console(stderr=args.json_out == "-")
     results = []
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task(f"replaying {len(trace.requests):,} requests",
-                            total=len(caps) * len(policies))  # fmt: skip
+    what = f"replaying {len(trace.requests):,} requests: (capacity, policy) rows done"
+    with progress(None, what, len(caps) * len(policies)) as update:
         for cap in caps:
             for policy in policies:
                 results.append(_hybrid_row(args, trace, spec, cap, outputs, policy))
-                bar.advance(task)
+                update(len(results))
     hybrid.print_hybrid_table(results, trace, spec, console)
     rows = {"model": spec.__dict__, "results": [r.to_dict() for r in results]}
     write("--json", args.json_out, lambda: json.dumps(rows, indent=2))

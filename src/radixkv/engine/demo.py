@@ -87,10 +87,12 @@ def _median(xs: list[float]) -> float:
 
 
 def _phases(
-    net: Any, tokenizer: Any, prompts: list[Any], page_size: int, max_new_tokens: int
-) -> dict[bool, list[GenerateResult]]:
+    net: Any, tokenizer: Any, prompts: list[Any], page_size: int, max_new_tokens: int,
+    on_pair: Any = None,
+) -> dict[bool, list[GenerateResult]]:  # fmt: skip
     """Both phases of a workload, in turns until their medians are stable (see above);
-    every run, by phase (cache off: False, on: True)."""
+    every run, by phase (cache off: False, on: True). ``on_pair(n, off, on)``: after
+    each pair of runs, their wall times."""
     runs: dict[bool, list[GenerateResult]] = {False: [], True: []}
     before: tuple[float, float] | None = None
     while True:
@@ -99,6 +101,8 @@ def _phases(
             runs[cache].append(engine.generate(prompts, max_new_tokens=max_new_tokens))
         now = (_wall(runs[False]), _wall(runs[True]))
         n = len(runs[True])
+        if on_pair is not None:
+            on_pair(n, runs[False][-1].stats.wall_s, runs[True][-1].stats.wall_s)
         steady = before is not None and all(
             abs(a - b) <= STABLE * b for a, b in zip(now, before, strict=True)
         )
@@ -125,6 +129,10 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the demo and print its table; returns the numbers (for tests and notes)."""
     console = console or Console()
+    # at once: a first SmolLM2 run converts its GGUF first (about a minute)
+    first = " (a first run of SmolLM2 converts its weights once: about a minute)" if str(
+        model) in ("auto", "smollm2") else ""  # fmt: skip
+    console.print(escape(f"loading the model ({model}){first}..."))
     net, tokenizer, name = load_model(model)
     console.print(f"model: [bold]{escape(name)}[/bold]")
     if "random" in name:
@@ -137,8 +145,13 @@ def run_demo(
     Engine(net, tokenizer=tokenizer).generate(loads["capitals"][:1], max_new_tokens=2)
     every: dict[tuple[str, bool], list[GenerateResult]] = {}
     for wname, prompts in loads.items():
+        def pair(n: int, off: float, on: float, wname: str = wname) -> None:
+            if not console.is_terminal:  # a log gets a line a pair of runs
+                console.print(escape(f"{wname}: pair {n} (at most {MAX_REPEATS}): "
+                                     f"cache off {off:.2f} s, on {on:.2f} s"))  # fmt: skip
+
         with console.status(f"running {wname}, cache off and on in turns..."):
-            phases = _phases(net, tokenizer, prompts, page_size, max_new_tokens)
+            phases = _phases(net, tokenizer, prompts, page_size, max_new_tokens, pair)
         for cache in (False, True):
             every[(wname, cache)] = phases[cache]
         if not console.is_terminal:  # a log file gets one line a workload

@@ -652,15 +652,34 @@ def print_hybrid_table(
                 "window KV", "states", "checkpoints", "hit grid"):  # fmt: skip
         table.add_column(col, justify="left" if col == "policy" else "right", overflow="fold")
     base = {r.capacity_bytes: r.token_hit_rate for r in results if r.policy == "vllm"}
+    over = False
     for r in results:
         b = base.get(r.capacity_bytes)
+        past = sum(r.mean_bytes.values()) > r.capacity_bytes  # (only a peer's own rules)
+        over |= past
         table.add_row(
-            r.policy, fmt_bytes(r.capacity_bytes), f"{r.token_hit_rate:.4f}",
-            f"{r.token_hit_rate / b:.2f}x" if b else "-", f"{r.flops_saved:.4f}",
-            fmt_bytes(r.mean_bytes["full"]), fmt_bytes(r.mean_bytes["window"]),
-            fmt_bytes(r.mean_bytes["states"]), f"{r.checkpoints:,}", str(r.block_tokens),
+            r.policy + (" *" if past else ""), fmt_bytes(r.capacity_bytes),
+            f"{r.token_hit_rate:.4f}", f"{r.token_hit_rate / b:.2f}x" if b else "-",
+            f"{r.flops_saved:.4f}", fmt_bytes(r.mean_bytes["full"]),
+            fmt_bytes(r.mean_bytes["window"]), fmt_bytes(r.mean_bytes["states"]),
+            f"{r.checkpoints:,}", str(r.block_tokens),
         )  # fmt: skip
+    table.caption = COLUMNS + (OVER if over else "")
     console.print(table)
+
+
+# what the hybrid table's columns say (its caption; docs/simulation.md says the same)
+COLUMNS = (
+    "vs vllm: the hit rate over vLLM align's at the same capacity; FLOPs saved: the "
+    "prefill FLOPs the hits saved, of all; full KV, window KV, states: the bytes each "
+    "kind held, the mean over the requests (after each); checkpoints: recurrent states "
+    "taken in all; hit grid: the tokens a hit counts in (vLLM's block, else the page)."
+)
+OVER = (
+    "\n* held more than its capacity: Marconi's simulator inserts a request after "
+    "evicting all it can even when the request's own states and KV exceed the budget "
+    "(its vLLM+ keeps a state every 32 tokens), and these rows replay its rules."
+)
 
 
 def plot_hybrid(results: list[HybridResult], trace: Trace, spec: ModelSpec, path: str) -> None:
