@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-EVERY_S = 5.0  # seconds between two piped lines, at most one a period
+EVERY_S = 5.0  # seconds between two piped lines
+FIRST_S = 2.0  # ... and before the first: a command done (or refused) sooner says nothing
 
 Update = Callable[..., None]  # update(done, total=None)
 
@@ -25,20 +26,27 @@ def _clock(seconds: float) -> str:
 
 
 class _Lines:
-    """The piped form: a line at once, one every ``every`` seconds from a timer thread
-    (so a single long step is not silent either), and one at the end."""
+    """The piped form: a line after ``first`` seconds, then one every ``every`` seconds
+    from a timer thread (so a single long step is not silent either), and one at the end
+    if any came before (a command that ends or fails sooner says nothing more than its
+    result: its error stays the one line it writes)."""
 
-    def __init__(self, console: Any, what: str, total: int | None, every: float) -> None:
+    def __init__(
+        self, console: Any, what: str, total: int | None, every: float, first: float
+    ) -> None:
         self.console, self.what, self.total, self.every = console, what, total, every
+        self.first = first
         self.start = time.monotonic()
-        self.done = 0
+        self.done, self.said = 0, False
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.timer = threading.Thread(target=self._tick, daemon=True)
 
     def _tick(self) -> None:
-        while not self.stop.wait(self.every):
+        wait = self.first
+        while not self.stop.wait(wait):
             self.line()
+            wait = self.every
 
     def line(self, final: bool = False) -> None:
         elapsed = time.monotonic() - self.start
@@ -52,6 +60,7 @@ class _Lines:
             text += f", about {_clock(elapsed * (self.total - self.done) / self.done)} left"
         with self.lock:
             self.console.print(text, markup=False, highlight=False)
+            self.said = True
 
     def update(self, done: int, total: int | None = None) -> None:
         self.done = done
@@ -61,11 +70,13 @@ class _Lines:
 
 @contextmanager
 def progress(
-    console: Any, what: str, total: int | None = None, every: float = EVERY_S
-) -> Iterator[Update]:
+    console: Any, what: str, total: int | None = None, every: float = EVERY_S,
+    first: float = FIRST_S,
+) -> Iterator[Update]:  # fmt: skip
     """Yields ``update(done, total=None)``: the count so far (and the total, once
     known). On a terminal a transient bar; piped, ``what: done/total (p%), elapsed,
-    about T left`` at once, every ``every`` seconds while it runs, and when it ends.
+    about T left`` after ``first`` seconds, then every ``every`` while it runs, and
+    when it ends (if it said anything before).
     ``console``: where to say it (None: standard error, so a table piped from standard
     output stays clean)."""
     if console is None:
@@ -83,8 +94,7 @@ def progress(
 
             yield update
         return
-    lines = _Lines(console, what, total, every)
-    lines.line()
+    lines = _Lines(console, what, total, every, first)
     lines.timer.start()
     ok = False
     try:
@@ -93,8 +103,8 @@ def progress(
     finally:
         lines.stop.set()
         lines.timer.join()
-        if ok:
+        if ok and lines.said:
             lines.line(final=True)
 
 
-__all__ = ["EVERY_S", "progress"]
+__all__ = ["EVERY_S", "FIRST_S", "progress"]

@@ -381,7 +381,7 @@ def _serve(
 
 
 def _hybrid(args: argparse.Namespace) -> int:
-    from radixkv.sim import hybrid, sweep, traces
+    from radixkv.sim import hybrid, hybrid_table, sweep, traces
 
     for flag, dest in _NOT_HYBRID:
         if getattr(args, dest, None):
@@ -442,8 +442,9 @@ def _hybrid(args: argparse.Namespace) -> int:
             for policy in policies:
                 results.append(_hybrid_row(args, trace, spec, cap, outputs, policy))
                 update(len(results))
-    hybrid.print_hybrid_table(results, trace, spec, console)
+    hybrid_table.print_hybrid_table(results, trace, spec, console)
     rows = {"model": spec.__dict__, "results": [r.to_dict() for r in results]}
     write("--json", args.json_out, lambda: json.dumps(rows, indent=2))
-    _plot(args.plot, lambda: hybrid.plot_hybrid(results, trace, spec, args.plot), console)
+    _plot(args.plot, lambda: hybrid_table.plot_hybrid(results, trace, spec, args.plot),
+          console)  # fmt: skip
     return 0
