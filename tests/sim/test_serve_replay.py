@@ -27,7 +27,7 @@ from radixkv.engine.engine import Engine
 from radixkv.engine.request import MarkedIds, SamplingParams
 from radixkv.sim import traces
 from radixkv.sim.hybrid import ModelSpec, simulate_hybrid
-from radixkv.sim.serve_replay import replay_serve
+from radixkv.sim.serve_replay import replay_serve, tightest_budget
 
 PAGE = 4
 # a few requests wide: full KV, windows and checkpoints are all evicted
@@ -251,28 +251,13 @@ def _burst_trace(vocab: int) -> traces.Trace:
     return trace
 
 
-def _tightest(trace: traces.Trace, folder: str, hi: int) -> int:
-    """The least budget (within 1%) at which the trace's longest request runs alone."""
-    longest = max(trace.requests, key=lambda r: len(r.prompt_ids))
-    alone = traces.Trace("alone", trace.block_size, [longest])
-    lo = 1024
-    while hi - lo > hi // 100:
-        mid = (lo + hi) // 2
-        try:
-            replay_serve(alone, folder, mid)
-            hi = mid
-        except ValueError:
-            lo = mid
-    return hi
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3.5", "gemma3", "llama"])
 def test_a_burst_at_the_tightest_budget_finishes(tmp_path, hybrid_models, family):
     """Every request at once, at the least budget that serves the longest alone, 8 and
     32 running: the engine's scheduler and memory make progress. A lone request whose
     own path held the checkpoints its KV needed once waited for ever (a prefill chunk)
-    or raised (a decode); the budget now drops such checkpoints last of all."""
+    or raised (a decode); the scheduler now drops such checkpoints last of all."""
     import signal
 
     from radixkv.cli.make_model import run as make_model
@@ -282,7 +267,7 @@ def test_a_burst_at_the_tightest_budget_finishes(tmp_path, hybrid_models, family
         folder = str(tmp_path / family)
         make_model(type("Args", (), {"folder": folder, "family": family, "seed": 0})())
     trace = _burst_trace(256)
-    budget = _tightest(trace, folder, 4 << 20)
+    budget = tightest_budget(trace, folder, 4 << 20)
 
     def stalled(*_: object) -> None:
         raise AssertionError(f"{family}: the burst did not finish in 120 s")

@@ -24,7 +24,9 @@ at all (every prefill chunk waits for memory the others hold, as in a window poo
 smaller than every running request's windows: `radixkv.kvcache.window_slots`), the newest
 yields too. Retained prefixes (`radixkv.kvcache.retention`) never block that: they are released
 (``relieve``) before a decode preempts, and when a request alone cannot be admitted or
-get its chunk's slots.
+get its chunk's slots. Nor do checkpoints on a lone request's own locked path, in one
+arena: they are dropped last of all (`CacheManager.drop_held_checkpoint`), when it alone
+still finds no room (a burst at the tightest budget once stalled there).
 
 Owns: the waiting and running queues, admission, the batch plan, preemption, and the one
 fit check. Must not touch: the model, outputs.
@@ -232,6 +234,10 @@ class Scheduler:
                     break
                 self.preempt(max(victims, key=lambda q: q.order))
                 plan = [(q, m) for q, m in plan if q in self.running]
+                slots = self.mgr.allocate(r, n)
+            # alone and still short: the checkpoints its own locked path holds go (it
+            # copied what it needed), or it would wait for ever (or raise, decoding)
+            while slots is None and len(self.running) == 1 and self.mgr.drop_held_checkpoint():
                 slots = self.mgr.allocate(r, n)
             if slots is None:
                 if not prefill:  # alone and still no room: cannot happen after `add`

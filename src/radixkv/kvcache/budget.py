@@ -39,13 +39,13 @@ first (trimming a leaf's tail would leave its new end without window KV); a `Win
 with ``retain="ends"`` frees window KV no useful end needs as the tree changes. With
 neither, the tree's own eviction (its policy's order) frees full KV.
 
-4. **Checkpoints under a lock**, only when nothing above can go: a running request
-   copied what it needed at admission, so a checkpoint on its locked path is worth only
-   later hits, and units it holds may be the ones the request alone needs to go on.
+A last resort outside that order (`drop_held_checkpoint`, for the scheduler only): a
+request running alone whose own locked path holds the units its KV needs gets them from
+the checkpoints on that path (a hit copied what it needed at admission).
 
 Invariants: only unlocked nodes lose KV; a checkpoint a running request holds a lock
-under is dropped only by step 4, when nothing else can be (its node is locked), and a
-retained (protected) one never; every byte freed goes
+under is never dropped by steps 1 and 3 (its node is locked), only by the last resort,
+and a retained (protected) one never; every byte freed goes
 through the tree's or a component's eviction (their allocators, their hooks).
 
 Incremental: the budget is a tree component (it joins the cache at construction,
@@ -206,7 +206,7 @@ class HybridBudget(TreeComponent):
             state.drop_superseded(old[: max(1, div_ceil(over, max(state.state_bytes, 1)))])
             return True
         if not self._segs:  # 3. leaf segments
-            return self._locked_checkpoints(over)
+            return False
         segs = sorted(self._segs, key=_LRU)  # (ties in score go least recent first)
         last = list(map(self._last.__getitem__, segs))
         n = len(segs)
@@ -231,18 +231,20 @@ class HybridBudget(TreeComponent):
         state.drop(drop)  # their KV is dead now: the next round frees it
         return True
 
-    def _locked_checkpoints(self, over: int) -> bool:
-        """4. With nothing else to free: checkpoints under a running request's lock,
-        least recently used first (never a retained one). A hit copies its checkpoint
-        (never lends it), so none is needed by the requests running; keeping them could
-        leave a request alone without the units its own KV needs, waiting for ever (a
-        burst at the tightest budget stalled so). Dropping one loses only a later hit."""
+    def drop_held_checkpoint(self) -> bool:
+        """The last resort, never part of `evict_bytes`: drop the least recently used
+        checkpoint still held, one under a running request's lock included (never a
+        retained one). A hit copies its checkpoint (never lends it), so none is needed
+        by the requests running; but a request running alone whose own path holds the
+        units its KV needs can go on no other way (a burst at the tightest budget
+        stalled so). The scheduler calls it for such a request only. False: none held."""
         state = self.state
-        held = [c for c in state.held.values() if c.slot not in state.protected]  # type: ignore[union-attr]
+        if state is None:
+            return False
+        held = [c for c in state.held.values() if c.slot not in state.protected]
         if not held:
             return False
-        held.sort(key=_TICK)
-        state.drop(held[: max(1, div_ceil(over, max(state.state_bytes, 1)))])  # type: ignore[union-attr]
+        state.drop([min(held, key=_TICK)])
         return True
 
     def _segment(self, leaf: TreeNode) -> int:

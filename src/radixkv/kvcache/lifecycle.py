@@ -239,6 +239,12 @@ class CacheManager:
             return self.room.available(self.allocator)
         return self.allocator.available_size() + self.cache.evictable_size()
 
+    def drop_held_checkpoint(self) -> bool:
+        """With one arena, drop the least recently used checkpoint held, a locked one
+        included (`HybridBudget.drop_held_checkpoint`): the last resort of a request
+        running alone that finds no room. False: no arena, or none to drop."""
+        return self.room is not None and self.room.budget.drop_held_checkpoint()
+
     def _evict_for(self, need: int) -> None:
         """Make room for ``need`` more slots: the tree's eviction, or with one arena
         the budget's across kinds."""

@@ -168,6 +168,30 @@ def replay_serve(
     return result
 
 
+def tightest_budget(
+    trace: Trace, model: str | Path | torch.nn.Module, hi: int = 16 << 20, within: int = 512
+) -> int:
+    """The least ``capacity_bytes`` (within ``within`` bytes, at most ``hi``) at which the
+    trace's longest prompt runs alone in `replay_serve`: the tightest budget that serves
+    the trace, found by bisection (each try builds an engine: O(log(hi / within))).
+
+    Raises:
+        ValueError: ``hi`` does not serve it either.
+    """
+    longest = max(trace.requests, key=lambda r: len(r.prompt_ids or ()))
+    alone = Trace("alone", trace.block_size, [longest])
+    replay_serve(alone, model, hi)  # (raises: nothing up to hi serves it)
+    lo = 0
+    while hi - lo > within:
+        mid = (lo + hi) // 2
+        try:
+            replay_serve(alone, model, mid)
+            hi = mid
+        except ValueError:
+            lo = mid
+    return hi
+
+
 def serve_result(
     trace: Trace, folder: str | Path, spec: ModelSpec, capacity_bytes: int,
     concurrency: int = 1, cache_outputs: bool = True, chunk_size: int = 512,
