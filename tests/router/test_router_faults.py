@@ -230,7 +230,9 @@ def test_a_dripping_health_delays_no_other_workers_check():
         real = ServerProcess(*WORKER, timeout=60, port=port)
         back = time.monotonic()
         wait_for("the worker is back", lambda: state(router)[real.url]["alive"], 10)
-        assert time.monotonic() - back < 3.0  # 2 intervals of 0.2 s, and a check's own time
+        # 2 intervals of 0.2 s and a check's own time; bounded loosely for a loaded machine
+        # (it never came back while the other worker's /health dripped)
+        assert time.monotonic() - back < 5.0
         chosen = [complete(router.url, f"after {i}").headers["x-radixkv-worker"]
                   for i in range(10)]  # fmt: skip
         assert chosen.count(real.url) >= 3, chosen

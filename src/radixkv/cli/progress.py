@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 EVERY_S = 5.0  # seconds between two piped lines
-FIRST_S = 2.0  # ... and before the first: a command done (or refused) sooner says nothing
+FIRST_S = 1.0  # ... and before the first: a command done (or refused) sooner says nothing
 
 Update = Callable[..., None]  # update(done, total=None)
 
