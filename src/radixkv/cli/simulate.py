@@ -45,11 +45,27 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def _input_flags(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("the trace and the cache")
     src = sim.add_mutually_exclusive_group()
-    src.add_argument("--trace", help="a trace file (JSONL)")
+    src.add_argument("--trace", help="a trace file (JSONL), or for --format agentic a "
+                     "kv-cache-tester trace (.json, .json.gz) or a folder of them")  # fmt: skip
     src.add_argument("--workload", choices=["chat", "few-shot", "multi-turn", "shared-prefix"],
                      help="a built-in generated workload (default: shared-prefix)")  # fmt: skip
-    sim.add_argument("--format", choices=["mooncake", "marconi", "tokens"], default=None,
-                     help="trace format (default: guessed from the first line)")  # fmt: skip
+    sim.add_argument("--format", choices=["mooncake", "marconi", "tokens", "agentic"],
+                     default=None, help="trace format (default: agentic for a folder or a "
+                     ".json/.json.gz file, else guessed from the first line)")  # fmt: skip
+    agent = parser.add_argument_group("agentic traces (--format agentic: recorded Claude "
+                                      "Code sessions, kv-cache-tester's format)")  # fmt: skip
+    agent.add_argument("--sessions", type=positive_int, default=None,
+                       help="draw this many conversations (without replacement), each "
+                       "starting at a uniform random time within --span [all, at 0]")  # fmt: skip
+    agent.add_argument("--seed", type=number(int, 0, "an int >= 0"), default=0,
+                       help="the draw's seed [0]")  # fmt: skip
+    agent.add_argument("--span", type=number(float, 0.0, "seconds >= 0", 1e9), default=3600.0,
+                       help="seconds the drawn sessions start within [3600]")  # fmt: skip
+    agent.add_argument("--warm-prefix", type=number(float, 0.0, "a fraction in [0, 1]", 1.0),
+                       default=0.0, metavar="P",
+                       help="the first P of each trace's tool + system tokens is one "
+                       "prefix every session shares, as kv-cache-tester's client models it "
+                       "[0]")  # fmt: skip
     sim.add_argument(
         "--capacity", default="64k,256k,1M,inf",
         help="comma-separated: tokens (1M, 512k), blocks (2000blocks), KV bytes "
@@ -166,8 +182,16 @@ def _load_trace(args: argparse.Namespace) -> Any:
     from radixkv.checkpoint.files import FolderError
     from radixkv.sim import traces
 
+    agentic = args.format == "agentic" or (args.format is None and args.trace and (
+        Path(args.trace).is_dir() or args.trace.endswith((".json", ".json.gz"))))  # fmt: skip
+    if not agentic:
+        for flag, dest, default in _AGENTIC:
+            if getattr(args, dest) != default:
+                raise CliError(f"{flag}: only with --format agentic")
     if not args.trace:
         return traces.GENERATORS[args.workload or "shared-prefix"](block_size=args.block_size or 16)
+    if agentic:
+        return _load_agentic(args)
     tokenizer = None
     if args.tokenizer is not None:
         from radixkv.tokenizer import load_tokenizer
@@ -182,6 +206,27 @@ def _load_trace(args: argparse.Namespace) -> Any:
         raise CliError(f"--trace {args.trace}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise CliError(f"--trace {args.trace}: not a UTF-8 text file") from None
+    except traces.TraceError as e:
+        raise CliError(str(e)) from None
+    except FolderError as e:
+        raise CliError(f"--trace {e}") from None
+    except ValueError as e:
+        raise flag_error(e) from None
+
+
+_AGENTIC = (("--sessions", "sessions", None), ("--seed", "seed", 0), ("--span", "span", 3600.0),
+            ("--warm-prefix", "warm_prefix", 0.0))  # fmt: skip
+
+
+def _load_agentic(args: argparse.Namespace) -> Any:
+    from radixkv.checkpoint.files import FolderError
+    from radixkv.sim import traces
+    from radixkv.sim.agentic import load_agentic
+
+    if args.block_size is not None:
+        raise CliError("--block-size: an agentic trace's hash ids fix it (its block_size)")
+    try:
+        return load_agentic(args.trace, args.sessions, args.seed, args.span, args.warm_prefix)
     except traces.TraceError as e:
         raise CliError(str(e)) from None
     except FolderError as e:

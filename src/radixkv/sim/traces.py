@@ -127,7 +127,7 @@ class TraceError(ValueError):
     """A trace that cannot be replayed; the message starts with ``FILE:LINE:``."""
 
 
-def _integer(value: Any, what: str, lo: int = 0, hi: int = INT63) -> int:
+def json_int(value: Any, what: str, lo: int = 0, hi: int = INT63) -> int:
     """A JSON integer in ``[lo, hi)``: never a bool, a float (``1.7`` or ``1e308``) or a
     string, which ``int()`` would truncate or parse."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -137,10 +137,10 @@ def _integer(value: Any, what: str, lo: int = 0, hi: int = INT63) -> int:
     return value
 
 
-def _integers(value: Any, what: str) -> list[int]:
+def json_ints(value: Any, what: str) -> list[int]:
     if not isinstance(value, list):
         raise ValueError(f"{what} must be a list of integers, got {json.dumps(value)[:40]}")
-    return [_integer(v, f"{what}[{i}]") for i, v in enumerate(value)]
+    return [json_int(v, f"{what}[{i}]") for i, v in enumerate(value)]
 
 
 def _timestamp(rec: dict) -> float:
@@ -150,7 +150,7 @@ def _timestamp(rec: dict) -> float:
     return float(t)
 
 
-class _Tally:
+class Tally:
     """The tokens a trace materialises as it loads, against half of what this machine
     has available: a trace whose sizes claim more is refused at the line that crosses
     it, before that line's lists are built where their sizes are counts."""
@@ -224,13 +224,13 @@ def load_mooncake(path: str | Path) -> Trace:
         TraceError: ``FILE:LINE: what is wrong`` for the first bad record.
     """
     trace = Trace(Path(path).stem, MOONCAKE_BLOCK)
-    tally = _Tally()
+    tally = Tally()
     for n, rec in _records(path):
         try:
             if "hash_ids" not in rec or "input_length" not in rec:
                 raise ValueError("a Mooncake record needs hash_ids and input_length")
-            ids = _integers(rec["hash_ids"], "hash_ids")
-            length = _integer(rec["input_length"], "input_length", 1)
+            ids = json_ints(rec["hash_ids"], "hash_ids")
+            length = json_int(rec["input_length"], "input_length", 1)
             if len(ids) != div_ceil(length, MOONCAKE_BLOCK):
                 raise ValueError(
                     f"input_length {length} needs {div_ceil(length, MOONCAKE_BLOCK)} hash_ids "
@@ -238,7 +238,7 @@ def load_mooncake(path: str | Path) -> Trace:
                 )
             output = 0
             if "output_length" in rec:
-                output = _integer(rec["output_length"], "output_length", 0, MAX_OUTPUT_TOKENS + 1)
+                output = json_int(rec["output_length"], "output_length", 0, MAX_OUTPUT_TOKENS + 1)
             stamp = _timestamp(rec)
             tally.add(len(ids))
         except ValueError as e:
@@ -296,11 +296,11 @@ def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -
         TraceError: ``FILE:LINE: what is wrong`` for the first bad record.
     """
     records = []
-    tally = _Tally()
+    tally = Tally()
     for n, rec in _records(path):
         try:
             if "token_ids" in rec:
-                prompt = _integers(rec["token_ids"], "token_ids")
+                prompt = json_ints(rec["token_ids"], "token_ids")
             elif "text" in rec:
                 if not isinstance(rec["text"], str):
                     raise ValueError("text must be a string")
@@ -313,11 +313,11 @@ def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -
                 raise ValueError("the prompt is empty")
             out = dict(rec)
             if rec.get("output_ids") is not None:
-                out["output_ids"] = _integers(rec["output_ids"], "output_ids")
+                out["output_ids"] = json_ints(rec["output_ids"], "output_ids")
             elif "output_length" in rec:
-                _integer(rec["output_length"], "output_length", 0, MAX_OUTPUT_TOKENS + 1)
+                json_int(rec["output_length"], "output_length", 0, MAX_OUTPUT_TOKENS + 1)
             if "boundaries" in rec:
-                out["boundaries"] = _integers(rec["boundaries"], "boundaries")
+                out["boundaries"] = json_ints(rec["boundaries"], "boundaries")
                 if any(b > len(prompt) for b in out["boundaries"]):
                     raise ValueError("boundaries must lie within the prompt")
             ns = rec.get("extra_key")
@@ -348,7 +348,7 @@ def load_marconi(path: str | Path, block_size: int) -> Trace:
     rows = []
     history: dict[Any, tuple[int, list[int]]] = {}  # session -> (turn, prompt + output)
     fresh = -1
-    tally = _Tally()
+    tally = Tally()
     for n, rec in _records(path):
         try:
             for k in ("session_id", "turn_id", "ts", "input_tokens", "output_tokens"):
@@ -357,16 +357,16 @@ def load_marconi(path: str | Path, block_size: int) -> Trace:
             sid = rec["session_id"]
             if not isinstance(sid, (str, int)) or isinstance(sid, bool):
                 raise ValueError("session_id must be a string or integer")
-            turn = _integer(rec["turn_id"], "turn_id")
+            turn = json_int(rec["turn_id"], "turn_id")
             ts = _timestamp({"timestamp": rec["ts"]})
             prev_turn, past = history.get(sid, (-1, []))
             if turn <= prev_turn:
                 raise ValueError(f"session {sid!r}: turn {turn} after turn {prev_turn}")
             inp = rec["input_tokens"]
             if isinstance(inp, list):
-                prompt = _integers(inp, "input_tokens")
+                prompt = json_ints(inp, "input_tokens")
             else:
-                count = _integer(inp, "input_tokens", 1, MAX_PROMPT_TOKENS + 1)
+                count = json_int(inp, "input_tokens", 1, MAX_PROMPT_TOKENS + 1)
                 if count < len(past):
                     raise ValueError(
                         f"input_tokens {count} is shorter than session {sid!r}'s history "
@@ -379,9 +379,9 @@ def load_marconi(path: str | Path, block_size: int) -> Trace:
                 raise ValueError("the prompt is empty")
             outp = rec["output_tokens"]
             if isinstance(outp, list):
-                output = _integers(outp, "output_tokens")
+                output = json_ints(outp, "output_tokens")
             else:
-                count = _integer(outp, "output_tokens", 0, MAX_OUTPUT_TOKENS + 1)
+                count = json_int(outp, "output_tokens", 0, MAX_OUTPUT_TOKENS + 1)
                 tally.add(2 * count)
                 output = list(range(fresh, fresh - count, -1))
                 fresh -= count

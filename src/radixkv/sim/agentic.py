@@ -1,0 +1,241 @@
+"""Agentic traces: kv-cache-tester's recorded Claude Code sessions (github
+callanjfox/kv-cache-tester) as a `Trace`, for `radixkv simulate --format agentic`.
+
+A trace file is one conversation, JSON (plain or gzipped): ``block_size`` (64),
+``hash_id_scope`` (``local``: ids compare only within the file, sub-agents sharing the
+parent's), ``tool_tokens`` and ``system_tokens`` (the prefix every call opens with),
+``requests``: each a model call (``t`` seconds since the conversation started, ``in`` and
+``out`` tokens, ``hash_ids`` one per whole ``block_size`` tokens of the input (a partial
+last block is taken too), each naming the whole prefix up to its block, ``api_time``,
+``think_time``, ``stop``: ``tool_use`` or ``end_turn``) or ``{"type": "subagent",
+"requests": [...]}``, a sub-agent that runs its own calls while the parent waits.
+
+How a folder of them becomes one trace:
+
+* **sessions**: every conversation, and every sub-agent in it, is a session of its own;
+  a call's units are its ``hash_ids`` scoped to its file (two files never share a
+  unit; a parent and its sub-agents do, as the file scopes them);
+* **drawn** (``sessions``, ``seed``, ``span``): that many conversations, without
+  replacement, each starting at a uniform random time within ``span`` seconds;
+* **closed loop**: a session's first call starts at its ``t``; each later one
+  ``think_time`` after the previous answer ends, which takes its ``api_time`` (a
+  sub-agent starts at its first call's ``t``, from its conversation's start);
+* **warm prefix** (``warm_prefix`` P in [0, 1]): the first P of ``tool_tokens +
+  system_tokens`` (whole blocks) is one prefix every session shares, as the
+  kv-cache-tester client models a fleet's warm system prompt.
+
+Records are checked, not trusted (`radixkv.sim.traces.TraceError`, naming the file and
+the field): times finite and >= 0, sizes ints in range, ``hash_ids`` one per block of
+``in`` (at most `MAX_BLOCKS`), sub-agents nested at most `MAX_DEPTH` deep, a file at most
+`MAX_FILE_BYTES` once decompressed, and fields the format does not define refused by name.
+
+Owns: reading agentic traces into a `Trace`. Must not touch: the replay (`radixkv.sim`'s
+sweeps read the trace as any other).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import random
+from pathlib import Path
+
+from radixkv.sim.traces import SimRequest, Tally, Trace, TraceError, json_int
+from radixkv.units import div_ceil
+
+MAX_FILE_BYTES = 64 << 20  # a conversation file, decompressed (the largest shared: 4 MB)
+MAX_BLOCKS = 1 << 16  # hash ids of one call: 4M tokens of 64-token blocks
+MAX_DEPTH = 8  # sub-agents within sub-agents
+MAX_SECONDS = 1e9  # any time, in seconds (about 30 years)
+TOP = {"id", "models", "block_size", "hash_id_scope", "tool_tokens", "system_tokens",
+       "requests", "totals"}  # fmt: skip
+CALL = {"t", "type", "model", "in", "out", "hash_ids", "input_types", "output_types",
+        "stop", "think_time", "api_time", "ttft"}  # fmt: skip
+SUBAGENT = {"t", "type", "agent_id", "subagent_type", "duration_ms", "total_tokens",
+            "tool_use_count", "status", "requests", "models", "tool_tokens",
+            "system_tokens"}  # fmt: skip
+STOPS = ("tool_use", "end_turn", "")
+WARM = -1  # the namespace of the warm prefix's units
+
+
+def trace_files(path: str | Path) -> list[Path]:
+    """The trace files a path names: the file, or a folder's ``*.json`` and ``*.json.gz``
+    (sorted).
+
+    Raises:
+        TraceError: a folder with none, or a path that is neither.
+    """
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.name.endswith((".json", ".json.gz")))
+        if not files:
+            raise TraceError(f"{p}: no agentic trace (*.json, *.json.gz) in the folder")
+        return files
+    if p.is_file():
+        return [p]
+    raise TraceError(f"{p}: not a file or a folder")
+
+
+def read_conversation(path: Path) -> dict:
+    """One trace file's JSON object, read within `MAX_FILE_BYTES`.
+
+    Raises:
+        TraceError: too large, not JSON, nested too deeply, not an object.
+    """
+    from radixkv.checkpoint.files import regular_file
+
+    regular_file(path)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except (OSError, EOFError) as e:
+        raise TraceError(f"{path}: cannot read it ({e})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise TraceError(f"{path}: over {MAX_FILE_BYTES >> 20} MiB of JSON")
+    try:
+        doc = json.loads(data)
+    except RecursionError:
+        raise TraceError(f"{path}: JSON nested too deeply") from None
+    except ValueError as e:
+        raise TraceError(f"{path}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise TraceError(f"{path}: expected a JSON object")
+    return doc
+
+
+def _seconds(rec: dict, name: str, default: float | None = None) -> float:
+    value = rec.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and 0 <= value <= MAX_SECONDS):  # fmt: skip
+        raise ValueError(f"{name} must be a number of seconds in [0, {MAX_SECONDS:g}], got "
+                         f"{json.dumps(value)[:40]}")  # fmt: skip
+    return float(value)
+
+
+def _unknown(rec: dict, known: set[str], what: str) -> None:
+    extra = sorted(set(rec) - known)
+    if extra:
+        raise ValueError(f"{what} has a field the format does not define: {extra[0]!r}")
+
+
+class _Reader:
+    """Turns conversations into sessions of calls (see the module docstring)."""
+
+    def __init__(self, warm_prefix: float) -> None:
+        self.warm_prefix = warm_prefix
+        self.units: dict[tuple[int, int], int] = {}  # (file, hash id) -> unit
+        self.tally = Tally()
+        self.block: int | None = None  # the first file's; every other must agree
+
+    def unit(self, scope: int, hash_id: int) -> int:
+        return self.units.setdefault((scope, hash_id), len(self.units))
+
+    def conversation(self, scope: int, path: Path, doc: dict, start: float) -> list[SimRequest]:
+        """Every call of one conversation (its sub-agents as sessions of their own),
+        timed from ``start`` seconds."""
+        try:
+            _unknown(doc, TOP, "the trace")
+            block = json_int(doc.get("block_size"), "block_size", 1, 1 << 20)
+            if doc.get("hash_id_scope", "local") != "local":
+                raise ValueError("hash_id_scope must be 'local' (ids compare within a file)")
+            prefix = sum(json_int(doc.get(k, 0), k, 0, 1 << 30)
+                         for k in ("tool_tokens", "system_tokens"))  # fmt: skip
+            if not isinstance(doc.get("requests"), list):
+                raise ValueError("requests must be a list")
+        except ValueError as e:
+            raise TraceError(f"{path}: {e}") from None
+        if self.block is None:
+            self.block = block
+        if block != self.block:
+            raise TraceError(f"{path}: block_size {block}, but the traces before it have "
+                             f"{self.block} (one simulation, one block size)")  # fmt: skip
+        warm = int(self.warm_prefix * prefix) // block
+        out: list[SimRequest] = []
+        self._session(scope, path, doc["requests"], start, warm, out, "requests", 0)
+        return out
+
+    def _session(
+        self, scope: int, path: Path, calls: list, start: float, warm: int,
+        out: list[SimRequest], where: str, depth: int,
+    ) -> None:  # fmt: skip
+        if depth > MAX_DEPTH:
+            raise TraceError(f"{path}: {where}: sub-agents nested over {MAX_DEPTH} deep")
+        clock: float | None = None  # when the previous answer ended
+        for i, rec in enumerate(calls):
+            at = f"{where}[{i}]"
+            try:
+                if not isinstance(rec, dict):
+                    raise ValueError("expected an object")
+                if rec.get("type") == "subagent":
+                    _unknown(rec, SUBAGENT, "a sub-agent")
+                    if not isinstance(rec.get("requests"), list):
+                        raise ValueError("a sub-agent's requests must be a list")
+                    _seconds(rec, "t", 0.0)  # (its calls carry their own t)
+                else:
+                    req, clock = self._call(scope, rec, start, clock, warm)
+                    out.append(req)
+                    continue
+            except ValueError as e:
+                raise TraceError(f"{path}: {at}: {e}") from None
+            self._session(scope, path, rec["requests"], start, warm, out,
+                          f"{at}.requests", depth + 1)  # fmt: skip
+
+    def _call(
+        self, scope: int, rec: dict, start: float, clock: float | None, warm: int
+    ) -> tuple[SimRequest, float]:
+        _unknown(rec, CALL, "a call")
+        n_in = json_int(rec.get("in"), "in", 1, MAX_BLOCKS * self.block + 1)
+        n_out = json_int(rec.get("out", 0), "out", 0, 1 << 24)
+        ids = rec.get("hash_ids")
+        if not isinstance(ids, list):
+            raise ValueError("hash_ids must be a list of integers")
+        if len(ids) not in (n_in // self.block, div_ceil(n_in, self.block)):  # whole blocks
+            # (the shared files), or a partial last one too (their README's wording)
+            raise ValueError(f"in {n_in} needs {n_in // self.block} hash_ids (one per whole "
+                             f"{self.block}-token block), got {len(ids)}")  # fmt: skip
+        if rec.get("stop", "") not in STOPS:
+            raise ValueError(f"stop must be one of {STOPS}, got {json.dumps(rec['stop'])[:40]}")
+        api, think = _seconds(rec, "api_time", 0.0), _seconds(rec, "think_time", 0.0)
+        # closed loop: the first call at its t, each next one think_time after the answer
+        begin = start + _seconds(rec, "t") if clock is None else clock + think
+        self.tally.add(len(ids))
+        units = [self.unit(WARM if j < warm else scope, json_int(h, f"hash_ids[{j}]"))
+                 for j, h in enumerate(ids)]  # fmt: skip
+        return SimRequest(units, len(units), n_in, begin * 1000.0, n_out), begin + api
+
+
+def load_agentic(
+    path: str | Path, sessions: int | None = None, seed: int = 0, span: float = 3600.0,
+    warm_prefix: float = 0.0,
+) -> Trace:  # fmt: skip
+    """The conversations ``path`` names (a file or a folder) as one trace in arrival
+    order (see the module docstring); ``sessions``: draw that many (all: None).
+
+    Raises:
+        TraceError: a bad file or record, naming the file and the field. ValueError:
+            ``sessions``, ``span`` or ``warm_prefix`` out of range.
+    """
+    files = trace_files(path)
+    if sessions is not None and not 1 <= sessions <= len(files):
+        raise ValueError(f"sessions: {sessions} of {len(files)} traces in {path}")
+    if not (math.isfinite(span) and span >= 0):
+        raise ValueError(f"span must be seconds >= 0, got {span}")
+    if not 0.0 <= warm_prefix <= 1.0:
+        raise ValueError(f"warm_prefix must be a fraction in [0, 1], got {warm_prefix}")
+    rng = random.Random(seed)
+    chosen = files if sessions is None else sorted(rng.sample(files, sessions))
+    starts = [rng.uniform(0, span) if sessions is not None else 0.0 for _ in chosen]
+    reader = _Reader(warm_prefix)
+    requests: list[SimRequest] = []
+    for scope, (f, start) in enumerate(zip(chosen, starts, strict=True)):
+        requests += reader.conversation(scope, f, read_conversation(f), start)
+    if not requests:
+        raise TraceError(f"{path}: the traces hold no call")
+    requests.sort(key=lambda r: r.timestamp)
+    name = Path(path).name.removesuffix(".gz").removesuffix(".json")
+    return Trace(f"{name} ({len(chosen)} sessions)", reader.block or 64, requests)
+
+
+__all__ = ["MAX_BLOCKS", "MAX_DEPTH", "MAX_FILE_BYTES", "load_agentic", "trace_files"]

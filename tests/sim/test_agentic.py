@@ -1,0 +1,142 @@
+"""Agentic traces (`radixkv.sim.agentic`, ``simulate --format agentic``): kv-cache-tester's
+recorded Claude Code sessions read into a trace: sessions and sub-agents, the file's
+hash-id scope, closed-loop time, the warm prefix, the draw; and every bad record one line
+naming the file and the field, exit 2, in bounded memory."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from radixkv.cli import main
+from radixkv.sim.agentic import MAX_DEPTH, load_agentic
+from radixkv.sim.traces import TraceError
+
+
+def call(t: float, n_in: int, ids: list[int], api: float = 1.0, think: float = 0.0,
+         stop: str = "tool_use") -> dict:  # fmt: skip
+    return {"t": t, "type": "s", "in": n_in, "out": 10, "hash_ids": ids, "stop": stop,
+            "api_time": api, "think_time": think}  # fmt: skip
+
+
+def conversation(requests: list, tool: int = 128, system: int = 64) -> dict:
+    return {"id": "x", "block_size": 64, "hash_id_scope": "local", "tool_tokens": tool,
+            "system_tokens": system, "requests": requests}  # fmt: skip
+
+
+def write(path, doc: dict, gz: bool = False) -> str:
+    data = json.dumps(doc).encode()
+    if gz:
+        path.write_bytes(gzip.compress(data))
+    else:
+        path.write_bytes(data)
+    return str(path)
+
+
+def test_sessions_scopes_and_closed_loop_time(tmp_path):
+    """A conversation's calls start at the first one's t, then each think_time after the
+    previous answer (its api_time) ends; a sub-agent is a session of its own sharing its
+    file's ids; two files never share a unit."""
+    a = conversation([
+        call(0.0, 200, [1, 2, 3], api=2.0),
+        {"type": "subagent", "t": 5.0, "requests": [call(5.0, 130, [1, 2], api=1.0),
+                                                    call(9.0, 200, [1, 2, 7], think=0.5)]},
+        call(50.0, 260, [1, 2, 3, 4], api=1.0, think=3.0),  # closed loop: 0 + 2 + 3 = 5 s
+    ])  # fmt: skip
+    b = conversation([call(1.0, 192, [1, 2, 3])])
+    write(tmp_path / "a.json", a)
+    write(tmp_path / "b.json.gz", b, gz=True)
+    trace = load_agentic(tmp_path)
+    assert trace.block_size == 64 and len(trace.requests) == 5
+    got = sorted((r.timestamp, r.prompt_tokens, tuple(r.units)) for r in trace.requests)
+    ua = {h: u for _, _, us in got[:1] for h, u in zip([1, 2, 3], us, strict=True)}
+    assert [g[0] for g in got] == [0.0, 1000.0, 5000.0, 5000.0, 6500.0]
+    assert got[0][2] == (ua[1], ua[2], ua[3])
+    b_units = next(us for ts, n, us in got if ts == 1000.0)
+    assert not set(b_units) & set(ua.values())  # another file: no unit in common
+    sub = [us for ts, n, us in got if n == 130]
+    assert sub == [(ua[1], ua[2])]  # the sub-agent shares its file's ids
+    # the warm prefix: (128 + 64) x 0.5 = 96 tokens = 1 whole block, shared by every file
+    warm = load_agentic(tmp_path, warm_prefix=0.5)
+    firsts = {r.units[0] for r in warm.requests}
+    assert len(firsts) == 1
+
+
+def test_the_draw_is_seeded_and_spans_its_window(tmp_path):
+    for i in range(6):
+        write(tmp_path / f"t{i}.json", conversation([call(0.0, 128, [1, 2])]))
+    one = load_agentic(tmp_path, sessions=3, seed=7, span=100.0)
+    two = load_agentic(tmp_path, sessions=3, seed=7, span=100.0)
+    assert [r.timestamp for r in one.requests] == [r.timestamp for r in two.requests]
+    assert len(one.requests) == 3 and all(0 <= r.timestamp <= 100_000 for r in one.requests)
+    other = load_agentic(tmp_path, sessions=3, seed=8, span=100.0)
+    assert [r.timestamp for r in other.requests] != [r.timestamp for r in one.requests]
+    with pytest.raises(ValueError, match="sessions: 7 of 6"):
+        load_agentic(tmp_path, sessions=7)
+
+
+def nested(depth: int) -> dict:
+    inner: dict = {"type": "subagent", "t": 0.0, "requests": [call(0.0, 64, [1])]}
+    for _ in range(depth):
+        inner = {"type": "subagent", "t": 0.0, "requests": [inner]}
+    return inner
+
+
+BAD = [
+    (conversation([call(-1.0, 64, [1])]), r"requests\[0\]: t must be a number of seconds"),
+    (conversation([call(0.0, 64, [1], think=float("nan"))]), "think_time must be"),
+    (conversation([call(0.0, 64, [1], api=-2)]), "api_time must be"),
+    (conversation([{**call(0.0, 64, [1]), "surprise": 1}]), "field .*'surprise'"),
+    ({**conversation([]), "extra": 1}, "the trace has a field .*'extra'"),
+    (conversation([call(0.0, 64 * 10**7, list(range(10)))]), "in must be"),
+    (conversation([call(0.0, 640, [1, 2])]), "needs 10 hash_ids"),
+    (conversation([call(0.0, 64, ["1"])]), r"hash_ids\[0\]"),
+    (conversation([call(0.0, 64, [1], stop="maybe")]), "stop must be one of"),
+    (conversation([nested(MAX_DEPTH + 2)]), f"nested over {MAX_DEPTH} deep"),
+    ({**conversation([]), "block_size": 0}, "block_size"),
+    ({**conversation([]), "hash_id_scope": "global"}, "hash_id_scope must be 'local'"),
+    ([1, 2], "expected a JSON object"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("doc", "match"), BAD, ids=[m[:24] for _, m in BAD])
+def test_a_bad_record_is_one_line_naming_the_file_and_the_field(tmp_path, capsys, doc, match):
+    import re
+
+    path = write(tmp_path / "bad.json", doc)
+    assert main(["simulate", "--trace", path, "--capacity", "1k"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: "), lines
+    assert re.search(match, lines[0]), lines[0]
+
+
+def test_a_huge_file_is_refused_without_being_read_whole(tmp_path, capsys):
+    """2 GB of JSON behind a few MB of gzip: the read stops at the bound."""
+    import zlib
+
+    comp = zlib.compressobj(wbits=31)  # a gzip stream, written a chunk at a time
+    with open(tmp_path / "huge.json.gz", "wb") as f:
+        f.write(comp.compress(b'{"requests": ['))
+        chunk = b" " * (64 << 20)
+        for _ in range(32):
+            f.write(comp.compress(chunk))
+        f.write(comp.compress(b"]}") + comp.flush())
+    with pytest.raises(TraceError, match="over 64 MiB"):
+        load_agentic(tmp_path / "huge.json.gz")
+
+
+def test_simulate_reads_agentic_traces_and_writes_rows(tmp_path, capsys):
+    for i in range(3):
+        write(tmp_path / f"t{i}.json", conversation([call(0.0, 128 + 64 * t, list(range(2 + t)))
+                                                     for t in range(4)]))  # fmt: skip
+    out = tmp_path / "r.json"
+    argv = ["simulate", "--trace", str(tmp_path), "--sessions", "2", "--seed", "1",
+            "--capacity", "8blocks,inf", "--policy", "lru,belady", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["policy"], r["capacity_tokens"] is None) for r in rows} >= {("lru", False)}
+    assert all(0 <= r["token_hit_rate"] <= 1 for r in rows)
+    assert main(["simulate", "--workload", "chat", "--sessions", "2"]) == 2
+    assert "--sessions: only with --format agentic" in capsys.readouterr().err
