@@ -106,7 +106,7 @@ def test_a_bad_record_is_one_line_naming_the_file_and_the_field(tmp_path, capsys
     import re
 
     path = write(tmp_path / "bad.json", doc)
-    assert main(["simulate", "--trace", path, "--capacity", "1k"]) == 2
+    assert main(["simulate", "--trace", path, "--format", "agentic", "--capacity", "1k"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: "), lines
     assert re.search(match, lines[0]), lines[0]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -179,11 +181,11 @@ def _tiers_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_trace(args: argparse.Namespace) -> Any:
-    from radixkv.checkpoint.files import FolderError
     from radixkv.sim import traces
+    from radixkv.sim.agentic import looks_agentic
 
-    agentic = args.format == "agentic" or (args.format is None and args.trace and (
-        Path(args.trace).is_dir() or args.trace.endswith((".json", ".json.gz"))))  # fmt: skip
+    agentic = args.format == "agentic" or (
+        args.format is None and bool(args.trace) and looks_agentic(args.trace))
     if not agentic:
         for flag, dest, default in _AGENTIC:
             if getattr(args, dest) != default:
@@ -200,12 +202,22 @@ def _load_trace(args: argparse.Namespace) -> Any:
             tokenizer = load_tokenizer(args.tokenizer)
         except (ValueError, ModuleNotFoundError) as e:
             raise CliError(f"--tokenizer: {e}") from None
-    try:
+    with _trace_errors(args.trace):
         return traces.load_trace(args.trace, args.format, args.block_size, tokenizer)
+
+
+@contextmanager
+def _trace_errors(path: str) -> Iterator[None]:
+    """A trace that cannot be read, or a bad record in it, as one CLI error line."""
+    from radixkv.checkpoint.files import FolderError
+    from radixkv.sim import traces
+
+    try:
+        yield
     except OSError as e:
-        raise CliError(f"--trace {args.trace}: {e.strerror or e}") from None
+        raise CliError(f"--trace {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
-        raise CliError(f"--trace {args.trace}: not a UTF-8 text file") from None
+        raise CliError(f"--trace {path}: not a UTF-8 text file") from None
     except traces.TraceError as e:
         raise CliError(str(e)) from None
     except FolderError as e:
@@ -219,20 +231,12 @@ _AGENTIC = (("--sessions", "sessions", None), ("--seed", "seed", 0), ("--span", 
 
 
 def _load_agentic(args: argparse.Namespace) -> Any:
-    from radixkv.checkpoint.files import FolderError
-    from radixkv.sim import traces
     from radixkv.sim.agentic import load_agentic
 
     if args.block_size is not None:
         raise CliError("--block-size: an agentic trace's hash ids fix it (its block_size)")
-    try:
+    with _trace_errors(args.trace):
         return load_agentic(args.trace, args.sessions, args.seed, args.span, args.warm_prefix)
-    except traces.TraceError as e:
-        raise CliError(str(e)) from None
-    except FolderError as e:
-        raise CliError(f"--trace {e}") from None
-    except ValueError as e:
-        raise flag_error(e) from None
 
 
 def _replica_counts(args: argparse.Namespace) -> list[int]:

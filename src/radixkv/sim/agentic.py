@@ -41,7 +41,7 @@ import math
 import random
 from pathlib import Path
 
-from radixkv.sim.traces import SimRequest, Tally, Trace, TraceError, json_int
+from radixkv.sim.traces import SimRequest, Tally, Trace, TraceError, json_int, json_object
 from radixkv.units import div_ceil
 
 MAX_FILE_BYTES = 64 << 20  # a conversation file, decompressed (the largest shared: 4 MB)
@@ -57,6 +57,22 @@ SUBAGENT = {"t", "type", "agent_id", "subagent_type", "duration_ms", "total_toke
             "system_tokens"}  # fmt: skip
 STOPS = ("tool_use", "end_turn", "")
 WARM = -1  # the namespace of the warm prefix's units
+
+
+def looks_agentic(path: str | Path) -> bool:
+    """A folder, a ``.json.gz`` file, or a ``.json`` file whose first 4 KiB name an
+    agentic trace's keys (a JSONL trace may be called ``.json`` too)."""
+    p = Path(path)
+    if p.is_dir() or p.name.endswith(".json.gz"):
+        return True
+    if not p.name.endswith(".json") or not p.is_file():
+        return False
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return b'"hash_id_scope"' in head or b'"requests"' in head
 
 
 def trace_files(path: str | Path) -> list[Path]:
@@ -94,15 +110,7 @@ def read_conversation(path: Path) -> dict:
         raise TraceError(f"{path}: cannot read it ({e})") from None
     if len(data) > MAX_FILE_BYTES:
         raise TraceError(f"{path}: over {MAX_FILE_BYTES >> 20} MiB of JSON")
-    try:
-        doc = json.loads(data)
-    except RecursionError:
-        raise TraceError(f"{path}: JSON nested too deeply") from None
-    except ValueError as e:
-        raise TraceError(f"{path}: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise TraceError(f"{path}: expected a JSON object")
-    return doc
+    return json_object(data, str(path))
 
 
 def _seconds(rec: dict, name: str, default: float | None = None) -> float:
@@ -238,4 +246,5 @@ def load_agentic(
     return Trace(f"{name} ({len(chosen)} sessions)", reader.block or 64, requests)
 
 
-__all__ = ["MAX_BLOCKS", "MAX_DEPTH", "MAX_FILE_BYTES", "load_agentic", "trace_files"]
+__all__ = ["MAX_BLOCKS", "MAX_DEPTH", "MAX_FILE_BYTES", "load_agentic", "looks_agentic",
+           "trace_files"]

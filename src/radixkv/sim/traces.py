@@ -185,6 +185,24 @@ def _lines(f: Any) -> Iterator[str]:
         yield line
 
 
+def json_object(text: str | bytes, where: str) -> dict:
+    """``text`` parsed as one JSON object.
+
+    Raises:
+        TraceError: ``WHERE: what is wrong`` (not JSON, nested too deeply, not an object).
+    """
+    try:
+        rec = json.loads(text)
+    except RecursionError:
+        raise TraceError(f"{where}: JSON nested too deeply") from None
+    except ValueError as e:
+        raise TraceError(f"{where}: not JSON ({e})") from None
+    if not isinstance(rec, dict):
+        shown = text[:40] if isinstance(text, str) else text[:40].decode(errors="replace")
+        raise TraceError(f"{where}: expected a JSON object, got {shown.strip()}")
+    return rec
+
+
 def _records(path: str | Path) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) for every non-blank line; a ``TraceError`` naming the
     file and line for anything else, and for a trace with no request at all."""
@@ -202,14 +220,7 @@ def _records(path: str | Path) -> Iterator[tuple[int, dict]]:
                 break
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except RecursionError:
-                raise TraceError(f"{path}:{n}: JSON nested too deeply") from None
-            except ValueError as e:
-                raise TraceError(f"{path}:{n}: not JSON ({e})") from None
-            if not isinstance(rec, dict):
-                raise TraceError(f"{path}:{n}: expected a JSON object, got {line.strip()[:40]}")
+            rec = json_object(line, f"{path}:{n}")
             seen = True
             yield n, rec
     if not seen:
