@@ -58,3 +58,19 @@ def test_the_same_command_again_leaves_its_folder_and_another_is_refused(tmp_pat
     for other in (["qwen2", str(folder)], ["llama", str(folder), "--seed", "1"]):
         assert main(["make-model", *other]) == 2
         assert "is not an empty folder" in capsys.readouterr().err
+
+
+def test_a_context_long_enough_for_an_agent(tmp_path, capsys):
+    """--context sets max_position_embeddings (an agent's prompt is 20k-900k tokens) and
+    says how to serve it; the same folder with another context is refused."""
+    import json
+
+    folder = tmp_path / "long"
+    assert main(["make-model", "qwen3", str(folder), "--context", "65536"]) == 0
+    assert json.loads((folder / "config.json").read_text())["max_position_embeddings"] == 65536
+    assert f"radixkv serve --model {folder} --max-context-len 65536" in capsys.readouterr().out
+    assert main(["make-model", "qwen3", str(folder)]) == 2  # 8192: not what is there
+    with pytest.raises(SystemExit) as refused:  # argparse's own refusal
+        main(["make-model", "qwen3", str(tmp_path / "x"), "--context", "16"])
+    assert refused.value.code == 2
+    assert "--context: must be tokens >= 64" in capsys.readouterr().err

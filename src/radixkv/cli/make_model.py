@@ -58,16 +58,22 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("folder", help="where to write it (must not exist, or be empty; one "
                    "this command wrote with the same family and seed is left as it is)")
     p.add_argument("--seed", type=number(int, 0, "a non-negative integer"), default=0)
+    p.add_argument("--context", type=number(int, 64, "tokens >= 64", 1 << 20), default=8192,
+                   metavar="TOKENS",
+                   help="the longest prompt + output the model is made for "
+                   "(max_position_embeddings); serve it with --max-context-len TOKENS, e.g. "
+                   "65536 for an agent's prompt [8192]")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     folder = Path(args.folder)
     if folder.is_symlink() and not folder.exists():
         raise CliError(f"folder: {folder} is a link to nothing ({os.readlink(folder)})")
-    made = {"family": args.family, "seed": args.seed}
+    context = getattr(args, "context", SIZES["max_position_embeddings"])
+    made = {"family": args.family, "seed": args.seed, "context": context}
     if _made_here(folder) == made:  # the same command ran before: the folder is as it
         print(f"{folder} already holds a tiny random {args.family} (seed {args.seed}); "
-              f"serve it with: radixkv serve --model {folder}")  # fmt: skip
+              f"serve it with: {_serve_hint(folder, context)}")  # fmt: skip
         return 0
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise CliError(f"folder: {folder} exists and is not an empty folder")
@@ -86,14 +92,20 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     ids = {"bos_token_id": 256 + SPECIALS.index("<|endoftext|>"),
            "eos_token_id": 256 + SPECIALS.index("<|im_end|>")}  # fmt: skip
-    config = getattr(transformers, config_cls)(**SIZES, **own, **ids, tie_word_embeddings=False)
+    sizes = {**SIZES, "max_position_embeddings": context}
+    config = getattr(transformers, config_cls)(**sizes, **own, **ids, tie_word_embeddings=False)
     model = getattr(transformers, model_cls)(config)
     model.save_pretrained(folder)
     write_tokenizer(folder)
     (folder / STAMP).write_text(json.dumps(made))  # last: a folder half written has none
     print(f"wrote a tiny random {args.family} ({model_cls}, {config.num_hidden_layers} layers) "
-          f"to {folder}; serve it with: radixkv serve --model {folder}")  # fmt: skip
+          f"to {folder}; serve it with: {_serve_hint(folder, context)}")  # fmt: skip
     return 0
+
+
+def _serve_hint(folder: Path, context: int) -> str:
+    longer = f" --max-context-len {context}" if context > 4096 else ""  # (serve's default)
+    return f"radixkv serve --model {folder}{longer}"
 
 
 STAMP = "radixkv-make-model.json"  # what make-model wrote here: running it again is a no-op
