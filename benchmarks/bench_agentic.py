@@ -13,7 +13,7 @@
    optimum, and the share of the LRU -> Belady gap each closes.
 
     python benchmarks/bench_agentic.py ../shared/data/agentic/traces [--sessions 40]
-        [--seeds 1,2,3] [--capacities 256k,512k,1M] [--policies lru,slru,lfu]
+        [--seeds 1,2,3] [--capacities 256k,512k,1M] [--policies lru,slru,lfu,session]
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=40)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--capacities", default="256k,512k,1M")
-    ap.add_argument("--policies", default="lru,slru,lfu")
+    ap.add_argument("--policies", default="lru,slru,lfu,session")
     args = ap.parse_args()
     assert Path(args.traces).exists(), args.traces
     published_statistics(args.traces)

@@ -140,3 +140,44 @@ def test_simulate_reads_agentic_traces_and_writes_rows(tmp_path, capsys):
     assert all(0 <= r["token_hit_rate"] <= 1 for r in rows)
     assert main(["simulate", "--workload", "chat", "--sessions", "2"]) == 2
     assert "--sessions: only with --format agentic" in capsys.readouterr().err
+
+
+def test_the_session_order_keeps_the_agent_coming_back_over_the_person_who_left(tmp_path):
+    """Room for one session's prefix: A's person left (its answer stopped on end_turn);
+    B, an agent, is running a tool. A third session C arrives and forces one out. LRU
+    evicts B (used before A's last call); the session order evicts A, and B's next call
+    hits. It reads a stop reason only once that answer has ended."""
+    from radixkv.sim.replay import simulate
+    from radixkv.sim.sessions import SessionOrder
+
+    a = conversation([call(0.0, 640, list(range(10)), api=1.0, stop="end_turn"),
+                      call(500.0, 704, list(range(11)), api=1.0)])  # fmt: skip
+    b = conversation([call(0.0, 640, list(range(10)), api=0.5),
+                      call(2.2, 704, list(range(11)), api=0.5, think=1.7)])  # fmt: skip
+    c = conversation([call(1.5, 640, list(range(10)), api=0.5)])
+    for name, doc in (("a", a), ("b", b), ("c", c)):
+        write(tmp_path / f"{name}.json", doc)
+    # (a starts after b: its last call, at 1 s, is more recent than b's first, at 0)
+    a["requests"][0]["t"] = 0.4
+    write(tmp_path / "a.json", a)
+    trace = load_agentic(tmp_path)
+    lru = simulate(trace, 21, "lru")
+    session = simulate(trace, 21, "session")
+    assert session.hit_tokens > lru.hit_tokens, (session, lru)
+
+    order = SessionOrder()
+    first = trace.requests[0]
+    order.arrive(first)  # running: predicted back soon, whatever its stop will be
+    assert order.predicted(first.session) == first.timestamp + 10_000.0
+    order.now = first.timestamp + first.duration_ms + 1  # ended: now its stop counts
+    expect = 600_000.0 if first.stop == "end_turn" else 10_000.0
+    assert order.predicted(first.session) == first.timestamp + first.duration_ms + expect
+
+
+def test_the_session_order_is_named_not_in_all(tmp_path):
+    from radixkv.sim.sweep import policy_list
+
+    assert "session" not in policy_list("all", "tree")
+    assert policy_list("lru,session", "tree") == ["lru", "session"]
+    with pytest.raises(ValueError, match="unknown 'session'"):
+        policy_list("session", "block")

@@ -183,6 +183,7 @@ class _Reader:
                     _seconds(rec, "t", 0.0)  # (its calls carry their own t)
                 else:
                     req, clock = self._call(scope, rec, start, clock, warm)
+                    req.session = (scope, where)
                     out.append(req)
                     continue
             except ValueError as e:
@@ -211,7 +212,9 @@ class _Reader:
         self.tally.add(len(ids))
         units = [self.unit(WARM if j < warm else scope, json_int(h, f"hash_ids[{j}]"))
                  for j, h in enumerate(ids)]  # fmt: skip
-        return SimRequest(units, len(units), n_in, begin * 1000.0, n_out), begin + api
+        req = SimRequest(units, len(units), n_in, begin * 1000.0, n_out)
+        req.stop, req.duration_ms = rec.get("stop", ""), api * 1000.0
+        return req, begin + api
 
 
 def load_agentic(

@@ -35,6 +35,8 @@ class Served(NamedTuple):
 
 
 POLICY_NAMES = (*POLICIES, "belady")
+# and the session-aware order (`radixkv.sim.sessions`), for agentic traces: named, not in "all"
+SESSION = "session"
 BLOCK_POLICIES = ("lru", "fifo")
 SCOPES = ("tree", "block")
 
@@ -110,7 +112,7 @@ def simulate(
     """
     if scope not in SCOPES:
         raise ValueError(f"unknown scope {scope!r}; valid: {', '.join(SCOPES)}")
-    valid = POLICY_NAMES if scope == "tree" else BLOCK_POLICIES
+    valid = (*POLICY_NAMES, SESSION) if scope == "tree" else BLOCK_POLICIES
     if policy not in valid:
         raise ValueError(f"unknown policy {policy!r} for {scope} scope; valid: {', '.join(valid)}")
     if capacity_units is not None and capacity_units < 0:
@@ -120,16 +122,25 @@ def simulate(
     if scope == "block":
         return _simulate_blocks(trace, capacity_units, policy, cache_outputs, warmup)
     belady = _Belady(trace) if policy == "belady" else None
-    sort_key: str | Callable = belady.key if belady else policy
+    sessions = None
+    if policy == SESSION:
+        from radixkv.sim.sessions import SessionOrder
+
+        sessions = SessionOrder()
+    sort_key: str | Callable = belady.key if belady else "lru" if sessions else policy
     # the engine's cache: precise eviction, chains merged under LRU (see radixkv.tree)
     cache = RadixCache(
-        page_size=1, eviction_policy=sort_key, merge_chains=sort_key == "lru", precise=True
-    )
+        page_size=1, eviction_policy=sort_key, precise=True,
+        merge_chains=sort_key == "lru" and sessions is None,  # (its leaves end where used)
+    )  # fmt: skip
     tally, evicted = _Tally(trace, warmup), 0
     for t, req in enumerate(trace.requests):
         if belady:
             belady.now = t
-        hit, freed = serve_request(cache, req, capacity_units, cache_outputs)
+        if sessions is not None:
+            sessions.arrive(req)
+        evict = (lambda n: sessions.evict(cache, n)) if sessions is not None else None
+        hit, freed = serve_request(cache, req, capacity_units, cache_outputs, evict)
         evicted += freed
         if check_every and t % check_every == 0:
             cache.check_integrity()
@@ -138,11 +149,12 @@ def simulate(
 
 
 def serve_request(
-    cache: RadixCache, req: SimRequest, capacity_units: int | None, cache_outputs: bool
-) -> Served:
+    cache: RadixCache, req: SimRequest, capacity_units: int | None, cache_outputs: bool,
+    evict: Callable[[int], int] | None = None,
+) -> Served:  # fmt: skip
     """One request through a cache of ``capacity_units`` (``None``: unbounded): match
-    its prompt, then cache it (evicting what does not fit). Returns (prompt units hit,
-    units evicted)."""
+    its prompt, then cache it (evicting what does not fit: ``evict(units)``, the cache's
+    own order by default). Returns (prompt units hit, units evicted)."""
     prompt = RadixKey(array("q", req.units[: req.num_prompt_units]))
     hit = cache.match_prefix(prompt)
     units = req.units if cache_outputs else req.units[: req.num_prompt_units]
@@ -154,7 +166,7 @@ def serve_request(
     need = len(units) - hit.prefix_len
     over = cache.total_size() + need - capacity_units
     if over > 0:
-        evicted = cache.evict(over)
+        evicted = (evict or cache.evict)(over)
     room = capacity_units - cache.total_size()
     if need > room:  # the request alone overflows what is left: keep its head
         units = units[: hit.prefix_len + max(room, 0)]

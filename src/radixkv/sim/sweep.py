@@ -20,7 +20,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
-from radixkv.sim.replay import BLOCK_POLICIES, POLICY_NAMES, SimResult, reuse_ceiling, simulate
+from radixkv.sim.replay import (
+    BLOCK_POLICIES,
+    POLICY_NAMES,
+    SESSION,
+    SimResult,
+    reuse_ceiling,
+    simulate,
+)
 from radixkv.sim.traces import Trace
 from radixkv.units import BYTE_UNITS
 
@@ -172,8 +179,9 @@ def policy_list(text: str | None, scope: str) -> list[str]:
     valid = POLICY_NAMES if scope == "tree" else BLOCK_POLICIES
     text = text or ("lru,lfu,belady" if scope == "tree" else "lru,fifo")
     names = list(valid) if text == "all" else text.split(",")
+    named = (*valid, SESSION) if scope == "tree" else valid  # (session: named, not in all)
     for p in names:
-        if p not in valid:
+        if p not in named:
             raise ValueError(f"policy: unknown {p!r} for --scope {scope}; valid: "
                              f"{', '.join(valid)}")  # fmt: skip
     return names

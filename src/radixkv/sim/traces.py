@@ -42,6 +42,9 @@ class SimRequest:
             when it gives only their count), for the serve replay
             (`radixkv.sim.serve_replay`); ``None`` in a Mooncake trace.
         token_boundaries, extra_key: the boundaries in tokens, the cache namespace.
+        session, stop, duration_ms: an agentic trace's session, why the answer stopped,
+            and how long it took (`radixkv.sim.agentic`; read by `radixkv.sim.sessions`
+            only once the answer has ended).
     """
 
     units: list[int]
@@ -54,6 +57,9 @@ class SimRequest:
     output_ids: array | None = field(default=None, repr=False)
     token_boundaries: tuple[int, ...] = ()
     extra_key: Any = None
+    session: Any = None  # an agentic trace's session (conversation or sub-agent)
+    stop: str = ""  # why its answer stopped: tool_use, end_turn or "" (known at its end)
+    duration_ms: float = 0.0  # how long its answer took (its api_time)
 
 
 @dataclass
