@@ -645,3 +645,29 @@ def test_a_budget_past_the_address_space_limit_is_refused_not_crashed():
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith("error: --cache-bytes: needs 8.00 GiB")
+
+
+def test_the_memory_a_container_allows_is_the_room_not_the_hosts(monkeypatch, tmp_path):
+    """A cgroup's limit less its use (v2, then v1's files; v1's "no limit" is ~2^63),
+    and the address-space limit's room, bound what an allocation may take, not only
+    the host's MemAvailable."""
+    from radixkv.engine import machine
+
+    files = {"/sys/fs/cgroup/memory.max": tmp_path / "max",
+             "/sys/fs/cgroup/memory.current": tmp_path / "cur",
+             "/sys/fs/cgroup/memory/memory.limit_in_bytes": tmp_path / "v1max",
+             "/sys/fs/cgroup/memory/memory.usage_in_bytes": tmp_path / "v1cur"}  # fmt: skip
+    real = machine._read_int
+    monkeypatch.setattr(machine, "_read_int", lambda path: real(str(files[path])))
+    (tmp_path / "max").write_text("6442450944\n")  # 6 GiB
+    (tmp_path / "cur").write_text("1073741824\n")  # 1 GiB used
+    assert machine._cgroup_room() == 5 << 30
+    (tmp_path / "max").write_text("max\n")  # v2 without a limit: v1's files
+    (tmp_path / "v1max").write_text(str((1 << 63) - 4096))
+    assert machine._cgroup_room() is None
+    (tmp_path / "v1max").write_text(str(2 << 30))
+    (tmp_path / "v1cur").write_text(str(3 << 30))  # over: no room at all
+    assert machine._cgroup_room() == 0
+    monkeypatch.setattr(machine, "_meminfo_available", lambda: 20 << 30)
+    monkeypatch.setattr(machine, "_address_room", lambda: None)
+    assert machine.available_bytes("cpu") == 0
