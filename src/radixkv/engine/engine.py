@@ -284,13 +284,20 @@ class Engine:
     # --- requests ---------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = True) -> list[int]:
         """Token ids of a prompt: ids as given, a list of chat messages, or a string (wrapped
-        in the chat template when ``chat``)."""
+        in the chat template when ``chat``). Every id lies in the model's vocabulary, the
+        tokenizer's too (a folder whose tokenizer and weights disagree).
+
+        Raises:
+            ValueError: an id that is not an int, or outside ``[0, vocab_size)``.
+        """
         if isinstance(prompt, str):
             if chat:
-                return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(prompt)
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                return self._in_vocabulary(text)
+            return self._in_vocabulary(self.tokenizer.encode(prompt))
         if prompt and isinstance(prompt[0], dict):
             ids = self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
+            self._in_vocabulary(ids)
             if not self.mgr.managers:  # only the managers (window, states) use the marks
                 return ids
             return self.chat_boundaries(prompt, ids)  # type: ignore[arg-type]
@@ -299,10 +306,16 @@ class Engine:
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int):
                     raise ValueError(f"token ids must be ints, got {t!r}")
-        if ids and not (min(ids) >= 0 and max(ids) < self.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        self._in_vocabulary(ids)
         marks = getattr(prompt, "boundaries", ())
         return MarkedIds(ids, marks) if marks else ids  # ids marked stay marked
+
+    def _in_vocabulary(self, ids: list[int]) -> list[int]:
+        vocab = self.config.vocab_size
+        if ids and not (min(ids) >= 0 and max(ids) < vocab):
+            bad = max(ids) if max(ids) >= vocab else min(ids)
+            raise ValueError(f"token ids must lie in [0, {vocab}), got {bad}")
+        return ids
 
     def chat_boundaries(self, messages: list[dict], ids: list[int]) -> MarkedIds:
         """``ids`` (the messages' rendering) marked at the end of the leading system

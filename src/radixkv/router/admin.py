@@ -16,14 +16,7 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixkv.router.fleet import (
-    Router,
-    Worker,
-    WorkerSpec,
-    card_problems,
-    check_workers,
-    read_card,
-)
+from radixkv.router.fleet import Router, Worker, WorkerSpec, check_workers, read_card
 from radixkv.web.errors import ApiError
 
 ADMIN_PATHS = ("/workers",)  # changing the fleet: the router's --admin-key only
@@ -73,7 +66,7 @@ def fleet_routes(router: Router, client: httpx.AsyncClient) -> APIRouter:
         others = [w.spec for w in router.workers]
         headers = router.worker_headers
         card = await read_card(client, spec, CHECK_TIMEOUT_S)
-        problems = card_problems(spec.url, card) or await asyncio.to_thread(
+        problems = await asyncio.to_thread(  # (the card's own fields first: card_problems)
             check_workers, [*others, spec], router.tokenizer, CHECK_TIMEOUT_S, headers,
             {**router.cards, spec.url: card},
         )  # fmt: skip

@@ -64,7 +64,6 @@ class Breaker:
         self.cooldown = self.config.cooldown
         self.until = 0.0  # open: when it turns half-open
         self.probing = False  # half-open: the probe is in flight
-        self.trips = 0  # times it opened
 
     def admits(self) -> bool:
         """May a request go to the worker now? (An open breaker whose cooldown is over
@@ -103,7 +102,6 @@ class Breaker:
     def _open(self) -> bool:
         self.state, self.probing = OPEN, False
         self.until = self.clock() + self.cooldown
-        self.trips += 1
         return True
 
 

@@ -55,6 +55,7 @@ from radixkv.router.fleet import CARD_BYTES, Router, Worker, WorkerSpec, check_w
 from radixkv.web.access import Access, AccessMiddleware
 from radixkv.web.bounded import PeerError, bounded_get
 from radixkv.web.errors import ApiError
+from radixkv.web.serving import until_disconnected
 
 MAX_CACHE_KEY = 1024  # as radixkv.server.protocol (the router imports no server module)
 MAX_CHOICES = 128  # n, as radixkv.server.protocol's MAX_N (OpenAI's limit)
@@ -102,13 +103,6 @@ class Limits:
 
 class ClientGone(Exception):
     """The client left before the worker's answer began."""
-
-
-async def _until_disconnected(request: Request) -> None:
-    """Returns when the client has gone (its body was read whole before: what it
-    receives next is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _cached_tokens(tail: bytes) -> int:
@@ -336,7 +330,7 @@ class Proxy:
         way the send is cancelled, which closes its connection: the worker sees its client
         leave and aborts the request, as it would for a client of its own."""
         send = asyncio.ensure_future(self.send(w, raw, path))
-        gone = asyncio.ensure_future(_until_disconnected(request))
+        gone = asyncio.ensure_future(until_disconnected(request))
         try:
             done, _ = await asyncio.wait([send, gone], timeout=self.limits.header_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)  # fmt: skip

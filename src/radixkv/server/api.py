@@ -216,14 +216,8 @@ class Api:
             ids = self.engine.encode(prompt, chat)
         except (ValueError, TypeError) as e:
             raise ApiError(400, str(e), "messages" if chat else "prompt") from None
-        param = "messages" if chat else "prompt"
         if not ids:
-            raise ApiError(400, "the prompt is empty", param)
-        vocab = self.engine.config.vocab_size
-        if max(ids) >= vocab or min(ids) < 0:  # a tokenizer the model's vocabulary lacks
-            raise ApiError(400, f"the prompt has a token id outside the model's vocabulary "
-                           f"[0, {vocab}): {max(ids) if max(ids) >= vocab else min(ids)} "
-                           "(its tokenizer and its weights disagree)", param)  # fmt: skip
+            raise ApiError(400, "the prompt is empty", "messages" if chat else "prompt")
         return ids
 
     def completion_ids(self, req: CompletionRequest) -> Prompt:

@@ -28,15 +28,11 @@ from radixkv.engine.request import StepOutput
 from radixkv.server.api import Api, Prompt, failure, parse_body
 from radixkv.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from radixkv.tokenizer import tokenizer_fingerprint, tokenizer_source
+from radixkv.web.serving import until_disconnected
 
 
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 # a finished choice: its text, last output, token ids, logprobs (one per token, if asked)
@@ -63,7 +59,7 @@ async def _collect_or_abort(
         return "".join(text), last, ids, lps
 
     task = asyncio.ensure_future(asyncio.gather(*(collect(f, o) for f, o in runs)))
-    gone = asyncio.ensure_future(_until_disconnected(request))
+    gone = asyncio.ensure_future(until_disconnected(request))
     try:
         await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:

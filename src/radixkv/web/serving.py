@@ -8,7 +8,8 @@ under bench_route's 48 chats x 16 concurrent: its full collections took 135-163 
 (every request in flight stalled that long), 8 ms frozen; all collections of the run
 together 420 ms, then 94 ms.
 
-Owns: the uvicorn server object and its signal handling. Must not touch: the app.
+Owns: the uvicorn server object and its signal handling, and `until_disconnected` (what
+the server and the router await to learn a client left). Must not touch: the app.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ import socket
 from typing import Any
 
 GRACEFUL_TIMEOUT_S = 5  # at most this long for open connections after the aborts
+
+
+async def until_disconnected(request: Any) -> None:
+    """Returns when the client of ``request`` (a Starlette request whose body was read
+    whole) has gone: what it receives next is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def bind(host: str, port: int) -> socket.socket:
