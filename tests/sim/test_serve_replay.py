@@ -260,12 +260,10 @@ def test_a_burst_at_the_tightest_budget_finishes(tmp_path, hybrid_models, family
     or raised (a decode); the scheduler now drops such checkpoints last of all."""
     import signal
 
-    from radixkv.cli.make_model import run as make_model
-
     folder = hybrid_models.get(family)
     if folder is None:
         folder = str(tmp_path / family)
-        make_model(type("Args", (), {"folder": folder, "family": family, "seed": 0})())
+        assert main(["make-model", family, folder]) == 0
     trace = _burst_trace(256)
     budget = tightest_budget(trace, folder, 4 << 20)
 

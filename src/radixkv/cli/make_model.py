@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     folder = Path(args.folder)
     if folder.is_symlink() and not folder.exists():
         raise CliError(f"folder: {folder} is a link to nothing ({os.readlink(folder)})")
-    context = getattr(args, "context", SIZES["max_position_embeddings"])
+    context = args.context
     made = {"family": args.family, "seed": args.seed, "context": context}
     if _made_here(folder) == made:  # the same command ran before: the folder is as it
         print(f"{folder} already holds a tiny random {args.family} (seed {args.seed}); "

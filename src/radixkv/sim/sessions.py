@@ -22,8 +22,9 @@ only once ``now`` is past its end.
 Owns: the prediction and the order. Must not touch: the tree (it evicts through
 `RadixCache.evict_leaf`), the replay (`radixkv.sim.replay` calls it).
 
-Complexity: an eviction scans the unlocked leaves, O(leaves) per victim (leaves are
-about the sessions cached: one path each, plus old branches).
+Complexity: an eviction walks the tree for its unlocked leaves, O(nodes) per victim (the
+nodes are about the sessions cached: one path each, plus old branches); the simulator's
+order, not the engine's.
 """
 
 from __future__ import annotations
