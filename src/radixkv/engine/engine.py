@@ -293,11 +293,11 @@ class Engine:
         if isinstance(prompt, str):
             if chat:
                 text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-                return self._in_vocabulary(text)
-            return self._in_vocabulary(self.tokenizer.encode(prompt))
+                return self._in_vocabulary(text, made=True)
+            return self._in_vocabulary(self.tokenizer.encode(prompt), made=True)
         if prompt and isinstance(prompt[0], dict):
             ids = self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
-            self._in_vocabulary(ids)
+            self._in_vocabulary(ids, made=True)
             if not self.mgr.managers:  # only the managers (window, states) use the marks
                 return ids
             return self.chat_boundaries(prompt, ids)  # type: ignore[arg-type]
@@ -310,11 +310,16 @@ class Engine:
         marks = getattr(prompt, "boundaries", ())
         return MarkedIds(ids, marks) if marks else ids  # ids marked stay marked
 
-    def _in_vocabulary(self, ids: list[int]) -> list[int]:
+    def _in_vocabulary(self, ids: list[int], made: bool = False) -> list[int]:
+        """``ids``, checked; ``made``: by the tokenizer (then the folder is at fault)."""
         vocab = self.config.vocab_size
         if ids and not (min(ids) >= 0 and max(ids) < vocab):
+            if not made:
+                raise ValueError(f"token ids must lie in [0, {vocab})")
             bad = max(ids) if max(ids) >= vocab else min(ids)
-            raise ValueError(f"token ids must lie in [0, {vocab}), got {bad}")
+            raise ValueError(f"the tokenizer made token id {bad}, outside the model's "
+                             f"vocabulary [0, {vocab}): its tokenizer and its weights "
+                             "disagree")  # fmt: skip
         return ids
 
     def chat_boundaries(self, messages: list[dict], ids: list[int]) -> MarkedIds:
