@@ -40,8 +40,30 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                  "linear_num_key_heads": 2, "linear_num_value_heads": 4}),
 }  # fmt: skip
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, and tools as Qwen's templates render them (Hermes-style: the tools as JSON in
+# the system turn, a call as <tool_call> JSON, a result as <tool_response> in a user
+# turn); without tools it renders exactly as plain ChatML does
 CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- if tools %}<|im_start|>system\n{% if messages and messages[0].role == 'system' %}"
+    "{{ messages[0].content }}\n\n{% endif %}# Tools\n\nYou may call one or more functions "
+    "to assist with the user query.\n\nYou are provided with function signatures within "
+    "<tools></tools> XML tags:\n<tools>{% for t in tools %}{{ '\\n' }}{{ t | tojson }}"
+    "{% endfor %}{{ '\\n' }}</tools>\n\nFor each function call, return a json object with "
+    "function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and loop.first and tools %}"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    "{% if m.content %}{{ m.content }}\n{% endif %}"
+    "{% for c in m.tool_calls %}{% if not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{% if c.function.arguments is string %}{{ c.function.arguments }}"
+    "{% else %}{{ c.function.arguments | tojson }}{% endif %}}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

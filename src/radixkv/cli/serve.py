@@ -24,7 +24,9 @@ from radixkv.cli.common import (
 )
 
 HELP = "an OpenAI-compatible server with prefix caching"
-CACHE_SPLITS = ("one", "sglang")  # (radixkv.engine.config's, without importing torch here)
+# (radixkv.engine.config's and radixkv.server.tools's, without importing torch here)
+CACHE_SPLITS = ("one", "sglang")
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 def cache_size(text: str) -> int | str | None:
@@ -61,6 +63,12 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind [127.0.0.1]")
     serve.add_argument("--port", type=number(int, 0, "a port number"), default=8000)
     serve.add_argument("--served-model-name", help="the model id clients send [the model's]")
+    serve.add_argument(
+        "--tool-call-parser", choices=("auto", "none", *TOOL_PARSERS), default="auto",
+        help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen), llama3_json, "
+        "mistral ([TOOL_CALLS]); auto: the one the chat template shows the model, if any; "
+        "none: refuse tools [auto]",
+    )  # fmt: skip
 
 
 def _memory_flags(parser: argparse.ArgumentParser) -> None:
@@ -289,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     serve = ServeConfig(
         args.model, args.host, args.port, args.served_model_name, args.max_queue,
         args.log_level, args.kv_events, args.kv_events_replay, access, args.kv_events_key,
-        args.kv_events_mode == "tokens",
+        args.kv_events_mode == "tokens", args.tool_call_parser,
     )  # fmt: skip
     if args.kv_events:
         problem = exposure_problem(args.kv_events, args.kv_events_replay, args.kv_events_insecure)

@@ -282,10 +282,14 @@ class Engine:
                 self._events[1](batch)
 
     # --- requests ---------------------------------------------------------------------------
-    def encode(self, prompt: str | Sequence[int] | list[dict], chat: bool = True) -> list[int]:
-        """Token ids of a prompt: ids as given, a list of chat messages, or a string (wrapped
-        in the chat template when ``chat``). Every id lies in the model's vocabulary, the
-        tokenizer's too (a folder whose tokenizer and weights disagree).
+    def encode(
+        self, prompt: str | Sequence[int] | list[dict], chat: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[int]:  # fmt: skip
+        """Token ids of a prompt: ids as given, a list of chat messages (rendered with
+        ``tools``, if any), or a string (wrapped in the chat template when ``chat``). Every
+        id lies in the model's vocabulary, the tokenizer's too (a folder whose tokenizer
+        and weights disagree).
 
         Raises:
             ValueError: an id that is not an int, or outside ``[0, vocab_size)``.
@@ -296,11 +300,11 @@ class Engine:
                 return self._in_vocabulary(text, made=True)
             return self._in_vocabulary(self.tokenizer.encode(prompt), made=True)
         if prompt and isinstance(prompt[0], dict):
-            ids = self.tokenizer.apply_chat_template(list(prompt))  # type: ignore[arg-type]
+            ids = self._render(list(prompt), tools)  # type: ignore[arg-type]
             self._in_vocabulary(ids, made=True)
             if not self.mgr.managers:  # only the managers (window, states) use the marks
                 return ids
-            return self.chat_boundaries(prompt, ids)  # type: ignore[arg-type]
+            return self.chat_boundaries(prompt, ids, tools)  # type: ignore[arg-type]
         ids = list(prompt)
         if not all(type(t) is int for t in ids):  # the common case checked at C speed
             for t in ids:
@@ -322,7 +326,14 @@ class Engine:
                              "disagree")  # fmt: skip
         return ids
 
-    def chat_boundaries(self, messages: list[dict], ids: list[int]) -> MarkedIds:
+    def _render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        if tools:
+            return self.tokenizer.apply_chat_template(messages, tools)  # type: ignore[call-arg]
+        return self.tokenizer.apply_chat_template(messages)
+
+    def chat_boundaries(
+        self, messages: list[dict], ids: list[int], tools: list[dict] | None = None
+    ) -> MarkedIds:
         """``ids`` (the messages' rendering) marked at the end of the leading system
         messages: where the rendering of those alone stops agreeing with it (the
         template's own tokens after the message included, whatever the template). Safe
@@ -332,15 +343,17 @@ class Engine:
             k += 1
         if k == 0 or k == len(messages):
             return MarkedIds(ids)
-        n = self.rendered_prefix(messages[:k], ids)
+        n = self.rendered_prefix(messages[:k], ids, tools)
         return MarkedIds(ids, (n,) if 0 < n < len(ids) else ())
 
-    def rendered_prefix(self, messages: list[dict], ids: Sequence[int]) -> int:
+    def rendered_prefix(
+        self, messages: list[dict], ids: Sequence[int], tools: list[dict] | None = None
+    ) -> int:
         """How far ``ids`` (a chat's rendering) agrees with the rendering of ``messages``
         alone (its first messages, the last one possibly cut short): where they end in
         it, the template's own tokens after them included. The tokenizer only: safe off
         the engine's thread."""
-        alone = self.tokenizer.apply_chat_template(list(messages))  # type: ignore[arg-type]
+        alone = self._render(list(messages), tools)
         n = 0
         while n < min(len(alone), len(ids)) and alone[n] == ids[n]:
             n += 1

@@ -96,11 +96,12 @@ class OutputProcessor:
         longest = max(len(x) for x in r.sampling.stop)
         start = max(0, r.searched - longest + 1)
         text = r.text
-        found = [i for i in (text.find(x, start) for x in r.sampling.stop) if i >= 0]
+        found = [(i, x) for x in r.sampling.stop if (i := text.find(x, start)) >= 0]
         r.searched = len(text)
         if not found:
             return False
-        r.text, r.stop_cut = text[: min(found)], True
+        at, r.stop_string = min(found, key=lambda f: f[0])
+        r.text, r.stop_cut = text[:at], True
         return True
 
     def _settle(self, r: EngineReq) -> None:
@@ -133,6 +134,7 @@ class OutputProcessor:
             len(r.output_ids),
             r.output_logprobs[sent:] if r.sampling.logprobs is not None else None,
             error=r.error,
+            stop_string=r.stop_string if r.finished else None,
         )
 
 

@@ -167,6 +167,7 @@ class EngineReq(Req):
     prefetched: bool = False  # shared-store pages looked up
     text: str = ""  # the output's final text so far, stop string removed
     stop_cut: bool = False  # ``text`` was cut at a stop string: it is final
+    stop_string: str | None = None  # the stop string it was cut at
     detok: Any = None  # its incremental detokenizer (radixkv.engine.output)
     searched: int = 0  # characters of ``text`` searched for stop strings
     sent_text: int = 0  # characters of ``text`` already handed out in step outputs
@@ -216,6 +217,7 @@ class StepOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     cache_write_tokens: int | None = None  # with a CacheSpec, once finished: tokens retained
     error: str | None = None
+    stop_string: str | None = None  # once finished by a stop string: which one
 
     @property
     def finished(self) -> bool:

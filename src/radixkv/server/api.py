@@ -19,7 +19,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
@@ -30,9 +30,10 @@ from radixkv.engine.async_engine import (
     RequestFailed,
 )
 from radixkv.engine.output import choice_sampling, usage
-from radixkv.engine.request import CacheSpec, SamplingParams, StepOutput
+from radixkv.engine.request import CacheSpec, MarkedIds, SamplingParams, StepOutput
 from radixkv.engine.scheduler import DoesNotFit
-from radixkv.server import prompt_cache
+from radixkv.server import chat, prompt_cache
+from radixkv.server.chat import NO_TOOLS, ToolPlan
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.protocol import (
     MAX_CACHE_KEY,
@@ -45,14 +46,21 @@ from radixkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from radixkv.server.tools import Parser, make_parser, parser_for
+from radixkv.tokenizer import NoToolTemplate, special_token_id
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # when the request names none
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id, as ASCII digits
 RETRY_AFTER_S = 1
 
 
-# a request's prompt: its token ids, and what it asks of the prompt cache (if anything)
-Prompt = tuple[list[int], CacheSpec | None]
+class Prompt(NamedTuple):
+    """A request's prompt: its token ids, what it asks of the prompt cache (if anything),
+    and what its answer does with tool calls."""
+
+    ids: list[int]
+    cache: CacheSpec | None
+    tools: ToolPlan = NO_TOOLS
 
 
 def _validation_error(e: ValidationError) -> ApiError:
@@ -99,10 +107,20 @@ def parse_body(body: bytes, model: type[BaseModel]) -> Any:
 class Api:
     """The request handling, separate from the routes so it reads top to bottom."""
 
-    def __init__(self, aeng: AsyncEngine, model_name: str) -> None:
+    def __init__(self, aeng: AsyncEngine, model_name: str, tool_parser: str = "auto") -> None:
+        """``tool_parser``: a name of `radixkv.server.tools.PARSERS`, ``auto`` (the one the
+        chat template writes calls for, if any) or ``none``."""
         self.aeng, self.engine, self.model_name = aeng, aeng.engine, model_name
         self.metrics = ServerMetrics(aeng.engine, model_name)
         self.created = int(time.time())
+        tk = aeng.engine.tokenizer
+        name = parser_for(getattr(tk, "chat_template", None)) if tool_parser == "auto" else (
+            None if tool_parser == "none" else tool_parser)  # fmt: skip
+        self.tool_parser: Parser | None = make_parser(name) if name else None
+        marker = self.tool_parser.marker if self.tool_parser else ""
+        # a marker the tokenizer holds as one special token: decoding drops it, so the
+        # output's text gets it back where its id was (`marked`)
+        self.marker_id = special_token_id(tk, marker) if marker else None
 
     # --- validation -------------------------------------------------------------------------
     def check_common(self, req: Any) -> None:
@@ -173,19 +191,7 @@ class Api:
         limit = self.engine.scheduler.max_tokens()  # read-only: safe off the engine thread
         if max_tokens is None:  # the default, shortened to what fits
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS[kind], limit - len(ids)))
-        if max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-        try:
-            self.engine.scheduler.check_fits(len(ids), max_tokens)
-        except DoesNotFit as e:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {e.limit} tokens. However, you "
-                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
-                f"{max_tokens} for the completion).",
-                "max_tokens" if len(ids) < e.limit else "prompt",
-                "context_length_exceeded",
-            ) from None
+        self.fits(ids, max_tokens)
         stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
             return SamplingParams(
@@ -197,9 +203,32 @@ class Api:
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
-    def _encode(self, prompt: Any, chat: bool) -> list[int]:
+    def fits(self, ids: list[int], max_tokens: int, prompt_param: str = "prompt") -> None:
+        """``max_tokens`` is at least 1 and fits after the prompt in the context.
+
+        Raises:
+            ApiError: (400) either does not.
+        """
+        if max_tokens < 1:
+            raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+        try:
+            self.engine.scheduler.check_fits(len(ids), max_tokens)
+        except DoesNotFit as e:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {e.limit} tokens. However, you "
+                f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                f"{max_tokens} for the completion).",
+                "max_tokens" if len(ids) < e.limit else prompt_param,
+                "context_length_exceeded",
+            ) from None
+
+    def _encode(self, prompt: Any, chat: bool, tools: list[dict] | None = None,
+                param: str | None = None) -> list[int]:  # fmt: skip
+        param = param or ("messages" if chat else "prompt")
         if isinstance(prompt, str) or chat:
-            texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+            texts = [prompt] if isinstance(prompt, str) else [
+                m["content"] or "" for m in prompt]  # fmt: skip
             per_token = getattr(self.engine.tokenizer, "max_token_chars", None)
             limit = self.engine.scheduler.max_tokens()
             # a prompt's tokens cover at most per_token characters each, so this many
@@ -209,15 +238,18 @@ class Api:
                     400,
                     f"This model's maximum context length is {limit} tokens; the prompt "
                     f"has over {limit} tokens.",
-                    "messages" if chat else "prompt",
+                    param,
                     "context_length_exceeded",
                 )
         try:
-            ids = self.engine.encode(prompt, chat)
+            ids = self.engine.encode(prompt, chat, tools) if tools else self.engine.encode(
+                prompt, chat)  # fmt: skip
+        except NoToolTemplate as e:
+            raise ApiError(400, f"tools: {e}", "tools") from None
         except (ValueError, TypeError) as e:
-            raise ApiError(400, str(e), "messages" if chat else "prompt") from None
+            raise ApiError(400, str(e), param) from None
         if not ids:
-            raise ApiError(400, "the prompt is empty", "messages" if chat else "prompt")
+            raise ApiError(400, "the prompt is empty", param)
         return ids
 
     def completion_ids(self, req: CompletionRequest) -> Prompt:
@@ -229,22 +261,48 @@ class Api:
         if not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
         ids = self._encode(prompt, chat=False)
-        return ids, prompt_cache.cache_spec(req, len(ids), [])
+        return Prompt(ids, prompt_cache.cache_spec(req, len(ids), []))
 
     def chat_ids(self, req: ChatCompletionRequest) -> Prompt:
         if not req.messages:
             raise ApiError(400, "messages must not be empty", "messages")
-        for i, m in enumerate(req.messages):
-            if m.role in ("tool", "function") or m.tool_calls or m.function_call:
-                raise ApiError(400, f"messages[{i}]: tool calls and tool results are not "
-                               "supported by this server", "messages")  # fmt: skip
-            if m.content is None:
-                raise ApiError(400, f"messages[{i}]: content is missing", "messages")
+        messages, tools, plan = chat.openai_chat(req, self.tool_parser)
         cuts = prompt_cache.breakpoints(req)  # refuses too many before rendering
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = self._encode(messages, chat=True)  # marked at the system message's end
-        marks = prompt_cache.positions(self.engine, req, ids, cuts)
-        return ids, prompt_cache.cache_spec(req, len(ids), marks)
+        ids = self.chat_encode(messages, tools, plan)
+        marks = prompt_cache.positions(self.engine, req, messages, ids, cuts, tools)
+        return Prompt(ids, prompt_cache.cache_spec(req, len(ids), marks), plan)
+
+    def chat_encode(self, messages: list[dict], tools: list[dict] | None, plan: ToolPlan,
+                    param: str = "messages", prefill: str = "") -> list[int]:  # fmt: skip
+        """The rendered chat's ids, then the answer's given start (``prefill``) and the
+        opening a forced tool call starts with."""
+        ids = self._encode(messages, chat=True, tools=tools, param=param)
+        if prefill or plan.opening:  # (tool_choice required or named: a call)
+            tk = self.engine.tokenizer
+            plain = getattr(tk, "encode_plain", tk.encode)  # (no BOS in mid-prompt)
+            more = list(ids) + plain(prefill + plan.opening)
+            ids = MarkedIds(more, ids.boundaries) if isinstance(ids, MarkedIds) else more
+        return ids
+
+    def marked(self, ids: list[int], text: str) -> str:
+        """A step's output text with the parser's marker where its special token was (the
+        step's first token, as decoding steps are one token each)."""
+        if self.marker_id is not None and self.marker_id in ids and self.tool_parser:
+            return self.tool_parser.marker + text
+        return text
+
+    def parse_calls(self, plan: ToolPlan, ids: list[int], text: str) -> tuple[str | None, list]:
+        """A finished answer's text and tool calls (a marker token's text restored)."""
+        if plan.parser is None:
+            return text, []
+        if self.marker_id is not None and self.marker_id in ids:
+            at = ids.index(self.marker_id)
+            text = self.engine.tokenizer.decode(ids[:at]) + plan.parser.marker + (
+                self.engine.tokenizer.decode(ids[at + 1 :]))  # fmt: skip
+        content, calls = plan.parser.parse(plan.opening + text)
+        if not calls:
+            return text, []
+        return content, calls[:1] if plan.single else calls
 
     # --- running ----------------------------------------------------------------------------
     async def first(self, outputs: AsyncIterator[StepOutput]) -> StepOutput:

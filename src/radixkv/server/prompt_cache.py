@@ -49,17 +49,18 @@ def breakpoints(req: ChatCompletionRequest) -> list[tuple[int, int, str | None]]
 
 
 def positions(
-    engine: Any, req: ChatCompletionRequest, ids: list[int], cuts: list
-) -> list[tuple[int, str | None]]:
+    engine: Any, req: ChatCompletionRequest, messages: list[dict], ids: list[int],
+    cuts: list, tools: list[dict] | None = None,
+) -> list[tuple[int, str | None]]:  # fmt: skip
     """Where each breakpoint's block ends in the rendered prompt ``ids`` (rendering the
-    chat up to that block alone), with its ttl. Off the event loop: it renders."""
+    chat up to that block alone; ``messages`` are the request's as the template takes
+    them, one per message), with its ttl. Off the event loop: it renders."""
     out = []
     for i, j, ttl in cuts:
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages[:i]]
         parts = req.messages[i].content
         head = "".join(p.text for p in parts[: j + 1])  # type: ignore[union-attr]
-        msgs.append({"role": req.messages[i].role, "content": head})
-        pos = engine.rendered_prefix(msgs, ids)
+        msgs = [*messages[:i], {**messages[i], "content": head}]
+        pos = engine.rendered_prefix(msgs, ids, tools)
         if pos > 0:
             out.append((pos, ttl))
     return out

@@ -1,10 +1,11 @@
 """OpenAI request bodies (the fields radixkv honours) and the error body.
 
 Every field of OpenAI's request types is either honoured or refused with a 400 naming it
-(`REFUSED`: structured output, tools, audio, ...; ``tests/server/test_server_fields.py`` walks
-them all). ``user`` is accepted as OpenAI's end-user id, which changes no output. Fields
-OpenAI does not define are ignored, as OpenAI-compatible servers do (``ignore_eos``,
-``cache_salt`` and ``repetition_penalty`` are vLLM's and honoured).
+(`REFUSED`: structured output, the deprecated functions, audio, ...;
+``tests/server/test_server_fields.py`` walks them all). ``user`` is accepted as OpenAI's
+end-user id, which changes no output. Fields OpenAI does not define are ignored, as
+OpenAI-compatible servers do (``ignore_eos``, ``cache_salt`` and ``repetition_penalty`` are
+vLLM's and honoured). Tools: `radixkv.server.chat`.
 
 Owns: the request schemas and the refused fields. Must not touch: running requests.
 """
@@ -29,11 +30,8 @@ MAX_CONTENT_PARTS = 8192
 # are accepted (a client library's explicit default)
 REFUSED: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "parallel_tool_calls": (),
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
@@ -104,11 +102,8 @@ class _Sampling(BaseModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # refused unless a value in REFUSED (checked by the server)
     response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -145,11 +140,52 @@ class ContentPart(BaseModel):
     prompt_cache_breakpoint: PromptCacheBreakpoint | None = None
 
 
+class FunctionDef(BaseModel):
+    """A tool's function: ``parameters`` a JSON Schema (`radixkv.server.chat` checks it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
-    tool_calls: Any = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
 
     def text(self) -> str:
@@ -160,6 +196,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None

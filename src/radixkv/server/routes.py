@@ -27,6 +27,7 @@ from radixkv.engine.async_engine import AsyncEngine, EngineDead, RequestFailed, 
 from radixkv.engine.request import StepOutput
 from radixkv.server.api import Api, Prompt, failure, parse_body
 from radixkv.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from radixkv.server.tools import Stream
 from radixkv.tokenizer import tokenizer_fingerprint, tokenizer_source
 from radixkv.web.serving import until_disconnected
 
@@ -37,11 +38,12 @@ def _sse(data: Any) -> str:
 
 # a finished choice: its text, last output, token ids, logprobs (one per token, if asked)
 Choice = tuple[str, StepOutput, list[int], list]
-Chunk = Callable[[int, StepOutput, bool], dict]  # a streamed choice's event
+# a streamed choice's event (or events: a tool call's several deltas)
+Chunk = Callable[[int, StepOutput, bool], dict | list[dict]]
 Final = Callable[[list[Choice]], dict]  # the whole answer
 
 
-async def _collect_or_abort(
+async def collect_or_abort(
     request: Request, runs: list[tuple[StepOutput | None, AsyncIterator[StepOutput]]]
 ) -> list[Choice] | None:
     """All outputs of a non-streamed request's choices; a client that disconnects first
@@ -117,14 +119,14 @@ class Generating:
     ) -> Response:  # fmt: skip
         """Start the request's choices; answer when they finish, or stream them."""
         api = self.api
-        ids, spec = prompt
+        ids, spec = prompt.ids, prompt.cache
         sampling = api.sampling(req, ids, max_tokens, kind)
         if req.prompt_cache_key is not None:
             api.metrics.cache_keys.inc()
         runs = await api.start_all(ids, sampling, req.n, req.cache_salt, arrival, spec)
         if not req.stream:
             try:
-                done = await _collect_or_abort(request, runs)
+                done = await collect_or_abort(request, runs)
             except (EngineDead, RequestFailed) as e:
                 raise failure(e) from None
             if done is None:  # the client went away; its choices were aborted
@@ -142,7 +144,9 @@ class Generating:
             async with aclosing(merge_choices(runs)) as merged:
                 async for i, out in merged:
                     if i not in started or out.text or out.finished or out.logprobs:
-                        yield _sse(chunk(i, out, i not in started))
+                        made = chunk(i, out, i not in started)
+                        for event in made if isinstance(made, list) else [made]:
+                            yield _sse(event)
                     started.add(i)
                     lasts[i] = out
         except (EngineDead, RequestFailed) as e:  # an error event ends the stream
@@ -192,21 +196,54 @@ class Generating:
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": cid, "created": created, "model": model_name}
         want_lps = bool(req.logprobs)
+        plan = prompt.tools
+        streams = [Stream(plan.parser, plan.opening) if plan.parser else None
+                   for _ in range(req.n)]  # fmt: skip
 
-        def chunk(i: int, out: StepOutput, first: bool) -> dict:
-            text = out.text
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            lp = api.chat_logprobs(out.token_ids, out.logprobs or []) if want_lps else None
-            choice = {"index": i, "delta": delta, "logprobs": lp,
-                      "finish_reason": out.finish_reason}  # fmt: skip
+        def event(i: int, delta: dict, reason: str | None, lp: dict | None = None) -> dict:
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
             return {**head, "object": "chat.completion.chunk", "choices": [choice]}
+
+        def chunk(i: int, out: StepOutput, first: bool) -> dict | list[dict]:
+            lp = api.chat_logprobs(out.token_ids, out.logprobs or []) if want_lps else None
+            stream = streams[i]
+            text = out.text if stream is None else stream.feed(api.marked(out.token_ids, out.text))
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            if stream is not None and not (text or first or out.finished or lp):
+                return []  # held: it may be a call's start
+            if stream is None or not out.finished:
+                return event(i, delta, out.finish_reason, lp)
+            rest, calls = stream.end()
+            calls = calls[:1] if plan.single else calls
+            if rest:
+                delta["content"] += rest
+            events = [event(i, delta, None if calls else out.finish_reason, lp)]
+            for k, c in enumerate(calls):
+                events.append(event(i, {"tool_calls": [{"index": k, "id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": ""}}]}, None))  # fmt: skip
+                events.append(event(i, {"tool_calls": [{"index": k, "function": {
+                    "arguments": c.arguments}}]}, None))  # fmt: skip
+            if calls:
+                events.append(event(i, {}, "tool_calls" if out.finish_reason == "stop" else
+                                    out.finish_reason))  # fmt: skip
+            return events
+
+        def message(text: str, last: StepOutput, out_ids: list[int]) -> tuple[dict, str | None]:
+            content, calls = api.parse_calls(plan, out_ids, text)
+            msg: dict[str, Any] = {"role": "assistant", "content": content}
+            if not calls:
+                return msg, last.finish_reason
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in calls]  # fmt: skip
+            return msg, "tool_calls" if last.finish_reason == "stop" else last.finish_reason
 
         def final(done: list[Choice]) -> dict:
             choices = []
             for i, (text, last, out_ids, lps) in enumerate(done):
                 lp = api.chat_logprobs(out_ids, lps) if want_lps else None
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": last.finish_reason})  # fmt: skip
+                msg, reason = message(text, last, out_ids)
+                choices.append({"index": i, "message": msg, "logprobs": lp,
+                                "finish_reason": reason})  # fmt: skip
             return {**head, "object": "chat.completion", "choices": choices,
                     "usage": api.usage([d[1] for d in done])}  # fmt: skip
 

@@ -54,6 +54,7 @@ class ServeConfig:
     access: Access | None = None  # keys, hosts, body limit (default: Access.for_bind(host))
     kv_events_key: str | None = None  # keys the namespace tags on the wire
     kv_events_tokens: bool = True  # False: block hashes only (radixkv.events)
+    tool_call_parser: str = "auto"  # radixkv.server.tools: a parser, auto or none
 
 
 def served_name(engine: Engine, model: str) -> str:
@@ -100,7 +101,8 @@ def build_server(serve: ServeConfig, engine_config: EngineConfig) -> BuiltServer
     aeng = AsyncEngine(build, serve.max_queue, on_death=died)
     aeng.start()  # builds the engine on its own thread (see AsyncEngine)
     name = serve.served_model_name or served_name(aeng.engine, serve.model)
-    app = build_app(aeng, name, access=serve.access or Access.for_bind(serve.host))
+    app = build_app(aeng, name, access=serve.access or Access.for_bind(serve.host),
+                    tool_parser=serve.tool_call_parser)  # fmt: skip
 
     def abort_in_flight() -> None:
         if aeng.alive:  # end the streams now, so open connections close at once

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import json
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -206,6 +207,7 @@ def _compiled(source: str) -> Any:
             return super().wrap_str_format(value)
 
     env = Bounded(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = tojson
     for name, fn in list(env.filters.items()):  # a filter's sizes are bounded too
         env.filters[name] = _bounded_filter(name, fn)
     return env.from_string(source)
@@ -275,11 +277,28 @@ def render(source: str, limit: int, **context: Any) -> str:
     return "".join(pieces)
 
 
-def output_limit(messages: list[dict[str, Any]]) -> int:
-    """How many characters a render of ``messages`` may take: twice their text, 256 a
-    message (a template's markers), and 1 MiB."""
-    text = sum(len(m.get("content") or "") for m in messages if isinstance(m, dict))
+def output_limit(messages: list[dict[str, Any]], tools: list | None = None) -> int:
+    """How many characters a render of ``messages`` (and ``tools``) may take: twice their
+    text (a tool call's or a tool's as JSON), 256 a message (a template's markers), and
+    1 MiB."""
+    text = 0
+    for m in messages:
+        if isinstance(m, dict):
+            content = m.get("content")
+            text += len(content) if isinstance(content, str) else 0
+            if m.get("tool_calls"):
+                text += len(json.dumps(m["tool_calls"], ensure_ascii=False, default=str))
+    if tools:
+        text += len(json.dumps(tools, ensure_ascii=False, default=str))
     return 2 * text + 256 * len(messages) + (1 << 20)
+
+
+def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
+           separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
+    """``tojson`` as transformers gives templates (no HTML escaping, which Jinja's own
+    does: ``<`` would render as ``\\u003c`` and the prompt differ from transformers')."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)  # fmt: skip
 
 
 __all__ = ["MAX_RENDER_S", "MAX_STEPS", "TemplateLimit", "output_limit", "render"]

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
-Message = dict[str, str]
+Message = dict[str, Any]  # a chat message: role, content, and tool calls or a call's id
+Tool = dict[str, Any]  # a tool as templates take it: {"type": "function", "function": {...}}
 TOKENIZER_CONFIG_BYTES = 16 << 20  # tokenizer_config.json: its chat template and tokens
 
 
@@ -24,7 +26,25 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(self, messages: list[Message]) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: list[Message], tools: list[Tool] | None = None
+    ) -> list[int]: ...
+
+
+class NoToolTemplate(ValueError):
+    """The chat template cannot render tools (the server refuses ``tools`` naming it)."""
+
+
+def supports_tools(tokenizer: Any) -> bool:
+    """Whether ``tokenizer``'s chat template renders tools (it reads ``tools``)."""
+    return bool(getattr(tokenizer, "supports_tools", False))
+
+
+def special_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of the single token ``text`` is (a special marker such as ``[TOOL_CALLS]``),
+    or None."""
+    find = getattr(tokenizer, "token_id", None)
+    return find(text) if find is not None else None
 
 
 def tokenizer_identity(tokenizer: Any) -> bytes:
@@ -70,7 +90,14 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+    supports_tools = False
+    chat_template = None
+
+    def apply_chat_template(
+        self, messages: list[Message], tools: list[Tool] | None = None
+    ) -> list[int]:
+        if tools:
+            raise NoToolTemplate("this model's chat template does not render tools")
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return [self.bos_token_id, *self.encode(text)]
 
@@ -105,6 +132,9 @@ class HFTokenizer:
         self.bos_token_id = tk.token_to_id(bos) if bos else None
         self.eos_token_id = tk.token_to_id(eos) if eos else None
         vocab = tk.get_vocab(with_added_tokens=True)
+        # a template that reads `tools` renders them (Qwen, Llama 3, Mistral's do; a
+        # plain ChatML one does not, and would drop them silently)
+        self.supports_tools = bool(template) and re.search(r"\btools\b", template) is not None
         # a token covers at most its own string's characters of text (byte-level tokens
         # are a character a byte; SentencePiece's a character a character, or more)
         self.max_token_chars = max((len(t) for t in vocab), default=1)
@@ -162,7 +192,22 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tk.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+    @property
+    def chat_template(self) -> str | None:
+        return self._template
+
+    def encode_plain(self, text: str) -> list[int]:
+        """``text``'s ids without the tokenizer's own specials (a BOS): a piece of a
+        prompt."""
+        return self._tk.encode(text, add_special_tokens=False).ids
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token whose text is ``text`` (None: no such single token)."""
+        return self._tk.token_to_id(text)
+
+    def apply_chat_template(
+        self, messages: list[Message], tools: list[Tool] | None = None
+    ) -> list[int]:
         """Render the checkpoint's chat template (Jinja, as Hugging Face does, in a
         sandbox with bounded work and output: `radixkv.tokenizer.template`) with a
         generation prompt, then tokenize.
@@ -171,14 +216,18 @@ class HFTokenizer:
             ValueError: the template refused the conversation or failed;
                 TemplateLimit (a ValueError) when it went beyond its bounds.
         """
+        if tools and not self.supports_tools:
+            raise NoToolTemplate("this model's chat template does not render tools")
         if not self._template:
-            return self.encode("".join(m["content"] for m in messages))
+            return self.encode("".join(m["content"] or "" for m in messages))
         from radixkv.tokenizer.template import output_limit, render
 
+        extra = {"tools": tools} if tools else {}
         text = render(
             self._template,
-            output_limit(messages),
+            output_limit(messages, tools),
             messages=messages,
+            **extra,
             add_generation_prompt=True,
             bos_token=self._bos or "",
             eos_token=self._eos or "",

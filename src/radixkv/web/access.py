@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from radixkv.web.errors import ApiError
+from radixkv.web.errors import ApiError, shaped
 
 OPEN_PATHS = frozenset({"/health"})
 ADMIN_PATHS = ("/flush_cache",)
@@ -85,9 +85,14 @@ def _host_name(raw: str) -> str:
 
 
 def _bearer(headers: dict[bytes, bytes]) -> str | None:
+    """The key sent as ``Authorization: Bearer KEY``, else as ``x-api-key`` (Anthropic's
+    clients send that)."""
     value = headers.get(b"authorization", b"").decode("latin-1")
     scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
+    if scheme.lower() == "bearer":
+        return token.strip()
+    key = headers.get(b"x-api-key")
+    return key.decode("latin-1").strip() if key is not None else None
 
 
 def _key_matches(given: str | None, want: str) -> bool:
@@ -106,7 +111,7 @@ class AccessMiddleware:
         try:
             receive = self._check(scope, receive)
         except ApiError as e:
-            return await _answer(send, e)
+            return await _answer(send, e, scope.get("path", ""))
         await self.app(scope, receive, send)
 
     def _check(self, scope: dict, receive: Any) -> Any:
@@ -156,7 +161,8 @@ class AccessMiddleware:
 
 
 def _unauthorized(what: str) -> ApiError:
-    return ApiError(401, f"this server needs {what}: send Authorization: Bearer KEY",
+    return ApiError(401, f"this server needs {what}: send Authorization: Bearer KEY (or "
+                    "x-api-key: KEY)",
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 
 
@@ -165,9 +171,10 @@ def _too_large(limit: int) -> ApiError:
                     code="request_too_large")  # fmt: skip
 
 
-async def _answer(send: Any, e: ApiError) -> None:
-    body = json.dumps(e.body()).encode()
+async def _answer(send: Any, e: ApiError, path: str) -> None:
+    status, shape = shaped(e, path)
+    body = json.dumps(shape).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
-    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

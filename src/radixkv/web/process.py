@@ -86,19 +86,23 @@ class ServerProcess:
         command: ``serve`` or ``route``.
         timeout: seconds to wait for the server (a first SmolLM2 run converts its GGUF).
         port: the port to serve on (a restart on its predecessor's port) [one of its own].
+        launcher: what runs in place of ``python -m radixkv.cli`` (a test's own entry
+            point; it is given the command and its arguments) [that].
 
     Raises:
         RuntimeError: the server exited or did not answer in time (with its log).
     """
 
     def __init__(
-        self, *args: str, command: str = "serve", timeout: float = 120, port: int | None = None
+        self, *args: str, command: str = "serve", timeout: float = 120, port: int | None = None,
+        launcher: list[str] | None = None,
     ) -> None:
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (kept open for the run)
             prefix=f"radixkv-{command}-", suffix=".log"
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixkv.cli", command, "--port", str(port or 0), *args],
+            [*(launcher or [sys.executable, "-m", "radixkv.cli"]), command, "--port",
+             str(port or 0), *args],
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             text=True,
