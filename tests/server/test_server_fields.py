@@ -166,7 +166,7 @@ def test_errors_name_the_field_that_is_wrong(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def test_tool_call_history_is_refused_clearly(server):
+def test_tool_call_history_is_refused_by_a_template_without_tools(server):
     messages = [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None, "tool_calls": [

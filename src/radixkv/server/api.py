@@ -47,7 +47,7 @@ from radixkv.server.protocol import (
     CompletionRequest,
 )
 from radixkv.server.tools import Parser, make_parser, parser_for
-from radixkv.tokenizer import NoToolTemplate, special_token_id
+from radixkv.tokenizer import NoToolTemplate, special_token_id, supports_tools
 
 DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}  # when the request names none
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id, as ASCII digits
@@ -276,6 +276,11 @@ class Api:
                     param: str = "messages", prefill: str = "") -> list[int]:  # fmt: skip
         """The rendered chat's ids, then the answer's given start (``prefill``) and the
         opening a forced tool call starts with."""
+        if not supports_tools(self.engine.tokenizer):
+            for i, m in enumerate(messages):
+                if m.get("tool_calls") or m["role"] == "tool":
+                    raise ApiError(400, f"{param}[{i}]: this model's chat template does not "
+                                   "render tool calls or tool results", param)  # fmt: skip
         ids = self._encode(messages, chat=True, tools=tools, param=param)
         if prefill or plan.opening:  # (tool_choice required or named: a call)
             tk = self.engine.tokenizer

@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 
 from radixkv.server.protocol import ApiError
 from radixkv.server.tools import Parser
+from radixkv.web.nesting import MAX_DEPTH, depth
 
 MAX_TOOLS = 128  # OpenAI's limit on a request's tools
-MAX_DEPTH = 64  # how deeply a schema or a call's arguments may nest
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -44,20 +44,6 @@ class ToolPlan(NamedTuple):
 
 
 NO_TOOLS = ToolPlan(None)
-
-
-def depth(value: Any, limit: int = MAX_DEPTH) -> int:
-    """How deeply ``value`` nests (lists and objects), counted up to ``limit + 1``."""
-    level, frontier = 0, [value]
-    while frontier and level <= limit:
-        nxt: list[Any] = []
-        for v in frontier:
-            if isinstance(v, dict):
-                nxt.extend(v.values())
-            elif isinstance(v, list):
-                nxt.extend(v)
-        level, frontier = level + 1, nxt
-    return level if not frontier else limit + 1
 
 
 def check_schema(schema: Any, where: str, param: str) -> None:
@@ -129,8 +115,9 @@ def plan(
     """What the answer does with calls, for ``choice`` (``none``, ``auto``, ``required`` or
     a function's name)."""
     if not has_tools:
-        if choice not in (None, "none", "auto"):
-            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        if choice is not None:  # (OpenAI's rule: tool_choice only with tools)
+            raise ApiError(400, "tool_choice is only allowed when tools are specified",
+                           "tool_choice")  # fmt: skip
         return NO_TOOLS
     if parser is None:
         raise ApiError(400, f"{param}: this server has no tool call parser for its model: "
@@ -151,6 +138,9 @@ def openai_chat(req: Any, parser: Parser | None) -> tuple[list[dict], list[dict]
         choice = choice.function.name
         if choice not in {t["name"] for t in tools}:
             raise ApiError(400, f"tool_choice: no tool named {choice[:80]!r}", "tool_choice")
+    if req.parallel_tool_calls is not None and not tools:
+        raise ApiError(400, "parallel_tool_calls is only allowed when tools are specified",
+                       "parallel_tool_calls")  # fmt: skip
     p = plan(parser, bool(tools), choice, req.parallel_tool_calls is not False)
     messages = []
     for i, m in enumerate(req.messages):

@@ -260,7 +260,7 @@ class Stream:
                 return ""
             self.decided = True
             if starts:
-                self.in_call, self.held = True, self.head
+                self.in_call, self.held, self.head = True, self.head, ""
                 return ""
             out, self.head = self.head, ""
             return out
@@ -268,11 +268,12 @@ class Stream:
             return text
         self.held += text
         at = self.held.find(self.parser.marker)
-        if at >= 0:
-            out, self.held, self.in_call = self.held[:at], self.held[at:], True
+        if at >= 0:  # (the whitespace before a call is not the message's: as `parse`)
+            out, self.held, self.in_call = self.held[:at].rstrip(), self.held[at:], True
             return out
         keep = _partial_suffix(self.held, self.parser.marker)
         out = self.held[: len(self.held) - keep]
+        out = out.rstrip()  # whitespace waits: it may come before a call
         self.held = self.held[len(out):]
         return out
 

@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from radixkv.web.errors import ApiError
+from radixkv.web.nesting import MAX_DEPTH, depth
 
 MAX_BREAKPOINTS = 4  # cache_control blocks a request may hold (Anthropic's limit)
 MAX_STOP_SEQUENCES = 16
@@ -295,6 +296,9 @@ def _assistant(i: int, blocks: list[Any], out: list[dict[str, Any]]) -> None:
         if isinstance(b, TextBlock):
             text.append(b.text)
         elif isinstance(b, ToolUseBlock):
+            if depth(b.input) > MAX_DEPTH:
+                raise _refuse(f"messages[{i}].content[{j}].input: nested deeper than "
+                              f"{MAX_DEPTH} levels", "messages")  # fmt: skip
             calls.append({"id": b.id, "type": "function",
                           "function": {"name": b.name, "arguments": b.input}})  # fmt: skip
         else:
