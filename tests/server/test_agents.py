@@ -344,6 +344,61 @@ def test_anthropic_refusals_in_anthropics_error_shape(server, change, words):
     assert words in out["error"]["message"], out
 
 
+# a value that asks for something, per field of Anthropic's (and its beta's) request
+A_SAMPLES = {
+    "betas": ["x-2030-01-01"], "billing_policy": {"type": "x"}, "cache_control":
+    {"type": "ephemeral"}, "compaction": {"type": "auto"}, "container": "c1",
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "diagnostics": {"x": 1}, "fallback_credit_token": "t", "fallbacks": [{"model": "m"}],
+    "inference_geo": "us", "mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}],
+    "metadata": {"user_id": "u"}, "output_config": {"effort": "low"},
+    "service_tier": "standard_only", "speed": "fast", "stop_sequences": ["zzz"],
+    "system": "be brief", "thinking": {"type": "enabled", "budget_tokens": 1024},
+    "thread": {"id": "t"}, "tool_choice": {"type": "auto"}, "tools": [A_WEATHER],
+    "user_profile_id": "p", "workspace_id": "w", "stream": True,
+}  # fmt: skip
+A_HONOURED = {  # field -> where its effect (or that it changes nothing here) is shown
+    "betas": "accepted as the anthropic-beta header is: no effect",
+    "cache_control": "test_anthropic_messages_tools_and_prompt_caching (blocks); the end",
+    "context_management": "clear_thinking only: this model never thinks (refusals: others)",
+    "metadata": "an end-user id: changes no output",
+    "output_config": "effort: a thinking budget hint; format is refused",
+    "service_tier": "one tier here", "stop_sequences": test_anthropic_stop_reasons_and_prefill,
+    "system": test_anthropic_messages_tools_and_prompt_caching,
+    "thinking": "this model never thinks: no thinking blocks (docs/agents.md)",
+    "tool_choice": "test_tool_choice_required_named_and_no_parallel_calls (shared plan)",
+    "tools": test_anthropic_messages_tools_and_prompt_caching,
+    "user_profile_id": "an account id: changes no output", "workspace_id": "the same",
+    "stream": test_anthropic_streaming_events_and_usage,
+}
+
+
+def test_every_anthropic_field_is_honoured_or_refused(server):
+    from anthropic.types import message_count_tokens_params as counted
+    from anthropic.types import message_create_params as plain
+    from anthropic.types.beta import message_create_params as beta
+
+    fields = {*plain.MessageCreateParamsBase.__annotations__,
+              *beta.MessageCreateParamsBase.__annotations__, "stream"}  # fmt: skip
+    refused = []
+    for field in sorted(fields - {"model", "messages", "max_tokens"}):
+        assert field in A_SAMPLES, f"a new Anthropic field {field!r}: honour it or refuse it"
+        body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                field: A_SAMPLES[field]}  # fmt: skip
+        if field == "tool_choice":  # (only with tools, as Anthropic's rule is)
+            body["tools"] = [A_WEATHER]
+        r = httpx.post(f"{server.url}/v1/messages", json=body, headers={"x-api-key": KEY},
+                       timeout=60)  # fmt: skip
+        if field in A_HONOURED:
+            assert r.status_code == 200, (field, r.text)
+        else:
+            assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
+            refused.append(field)
+    assert len(refused) >= 8
+    for field in counted.MessageCountTokensParams.__annotations__:  # count_tokens takes them
+        assert field in A_SAMPLES or field in ("model", "messages"), field
+
+
 def test_anthropic_accepts_what_claude_code_sends(server):
     body = {"model": MODEL, "max_tokens": 32000, "stream": False,
             "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "s"})},
@@ -375,3 +430,61 @@ def test_anthropic_auth_and_model_errors(server):
     r = httpx.post(f"{server.url}/v1/messages", content=b"{", headers={
         "x-api-key": KEY, "content-type": "application/json"})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# --- through the router ----------------------------------------------------------------------
+def test_anthropic_requests_route_by_their_prompt(folder, tmp_path):
+    """``radixkv route`` forwards /v1/messages with the same cache-aware choice: an
+    agent's next turn goes where its prefix is cached; streams and errors pass through."""
+    import time
+
+    from radixkv.web.process import ServerProcess, free_port_pair
+
+    ports = [free_port_pair() for _ in range(2)]
+    workers = [scripted_server(SCRIPT, folder, tmp_path, "--served-model-name", MODEL,
+                               "--page-size", "16", "--max-context-len", "65536",
+                               "--kv-events", f"tcp://127.0.0.1:{p}") for p in ports]  # fmt: skip
+    specs = [a for w, p in zip(workers, ports, strict=True)
+             for a in ("--worker", f"{w.url},tcp://127.0.0.1:{p}")]  # fmt: skip
+    router = ServerProcess("--policy", "kv", "--health-interval", "0.2", *specs,
+                           command="route", timeout=60)  # fmt: skip
+    try:
+        c = anthropic.Anthropic(base_url=router.url, api_key="none", max_retries=0)
+        system = [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}]
+
+        def ask(q: str):
+            return c.messages.with_raw_response.create(
+                model=MODEL, max_tokens=20, system=system, tools=[A_WEATHER],
+                messages=[{"role": "user", "content": q}])  # fmt: skip
+
+        first = ask("first?")
+        holder = first.headers["x-radixkv-worker"]
+        deadline = time.monotonic() + 30  # the holder's events reach the router
+        state = f"{router.url}/route/state"
+        while not any(w["url"] == holder and w["indexed_blocks"] >= len(SYSTEM) // 16 - 2
+                      for w in httpx.get(state).json()["workers"]):  # fmt: skip
+            assert time.monotonic() < deadline, "the holder's events never reached the router"
+            time.sleep(0.05)
+        for q in ("second?", "third?", "fourth?"):
+            r = ask(q)
+            assert r.headers["x-radixkv-worker"] == holder
+            u = r.parse().usage
+            assert u.cache_read_input_tokens >= len(SYSTEM) - 32
+        with c.messages.stream(model=MODEL, max_tokens=200, system=system, tools=[A_WEATHER],
+                               messages=[{"role": "user", "content": "Weather in two cities"}]
+                               ) as s:  # fmt: skip
+            final = s.get_final_message()
+        assert [b.type for b in final.content] == ["text", "tool_use", "tool_use"]
+        assert c.messages.count_tokens(model=MODEL, messages=[
+            {"role": "user", "content": "hi"}]).input_tokens > 0  # fmt: skip
+        bad = httpx.post(f"{router.url}/v1/messages", content=b"[", headers={
+            "content-type": "application/json"})  # fmt: skip
+        assert bad.status_code == 400 and bad.json()["type"] == "error"
+        with pytest.raises(anthropic.BadRequestError) as e:  # the worker's, as it gave it
+            c.messages.create(model=MODEL, max_tokens=5, extra_body={"top_k": 3},
+                              messages=[{"role": "user", "content": "x"}])  # fmt: skip
+        assert "top_k" in e.value.body["error"]["message"]
+    finally:
+        router.stop()
+        for w in workers:
+            w.stop()

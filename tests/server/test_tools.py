@@ -193,7 +193,21 @@ def test_tool_history_checks():
     _bad(chat.arguments, "{" * 100 + "}" * 100, "m")
     _bad(chat.arguments, json.dumps(json.loads("[" * 80 + "]" * 80) and {"a": json.loads(
         "[" * 80 + "]" * 80)}), "m", words=("deeper",))  # fmt: skip
-    _bad(chat.plan, None, True, "auto", True, param="tools", words=("--tool-call-parser",))
-    _bad(chat.plan, make_parser("hermes"), False, "required", True, param="tool_choice")
-    assert chat.plan(make_parser("hermes"), True, "none", True).parser is None
-    assert chat.plan(make_parser("hermes"), True, "f", False).single
+    f = [{"name": "f", "parameters": {"type": "object"}}]
+    _bad(chat.plan, None, f, "auto", True, param="tools", words=("--tool-call-parser",))
+    _bad(chat.plan, make_parser("hermes"), [], "required", True, param="tool_choice")
+    assert chat.plan(make_parser("hermes"), f, "none", True).parser is None
+    assert chat.plan(make_parser("hermes"), f, "f", False).single
+
+
+def test_calls_of_unknown_tools_or_breaking_a_strict_schema_are_text():
+    from radixkv.server.tools import Call
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    strict = chat.plan(make_parser("hermes"), [{"name": "w", "parameters": schema,
+                                                "strict": True}], None, True)  # fmt: skip
+    loose = chat.plan(make_parser("hermes"), [{"name": "w", "parameters": schema}], None, True)
+    good, bad = Call("1", "w", '{"city": "Paris"}'), Call("2", "w", '{"town": 3}')
+    assert strict.accepts([good]) and not strict.accepts([good, bad])
+    assert loose.accepts([good, bad]) and not loose.accepts([Call("3", "other", "{}")])

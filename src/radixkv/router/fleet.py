@@ -30,9 +30,10 @@ from radixkv.events import KVEventBatch, replay_endpoint
 from radixkv.router import policies
 from radixkv.router.breaker import Breaker, BreakerConfig
 from radixkv.router.core import RoutingCore, Ticket, WorkerLoad
-from radixkv.tokenizer import Tokenizer, load_tokenizer, tokenizer_fingerprint
+from radixkv.tokenizer import Tokenizer, load_tokenizer, supports_tools, tokenizer_fingerprint
+from radixkv.web.anthropic import CountTokensRequest, MessagesRequest, to_chat
 from radixkv.web.bounded import PeerError, bounded_get
-from radixkv.web.errors import ApiError
+from radixkv.web.errors import ApiError, is_anthropic
 
 
 class Parsed(NamedTuple):
@@ -247,9 +248,40 @@ def check_workers(
     return problems
 
 
+def _template_message(m: dict) -> dict:
+    """An OpenAI chat message as the template takes it (best effort, as a worker renders
+    it: text parts joined, a call's arguments as an object)."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content)
+    out = {"role": m["role"], "content": content}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
+            c["function"]["arguments"])}} for c in m["tool_calls"]]  # fmt: skip
+    if m.get("tool_call_id") is not None:
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _strings(value: Any) -> int:
+    """Characters of all the strings in a JSON value (iteratively: no recursion)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
 def _prompt_chars(path: str, body: dict) -> int:
     """Characters of text the prompt holds (best effort: 0 for what is not text)."""
     try:
+        if is_anthropic(path):
+            return _strings([body.get("system"), body.get("messages"), body.get("tools")])
         if path.endswith("chat/completions"):
             total = 0
             for m in body["messages"]:
@@ -490,7 +522,7 @@ class Router:
         limit, per_token = self.max_context(), getattr(self.tokenizer, "max_token_chars", 0)
         chars = _prompt_chars(path, body)
         if limit and per_token and chars > limit * per_token:
-            param = "messages" if path.endswith("chat/completions") else "prompt"
+            param = "prompt" if path.endswith("/v1/completions") else "messages"
             message = f"This model's maximum context length is {limit} tokens; the prompt has "
             raise refuse(f"{message}over {limit} tokens.", "context_length_exceeded", param)
         return Parsed(body, self.tokens(path, body))
@@ -499,12 +531,13 @@ class Router:
         """The prompt's token ids as the workers will see them (best effort: [] when
         the body is not a prompt the tokenizer understands; the worker will say why)."""
         try:
+            if is_anthropic(path):
+                return self._anthropic_tokens(path, body)
             if path.endswith("chat/completions"):
-                messages = [
-                    {"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
-                     else "".join(p.get("text", "") for p in m["content"])}
-                    for m in body["messages"]
-                ]  # fmt: skip
+                messages = [_template_message(m) for m in body["messages"]]
+                tools = body.get("tools")
+                if tools and supports_tools(self.tokenizer):
+                    return list(self.tokenizer.apply_chat_template(messages, tools))
                 return list(self.tokenizer.apply_chat_template(messages))
             prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -512,8 +545,22 @@ class Router:
             if isinstance(prompt, str):
                 return list(self.tokenizer.encode(prompt))
             return [int(t) for t in prompt]
-        except (KeyError, TypeError, ValueError, AttributeError):
+        except (KeyError, TypeError, ValueError, AttributeError, ApiError):
             return []
+
+    def _anthropic_tokens(self, path: str, body: dict) -> list[int]:
+        """An Anthropic request's prompt as a worker renders it (`radixkv.web.anthropic`:
+        its messages and tools through the chat template, then a prefill)."""
+        model = CountTokensRequest if path.endswith("count_tokens") else MessagesRequest
+        chat = to_chat(model.model_validate(body))
+        tk = self.tokenizer
+        if chat.tools and supports_tools(tk):
+            ids = list(tk.apply_chat_template(chat.messages, chat.tools))
+        else:
+            ids = list(tk.apply_chat_template(chat.messages))
+        if chat.prefill:
+            ids += getattr(tk, "encode_plain", tk.encode)(chat.prefill)
+        return ids
 
     def worker_of(self, ticket: Ticket) -> Worker:
         """The proxy's view of the worker a ticket charges."""

@@ -54,7 +54,7 @@ from radixkv.router.core import Ticket
 from radixkv.router.fleet import CARD_BYTES, Router, Worker, WorkerSpec, check_workers
 from radixkv.web.access import Access, AccessMiddleware
 from radixkv.web.bounded import PeerError, bounded_get
-from radixkv.web.errors import ApiError
+from radixkv.web.errors import ApiError, is_anthropic, shaped
 from radixkv.web.serving import until_disconnected
 
 MAX_CACHE_KEY = 1024  # as radixkv.server.protocol (the router imports no server module)
@@ -62,7 +62,8 @@ MAX_CHOICES = 128  # n, as radixkv.server.protocol's MAX_N (OpenAI's limit)
 
 FORWARDED_HEADERS = ("content-type", "retry-after")
 USAGE_TAIL = 4096  # bytes kept from the end of an answer: its usage is there
-_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+# prompt tokens the worker found cached: OpenAI's usage, or Anthropic's
+_CACHED = re.compile(rb'"(?:cached_tokens|cache_read_input_tokens)"\s*:\s*(\d+)')
 # errors raised before a request's bytes reached a worker: safe to retry (aiohttp
 # raises ConnectionTimeoutError for a connect that timed out)
 NEVER_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
@@ -306,8 +307,9 @@ class Proxy:
         ticket.started()  # the answer started: its prefill is done
         headers = {k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_HEADERS}
         headers["x-radixkv-worker"] = w.url
-        if upstream.status == 503:
+        if upstream.status in (503, 529):  # (529: Anthropic's API's full queue)
             data, code = await _read_error(upstream)
+            code = "queue_full" if upstream.status == 529 else code
             # queue_full: refused before it ran, no failure (the worker is busy)
             self.give_back(w, ticket, None if code == "queue_full" else False, "answered 503")
             if code == "engine_dead":  # /health says so too; stop sending there now
@@ -315,11 +317,12 @@ class Proxy:
             if code == "queue_full" and retry:
                 router.m_retries.labels(w.url).inc()  # refused before it ran: the next
                 return None
-            return Response(data, 503, headers=headers)
+            return Response(data, upstream.status, headers=headers)
         router.request_ended(w, upstream.status < 500, f"answered {upstream.status}")
         sse = streamed and upstream.status == 200
         return StreamingResponse(
-            self.relay(w, ticket, upstream, sse), status_code=upstream.status, headers=headers
+            self.relay(w, ticket, upstream, sse, path), status_code=upstream.status,
+            headers=headers,
         )
 
     async def send_watched(
@@ -372,24 +375,28 @@ class Proxy:
         router.m_captured.inc(min(len(tokens), overlap * size))
 
     async def relay(
-        self, w: Worker, ticket: Ticket, upstream: aiohttp.ClientResponse, sse: bool
-    ) -> AsyncIterator[bytes]:
+        self, w: Worker, ticket: Ticket, upstream: aiohttp.ClientResponse, sse: bool,
+        path: str = "",
+    ) -> AsyncIterator[bytes]:  # fmt: skip
         router = self.router
-        tail = b""  # the answer's last bytes: [DONE], and the usage before it
+        anthropic = is_anthropic(path)  # its streams end with message_stop, not [DONE]
+        end = b"event: message_stop" if anthropic else b"data: [DONE]"
+        tail = b""  # the answer's last bytes: its end, and the usage before it
         try:
             async for chunk in upstream.content.iter_any():
                 tail = (tail + chunk)[-USAGE_TAIL:]
                 yield chunk
             router.m_delivered.inc(_cached_tokens(tail))
-            if sse and b"data: [DONE]" not in tail:
-                raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+            if sse and end not in tail:
+                raise aiohttp.ClientPayloadError(f"the stream ended without {end.decode()}")
         except aiohttp.ClientError as e:  # the worker died mid-answer: nothing to retry
             router.mark_dead(w, f"mid-stream: {e}")
             router.m_cut.labels(w.url).inc()
-            if sse:  # an OpenAI-style error event, so the client sees a failure
+            if sse:  # an error event in the API's shape, so the client sees a failure
                 err = ApiError(502, f"the worker {w.url} broke off the answer: {e}",
                                code="worker_failed", kind="server_error")  # fmt: skip
-                yield f"data: {json.dumps(err.body())}\n\n".encode()
+                name = "event: error\n" if anthropic else ""
+                yield f"{name}data: {json.dumps(shaped(err, path)[1])}\n\n".encode()
         finally:
             upstream.release()
             ticket.release(served=True)
@@ -408,6 +415,14 @@ def openai_routes(proxy: Proxy) -> APIRouter:
     @api.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await proxy.forward(request, "/v1/chat/completions")
+
+    @api.post("/v1/messages")  # Anthropic's: routed by its prompt's tokens as chats are
+    async def messages(request: Request) -> Response:
+        return await proxy.forward(request, "/v1/messages")
+
+    @api.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await proxy.forward(request, "/v1/messages/count_tokens")
 
     @api.get("/v1/models")
     async def models() -> Response:
@@ -476,10 +491,11 @@ def build_router_app(
     app.state.router = router
 
     @app.exception_handler(ApiError)
-    async def _api_error(_r: Request, e: ApiError) -> JSONResponse:
+    async def _api_error(r: Request, e: ApiError) -> JSONResponse:
         # every refusal: the access rules' (413 for a chunked body), a body that is not
-        # a request, no worker to take it
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        # a request, no worker to take it (in Anthropic's shape on its paths)
+        status, body = shaped(e, r.url.path)
+        return JSONResponse(body, status_code=status, headers=e.headers)
 
     app.include_router(openai_routes(proxy))
     app.include_router(fleet_routes(router, proxy.client))

@@ -296,6 +296,16 @@ class Api:
             return self.tool_parser.marker + text
         return text
 
+    @staticmethod
+    def stream_end(plan: ToolPlan, stream: Any) -> tuple[str | None, list]:
+        """A streamed answer's end: the text still held and its calls (a call
+        `ToolPlan.accepts` refuses: the held text goes out as text)."""
+        held = stream.held + stream.head
+        rest, calls = stream.end()
+        if calls and not plan.accepts(calls):
+            return held.removeprefix(plan.opening) or None, []
+        return rest, calls[:1] if plan.single else calls
+
     def parse_calls(self, plan: ToolPlan, ids: list[int], text: str) -> tuple[str | None, list]:
         """A finished answer's text and tool calls (a marker token's text restored)."""
         if plan.parser is None:
@@ -305,7 +315,7 @@ class Api:
             text = self.engine.tokenizer.decode(ids[:at]) + plan.parser.marker + (
                 self.engine.tokenizer.decode(ids[at + 1 :]))  # fmt: skip
         content, calls = plan.parser.parse(plan.opening + text)
-        if not calls:
+        if not calls or not plan.accepts(calls):
             return text, []
         return content, calls[:1] if plan.single else calls
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from radixkv.server.protocol import ApiError
@@ -36,11 +38,28 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 class ToolPlan(NamedTuple):
     """What an answer does with tool calls: ``parser`` (None: the output is text),
     ``opening`` (put at the answer's start: the call it must make), ``single``
-    (``parallel_tool_calls: false``: the first call only)."""
+    (``parallel_tool_calls: false``: the first call only), ``tools``: each tool's
+    name and, for a ``strict`` one, its schema (a call's arguments must match it)."""
 
     parser: Parser | None
     opening: str = ""
     single: bool = False
+    tools: Mapping[str, dict | None] = MappingProxyType({})
+
+    def accepts(self, calls: list[Any]) -> bool:
+        """Whether ``calls`` are calls of the request's tools, a strict tool's arguments
+        valid against its schema (otherwise the output is text: a call the client never
+        offered, or one that breaks a schema it asked to be kept, is no call)."""
+        from jsonschema import Draft202012Validator
+
+        for c in calls:
+            if c.name not in self.tools:
+                return False
+            schema = self.tools[c.name]
+            if schema is not None and not Draft202012Validator(schema).is_valid(
+                    json.loads(c.arguments)):  # fmt: skip
+                return False
+        return True
 
 
 NO_TOOLS = ToolPlan(None)
@@ -109,11 +128,12 @@ def check_answers(messages: list[dict[str, Any]], param: str = "messages") -> No
 
 
 def plan(
-    parser: Parser | None, has_tools: bool, choice: str | None, parallel: bool,
-    param: str = "tools",
+    parser: Parser | None, tools: list[dict[str, Any]], choice: str | None, parallel: bool,
+    param: str = "tools", schema_key: str = "parameters",
 ) -> ToolPlan:  # fmt: skip
-    """What the answer does with calls, for ``choice`` (``none``, ``auto``, ``required`` or
-    a function's name)."""
+    """What the answer does with calls of ``tools`` (``{"name", schema_key, "strict"}``),
+    for ``choice`` (``none``, ``auto``, ``required`` or a function's name)."""
+    has_tools = bool(tools)
     if not has_tools:
         if choice is not None:  # (OpenAI's rule: tool_choice only with tools)
             raise ApiError(400, "tool_choice is only allowed when tools are specified",
@@ -126,7 +146,9 @@ def plan(
         return NO_TOOLS
     opening = "" if choice in (None, "auto") else parser.opening(
         None if choice == "required" else choice)  # fmt: skip
-    return ToolPlan(parser, opening, not parallel)
+    known = {t["name"]: (t.get(schema_key) or {"type": "object"}) if t.get("strict") else None
+             for t in tools}  # fmt: skip
+    return ToolPlan(parser, opening, not parallel, known)
 
 
 def openai_chat(req: Any, parser: Parser | None) -> tuple[list[dict], list[dict] | None, ToolPlan]:
@@ -141,7 +163,7 @@ def openai_chat(req: Any, parser: Parser | None) -> tuple[list[dict], list[dict]
     if req.parallel_tool_calls is not None and not tools:
         raise ApiError(400, "parallel_tool_calls is only allowed when tools are specified",
                        "parallel_tool_calls")  # fmt: skip
-    p = plan(parser, bool(tools), choice, req.parallel_tool_calls is not False)
+    p = plan(parser, tools, choice, req.parallel_tool_calls is not False)
     messages = []
     for i, m in enumerate(req.messages):
         if m.role == "function" or m.function_call is not None:

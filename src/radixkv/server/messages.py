@@ -125,9 +125,8 @@ class Messages:
             raise ApiError(400, "cache_salt must be a non-empty string", "cache_salt")
         c = wire.to_chat(req)
         tools = [t["function"] for t in c.tools or ()]
-        chat.check_tools([{**t, "parameters": t.get("parameters")} for t in tools], "tools",
-                         "parameters")  # fmt: skip
-        plan = chat.plan(self.api.tool_parser, bool(tools), c.choice, c.parallel)
+        chat.check_tools(tools, "tools", "parameters")
+        plan = chat.plan(self.api.tool_parser, tools, c.choice, c.parallel)
         chat.check_answers(c.messages)
         if not c.messages:
             raise ApiError(400, "messages: at least one message is required", "messages")
@@ -286,8 +285,7 @@ class Streamer:
         calls: list[Call] = []
         events = []
         if self.stream is not None:
-            rest, calls = self.stream.end()
-            calls = calls[:1] if self.p.plan.single else calls
+            rest, calls = self.owner.api.stream_end(self.p.plan, self.stream)
             events += self.text(rest or "")
         if self.text_open:
             events.append(_sse("content_block_stop", {"type": "content_block_stop",

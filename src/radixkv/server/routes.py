@@ -213,8 +213,7 @@ class Generating:
                 return []  # held: it may be a call's start
             if stream is None or not out.finished:
                 return event(i, delta, out.finish_reason, lp)
-            rest, calls = stream.end()
-            calls = calls[:1] if plan.single else calls
+            rest, calls = api.stream_end(plan, stream)
             if rest:
                 delta["content"] += rest
             events = [event(i, delta, None if calls else out.finish_reason, lp)]

@@ -107,12 +107,22 @@ class Message(_Strict):
 
 
 class Tool(_Strict):
+    """A custom tool. ``strict``: a call whose input breaks the schema is no call (the
+    answer is text); ``eager_input_streaming`` changes nothing (a call's input streams
+    as one delta); the fields that ask for what this server does not do (tool search's
+    ``defer_loading``, programmatic callers, ``input_examples`` a template cannot show)
+    are refused."""
+
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
     strict: bool | None = None
+    eager_input_streaming: bool | None = None
+    defer_loading: Literal[False] | None = None
+    allowed_callers: list[Literal["direct"]] | None = None
+    input_examples: list[Any] | None = None
 
 
 class ToolChoice(_Strict):
@@ -169,7 +179,16 @@ class MessagesRequest(_Strict):
     container: Any = None
     mcp_servers: Any = None
     inference_geo: Any = None
-    speed: Any = None
+    speed: Literal["standard"] | None = None
+    betas: list[str] | None = None  # (as the anthropic-beta header: accepted)
+    user_profile_id: str | None = None  # account ids: accepted, no effect on the answer
+    workspace_id: str | None = None
+    diagnostics: Any = None
+    billing_policy: Any = None
+    compaction: Any = None
+    fallback_credit_token: Any = None
+    fallbacks: Any = None
+    thread: Any = None
     cache_salt: str | None = None
 
 
@@ -186,6 +205,10 @@ class CountTokensRequest(_Strict):
     output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None
     mcp_servers: Any = None
+    speed: Literal["standard"] | None = None
+    betas: list[str] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
     cache_salt: str | None = None
 
 
@@ -195,7 +218,12 @@ REFUSED = {
     "container": "code execution containers are not supported",
     "mcp_servers": "MCP servers are not supported here: give the tools to the client",
     "inference_geo": "this server runs where it runs",
-    "speed": "this server has one speed",
+    "diagnostics": "diagnostics are not supported",
+    "billing_policy": "this server does not bill",
+    "compaction": "server-side compaction is not supported: the client compacts",
+    "fallback_credit_token": "this server does not bill",
+    "fallbacks": "fallback models are not supported: this server serves one model",
+    "thread": "threads are not supported",
 }
 CLEARED_THINKING = "clear_thinking_20251015"  # nothing to clear: this model never thinks
 
@@ -247,6 +275,9 @@ def _tools(raw: list[dict[str, Any]]) -> list[Tool]:
         if kind not in (None, "custom"):
             raise _refuse(f"tools[{k}]: the server tool {str(kind)[:80]!r} is not supported: "
                           "only custom tools (name, description, input_schema)",
+                          "tools")  # fmt: skip
+        if isinstance(t, dict) and t.get("input_examples"):
+            raise _refuse(f"tools[{k}].input_examples: the chat template cannot show them",
                           "tools")  # fmt: skip
         try:
             tools.append(Tool.model_validate(t))
@@ -392,6 +423,7 @@ def template_tools(tools: list[Tool]) -> list[dict[str, Any]] | None:
     """Tools as chat templates take them (OpenAI's function shape)."""
     return [{"type": "function", "function": {k: v for k, v in (
         ("name", t.name), ("description", t.description), ("parameters", t.input_schema),
+        ("strict", t.strict),
     ) if v is not None}} for t in tools] or None  # fmt: skip
 
 

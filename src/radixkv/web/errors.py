@@ -53,10 +53,10 @@ def is_anthropic(path: str) -> bool:
 
 def shaped(e: ApiError, path: str) -> tuple[int, dict[str, Any]]:
     """The status and body ``e`` is answered with on ``path``: OpenAI's, or Anthropic's
-    on its paths (a 503, the server busy, as Anthropic's 529 ``overloaded_error``)."""
+    on its paths (a full queue, OpenAI's 503, as Anthropic's 529 ``overloaded_error``)."""
     if not is_anthropic(path):
         return e.status, e.body()
-    status = 529 if e.status == 503 else e.status
+    status = 529 if e.code == "queue_full" else e.status
     kind = ANTHROPIC_ERRORS.get(status, "invalid_request_error" if status < 500 else "api_error")
     return status, {"type": "error", "error": {"type": kind, "message": e.message}}
 
