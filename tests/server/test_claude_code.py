@@ -16,7 +16,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from support.scripted import scripted_server
 
 pytestmark = pytest.mark.slow

@@ -239,10 +239,10 @@ async def _with_pings(outputs: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
 
 
 class Streamer:
-    """One answer's events: ``message_start`` (with the usage), a ``ping``, a text block
-    opened at the first text (``text_delta`` events), the calls as ``tool_use`` blocks
-    (each one ``input_json_delta``), ``message_delta`` (the stop reason, output tokens)
-    and ``message_stop``."""
+    """One answer's events, each an ``anthropic`` ``Raw*Event``: ``message_start`` (with
+    the usage), a ``ping``, a text block opened at the first text (``text_delta``
+    events), the calls as ``tool_use`` blocks (each one ``input_json_delta``),
+    ``message_delta`` (the stop reason, the usage) and ``message_stop``."""
 
     def __init__(self, owner: Messages, p: Prepared, mid: str) -> None:
         self.owner, self.p, self.mid = owner, p, mid
@@ -251,13 +251,15 @@ class Streamer:
         self.first: StepOutput | None = None
 
     def feed(self, out: StepOutput | None) -> list[str]:
+        from anthropic.types import RawMessageStartEvent
+
         if out is None:
             return [_sse("ping", {"type": "ping"})]
         events = []
         if not self.started:
             self.started, self.first = True, out
             start = self.owner.message(self.mid, self.p, out, None, None, [])
-            events += [_sse("message_start", {"type": "message_start", "message": _dump(start)}),
+            events += [_event(RawMessageStartEvent(type="message_start", message=start)),
                        _sse("ping", {"type": "ping"})]  # fmt: skip
         api = self.owner.api
         text = out.text if self.stream is None else self.stream.feed(
@@ -267,48 +269,75 @@ class Streamer:
             events += self.finish(out)
         return events
 
+    def block(self, content: Any, delta: Any) -> list[str]:
+        """A whole block: its start, one delta, its stop."""
+        from anthropic.types import RawContentBlockStartEvent
+
+        events = [_event(RawContentBlockStartEvent(type="content_block_start", index=self.index,
+                                                   content_block=content))]  # fmt: skip
+        events += self.delta(delta)
+        return events + self.stop()
+
+    def delta(self, delta: Any) -> list[str]:
+        from anthropic.types import RawContentBlockDeltaEvent
+
+        return [_event(RawContentBlockDeltaEvent(type="content_block_delta", index=self.index,
+                                                 delta=delta))]  # fmt: skip
+
+    def stop(self) -> list[str]:
+        from anthropic.types import RawContentBlockStopEvent
+
+        self.index += 1
+        return [_event(RawContentBlockStopEvent(type="content_block_stop", index=self.index - 1))]
+
     def text(self, text: str) -> list[str]:
+        from anthropic.types import RawContentBlockStartEvent, TextBlock, TextDelta
+
         if not text:
             return []
         events = []
         if not self.text_open:
             self.text_open = True
-            block = {"type": "text", "text": ""}
-            events.append(_sse("content_block_start", {
-                "type": "content_block_start", "index": self.index, "content_block": block}))
-        events.append(_sse("content_block_delta", {
-            "type": "content_block_delta", "index": self.index,
-            "delta": {"type": "text_delta", "text": text}}))  # fmt: skip
-        return events
+            events.append(_event(RawContentBlockStartEvent(
+                type="content_block_start", index=self.index,
+                content_block=TextBlock(type="text", text="", citations=None))))  # fmt: skip
+        return events + self.delta(TextDelta(type="text_delta", text=text))
 
     def finish(self, last: StepOutput) -> list[str]:
+        from anthropic.types import (
+            InputJSONDelta,
+            MessageDeltaUsage,
+            RawMessageDeltaEvent,
+            RawMessageStopEvent,
+        )
+        from anthropic.types.raw_message_delta_event import Delta
+
         calls: list[Call] = []
         events = []
         if self.stream is not None:
             rest, calls = self.owner.api.stream_end(self.p.plan, self.stream)
             events += self.text(rest or "")
         if self.text_open:
-            events.append(_sse("content_block_stop", {"type": "content_block_stop",
-                                                      "index": self.index}))  # fmt: skip
-            self.index += 1
+            events += self.stop()
         for c in calls:
-            block = _dump(_tool_use(c))
-            events += [
-                _sse("content_block_start", {"type": "content_block_start", "index": self.index,
-                                             "content_block": {**block, "input": {}}}),
-                _sse("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                             "delta": {"type": "input_json_delta",
-                                                       "partial_json": c.arguments}}),
-                _sse("content_block_stop", {"type": "content_block_stop", "index": self.index}),
-            ]  # fmt: skip
-            self.index += 1
+            start = _tool_use(c).model_copy(update={"input": {}})
+            events += self.block(start, InputJSONDelta(type="input_json_delta",
+                                                       partial_json=c.arguments))  # fmt: skip
         reason, seq = stop_reason(last, calls)
         assert self.first is not None
         u = usage(self.first, self.p.marks, last.output_tokens)
-        delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                 "usage": _dump(u)}  # fmt: skip
-        return events + [_sse("message_delta", delta),
-                         _sse("message_stop", {"type": "message_stop"})]  # fmt: skip
+        final = MessageDeltaUsage(
+            input_tokens=u.input_tokens, output_tokens=u.output_tokens,
+            cache_creation_input_tokens=u.cache_creation_input_tokens,
+            cache_read_input_tokens=u.cache_read_input_tokens,
+        )  # fmt: skip
+        stopped = Delta(stop_reason=reason, stop_sequence=seq)
+        delta = RawMessageDeltaEvent(type="message_delta", usage=final, delta=stopped)
+        return events + [_event(delta), _event(RawMessageStopEvent(type="message_stop"))]
+
+
+def _event(event: Any) -> str:
+    return _sse(event.type, _dump(event))
 
 
 __all__ = ["Messages", "usage"]
