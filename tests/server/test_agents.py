@@ -488,3 +488,47 @@ def test_anthropic_requests_route_by_their_prompt(folder, tmp_path):
         router.stop()
         for w in workers:
             w.stop()
+
+
+MISTRAL_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' %}{% if m.tool_calls %}[TOOL_CALLS]"
+    "{{ m.tool_calls | map(attribute='function') | list | tojson }}{% else %}{{ m.content }}"
+    "{% endif %}<|im_end|>{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}"
+    "[/TOOL_RESULTS]{% endif %}{% endfor %}"
+)
+
+
+def test_a_marker_that_is_a_special_token_still_parses(folder, tmp_path):
+    """Mistral's ``[TOOL_CALLS]`` is one special token: decoding the output drops it,
+    so the server puts it back where its id was, whole and streamed (a folder whose
+    template shows the model ``[TOOL_CALLS]``: the parser is chosen from it)."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    mistral = tmp_path / "mistral"
+    shutil.copytree(folder, mistral)
+    tk = Tokenizer.from_file(str(mistral / "tokenizer.json"))
+    tk.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True, normalized=False)])
+    tk.save(str(mistral / "tokenizer.json"))
+    config = json.loads((mistral / "tokenizer_config.json").read_text())
+    (mistral / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                               "chat_template": MISTRAL_TEMPLATE}))
+    script = {"rules": [{"when": "Paris", "reply": '[TOOL_CALLS][{"name": "get_weather", '
+                         '"arguments": {"city": "Paris"}}]'}], "default": "ok"}  # fmt: skip
+    srv = scripted_server(script, str(mistral), tmp_path, "--served-model-name", MODEL)
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        r = c.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER])
+        (call,) = r.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "get_weather", {"city": "Paris"})  # fmt: skip
+        streamed = [ch.choices[0].delta for ch in c.chat.completions.create(
+            model=MODEL, messages=ask, tools=[WEATHER], stream=True)]  # fmt: skip
+        names = [t.function.name for d in streamed for t in d.tool_calls or () if t.function.name]
+        assert names == ["get_weather"] and not "".join(d.content or "" for d in streamed)
+    finally:
+        assert srv.stop() == 0
