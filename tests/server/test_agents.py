@@ -37,6 +37,7 @@ SCRIPT = {"rules": [
     {"when": '{"name": "get_time", "arguments": ', "reply": '{"city": "Lima"}}\n</tool_call>'},
     {"when": "count to three", "reply": "one two STOP three"},
     {"when": "broken call", "reply": "<tool_call>\n{not json"},
+    {"when": "a long story", "reply": "Once upon a time. " * 300},
 ], "default": "Hello from radixkv."}  # fmt: skip
 
 WEATHER = {"type": "function", "function": {
@@ -532,3 +533,41 @@ def test_a_marker_that_is_a_special_token_still_parses(folder, tmp_path):
         assert names == ["get_weather"] and not "".join(d.content or "" for d in streamed)
     finally:
         assert srv.stop() == 0
+
+
+def test_a_client_that_leaves_a_stream_has_its_request_aborted(server):
+    import re
+    import time
+
+    def metrics() -> str:
+        r = httpx.get(f"{server.url}/metrics", headers={"x-api-key": KEY})
+        assert r.status_code == 200
+        return r.text
+
+    def busy() -> float:
+        text = metrics()
+        return sum(float(v) for v in re.findall(
+            r"radixkv:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.]+)", text))  # fmt: skip
+
+    def aborted() -> float:
+        found = re.search(r'request_success_total\{finished_reason="abort"[^}]*\} ([0-9.]+)',
+                          metrics())  # fmt: skip
+        return float(found.group(1)) if found else 0.0
+
+    before = aborted()
+    for stream in (True, False):
+        body = {"model": MODEL, "max_tokens": 4000, "stream": stream,
+                "messages": [{"role": "user", "content": "tell me a long story"}]}  # fmt: skip
+        if stream:
+            with httpx.stream("POST", f"{server.url}/v1/messages", json=body, timeout=60,
+                              headers={"x-api-key": KEY}) as r:  # fmt: skip
+                next(r.iter_lines())  # the answer started; the client leaves
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{server.url}/v1/messages", json=body, timeout=0.5,
+                           headers={"x-api-key": KEY})  # fmt: skip
+        deadline = time.monotonic() + 20
+        while busy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert busy() == 0
+    assert aborted() == before + 2

@@ -234,8 +234,9 @@ async def _with_pings(outputs: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
                 return
             yield item
             pending = asyncio.ensure_future(anext(outputs))
-    finally:
+    finally:  # (the read must end before the outputs may be closed: an abort)
         pending.cancel()
+        await asyncio.gather(pending, return_exceptions=True)
 
 
 class Streamer:
