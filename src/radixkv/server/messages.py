@@ -29,7 +29,6 @@ from typing import Any, NamedTuple
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.requests import ClientDisconnect
 
 from radixkv.engine.async_engine import EngineDead, RequestFailed, merge_choices
 from radixkv.engine.request import CacheSpec, SamplingParams, StepOutput
@@ -37,7 +36,7 @@ from radixkv.server import chat
 from radixkv.server.api import Api, failure, parse_body
 from radixkv.server.chat import ToolPlan
 from radixkv.server.protocol import ApiError
-from radixkv.server.routes import collect_or_abort
+from radixkv.server.routes import collect_or_abort, read_body
 from radixkv.server.tools import Call, Stream
 from radixkv.web import anthropic as wire
 
@@ -109,11 +108,7 @@ class Messages:
     # --- reading a request ----------------------------------------------------------------
     async def read(self, request: Request, model: type) -> Prepared:
         """The checked request and its prompt, off the event loop."""
-        try:
-            body = await request.body()
-        except ClientDisconnect:
-            raise ApiError(400, "the client went away before its body arrived",
-                           code="client_disconnected") from None  # fmt: skip
+        body = await read_body(request)
         return await asyncio.to_thread(self.prepare, body, model)
 
     def prepare(self, body: bytes, model: type) -> Prepared:

@@ -73,6 +73,16 @@ async def collect_or_abort(
     return list(task.result())
 
 
+async def read_body(request: Request) -> bytes:
+    """The request's body; a client that left before it arrived gets a 400 it will not
+    read, not a traceback in the server's log."""
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise ApiError(400, "the client went away before its body arrived",
+                       code="client_disconnected") from None  # fmt: skip
+
+
 class Prepared(NamedTuple):
     """A request checked off the event loop (`Generating.prepare`)."""
 
@@ -100,11 +110,7 @@ class Generating:
         tokenizing run off the event loop: a large prompt delays only its own answer,
         never /health or other clients. A client that leaves before its body arrived
         gets a 400 it will not read, not a traceback in the server's log."""
-        try:
-            body = await request.body()
-        except ClientDisconnect:
-            raise ApiError(400, "the client went away before its body arrived",
-                           code="client_disconnected") from None  # fmt: skip
+        body = await read_body(request)
 
         def run() -> Prepared:
             req = parse_body(body, model)
