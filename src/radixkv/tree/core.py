@@ -90,10 +90,9 @@ The eviction index, `evict` and why merging keeps LRU's order: `radixkv.tree.evi
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from radixkv.key import TOKEN_BYTES, RadixKey, as_bool, as_count, common_prefix_units
 from radixkv.tree import inspection
@@ -114,10 +113,14 @@ from radixkv.tree.node import (
     as_int64_bytes,
     bytes_to_tensor,
     check_slots,
+    is_tensor,
 )
 from radixkv.tree.policy import get_policy
 from radixkv.tree.servable import Muted, ServableBlocks
 from radixkv.tree.window import WindowKV
+
+if TYPE_CHECKING:  # (the tree imports no torch: values come in and go out as tensors)
+    import torch
 
 _EMPTY = b""
 MAX_PAGE_SIZE = 1 << 16  # tokens; larger pages are a units mistake (bytes for tokens?)
@@ -528,8 +531,8 @@ class RadixCache:
         ``value`` is None, an int64 array as it is (packed later, only the part the tree
         lacks), anything else packed to int64 ``bytes``."""
         if (
-            isinstance(value, torch.Tensor)
-            and value.dtype == torch.int64
+            is_tensor(value)
+            and str(value.dtype) == "torch.int64"
             and value.is_cpu
             and value.dim() == 1
         ):

@@ -8,13 +8,16 @@ structure (`radixkv.tree.core` links and unlinks nodes) or any component's data
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from radixkv.key import RadixKey, to_token_array
 
@@ -177,8 +180,17 @@ class InsertResult(NamedTuple):
     last_node: TreeNode
 
 
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor, without importing torch: a tensor exists only
+    once torch is loaded (the tree runs without it: a router's trees hold no slots)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def bytes_to_tensor(parts: list[bytes]) -> torch.Tensor:
     """Concatenate packed int64 chunks into one 1-D int64 tensor (one copy)."""
+    import torch
+
     buf = bytearray().join(parts)
     if not buf:
         return torch.empty(0, dtype=torch.int64)
@@ -210,7 +222,9 @@ def as_int64_bytes(values: Any, name: str = "value") -> bytes:
         TypeError: the elements are not integers.
         ValueError: the input is not 1-D.
     """
-    if isinstance(values, torch.Tensor):
+    if is_tensor(values):
+        import torch
+
         if values.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
         if values.dtype == torch.int64 and values.device.type == "cpu":

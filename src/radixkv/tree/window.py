@@ -56,12 +56,14 @@ from contextlib import closing
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from radixkv.tree.component import TreeComponent
+from radixkv.tree.node import bytes_to_tensor, is_tensor
 from radixkv.units import align_up
 
 if TYPE_CHECKING:
+    import torch
+
     from radixkv.tree.node import TreeNode
 
 RETAIN = ("ends", "all")
@@ -181,8 +183,8 @@ class WindowKV(TreeComponent):
         """The window slots of ``node``'s covered tail, in order."""
         w = self._w(node)
         if w is None or not w.slots:
-            return torch.empty(0, dtype=torch.int64)
-        return torch.frombuffer(bytearray(w.slots), dtype=torch.int64)
+            return bytes_to_tensor([])
+        return bytes_to_tensor([w.slots])
 
     def tail_slots(self, node: TreeNode, units: int) -> torch.Tensor:
         """The window slots of the last ``units`` units ending at ``node``'s end, walking
@@ -192,7 +194,7 @@ class WindowKV(TreeComponent):
             ValueError: some of those units have no window KV (a match may not end there).
         """
         if units <= 0:
-            return torch.empty(0, dtype=torch.int64)
+            return bytes_to_tensor([])
         parts: list[bytes] = []
         left, x = units, node
         while left > 0 and x is not None and x is not self.cache.root:
@@ -207,7 +209,7 @@ class WindowKV(TreeComponent):
             x = x.parent
         if left > 0:
             raise ValueError(f"WindowKV.tail_slots: the path holds fewer than {units} units")
-        return torch.frombuffer(bytearray(b"".join(reversed(parts))), dtype=torch.int64)
+        return bytes_to_tensor(list(reversed(parts)))
 
     def held_units(self) -> int:
         """Window units the tree holds (counted as they come and go)."""
@@ -291,7 +293,7 @@ class WindowKV(TreeComponent):
         the caller's slots that are new or fill a needed tombstone (``taken``)."""
         given = None
         if extra is not None:
-            given = extra.numpy() if isinstance(extra, torch.Tensor) else np.asarray(extra)
+            given = extra.numpy() if is_tensor(extra) else np.asarray(extra)
             given = given.astype(np.int64, copy=False)
             if len(given) != n:
                 raise ValueError(f"window slots: {len(given)} for {n} units")
@@ -377,7 +379,7 @@ class WindowKV(TreeComponent):
         self._freed = []
         self.held -= sum(len(b) for b in freed) >> 3
         if freed:
-            self.release(torch.frombuffer(bytearray(b"".join(freed)), dtype=torch.int64))
+            self.release(bytes_to_tensor(freed))
 
     def _changed(self, node: TreeNode) -> None:
         if self.watch is not None:
@@ -429,7 +431,7 @@ class WindowKV(TreeComponent):
         if not raw:
             return
         try:
-            self.demote(node, start, torch.frombuffer(bytearray(raw), dtype=torch.int64))
+            self.demote(node, start, bytes_to_tensor([raw]))
         except Exception:
             import logging
 
