@@ -120,6 +120,10 @@ def test_openai_streamed_calls_reassemble_into_the_same_calls(server):
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]  # fmt: skip
     assert all(calls[i]["id"] for i in calls) and reasons[-1] == "tool_calls"
     assert not any(chunk_reason for chunk_reason in reasons[:-1])
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].id == chunks[0].id and chunks[-2].choices[0].finish_reason == "tool_calls"
 
 
 def test_tool_choice_required_named_and_no_parallel_calls(server):

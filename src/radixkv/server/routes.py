@@ -121,7 +121,7 @@ class Generating:
 
     async def serve(
         self, request: Request, arrival: float, kind: str, prompt: Prompt, req: Any,
-        max_tokens: int | None, chunk: Chunk, final: Final,
+        max_tokens: int | None, chunk: Chunk, final: Final, envelope: dict,
     ) -> Response:  # fmt: skip
         """Start the request's choices; answer when they finish, or stream them."""
         api = self.api
@@ -139,11 +139,15 @@ class Generating:
                 return Response(status_code=499)
             return JSONResponse(final(done))
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return StreamingResponse(self.events(runs, chunk, usage), media_type="text/event-stream")
+        events = self.events(runs, chunk, usage, envelope)
+        return StreamingResponse(events, media_type="text/event-stream")
 
-    async def events(self, runs: list, chunk: Chunk, usage: bool) -> AsyncIterator[str]:
+    async def events(
+        self, runs: list, chunk: Chunk, usage: bool, envelope: dict
+    ) -> AsyncIterator[str]:
         """A streamed answer: each choice's outputs as they come, an error event if the
-        request fails, the usage if asked, then ``[DONE]``."""
+        request fails, the usage if asked (in an event of ``envelope``'s id and object,
+        with no choices), then ``[DONE]``."""
         started: set[int] = set()
         lasts: dict[int, StepOutput] = {}
         try:
@@ -161,8 +165,7 @@ class Generating:
             return
         if usage:
             last = [lasts[i] for i in sorted(lasts)]
-            yield _sse({**chunk(0, runs[0][0], False), "choices": [],
-                        "usage": self.api.usage(last)})  # fmt: skip
+            yield _sse({**envelope, "choices": [], "usage": self.api.usage(last)})
         yield "data: [DONE]\n\n"
 
     async def completions(self, request: Request) -> Response:
@@ -192,7 +195,7 @@ class Generating:
 
         max_tokens = req.max_tokens
         return await self.serve(
-            request, arrival, "completion", prompt, req, max_tokens, chunk, final
+            request, arrival, "completion", prompt, req, max_tokens, chunk, final, head
         )
 
     async def chat_completions(self, request: Request) -> Response:
@@ -255,7 +258,9 @@ class Generating:
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
-        return await self.serve(request, arrival, "chat", prompt, req, max_tokens, chunk, final)
+        envelope = {**head, "object": "chat.completion.chunk"}
+        return await self.serve(request, arrival, "chat", prompt, req, max_tokens, chunk, final,
+                                envelope)  # fmt: skip
 
 
 def describing_routes(aeng: AsyncEngine, api: Api, model_name: str) -> APIRouter:
