@@ -1,9 +1,10 @@
 """radixkv: automatic prefix caching for LLM KV caches.
 
 ``import radixkv`` is light (no torch, no numpy): the names below load on first use, so
-``from radixkv import RadixCache`` (or ``radixkv.RadixCache``) imports the tree, numpy
-and torch (about 2-3 s the first time), while the command line starts without them. The
-engine, the simulator, the server and plotting import from their own subpackages.
+``from radixkv import RadixCache`` (or ``radixkv.RadixCache``) imports the tree and numpy
+(torch only once a caller hands it tensors, or asks for them back), while the command
+line starts without them. The engine, the simulator, the server and plotting import
+from their own subpackages.
 
 Owns: the package's public names and their lazy loading. Must not touch: anything heavy
 at import.
