@@ -120,6 +120,12 @@ def test_openai_streamed_calls_reassemble_into_the_same_calls(server):
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]  # fmt: skip
     assert all(calls[i]["id"] for i in calls) and reasons[-1] == "tool_calls"
     assert not any(chunk_reason for chunk_reason in reasons[:-1])
+    # the client's own accumulator reassembles the stream into the same message
+    with c.chat.completions.stream(model=MODEL, messages=messages, tools=[WEATHER]) as s:
+        got = s.get_final_completion().choices[0]
+    assert got.finish_reason == "tool_calls" and got.message.content == "Both."
+    assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls] == [
+        (t.function.name, t.function.arguments) for t in want.tool_calls]  # fmt: skip
     chunks = list(c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
                                             stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
