@@ -326,6 +326,7 @@ BAD_MESSAGES = [
      "clear_tool_uses"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
     ({"tools": [{"name": "f", "input_schema": {"type": "nope"}}]}, "JSON Schema"),
+    ({"tools": [{"name": f"t{i}", "input_schema": {}} for i in range(10_000)]}, "at most 1024"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope",
                                                  "content": "x"}]}]}, "no earlier"),
     ({"system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}] * 5},

@@ -84,10 +84,12 @@ def check_schema(schema: Any, where: str, param: str) -> None:
         raise ApiError(400, f"{where}: nested too deeply", param) from None
 
 
-def check_tools(tools: list[dict[str, Any]], param: str, schema_key: str) -> None:
-    """Count, names and schemas of tools given as ``{"name", schema_key}`` dicts."""
-    if len(tools) > MAX_TOOLS:
-        raise ApiError(400, f"{param}: at most {MAX_TOOLS} tools, got {len(tools):,}", param)
+def check_tools(tools: list[dict[str, Any]], param: str, schema_key: str,
+                most: int = MAX_TOOLS) -> None:  # fmt: skip
+    """Count (at most ``most``), names and schemas of tools given as ``{"name",
+    schema_key}`` dicts."""
+    if len(tools) > most:
+        raise ApiError(400, f"{param}: at most {most} tools, got {len(tools):,}", param)
     seen: set[str] = set()
     for i, t in enumerate(tools):
         name = t["name"]

@@ -120,7 +120,7 @@ class Messages:
             raise ApiError(400, "cache_salt must be a non-empty string", "cache_salt")
         c = wire.to_chat(req)
         tools = [t["function"] for t in c.tools or ()]
-        chat.check_tools(tools, "tools", "parameters")
+        chat.check_tools(tools, "tools", "parameters", wire.MAX_TOOLS)
         plan = chat.plan(self.api.tool_parser, tools, c.choice, c.parallel)
         chat.check_answers(c.messages)
         if not c.messages:

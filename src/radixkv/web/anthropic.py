@@ -31,6 +31,9 @@ from radixkv.web.errors import ApiError
 from radixkv.web.nesting import MAX_DEPTH, depth
 
 MAX_BREAKPOINTS = 4  # cache_control blocks a request may hold (Anthropic's limit)
+# tools a request may hold: Anthropic states no limit, and an agent with many MCP servers
+# sends hundreds; each is rendered into the prompt, so the context bounds them too
+MAX_TOOLS = 1024
 MAX_STOP_SEQUENCES = 16
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 SEPARATOR = "\n"  # between a system prompt's or a message's text blocks
@@ -269,6 +272,8 @@ def check_fields(req: MessagesRequest | CountTokensRequest) -> None:
 
 
 def _tools(raw: list[dict[str, Any]]) -> list[Tool]:
+    if len(raw) > MAX_TOOLS:  # counted before any is validated
+        raise _refuse(f"tools: at most {MAX_TOOLS} tools, got {len(raw):,}", "tools")
     tools = []
     for k, t in enumerate(raw):
         kind = t.get("type") if isinstance(t, dict) else None
