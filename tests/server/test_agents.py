@@ -582,3 +582,34 @@ def test_a_client_that_leaves_a_stream_has_its_request_aborted(server):
             time.sleep(0.05)
         assert busy() == 0
     assert aborted() == before + 2
+
+
+def test_the_session_order_keeps_the_agent_that_called_a_tool(folder, tmp_path):
+    """``--eviction-policy session`` through /v1/messages: Claude Code's session header
+    names each agent; A's answer called a tool, B's ended the turn, then a third
+    session needs room. A's next turn reads its whole prompt from the cache; B lost
+    some of its own."""
+    srv = scripted_server(SCRIPT, folder, tmp_path, "--served-model-name", MODEL,
+                          "--page-size", "16", "--max-context-len", "8192",
+                          "--kv-tokens", "6144", "--eviction-policy", "session")  # fmt: skip
+    try:
+        c = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
+
+        def turn(session: str, system: str, text: str):
+            return c.messages.create(model=MODEL, max_tokens=100, system=system, tools=[
+                A_WEATHER], messages=[{"role": "user", "content": text}],
+                extra_headers={"X-Claude-Code-Session-Id": session})  # fmt: skip
+
+        systems = {k: f"You are agent {k}. " * n for k, n in (("A", 110), ("B", 110), ("C", 140))}
+        a = turn("A", systems["A"], "What is the weather in Paris?")
+        assert a.stop_reason == "tool_use"
+        assert turn("B", systems["B"], "hi").stop_reason == "end_turn"
+        assert turn("C", systems["C"], "hi").stop_reason == "end_turn"
+        back_a = turn("A", systems["A"], "What is the weather in Paris?").usage
+        back_b = turn("B", systems["B"], "hi").usage
+        prompt_b = back_b.input_tokens + back_b.cache_read_input_tokens + (
+            back_b.cache_creation_input_tokens)  # fmt: skip
+        assert back_a.cache_read_input_tokens >= a.usage.input_tokens - 16
+        assert back_b.cache_read_input_tokens < prompt_b - 200
+    finally:
+        assert srv.stop() == 0

@@ -255,9 +255,9 @@ def test_slru_protects_nodes_hit_twice_even_if_older():
 
 
 def test_unknown_policy_lists_the_valid_ones():
-    with pytest.raises(ValueError, match="lru, lfu, fifo, mru, filo, priority, slru"):
+    with pytest.raises(ValueError, match="lru, lfu, fifo, mru, filo, priority, slru, session"):
         RadixCache(eviction_policy="random")
-    assert set(POLICIES) == {"lru", "lfu", "fifo", "mru", "filo", "priority", "slru"}
+    assert set(POLICIES) == {"lru", "lfu", "fifo", "mru", "filo", "priority", "slru", "session"}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

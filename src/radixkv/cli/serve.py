@@ -131,7 +131,12 @@ def _scheduling_flags(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--max-context-len", type=positive_int, default=4096, help="prompt + output [4096]"
     )
-    serve.add_argument("--eviction-policy", default="lru", help="lru, lfu, fifo, ... [lru]")
+    serve.add_argument(
+        "--eviction-policy", default="lru",
+        help="lru, lfu, fifo, slru, ...; session: agents' sessions (Claude Code's session "
+        "header, metadata.user_id, prompt_cache_key) ordered by their predicted return: one "
+        "that called a tool is kept over one whose turn ended [lru]",
+    )  # fmt: skip
     serve.add_argument("--schedule-policy", default="lpm", choices=["lpm", "fcfs"])
     serve.add_argument(
         "--no-prefix-cache", action="store_true", help="recompute every prompt (a baseline)"

@@ -181,11 +181,13 @@ class AsyncEngine:
         chat: bool = True,
         rids: list[Any] | None = None,
         cache: CacheSpec | None = None,
+        session: Any = None,
     ) -> list[AsyncIterator[StepOutput]]:
         """Queue the ``n`` choices of one request (one sampling each), all or none: they
         count as ``n`` against ``max_queue``, and run as one group (the scheduler gives
         a group at most its share of the running slots). Returns each choice's outputs,
-        as `submit` does; a refusal arrives as the first item of every one."""
+        as `submit` does; a refusal arrives as the first item of every one. ``session``:
+        the agent session they belong to (`radixkv.engine.request.SessionTag`)."""
         loop = asyncio.get_running_loop()
         streams: list[asyncio.Queue] = [asyncio.Queue() for _ in samplings]
         rids = [uuid.uuid4().hex if r is None else r for r in (rids or [None] * len(samplings))]
@@ -198,9 +200,8 @@ class AsyncEngine:
                 if waiting + len(samplings) > self.max_queue:
                     raise QueueFull(f"{waiting} requests are waiting already")
                 for rid, sampling in zip(rids, samplings, strict=True):
-                    added.append(
-                        engine.add_request(prompt, sampling, rid, extra_key, chat, group, cache)
-                    )
+                    added.append(engine.add_request(prompt, sampling, rid, extra_key, chat,
+                                                    group, cache, session))  # fmt: skip
             except Exception as e:
                 for rid in added:  # all or none: nobody hears of these
                     engine.abort(rid)

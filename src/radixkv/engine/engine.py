@@ -41,10 +41,18 @@ from radixkv.engine.loader import model_identity as identity_of
 from radixkv.engine.model_runner import ModelRunner, NonFiniteLogits
 from radixkv.engine.models.llama import ModelConfig
 from radixkv.engine.output import OutputProcessor
-from radixkv.engine.request import CacheSpec, EngineReq, MarkedIds, SamplingParams, StepOutput
+from radixkv.engine.request import (
+    CacheSpec,
+    EngineReq,
+    MarkedIds,
+    SamplingParams,
+    SessionTag,
+    StepOutput,
+)
 from radixkv.engine.scheduler import DoesNotFit, Scheduler
 from radixkv.key import RadixKey, check_namespace
 from radixkv.kvcache.retention import Retention
+from radixkv.kvcache.sessions import SessionOrder
 from radixkv.tokenizer import Tokenizer
 from radixkv.units import align_down
 
@@ -163,6 +171,8 @@ class Engine:
         total = max(2 * retained, capacity // 4)
         self.retention = Retention(self.cache, retained, total, states=states)
         self.scheduler.relieve = self.retention.relieve
+        # --eviction-policy session: each agent session's predicted return orders the tree
+        self.sessions = SessionOrder(self.cache) if cfg.eviction_policy == "session" else None
         self.scheduler.on_admit = self._admitted
         self.runner = ModelRunner(self.model, self.kv, self.device, self.window)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -368,6 +378,7 @@ class Engine:
         chat: bool = True,
         group: Any = None,
         cache: CacheSpec | None = None,
+        session: SessionTag | None = None,
     ) -> Any:
         """Queue a request; returns its id (``rid``, or a fresh number).
 
@@ -380,6 +391,8 @@ class Engine:
                 half its slots for one group at a time (`radixkv.engine.scheduler`).
             cache: what it asks of the prompt cache (`CacheSpec`: prefixes to retain,
                 a limit on what is cached, no lookup); positions lie in the prompt.
+            session: the agent session it belongs to (`SessionTag`; read by the
+                ``session`` eviction policy).
 
         Raises:
             ValueError: an empty prompt, bad token ids, a duplicate ``rid``, or a request
@@ -428,9 +441,12 @@ class Engine:
             cache_read=spec.read,
             retain=spec.retain,
             cache_spec=cache is not None,
+            session=session,
         )
         self.scheduler.add(req)  # raises for a request that can never fit
         self.requests[rid] = req
+        if session is not None and self.sessions is not None:
+            self.sessions.started(session.key, time.monotonic())
         self.counters.prompt_tokens += len(ids)
         return rid
 
@@ -491,6 +507,8 @@ class Engine:
         """Schedule, run the model, process the sampled tokens; what each request
         produced this step."""
         self.retention.expire()
+        if self.sessions is not None:  # sessions away longer than predicted: stamped again
+            self.sessions.tick(time.monotonic())
         plan = self.scheduler.schedule()
         inputs = self.mgr.step_inputs(plan)  # each cache manager's part (snapshots)
         logits = self.runner.forward(plan, self.mgr.req_pool, inputs) if plan else None
@@ -548,6 +566,8 @@ class Engine:
             outputs.append(self.outputs.output(r))
         self.mgr.cache_unfinished_batch(computed)
         self.scheduler.finish(finished)
+        if self.sessions is not None:  # (after the inserts: where each path ends is known)
+            self.sessions.requests_stopped(finished, time.monotonic())
         if finished:
             self._retain([r for r in finished if r.cache_spec], outputs)
         return outputs
@@ -607,6 +627,8 @@ class Engine:
         r.finish_reason = reason
         r.finished_at = time.perf_counter()
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        if self.sessions is not None and reason in ("abort", "error"):  # (nothing cached)
+            self.sessions.requests_stopped([r], time.monotonic())
 
     # --- offline ----------------------------------------------------------------------------
     def generate(
@@ -637,10 +659,6 @@ class Engine:
             if not ids:
                 raise ValueError(f"prompt {i} is empty")
             encoded.append(ids)
-        params = [
-            SamplingParams(max_new_tokens, temperature, top_p, seed * 1_000_003 + i, (), ignore_eos)
-            for i in range(len(encoded))
-        ]
         for i, ids in enumerate(encoded):
             try:
                 self.scheduler.check_fits(len(ids), max_new_tokens)
@@ -649,9 +667,9 @@ class Engine:
         t0 = time.perf_counter()
         preempted0, prefill0 = self.scheduler.preemptions, self.counters.prefill_tokens
         steps0 = self.counters.steps
-        rids = [
-            self.add_request(ids, sp, chat=False) for ids, sp in zip(encoded, params, strict=True)
-        ]
+        rids = [self.add_request(ids, SamplingParams(max_new_tokens, temperature, top_p, seed
+                                 * 1_000_003 + i, (), ignore_eos), chat=False)
+                for i, ids in enumerate(encoded)]  # fmt: skip
         reqs = [self.requests[rid] for rid in rids]
         done = 0
         while self.has_unfinished():
@@ -669,18 +687,10 @@ class Engine:
             wall_s=time.perf_counter() - t0,
             ttft_p50_s=statistics.median([_ttft(r, t0) for r in reqs] or [0.0]),
         )
-        outputs = [
-            RequestOutput(
-                text=r.text,
-                token_ids=list(r.output_ids),
-                prompt_tokens=len(r.input_ids),
-                cached_tokens=r.prompt_cached,
-                ttft_s=_ttft(r, t0),
-                finish_reason=r.finish_reason or "",
-                error=r.error,
-            )
-            for r in reqs
-        ]
+        outputs = [RequestOutput(text=r.text, token_ids=list(r.output_ids),
+                                 prompt_tokens=len(r.input_ids), cached_tokens=r.prompt_cached,
+                                 ttft_s=_ttft(r, t0), finish_reason=r.finish_reason or "",
+                                 error=r.error) for r in reqs]  # fmt: skip
         return GenerateResult(outputs, stats)
 
 

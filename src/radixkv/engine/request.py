@@ -6,6 +6,7 @@ touch: scheduling or caching."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +151,16 @@ class CacheSpec:
     read: bool = True
 
 
+@dataclass(frozen=True)
+class SessionTag:
+    """The agent session a request belongs to (``--eviction-policy session``:
+    `radixkv.kvcache.sessions`). ``called_tool(text, output_ids)``: whether a finished
+    answer called a tool (the session comes back in seconds), else it ended its turn."""
+
+    key: str
+    called_tool: Callable[[str, list[int]], bool] | None = None
+
+
 @dataclass(eq=False)
 class EngineReq(Req):
     """A request with its sampling state, timings and decoded text."""
@@ -158,6 +169,7 @@ class EngineReq(Req):
     generator: torch.Generator | None = None
     order: int = 0
     group: Any = None  # the request whose n choices this one is (None: on its own)
+    session: SessionTag | None = None  # the agent session it belongs to
     arrival: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None

@@ -96,6 +96,7 @@ class Req:
     cached_len: int = 0
     full_hit: int = 0
     last_node: TreeNode | None = None
+    final_node: TreeNode | None = None  # where its cached path ended when it left
     cache_limit: int | None = None
     cache_read: bool = True
     boundaries: tuple[int, ...] = ()
@@ -580,6 +581,7 @@ class CacheManager:
         self.cache.dec_lock_ref(req.last_node)
         self.req_pool.free(req.row)
         del self.running[req.row]
+        req.final_node = req.last_node
         req.row, req.last_node = -1, None
         req.kv_len = req.cache_protected_len = 0
 

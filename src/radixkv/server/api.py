@@ -30,7 +30,7 @@ from radixkv.engine.async_engine import (
     RequestFailed,
 )
 from radixkv.engine.output import choice_sampling, usage
-from radixkv.engine.request import CacheSpec, MarkedIds, SamplingParams, StepOutput
+from radixkv.engine.request import CacheSpec, MarkedIds, SamplingParams, SessionTag, StepOutput
 from radixkv.engine.scheduler import DoesNotFit
 from radixkv.server import chat, prompt_cache
 from radixkv.server.chat import NO_TOOLS, ToolPlan
@@ -289,6 +289,20 @@ class Api:
             ids = MarkedIds(more, ids.boundaries) if isinstance(ids, MarkedIds) else more
         return ids
 
+    def session(self, key: str | None, salt: str | None, plan: ToolPlan) -> SessionTag | None:
+        """The agent session a request names (``key``; within its tenant's ``salt``), and
+        how its answer's tool call is recognised (``plan``'s parser; no tools: none)."""
+        if not key:
+            return None
+        parser, marker_id = plan.parser, self.marker_id
+
+        def called_tool(text: str, ids: list[int]) -> bool:
+            if marker_id is not None and marker_id in ids:
+                return True
+            return bool(parser.parse(plan.opening + text).calls)  # type: ignore[union-attr]
+
+        return SessionTag(f"{salt or ''}\0{key}"[:2048], called_tool if parser else None)
+
     def marked(self, ids: list[int], text: str) -> str:
         """A step's output text with the parser's marker where its special token was (the
         step's first token, as decoding steps are one token each)."""
@@ -366,6 +380,7 @@ class Api:
         salt: str | None,
         arrival: float,
         cache: CacheSpec | None = None,
+        session: SessionTag | None = None,
     ) -> list[tuple[StepOutput | None, AsyncIterator[StepOutput]]]:
         """Submit the ``n`` choices as one group (choice ``i`` seeded ``seed + i``; they
         share the prompt's KV through the cache; they count as ``n`` against the queue,
@@ -377,7 +392,8 @@ class Api:
         choices had finished. A refusal aborts them all. Returns (first output or None,
         the rest) per choice."""
         samplings: list[SamplingParams | None] = [choice_sampling(sampling, i) for i in range(n)]
-        submitted = await self.aeng.submit_choices(ids, samplings, salt, chat=False, cache=cache)
+        submitted = await self.aeng.submit_choices(ids, samplings, salt, chat=False, cache=cache,
+                                                   session=session)  # fmt: skip
         outputs = [self.timed(o, arrival) for o in submitted]
         try:
             first = await self.first(outputs[0])

@@ -75,6 +75,22 @@ def usage(first: StepOutput, marks: list[tuple[int, float]], output_tokens: int)
     )  # fmt: skip
 
 
+def session_key(header: str | None, metadata: Any) -> str | None:
+    """The agent session a request belongs to: Claude Code's ``X-Claude-Code-Session-Id``
+    header, else the ``session_id`` in ``metadata.user_id`` (Claude Code's JSON there),
+    else ``metadata.user_id`` itself (an end user's conversations, as one session)."""
+    if header:
+        return header
+    user = metadata.user_id if metadata is not None else None
+    if not user:
+        return None
+    try:
+        found = json.loads(user).get("session_id") if user.startswith("{") else None
+    except (ValueError, AttributeError, RecursionError):
+        found = None
+    return found if isinstance(found, str) and found else user
+
+
 def stop_reason(last: StepOutput, calls: list[Call]) -> tuple[str | None, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` for a finished answer."""
     if calls:
@@ -164,7 +180,9 @@ class Messages:
         p = await self.read(request, wire.MessagesRequest)
         sampling = self.sampling(p.req, p.ids)
         spec = CacheSpec(retain=tuple(p.marks)) if p.marks else None
-        runs = await api.start_all(p.ids, sampling, 1, p.req.cache_salt, arrival, spec)
+        key = session_key(request.headers.get("x-claude-code-session-id"), p.req.metadata)
+        session = api.session(key, p.req.cache_salt, p.plan)
+        runs = await api.start_all(p.ids, sampling, 1, p.req.cache_salt, arrival, spec, session)
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         if p.req.stream:
             events = self.events(p, mid, runs)

@@ -129,7 +129,9 @@ class Generating:
         sampling = api.sampling(req, ids, max_tokens, kind)
         if req.prompt_cache_key is not None:
             api.metrics.cache_keys.inc()
-        runs = await api.start_all(ids, sampling, req.n, req.cache_salt, arrival, spec)
+        # an agent's session (prompt_cache_key): read by --eviction-policy session
+        session = api.session(req.prompt_cache_key, req.cache_salt, prompt.tools)
+        runs = await api.start_all(ids, sampling, req.n, req.cache_salt, arrival, spec, session)
         if not req.stream:
             try:
                 done = await collect_or_abort(request, runs)

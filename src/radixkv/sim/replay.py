@@ -34,9 +34,9 @@ class Served(NamedTuple):
     evicted: int  # units evicted to make room
 
 
-POLICY_NAMES = (*POLICIES, "belady")
 # and the session-aware order (`radixkv.sim.sessions`), for agentic traces: named, not in "all"
 SESSION = "session"
+POLICY_NAMES = (*(p for p in POLICIES if p != SESSION), "belady")
 BLOCK_POLICIES = ("lru", "fifo")
 SCOPES = ("tree", "block")
 

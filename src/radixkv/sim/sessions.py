@@ -1,81 +1,55 @@
 """A session-aware eviction order for the simulator (``--policy session``, issue 61):
-evict the cached prefix whose session is predicted to come back last.
+evict the cached prefix whose session is predicted to come back last. The prediction is
+the engine's own (`radixkv.kvcache.sessions.SessionClock`: ``radixkv serve
+--eviction-policy session`` predicts with the same code); this module keeps what only a
+replay needs: which session last used each token, and an exact walk of the leaves.
 
-An agent's session that last stopped on ``tool_use`` comes back in seconds (the tool ran);
-one that stopped on ``end_turn`` waits on a person (minutes to days). A server knows both
-online: which session a prefix was last used by, whether that session's request is still
-running, how its last answer stopped, and the gaps the session has shown so far. For each
-unlocked leaf the order predicts when its session next sends a request:
+A leaf no session owns (no trace session) goes first, least recently used; the rest by
+their session's predicted return, latest first, the last victim trimmed to exactly what is
+needed (as the engine's precise eviction). Nothing reads the future: a request's stop
+reason and end are used only once ``now`` is past its end (the clock treats a session
+whose answer has not ended yet as running).
 
-* running now (its answer is being written): ``now`` + the session's typical gap after a
-  tool call (it is about to come back);
-* otherwise its last answer's end + the session's median gap after that stop reason so
-  far (defaults: `DEFAULT_GAP_S`);
-* a session already past that prediction has been away longer than expected: it is
-  predicted to stay away as long again (``now + (now - end)``);
-
-and evicts the leaf predicted last, trimming the last victim to exactly what is needed
-(as the engine's precise eviction). A leaf no session owns (no trace session) goes first,
-least recently used. Nothing reads the future: a request's stop reason and end are used
-only once ``now`` is past its end.
-
-Owns: the prediction and the order. Must not touch: the tree (it evicts through
-`RadixCache.evict_leaf`), the replay (`radixkv.sim.replay` calls it).
+Owns: the per-token owners and the walk. Must not touch: the tree (it evicts through
+`RadixCache.evict_leaf`), the replay (`radixkv.sim.replay` calls it), the prediction.
 
 Complexity: an eviction walks the tree for its unlocked leaves, O(nodes) per victim (the
 nodes are about the sessions cached: one path each, plus old branches); the simulator's
-order, not the engine's.
+order, not the engine's (which keeps a heap: `radixkv.tree.eviction`).
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import defaultdict
 from typing import Any
 
+from radixkv.kvcache.sessions import DEFAULT_GAP_S, SessionClock
 from radixkv.sim.traces import SimRequest
-
-DEFAULT_GAP_S = {"tool_use": 10.0, "end_turn": 600.0, "": 30.0}
-MAX_GAPS = 64  # gaps remembered per session and stop reason
 
 
 class SessionOrder:
     """Call `arrive` with each request before it is served (its arrival is ``now``),
-    and pass `evict` as the replay's eviction."""
+    and pass `evict` as the replay's eviction. Times: the trace's milliseconds."""
 
     def __init__(self) -> None:
         self.now = 0.0  # ms
         self.owner: dict[int, Any] = {}  # unit -> the session that used it last
-        self.last: dict[Any, tuple[float, float, str]] = {}  # session -> (start, end, stop)
-        self.gaps: dict[Any, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.clock = SessionClock()  # in seconds
 
     def arrive(self, req: SimRequest) -> None:
         self.now = req.timestamp
         s = req.session
         if s is None:
             return
-        prev = self.last.get(s)
-        if prev is not None and prev[1] <= self.now:  # the gap its last stop was followed by
-            gaps = self.gaps[s][prev[2]]
-            gaps.append(self.now - prev[1])
-            del gaps[:-MAX_GAPS]
-        self.last[s] = (req.timestamp, req.timestamp + req.duration_ms, req.stop)
+        self.clock.started(s, req.timestamp / 1000.0)
+        # closed loop: its answer's end and stop are in the trace; the clock reads them
+        # only once its time has come (before, the session counts as running)
+        self.clock.stopped(s, (req.timestamp + req.duration_ms) / 1000.0, req.stop)
         for u in req.units:
             self.owner[u] = s
 
-    def _typical(self, session: Any, stop: str) -> float:
-        seen = self.gaps[session].get(stop)
-        if seen:
-            return statistics.median(seen)
-        return DEFAULT_GAP_S.get(stop, DEFAULT_GAP_S[""]) * 1000.0
-
     def predicted(self, session: Any) -> float:
         """When ``session`` is predicted to send its next request (ms)."""
-        _start, end, stop = self.last[session]
-        if self.now < end:  # still running: a tool call follows, most often
-            return self.now + self._typical(session, "tool_use")
-        guess = end + self._typical(session, stop)
-        return guess if guess >= self.now else self.now + (self.now - end)
+        return self.clock.predicted(session, self.now / 1000.0) * 1000.0
 
     def evict(self, cache: Any, need: int) -> int:
         """Free at least ``need`` units (fewer if nothing more is unlocked), the leaf
@@ -94,7 +68,7 @@ class SessionOrder:
     def _key(self, node: Any) -> tuple[float, float, int]:
         last = int.from_bytes(node.key_bytes[-8:], "little", signed=True)
         s = self.owner.get(last)
-        if s is None or s not in self.last:  # no session: first, least recently used
+        if s is None or s not in self.clock.sessions:  # no session: first, least recently used
             return (1.0, -float(node.last_access), node.id)
         return (0.0, self.predicted(s), node.id)
 

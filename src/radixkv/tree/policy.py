@@ -14,6 +14,9 @@ wall time, so the same sequence of operations always evicts in the same order.
 | `priority` | lowest `priority` (set by `insert(priority=)`) | then LRU, then node id       |
 | `slru`     | probationary segment (`hit_count < 2`) before  | then LRU within a segment,   |
 |            | the protected one (`hit_count >= 2`)           | then node id                 |
+| `session`  | `priority`'s order, the priorities stamped by  | then LRU, then node id       |
+|            | the engine from each agent session's predicted |                              |
+|            | return (`radixkv.kvcache.sessions`)            |                              |
 
 A node split in two keeps its statistics on both halves (the upper half was created and
 used exactly when the lower one was). `hit_count` counts every `match_prefix` and
@@ -72,6 +75,7 @@ POLICIES: dict[str, PolicyKey] = {
     "filo": _filo,
     "priority": _priority,
     "slru": _slru,
+    "session": _priority,  # (the engine stamps the priorities: radixkv.kvcache.sessions)
 }
 
 

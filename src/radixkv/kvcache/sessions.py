@@ -1,0 +1,204 @@
+"""When an agent's session comes back (`SessionClock`), and the eviction order it gives the
+tree (`SessionOrder`: ``--eviction-policy session``), for the engine and the simulator
+alike (issue 61).
+
+An agent's session that last stopped on ``tool_use`` comes back in seconds (the tool ran);
+one that stopped on ``end_turn`` waits on a person (minutes to days). A server knows both
+online: which session a request belongs to, how its last answer stopped, and the gaps the
+session has shown so far. The prediction of a session's next request:
+
+* while one of its requests runs: not before it ends (nothing of it can be evicted then:
+  its path is locked);
+* after an answer: its end + the session's median gap after that stop reason so far (at
+  most `MAX_GAPS` remembered; before any: `DEFAULT_GAP_S`);
+* a session already past that prediction has been away longer than expected: it is
+  predicted to stay away as long again (``now + (now - end)``), re-predicted each time it
+  passes the new one (so O(log) times for any absence).
+
+Nothing reads the future: a request's stop reason is known only once it ended.
+
+`SessionOrder` turns predictions into the tree's ``priority`` order (the policy
+``session`` is the tree's ``priority`` key: the lowest priority is evicted first). A
+session's last path is stamped ``PRIORITY_TOP - predicted ms``: what returns last goes
+first; prefixes no session stamped keep priority 0 and go before all of them, least
+recently used first. The leaf's own branch takes the stamp; shared ancestors keep the
+highest (the soonest return among the sessions below them).
+
+Complexity: `SessionClock.stopped` O(log sessions) (a heap of predictions, stale entries
+dropped lazily), `SessionOrder.stamp` O(depth of the session's branch), `SessionOrder.tick`
+O(log sessions) per session that came due. Memory: O(sessions x `MAX_GAPS`); sessions
+not seen for `FORGET_S` are forgotten.
+
+Not thread-safe: the engine's thread owns it, as it owns the cache.
+
+Owns: predicting a session's return, and stamping the tree's priorities from it. Must not
+touch: how the tree evicts (its order reads the priorities), requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections import deque
+from typing import Any, NamedTuple
+
+DEFAULT_GAP_S = {"tool_use": 10.0, "end_turn": 600.0, "": 30.0}
+MAX_GAPS = 64  # gaps remembered per session and stop reason
+FORGET_S = 7 * 86400.0  # a session silent this long is forgotten
+PRIORITY_TOP = 1 << 62  # a stamp is this less the predicted return in ms
+
+
+class _Session:
+    __slots__ = ("end", "gaps", "node", "running", "stop", "version")
+
+    def __init__(self) -> None:
+        self.end = 0.0  # its last answer's end (s)
+        self.stop = ""  # how that answer stopped
+        self.running = 0  # its requests running now
+        self.node: Any = None  # where its last request's cached path ends
+        self.gaps: dict[str, deque[float]] = {}
+        self.version = 0  # its heap entries older than this are stale
+
+
+class Due(NamedTuple):
+    """A session whose prediction came due: its key, its node, the new prediction."""
+
+    session: Any
+    node: Any
+    predicted: float
+
+
+class SessionClock:
+    """Sessions' predicted returns. Times are seconds on the caller's clock."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[Any, _Session] = {}
+        self._due: list[tuple[float, int, Any]] = []  # (predicted, version, session)
+
+    def started(self, session: Any, now: float) -> None:
+        """A request of ``session`` arrived: the gap since its last answer is recorded
+        under that answer's stop reason."""
+        s = self.sessions.get(session)
+        if s is None:
+            s = self.sessions[session] = _Session()
+        elif s.running == 0 and s.end and now >= s.end:
+            gaps = s.gaps.setdefault(s.stop, deque(maxlen=MAX_GAPS))
+            gaps.append(now - s.end)
+        s.running += 1
+        s.version += 1  # running: not due
+
+    def stopped(self, session: Any, now: float, stop: str, node: Any = None) -> float:
+        """A request of ``session`` ended at ``now``, its answer stopped by ``stop``
+        (``tool_use``, ``end_turn``, or ``""``: unknown), its cached path ending at
+        ``node``. Returns the session's predicted return."""
+        s = self.sessions.get(session)
+        if s is None:
+            s = self.sessions[session] = _Session()
+        s.running = max(0, s.running - 1)
+        s.end, s.stop = now, stop
+        if node is not None:
+            s.node = node
+        s.version += 1
+        predicted = now + self.typical(session, stop)
+        if s.running == 0:
+            heapq.heappush(self._due, (predicted, s.version, session))
+        return predicted
+
+    def typical(self, session: Any, stop: str) -> float:
+        """The session's median gap after ``stop`` so far (seconds)."""
+        s = self.sessions.get(session)
+        seen = s.gaps.get(stop) if s is not None else None
+        if seen:
+            return statistics.median(seen)
+        return DEFAULT_GAP_S.get(stop, DEFAULT_GAP_S[""])
+
+    def predicted(self, session: Any, now: float) -> float:
+        """When ``session`` is predicted to send its next request."""
+        s = self.sessions[session]
+        if s.running or now < s.end:  # (an end still to come: running, as far as now knows)
+            return now + self.typical(session, "tool_use")
+        guess = s.end + self.typical(session, s.stop)
+        return guess if guess >= now else now + (now - s.end)
+
+    def due(self, now: float) -> list[Due]:
+        """The sessions whose prediction passed without their return, each predicted
+        again (away as long again); sessions silent for `FORGET_S` are forgotten."""
+        out, heap = [], self._due
+        while heap and heap[0][0] < now:
+            _, version, session = heapq.heappop(heap)
+            s = self.sessions.get(session)
+            if s is None or version != s.version or s.running:
+                continue
+            if now - s.end > FORGET_S:
+                del self.sessions[session]
+                continue
+            again = now + (now - s.end)
+            s.version += 1
+            heapq.heappush(heap, (again, s.version, session))
+            out.append(Due(session, s.node, again))
+        if len(heap) > 2 * len(self.sessions) + 64:  # stale entries: drop them
+            live = {k: s.version for k, s in self.sessions.items()}
+            self._due = [e for e in heap if live.get(e[2]) == e[1]]
+            heapq.heapify(self._due)
+        return out
+
+
+def priority_of(predicted: float) -> int:
+    """The tree priority a prediction (seconds) stamps: later returns lower."""
+    return max(1, PRIORITY_TOP - int(predicted * 1000.0))
+
+
+class SessionOrder:
+    """The tree's ``session`` order: `started` and `stopped` as requests come and go,
+    `tick` before evicting (the sessions that came due are stamped again)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache, self.clock = cache, SessionClock()
+
+    def started(self, session: Any, now: float) -> None:
+        self.clock.started(session, now)
+
+    def requests_stopped(self, reqs: Any, now: float) -> None:
+        """Requests that left (``session``: a `SessionTag` or None; ``final_node``, their
+        text, output ids and finish reason): how each stopped (a tool call its
+        ``called_tool`` recognises; ``end_turn`` for any other ``stop``; unknown for a
+        cut, an abort or a failure)."""
+        for r in reqs:
+            tag = getattr(r, "session", None)
+            if tag is None:
+                continue
+            called = r.finish_reason == "stop" and tag.called_tool is not None and (
+                tag.called_tool(r.text, r.output_ids))  # fmt: skip
+            stop = "tool_use" if called else "end_turn" if r.finish_reason == "stop" else ""
+            self.stopped(tag.key, now, stop, r.final_node)
+
+    def stopped(self, session: Any, now: float, stop: str, node: Any) -> None:
+        predicted = self.clock.stopped(session, now, stop, node)
+        if node is not None and self.clock.sessions[session].running == 0:
+            self.stamp(node, predicted)
+
+    def tick(self, now: float) -> None:
+        for due in self.clock.due(now):
+            if due.node is not None:
+                self.stamp(due.node, due.predicted)
+
+    def stamp(self, node: Any, predicted: float) -> None:
+        """Give ``node``'s own branch the priority of ``predicted``; shared ancestors
+        keep the highest; the leaf is indexed again under its new key."""
+        if node.parent is None:  # evicted since (or the root)
+            return
+        value = priority_of(predicted)
+        x, own = node, True
+        while x is not None and x.parent is not None:
+            if own:
+                x.priority = value
+            else:
+                x.priority = max(x.priority, value)
+            own = own and len(x.parent.children) == 1
+            x = x.parent
+        if not node.children and not node.lock_ref:
+            self.cache.order.push(node)
+
+
+__all__ = ["DEFAULT_GAP_S", "PRIORITY_TOP", "Due", "SessionClock", "SessionOrder",
+           "priority_of"]  # fmt: skip
