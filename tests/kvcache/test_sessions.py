@@ -43,8 +43,9 @@ def test_a_session_away_longer_than_predicted_is_predicted_away_as_long_again():
     assert c.due(20.0) == [] and c.due(23.0)[0].predicted == 46.0  # doubling: O(log) stamps
     assert c.predicted("a", 30.0) == 60.0
     c.started("a", 31.0)  # it came back: nothing due while it runs
-    assert c.due(1e6) == []
+    assert c.running == 1 and c.due(1e6) == []
     c.stopped("a", 32.0, "end_turn")
+    assert c.running == 0
     assert c.due(32.0 + FORGET_S + 1) == [] and "a" not in c.sessions  # forgotten
 
 

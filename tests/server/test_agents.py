@@ -611,5 +611,8 @@ def test_the_session_order_keeps_the_agent_that_called_a_tool(folder, tmp_path):
             back_b.cache_creation_input_tokens)  # fmt: skip
         assert back_a.cache_read_input_tokens >= a.usage.input_tokens - 16
         assert back_b.cache_read_input_tokens < prompt_b - 200
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        assert 'radixkv:agent_sessions_waiting{model_name="tiny"} 3.0' in metrics
+        assert 'radixkv:agent_sessions_running{model_name="tiny"} 0.0' in metrics
     finally:
         assert srv.stop() == 0

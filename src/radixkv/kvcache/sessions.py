@@ -74,6 +74,7 @@ class SessionClock:
     def __init__(self) -> None:
         self.sessions: dict[Any, _Session] = {}
         self._due: list[tuple[float, int, Any]] = []  # (predicted, version, session)
+        self.running = 0  # sessions with a request running (the rest wait: a metric)
 
     def started(self, session: Any, now: float) -> None:
         """A request of ``session`` arrived: the gap since its last answer is recorded
@@ -84,6 +85,7 @@ class SessionClock:
         elif s.running == 0 and s.end and now >= s.end:
             gaps = s.gaps.setdefault(s.stop, deque(maxlen=MAX_GAPS))
             gaps.append(now - s.end)
+        self.running += s.running == 0
         s.running += 1
         s.version += 1  # running: not due
 
@@ -94,6 +96,7 @@ class SessionClock:
         s = self.sessions.get(session)
         if s is None:
             s = self.sessions[session] = _Session()
+        self.running -= s.running == 1
         s.running = max(0, s.running - 1)
         s.end, s.stop = now, stop
         if node is not None:

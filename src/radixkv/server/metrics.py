@@ -70,6 +70,15 @@ def _engine_values(e: Engine) -> list[Value]:
         (CounterMetricFamily, "prompt_cache_retain_refused", "Prefixes asked for but not "
          "retained (over the quota alone, or not cached)", e.retention.refused),
     ]  # fmt: skip
+    if e.sessions is not None:  # --eviction-policy session (ints: safe off the engine thread)
+        clock = e.sessions.clock
+        values += [
+            (GaugeMetricFamily, "agent_sessions_running", "Agent sessions with a request "
+             "running", clock.running),
+            (GaugeMetricFamily, "agent_sessions_waiting", "Agent sessions known, none of "
+             "their requests running (a tool or a person away)",
+             len(clock.sessions) - clock.running),
+        ]  # fmt: skip
     full_bytes = e.cache.total_size() * e.kv.bytes_per_token()
     values.append((GaugeMetricFamily, "prefix_cache_kv_bytes", "Bytes of full-attention "
                    "KV held by the prefix cache", full_bytes))  # fmt: skip
