@@ -337,6 +337,8 @@ BAD_MESSAGES = [
     ({"surprise": 1}, "surprise"),
     ({"max_tokens": None}, "max_tokens"),
     ({"temperature": 1.5}, "temperature"),
+    ({"stop_sequences": ["x" * 5000]}, "stop_sequences"),
+    ({"messages": []}, "at least one message"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": json.loads(
             "[" * 100 + "]" * 100)}}]}, {"role": "user", "content": [{"type": "tool_result",

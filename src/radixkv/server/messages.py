@@ -129,6 +129,8 @@ class Messages:
 
     def prepare(self, body: bytes, model: type) -> Prepared:
         req = parse_body(body, model)
+        if not req.messages:
+            raise ApiError(400, "messages: at least one message is required", "messages")
         if req.model != self.model_name:
             raise ApiError(404, f"model: {req.model}: this server serves {self.model_name!r}",
                            "model", "model_not_found")  # fmt: skip
@@ -139,8 +141,6 @@ class Messages:
         chat.check_tools(tools, "tools", "parameters", wire.MAX_TOOLS)
         plan = chat.plan(self.api.tool_parser, tools, c.choice, c.parallel)
         chat.check_answers(c.messages)
-        if not c.messages:
-            raise ApiError(400, "messages: at least one message is required", "messages")
         ids = self.api.chat_encode(c.messages, c.tools, plan, "messages", c.prefill)
         marks = self.positions(req, c, ids)
         return Prepared(req, ids, plan, marks)
@@ -164,9 +164,10 @@ class Messages:
         if not 0 < top_p <= 1:
             raise ApiError(400, f"top_p: must be in (0, 1], got {top_p}", "top_p")
         stops = req.stop_sequences or []
-        if len(stops) > wire.MAX_STOP_SEQUENCES or not all(stops):
-            raise ApiError(400, f"stop_sequences: 1 to {wire.MAX_STOP_SEQUENCES} non-empty "
-                           "strings", "stop_sequences")  # fmt: skip
+        if len(stops) > wire.MAX_STOP_SEQUENCES or not all(
+                0 < len(s) <= wire.MAX_STOP_CHARS for s in stops):  # fmt: skip
+            raise ApiError(400, f"stop_sequences: 1 to {wire.MAX_STOP_SEQUENCES} strings of 1 "
+                           f"to {wire.MAX_STOP_CHARS} characters", "stop_sequences")  # fmt: skip
         self.api.fits(ids, req.max_tokens, "messages")
         return SamplingParams(req.max_tokens, temperature, top_p, None, tuple(stops))
 

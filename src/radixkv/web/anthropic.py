@@ -35,6 +35,7 @@ MAX_BREAKPOINTS = 4  # cache_control blocks a request may hold (Anthropic's limi
 # sends hundreds; each is rendered into the prompt, so the context bounds them too
 MAX_TOOLS = 1024
 MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 1024  # a stop sequence's length: every token searches back this far
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 SEPARATOR = "\n"  # between a system prompt's or a message's text blocks
 
