@@ -166,6 +166,11 @@ def _tiers_flags(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="with --tiers: an unbounded shared store behind the host tier [on]",
     )
+    sim.add_argument(
+        "--host-bandwidth", type=number(float, 1e-3, "GB/s > 0"), default=25.0, metavar="GB/S",
+        help="with --tiers: the host link's bandwidth, for the time host hits add to a "
+        "request's first token (with --model or --bytes-per-token) [25: PCIe 4.0 x16]",
+    )  # fmt: skip
     sim.add_argument("--replicas",
                      help="comma-separated replica counts: route the trace over this many "
                      "replicas, each of --capacity (e.g. 8,16,32,64)")  # fmt: skip
@@ -350,6 +355,14 @@ def _tiers(args, trace, caps, labels, outputs, console, bpt) -> int:  # type: ig
     for cap, host, rate in pooled:
         console.print(f"device {labels[cap]} + host {labels[('host', host)]}: one cache of "
                       f"that total size would hit {rate:.4f}", markup=False)  # fmt: skip
+    for r in results:
+        if r.host_hit_requests and bpt:
+            load = r.load_seconds(bpt, args.host_bandwidth * 1e9)
+            console.print(f"device {labels[r.device_units]} + host "
+                          f"{labels[('host', r.host_units)]}: {r.host_hit_requests:,} requests "
+                          f"loaded from the host, {load * 1000:.1f} ms each on average at "
+                          f"{args.host_bandwidth:g} GB/s ({bpt:,} bytes a token)",
+                          markup=False)  # fmt: skip
     rows = {"results": [r.to_dict() for r in results]}
     write("--json", args.json_out, lambda: json.dumps(rows, indent=2))
     return 0
