@@ -78,3 +78,14 @@ def test_the_agent_coming_back_is_kept_over_the_person_who_left(policy):
     kept = {k: eng.cache.match_len(p) for k, p in (("A", a), ("B", b))}
     victim, keeper = ("B", "A") if policy == "session" else ("A", "B")
     assert kept[keeper] == 380 and kept[victim] < 380, kept
+
+
+def test_a_hybrid_model_refuses_the_session_order_rather_than_ignore_it(hybrid_models, capsys):
+    from radixkv.cli import main
+
+    with pytest.raises(ValueError, match="eviction_policy session"):
+        Engine(hybrid_models["qwen3.5"], eviction_policy="session")
+    code = main(["serve", "--port", "0", "--model", hybrid_models["gemma3"],
+                 "--eviction-policy", "session"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --eviction-policy: "), err

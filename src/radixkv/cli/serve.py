@@ -244,7 +244,7 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
 # engine settings a flag sets, by their config names (a message naming one names its flag)
 SIZING_FIELDS = ("cache_bytes", "kv_tokens", "window_tokens", "max_checkpoints", "host_tokens",
                  "chunk_size", "max_running", "max_context_len", "page_size",
-                 "checkpoint_every", "max_retained_tokens")  # fmt: skip
+                 "checkpoint_every", "max_retained_tokens", "eviction_policy")  # fmt: skip
 
 
 def _sizing_flag(message: str, args: argparse.Namespace) -> str | None:

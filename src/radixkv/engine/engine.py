@@ -52,7 +52,7 @@ from radixkv.engine.request import (
 from radixkv.engine.scheduler import DoesNotFit, Scheduler
 from radixkv.key import RadixKey, check_namespace
 from radixkv.kvcache.retention import Retention
-from radixkv.kvcache.sessions import SessionOrder
+from radixkv.kvcache.sessions import session_order
 from radixkv.tokenizer import Tokenizer
 from radixkv.units import align_down
 
@@ -171,8 +171,7 @@ class Engine:
         total = max(2 * retained, capacity // 4)
         self.retention = Retention(self.cache, retained, total, states=states)
         self.scheduler.relieve = self.retention.relieve
-        # --eviction-policy session: each agent session's predicted return orders the tree
-        self.sessions = SessionOrder(self.cache) if cfg.eviction_policy == "session" else None
+        self.sessions = session_order(cfg.eviction_policy, self.cache, self.mgr.managers)
         self.scheduler.on_admit = self._admitted
         self.runner = ModelRunner(self.model, self.kv, self.device, self.window)
         self.outputs = OutputProcessor(self.tokenizer)

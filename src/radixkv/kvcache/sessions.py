@@ -203,5 +203,23 @@ class SessionOrder:
             self.cache.order.push(node)
 
 
+def session_order(policy: str, cache: Any, managers: Any) -> SessionOrder | None:
+    """The engine's `SessionOrder` for eviction ``policy`` ``session`` (None for any
+    other). A hybrid model's layer managers evict in the hybrid budget's own order
+    (window, states and KV together), which reads no priority: refused there, not
+    ignored.
+
+    Raises:
+        ValueError: ``session`` with layer managers (naming ``eviction_policy``).
+    """
+    if policy != "session":
+        return None
+    if managers:
+        raise ValueError("eviction_policy session orders a full-attention model's cache; "
+                         "this model's sliding-window or recurrent layers are evicted in "
+                         "the hybrid budget's own order")  # fmt: skip
+    return SessionOrder(cache)
+
+
 __all__ = ["DEFAULT_GAP_S", "PRIORITY_TOP", "Due", "SessionClock", "SessionOrder",
-           "priority_of"]  # fmt: skip
+           "priority_of", "session_order"]  # fmt: skip
