@@ -181,7 +181,9 @@ class Messages:
         p = await self.read(request, wire.MessagesRequest)
         sampling = self.sampling(p.req, p.ids)
         spec = CacheSpec(retain=tuple(p.marks)) if p.marks else None
-        key = session_key(request.headers.get("x-claude-code-session-id"), p.req.metadata)
+        headers = request.headers
+        key = session_key(headers.get("x-claude-code-session-id") or headers.get("x-session-id"),
+                          p.req.metadata)  # fmt: skip
         session = api.session(key, p.req.cache_salt, p.plan)
         runs = await api.start_all(p.ids, sampling, 1, p.req.cache_salt, arrival, spec, session)
         mid = f"msg_{uuid.uuid4().hex[:24]}"

@@ -129,8 +129,10 @@ class Generating:
         sampling = api.sampling(req, ids, max_tokens, kind)
         if req.prompt_cache_key is not None:
             api.metrics.cache_keys.inc()
-        # an agent's session (prompt_cache_key): read by --eviction-policy session
-        session = api.session(req.prompt_cache_key, req.cache_salt, prompt.tools)
+        # an agent's session (prompt_cache_key, else the X-Session-ID header routers pin
+        # sessions by): read by --eviction-policy session
+        key = req.prompt_cache_key or request.headers.get("x-session-id")
+        session = api.session(key, req.cache_salt, prompt.tools)
         runs = await api.start_all(ids, sampling, req.n, req.cache_salt, arrival, spec, session)
         if not req.stream:
             try:
