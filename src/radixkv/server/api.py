@@ -312,12 +312,9 @@ class Api:
 
     @staticmethod
     def stream_end(plan: ToolPlan, stream: Any) -> tuple[str | None, list]:
-        """A streamed answer's end: the text still held and its calls (a call
-        `ToolPlan.accepts` refuses: the held text goes out as text)."""
-        held = stream.held + stream.head
-        rest, calls = stream.end()
-        if calls and not plan.accepts(calls):
-            return held.removeprefix(plan.opening) or None, []
+        """A streamed answer's end: the text still held and its calls (calls
+        `ToolPlan.accepts` refuses go out as text)."""
+        rest, calls = stream.end(plan.accepts)
         return rest, calls[:1] if plan.single else calls
 
     def parse_calls(self, plan: ToolPlan, ids: list[int], text: str) -> tuple[str | None, list]:

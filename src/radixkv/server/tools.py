@@ -244,6 +244,7 @@ class Stream:
 
     def __init__(self, parser: Parser, opening: str = "") -> None:
         self.parser = parser
+        self.opening = opening
         self.held = opening  # a forced opening starts the call at once
         self.in_call = bool(opening)
         self.head = ""  # (parsers whose calls are the whole output) the output so far
@@ -277,13 +278,17 @@ class Stream:
         self.held = self.held[len(out):]
         return out
 
-    def end(self) -> Parsed:
-        """What is left: (text to send, calls)."""
+    def end(self, accepts: Callable[[list[Call]], bool] | None = None) -> Parsed:
+        """What is left: (text to send, calls). Calls ``accepts`` refuses are text (the
+        held output, without the forced opening the client never saw)."""
         rest = self.held + self.head
         self.held = self.head = ""
         if not self.in_call:
             return Parsed(rest or None, [])
-        return self.parser.parse(rest)
+        parsed = self.parser.parse(rest)
+        if parsed.calls and accepts is not None and not accepts(parsed.calls):
+            return Parsed(rest.removeprefix(self.opening) or None, [])
+        return parsed
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -89,6 +89,7 @@ The eviction index, `evict` and why merging keeps LRU's order: `radixkv.tree.evi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
@@ -113,7 +114,6 @@ from radixkv.tree.node import (
     as_int64_bytes,
     bytes_to_tensor,
     check_slots,
-    is_tensor,
 )
 from radixkv.tree.policy import get_policy
 from radixkv.tree.servable import Muted, ServableBlocks
@@ -530,9 +530,11 @@ class RadixCache:
         """An insert's slots, checked against the key's length: the key's own units when
         ``value`` is None, an int64 array as it is (packed later, only the part the tree
         lacks), anything else packed to int64 ``bytes``."""
+        torch = sys.modules.get("torch")  # (a tensor exists only once torch is loaded)
         if (
-            is_tensor(value)
-            and str(value.dtype) == "torch.int64"
+            torch is not None
+            and isinstance(value, torch.Tensor)
+            and value.dtype == torch.int64
             and value.is_cpu
             and value.dim() == 1
         ):
