@@ -89,3 +89,30 @@ def test_a_hybrid_model_refuses_the_session_order_rather_than_ignore_it(hybrid_m
                  "--eviction-policy", "session"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: --eviction-policy: "), err
+
+
+def test_a_client_naming_a_new_session_each_time_cannot_grow_the_map(monkeypatch):
+    from radixkv.kvcache import sessions
+
+    monkeypatch.setattr(sessions, "MAX_SESSIONS", 50)
+    c = SessionClock()
+    c.started("busy", 0.0)  # running: never forgotten
+    for i in range(1000):
+        c.started(f"s{i}", float(i))
+        c.stopped(f"s{i}", float(i), "end_turn")
+    assert len(c.sessions) <= 50 and "busy" in c.sessions and "s999" in c.sessions
+    assert c.running == 1
+
+
+def test_a_recogniser_that_raises_does_not_stop_the_engine():
+    eng = Engine("random", page_size=4, kv_tokens=1200, max_context_len=1024,
+                 eviction_policy="session")  # fmt: skip
+
+    def broken(_text, _ids):
+        raise RecursionError("deep")
+
+    eng.add_request([5, 6, 7, 8], SamplingParams(2, ignore_eos=True), chat=False,
+                    session=SessionTag("x", broken))  # fmt: skip
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.sessions.clock.sessions["x"].stop == ""

@@ -44,6 +44,15 @@ def test_output_that_does_not_parse_is_text(text):
     assert parsed.calls == [] and parsed.content == text
 
 
+def test_a_nest_deeper_than_json_recurses_is_text_not_an_error():
+    deep = "[" * 100_000 + "]" * 100_000
+    for name, text in (("hermes", f'<tool_call>{{"name": "f", "arguments": {{"a": {deep}}}}}'),
+                       ("llama3_json", f'{{"name": "f", "parameters": {{"a": {deep}}}}}'),
+                       ("mistral", f'[TOOL_CALLS][{{"name": "f", "arguments": {deep}}}]')):
+        parsed = make_parser(name).parse(text)
+        assert parsed.calls == [] and parsed.content == text, name
+
+
 def test_llama3_json_and_mistral_formats():
     llama = make_parser("llama3_json")
     one = llama.parse('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}')
@@ -210,4 +219,9 @@ def test_calls_of_unknown_tools_or_breaking_a_strict_schema_are_text():
     loose = chat.plan(make_parser("hermes"), [{"name": "w", "parameters": schema}], None, True)
     good, bad = Call("1", "w", '{"city": "Paris"}'), Call("2", "w", '{"town": 3}')
     assert strict.accepts([good]) and not strict.accepts([good, bad])
+    # a client's regular expression is never run on the event loop (catastrophic ones)
+    evil = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^(a+)+$"}}}
+    p = chat.plan(make_parser("hermes"), [{"name": "w", "parameters": evil, "strict": True}],
+                  None, True)  # fmt: skip
+    assert p.accepts([Call("4", "w", json.dumps({"city": "a" * 40 + "!"}))])
     assert loose.accepts([good, bad]) and not loose.accepts([Call("3", "other", "{}")])

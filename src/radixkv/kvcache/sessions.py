@@ -26,8 +26,9 @@ highest (the soonest return among the sessions below them).
 
 Complexity: `SessionClock.stopped` O(log sessions) (a heap of predictions, stale entries
 dropped lazily), `SessionOrder.stamp` O(depth of the session's branch), `SessionOrder.tick`
-O(log sessions) per session that came due. Memory: O(sessions x `MAX_GAPS`); sessions
-not seen for `FORGET_S` are forgotten.
+O(log sessions) per session that came due. Memory: O(sessions x `MAX_GAPS`), at most
+`MAX_SESSIONS` sessions (the least recently started idle one goes first); sessions not
+seen for `FORGET_S` are forgotten.
 
 Not thread-safe: the engine's thread owns it, as it owns the cache.
 
@@ -45,6 +46,10 @@ from typing import Any, NamedTuple
 DEFAULT_GAP_S = {"tool_use": 10.0, "end_turn": 600.0, "": 30.0}
 MAX_GAPS = 64  # gaps remembered per session and stop reason
 FORGET_S = 7 * 86400.0  # a session silent this long is forgotten
+# sessions remembered at most: the keys are the client's (a header), so a client naming a
+# new one per request would grow the map without end; the least recently started that
+# runs nothing is forgotten first
+MAX_SESSIONS = 100_000
 PRIORITY_TOP = 1 << 62  # a stamp is this less the predicted return in ms
 
 
@@ -79,12 +84,14 @@ class SessionClock:
     def started(self, session: Any, now: float) -> None:
         """A request of ``session`` arrived: the gap since its last answer is recorded
         under that answer's stop reason."""
-        s = self.sessions.get(session)
+        s = self.sessions.pop(session, None)  # (re-inserted: the map is in start order)
         if s is None:
-            s = self.sessions[session] = _Session()
+            s = _Session()
+            self._make_room()
         elif s.running == 0 and s.end and now >= s.end:
             gaps = s.gaps.setdefault(s.stop, deque(maxlen=MAX_GAPS))
             gaps.append(now - s.end)
+        self.sessions[session] = s
         self.running += s.running == 0
         s.running += 1
         s.version += 1  # running: not due
@@ -95,6 +102,7 @@ class SessionClock:
         ``node``. Returns the session's predicted return."""
         s = self.sessions.get(session)
         if s is None:
+            self._make_room()
             s = self.sessions[session] = _Session()
         self.running -= s.running == 1
         s.running = max(0, s.running - 1)
@@ -106,6 +114,16 @@ class SessionClock:
         if s.running == 0:
             heapq.heappush(self._due, (predicted, s.version, session))
         return predicted
+
+    def _make_room(self) -> None:
+        """At `MAX_SESSIONS`, forget the least recently started sessions that run nothing
+        (the running ones, at most the engine's slots, are skipped)."""
+        while len(self.sessions) >= MAX_SESSIONS:
+            # the oldest idle one: only running sessions (a few) come before it
+            idle = next((k for k, s in self.sessions.items() if s.running == 0), None)
+            if idle is None:
+                return
+            del self.sessions[idle]
 
     def typical(self, session: Any, stop: str) -> float:
         """The session's median gap after ``stop`` so far (seconds)."""
@@ -170,9 +188,12 @@ class SessionOrder:
             tag = getattr(r, "session", None)
             if tag is None:
                 continue
-            called = r.finish_reason == "stop" and tag.called_tool is not None and (
-                tag.called_tool(r.text, r.output_ids))  # fmt: skip
-            stop = "tool_use" if called else "end_turn" if r.finish_reason == "stop" else ""
+            stop = "end_turn" if r.finish_reason == "stop" else ""
+            if stop and tag.called_tool is not None:
+                try:
+                    stop = "tool_use" if tag.called_tool(r.text, r.output_ids) else stop
+                except Exception:  # the caller's recogniser: it must not stop the engine
+                    stop = ""
             self.stopped(tag.key, now, stop, r.final_node)
 
     def stopped(self, session: Any, now: float, stop: str, node: Any) -> None:

@@ -44,22 +44,40 @@ class ToolPlan(NamedTuple):
     parser: Parser | None
     opening: str = ""
     single: bool = False
-    tools: Mapping[str, dict | None] = MappingProxyType({})
+    tools: Mapping[str, Any] = MappingProxyType({})  # name -> a strict one's validator
 
     def accepts(self, calls: list[Any]) -> bool:
         """Whether ``calls`` are calls of the request's tools, a strict tool's arguments
         valid against its schema (otherwise the output is text: a call the client never
         offered, or one that breaks a schema it asked to be kept, is no call)."""
-        from jsonschema import Draft202012Validator
-
         for c in calls:
             if c.name not in self.tools:
                 return False
-            schema = self.tools[c.name]
-            if schema is not None and not Draft202012Validator(schema).is_valid(
-                    json.loads(c.arguments)):  # fmt: skip
+            check = self.tools[c.name]
+            try:
+                if check is not None and not check.is_valid(json.loads(c.arguments)):
+                    return False
+            except RecursionError:
                 return False
         return True
+
+
+def _validator(schema: dict[str, Any]) -> Any:
+    """A strict tool's validator, made off the event loop. The schema's regular
+    expressions (``pattern``, ``patternProperties``) are left out: a client's pattern run
+    against a model's output on the event loop could take any time (a catastrophic
+    backtrack), so they are not checked (said in docs/agents.md)."""
+    from jsonschema import Draft202012Validator
+
+    def strip(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: strip(x) for k, x in v.items() if k not in _REGEX_KEYS}
+        return [strip(x) for x in v] if isinstance(v, list) else v
+
+    return Draft202012Validator(strip(schema))
+
+
+_REGEX_KEYS = frozenset({"pattern", "patternProperties"})
 
 
 NO_TOOLS = ToolPlan(None)
@@ -148,8 +166,8 @@ def plan(
         return NO_TOOLS
     opening = "" if choice in (None, "auto") else parser.opening(
         None if choice == "required" else choice)  # fmt: skip
-    known = {t["name"]: (t.get(schema_key) or {"type": "object"}) if t.get("strict") else None
-             for t in tools}  # fmt: skip
+    known = {t["name"]: _validator(t.get(schema_key) or {"type": "object"})
+             if t.get("strict") else None for t in tools}  # fmt: skip
     return ToolPlan(parser, opening, not parallel, known)
 
 

@@ -11,8 +11,9 @@ writes: `parser_for`):
 * ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` (v3) or
   ``name[ARGS]{...}`` pairs (v11+).
 
-Contract: `Parser.parse` never raises on a model's output: what does not parse is the
-message's text (``calls`` empty). A call's ``arguments`` is the JSON text of an object.
+Contract: `Parser.parse` never raises on a model's output (a nest deep enough to make
+``json`` recurse past Python's limit included): what does not parse is the message's text
+(``calls`` empty). A call's ``arguments`` is the JSON text of an object.
 `Parser.opening` is what a ``tool_choice`` of ``required`` or a named function puts at the
 start of the answer (the answer is constrained to open a call; the model writes the rest),
 and `Stream` splits a streamed output: text that cannot be the start of a call goes out at
@@ -69,11 +70,14 @@ def _call(obj: Any, args_key: str = "arguments") -> Call | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # (a deep nest: not a call)
             return None
     if not isinstance(args, dict):
         return None
-    return Call(call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+    try:
+        return Call(call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+    except RecursionError:
+        return None
 
 
 def _text(text: str) -> str | None:
@@ -111,7 +115,7 @@ class Hermes(Parser):
         for m in self._CALL.finditer(text, at):
             try:
                 call = _call(json.loads(m.group(1)))
-            except ValueError:
+            except (ValueError, RecursionError):  # (a deep nest: not a call)
                 call = None
             if call is None:  # one broken call: the whole output is text
                 return Parsed(text, [])
@@ -137,7 +141,7 @@ class Llama3Json(Parser):
         while at < len(body):
             try:
                 obj, at = decoder.raw_decode(body, at)
-            except ValueError:
+            except (ValueError, RecursionError):  # (a deep nest: not a call)
                 return Parsed(text, [])
             call = _call(obj, "parameters")
             if call is None:
@@ -185,7 +189,7 @@ class Mistral(Parser):
     def _v3(rest: str) -> list[Call] | None:
         try:
             items = json.loads(rest)
-        except ValueError:
+        except (ValueError, RecursionError):  # (a deep nest: not a call)
             return None
         calls = [_call(o) for o in items] if isinstance(items, list) and items else [None]
         return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
@@ -199,7 +203,7 @@ class Mistral(Parser):
                 return None
             try:
                 args, end = decoder.raw_decode(after.lstrip())
-            except ValueError:
+            except (ValueError, RecursionError):  # (a deep nest: not a call)
                 return None
             call = _call({"name": name.strip(), "arguments": args})
             if call is None:
