@@ -5,7 +5,7 @@ against its pool, never by the load of the moment alone."""
 from __future__ import annotations
 
 from radixkv.router import policies
-from radixkv.router.core import DEMAND_POOLS, RoutingCore
+from radixkv.router.core import DEMAND_POOLS, WORK_HALF_LIFE_S, RoutingCore
 
 
 def _core(*names: str) -> RoutingCore:
@@ -90,3 +90,59 @@ def test_kv_remembers_at_most_a_few_pools_of_routed_prompts():
     for k in range(40):
         core.choose(_prompt(k, 64)).release()
     assert core.workers["a"].routed.total_size() <= DEMAND_POOLS * 160
+
+
+def test_a_cold_prompt_goes_where_little_is_computed_though_much_was_routed_there():
+    """One agent's long context routed to a worker (demand: tokens routed) that then
+    serves it from cache computes little: new sessions go there rather than to the two
+    workers computing everything (by demand alone they never would)."""
+    core = _core("a", "b", "c")
+    giant = core.choose(_prompt(1, 1600))
+    home = giant.worker.name
+    giant.release()
+    others = [core.choose(_prompt(k, 800)) for k in (2, 3)]
+    assert home not in {t.worker.name for t in others}
+    for t in others:
+        t.release()
+        for _ in range(19):  # their conversations recomputed, turn after turn
+            core.assign(t.worker.name, _prompt(t.worker.name == "b" and 2 or 3, 800)).release()
+    work = {w.name: w.recent_work(0.0) for w in core.workers.values()}
+    assert work[home] == 100 and all(work[t.worker.name] == 1000 for t in others)
+    demand = {w.name: w.routed.total_size() for w in core.workers.values()}
+    assert demand[home] > max(demand[t.worker.name] for t in others)  # demand alone: not home
+    assert core.choose(_prompt(4, 160)).worker.name == home
+
+
+def test_a_worker_computing_past_the_bound_takes_no_cold_prompt_though_it_thrashes_most():
+    """When every pool is oversubscribed, the one thrashing most takes new
+    conversations, unless its recent work is already past `KV_WORK_SLACK` x the mean."""
+    core = _core("a", "b", "c", "d")
+    for name in "abcd":
+        core.index.max_blocks[name] = 10  # 160 tokens a pool
+    first = core.choose(_prompt(1, 640))
+    most = first.worker.name
+    rest = [core.choose(_prompt(k, 480)) for k in (2, 3, 4)]
+    assert len({most, *(t.worker.name for t in rest)}) == 4
+    for t in (first, *rest):
+        t.release()
+    mean = sum(w.recent_work(0.0) for w in core.workers.values()) / 4
+    assert core.workers[most].recent_work(0.0) <= policies.KV_WORK_SLACK * mean
+    assert core.choose(_prompt(5, 320)).worker.name == most  # within the bound: it takes it
+    for _ in range(4):
+        core.assign(most, _prompt(1, 640)).release()  # and computes far more
+    mean = sum(w.recent_work(0.0) for w in core.workers.values()) / 4
+    assert core.workers[most].recent_work(0.0) > policies.KV_WORK_SLACK * mean
+    assert core.choose(_prompt(6, 320)).worker.name != most
+
+
+def test_recent_work_halves_every_half_life():
+    now = [0.0]
+    core = RoutingCore("kv", clock=lambda: now[0])
+    core.index.block_size = 16
+    core.add("a")
+    core.assign("a", _prompt(1, 1600)).release()
+    assert core.workers["a"].recent_work(0.0) == 100
+    now[0] = WORK_HALF_LIFE_S
+    assert abs(core.workers["a"].recent_work(now[0]) - 50) < 1e-9
+    now[0] = 3 * WORK_HALF_LIFE_S
+    assert abs(core.workers["a"].recent_work(now[0]) - 12.5) < 1e-9

@@ -466,6 +466,7 @@ def openai_routes(proxy: Proxy) -> APIRouter:
                     "breaker": w.breaker.state,
                     "in_flight": w.in_flight,
                     "queued_blocks": w.load.queued_blocks,
+                    "recent_work_blocks": round(w.load.recent_work(router.core.clock()), 1),
                     "events_stale": w.load.stale,
                     "indexed_blocks": router.index.num_blocks(w.url),
                 }
