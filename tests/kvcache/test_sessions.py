@@ -116,3 +116,33 @@ def test_a_recogniser_that_raises_does_not_stop_the_engine():
     while eng.has_unfinished():
         eng.step()
     assert eng.sessions.clock.sessions["x"].stop == ""
+
+
+def test_a_waiting_session_is_demoted_to_the_host_tier_and_loaded_back_when_it_returns():
+    """Issue 61's tiers in the engine: with a host tier, the session whose turn ended
+    is what the device gives up, to the host pool rather than to nothing, and its next
+    request loads it back; the agent coming back from a tool call stays on the device."""
+    eng = Engine("random", page_size=4, kv_tokens=1200, max_context_len=1024,
+                 eviction_policy="session", prefix_cache=True, host_tokens=4096)  # fmt: skip
+
+    def run(key: str, prompt: list[int], tool: bool) -> int:
+        tag = SessionTag(key, lambda _text, _ids: tool)
+        rid = eng.add_request(prompt, SamplingParams(2, ignore_eos=True), chat=False,
+                              session=tag)  # fmt: skip
+        while eng.has_unfinished():
+            eng.step()
+        return rid
+
+    a, b, c = _prompt(1, 380), _prompt(2, 380), _prompt(3, 560)
+    run("A", a, tool=True)
+    run("B", b, tool=False)
+    assert eng.tier.stats.demoted_pages == 0
+    run("C", c, tool=False)
+    kept = eng.cache.match_len(b)
+    assert eng.cache.match_len(a) == 380 and kept < 380  # B's tail left the device
+    assert eng.tier.stats.demoted_pages > 0  # ... for the host pool
+    before = eng.tier.stats.host_hit_tokens
+    run("B", b + _prompt(4, 20), tool=False)  # B's person is back
+    loaded = eng.tier.stats.host_hit_tokens - before
+    assert loaded > 0 and kept + loaded >= 380 - eng.cache.page_size, (kept, loaded)
+    assert eng.cache.match_len(b) == 380
