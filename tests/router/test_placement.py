@@ -102,10 +102,10 @@ def test_a_cold_prompt_goes_where_little_is_computed_though_much_was_routed_ther
     giant.release()
     others = [core.choose(_prompt(k, 800)) for k in (2, 3)]
     assert home not in {t.worker.name for t in others}
-    for t in others:
+    for tag, t in zip((2, 3), others, strict=True):
         t.release()
         for _ in range(19):  # their conversations recomputed, turn after turn
-            core.assign(t.worker.name, _prompt(t.worker.name == "b" and 2 or 3, 800)).release()
+            core.assign(t.worker.name, _prompt(tag, 800)).release()
     work = {w.name: w.recent_work(0.0) for w in core.workers.values()}
     assert work[home] == 100 and all(work[t.worker.name] == 1000 for t in others)
     demand = {w.name: w.routed.total_size() for w in core.workers.values()}

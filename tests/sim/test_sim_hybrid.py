@@ -401,3 +401,35 @@ def test_each_requests_hit_and_the_kv_the_tree_found_are_reported(tmp_path):
         assert len(seen) == len(trace.requests) and sum(h for h, _ in seen) == row.hit_tokens
         assert all((kv is not None and kv >= hit) if tree else kv is None for hit, kv in seen)
         assert any(hit for hit, _ in seen)
+
+
+def _agent(units: range, at_s: float, session: str, stop: str) -> traces.SimRequest:
+    req = traces.SimRequest(list(units), len(units), len(units), at_s * 1000.0)
+    req.session, req.stop, req.duration_ms = session, stop, 1000.0
+    return req
+
+
+@pytest.mark.parametrize("policy", ["session", "radixkv"])
+def test_the_hybrid_session_order_keeps_the_agent_back_from_a_tool_over_the_person_who_left(
+    policy,
+):
+    """radixkv's budget in the stamped session order (``--policy session`` with a model
+    spec): A stopped on a tool call, B (later) ended its turn, C then needs room. The
+    session order drops B's checkpoint and KV; the budget's own order (recency and
+    worth) drops A's, the older. Stop reasons are read only once each answer ended
+    (B's at 21 s, before C arrives at 30 s)."""
+    from radixkv.sim.hybrid import _Sim  # (a test may reach inside the simulator)
+
+    Trace = traces.Trace
+    spec = ModelSpec("q", 8, 4096, recurrent_layers=24, state_bytes=1 << 16)
+    a = _agent(range(1000, 1400), 0.0, "A", "tool_use")
+    b = _agent(range(2000, 2400), 20.0, "B", "end_turn")
+    c = _agent(range(3000, 3500), 30.0, "C", "end_turn")
+    cap = 920 * spec.full_kv + 4 * spec.arena_checkpoint(1)  # A, B and C do not fit together
+    sim = _Sim(Trace("agents", 1, [a, b, c]), spec, cap, policy)
+    for req in (a, b, c):
+        sim.serve(req, False)
+    kept = {k: sim.cached_prefix(r) for k, r in (("A", a), ("B", b))}
+    keeper, victim = ("A", "B") if policy == "session" else ("B", "A")
+    assert kept[keeper] >= 399 and kept[victim] == 0, kept
+    assert simulate_hybrid(Trace("agents", 1, [a, b, c]), spec, cap, policy).policy == policy

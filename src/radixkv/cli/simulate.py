@@ -94,9 +94,10 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                      "the hybrid policies (radixkv; marconi, sglang+, vllm+ by Marconi's "
                      "own rules; sglang, vllm; and, with a model folder, serve: the "
                      "engine's own scheduler and memory replayed without the model, "
-                     "serve-sglang: the same with SGLang's fixed split of the bytes); "
-                     "capacities in bytes. Its table: full KV, window KV and states are "
-                     "the bytes each kind held (the mean after each request), "
+                     "serve-sglang: the same with SGLang's fixed split of the bytes; "
+                     "named only, session: radixkv's budget in the session order, for "
+                     "agentic traces); capacities in bytes. Its table: full KV, window KV "
+                     "and states are the bytes each kind held (the mean after each request), "
                      "checkpoints the states taken, hit grid the tokens a hit counts in; "
                      "a row marked * held past its capacity by Marconi's own rules "
                      "(docs/simulation.md, 'Reading the hybrid table')")  # fmt: skip
@@ -457,7 +458,7 @@ def _hybrid(args: argparse.Namespace) -> int:
     except OSError as e:
         raise CliError(f"--model-spec {args.model_spec}: {e.strerror or e}") from None
     policies = (args.policy or ",".join(hybrid.POLICIES)).split(",")
-    valid = (*hybrid.POLICIES, *SERVE)
+    valid = (*hybrid.POLICIES, hybrid.SESSION, *SERVE)
     bad = [p for p in policies if p not in valid]
     if bad:
         raise CliError(f"--policy: unknown {bad[0]!r} with --model-spec; valid: "

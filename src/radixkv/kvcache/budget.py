@@ -24,8 +24,11 @@ so bytes are not all alike. `evict_bytes` frees, in this order, until enough is 
    and a checkpoint keeps the clock's value from when it was last used or taken
    (`Checkpoint.age`): a segment left alone long enough goes, however much it saves,
    and no weight needs tuning. ``order="utility"`` is Marconi's: the lowest
-   ``recency + alpha x worth``, each term scaled to [0, 1] over the candidates. Its KV
-   turns dead and goes by step 1.
+   ``recency + alpha x worth``, each term scaled to [0, 1] over the candidates.
+   ``order="priority"`` drops the leaf with the lowest tree ``priority`` first (least
+   recently used among equals): the order someone else stamps, as the session order
+   does (`radixkv.kvcache.sessions`: what returns last goes first). Its KV turns dead
+   and goes by step 1.
    (Counting only the FLOPs over the checkpoint before it, or the node's bytes, lost 3-5
    points on one trace or the other; counting hits gained up to 0.05 on Marconi's trace
    and the synthetic chat; greedy-dual over utility gained up to 0.08 on both and in
@@ -81,7 +84,7 @@ _LRU = attrgetter("last_access", "id")  # least recently used first (ids break t
 _TICK = attrgetter("tick")
 _USES = attrgetter("uses")
 _AGE = attrgetter("age")
-ORDERS = ("greedy-dual", "utility")  # step 3's order (the module docstring)
+ORDERS = ("greedy-dual", "utility", "priority")  # step 3's order (the module docstring)
 
 if TYPE_CHECKING:
     from radixkv.tree.core import RadixCache
@@ -103,7 +106,8 @@ class HybridBudget(TreeComponent):
         alpha: weight of efficiency against recency (``order="utility"`` only).
         frequency: weigh what a segment saves by how many hits came through its
             checkpoint (``1 + Checkpoint.uses``); ``False``: Marconi's efficiency alone.
-        order: step 3's order, ``greedy-dual`` or ``utility`` (Marconi's).
+        order: step 3's order, ``greedy-dual``, ``utility`` (Marconi's) or
+            ``priority`` (the leaves' stamped ``priority``, lowest first).
 
     Raises:
         ValueError: bad sizes, an unknown ``order`` (or ``alpha`` without the utility
@@ -216,6 +220,8 @@ class HybridBudget(TreeComponent):
             value *= 1.0 + np.fromiter(map(_USES, last), np.float64, n)
         if self.order == "greedy-dual":  # the clock when last used + what it saves per byte
             score = np.fromiter(map(_AGE, last), np.float64, n) + value / np.maximum(cost, 1.0)
+        elif self.order == "priority":  # stamped by someone else (exact: ints below 2^63)
+            score = np.fromiter((x.priority for x in segs), np.int64, n)
         else:
             ticks = np.fromiter(map(_TICK, last), np.float64, n)
             score = utility_array(ticks, value, cost, self.alpha)

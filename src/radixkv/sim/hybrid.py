@@ -258,6 +258,7 @@ def model_spec(name: str) -> ModelSpec:
 
 
 POLICIES = ("radixkv", *marconi.POLICIES, "sglang", "vllm")
+SESSION = "session"  # radixkv's budget in the session order (named, not in POLICIES)
 # when a request's new KV counts against the budget: "served", from before it runs (the
 # engine holds it while it runs: room is made first); "after", once it is cached (the
 # budget fit after each request, as Marconi's simulator counts: a running request may
@@ -303,8 +304,11 @@ class _Sim:
         self, trace: Trace, spec: ModelSpec, cap: int, policy: str, accounting: str = "served",
         every_pages: int = 0,
     ) -> None:  # fmt: skip
-        self.trace, self.spec, self.cap, self.policy = trace, spec, cap, policy
-        self.accounting = accounting
+        self.trace, self.spec, self.cap = trace, spec, cap
+        self.accounting, self.sessions = accounting, None
+        # the session order is radixkv's engine with its budget in the stamped order
+        ordered, policy = ("priority", "radixkv") if policy == SESSION else ("greedy-dual", policy)
+        self.policy = policy
         self.unit = trace.block_size  # tokens a unit
         grid = spec.vllm_block() if policy == "vllm" else self.unit
         self.page = max(1, grid // self.unit) if policy == "vllm" else 1
@@ -337,7 +341,12 @@ class _Sim:
         self.budget = HybridBudget(
             self.cache, self.state if spec.recurrent_layers else None, self.window,
             token_bytes=self.unit * spec.full_kv, window_bytes=self.unit * spec.window_kv,
+            order=ordered,
         )  # fmt: skip
+        if ordered == "priority":
+            from radixkv.sim.sessions import StampedSessions
+
+            self.sessions = StampedSessions(self.cache)
         self.next_slot = 0
         self.checkpoints = 0
         self.bytes_sum = {"full": 0.0, "window": 0.0, "states": 0.0}
@@ -352,6 +361,8 @@ class _Sim:
 
     # --- one request --------------------------------------------------------------------
     def serve(self, req: SimRequest, outputs: bool) -> int:
+        if self.sessions is not None:
+            self.sessions.arrive(req)
         P = req.num_prompt_units
         units = req.units[: self.trace.cached_units(req, outputs)]
         key = RadixKey(np.asarray(units, dtype=np.int64))
@@ -374,8 +385,10 @@ class _Sim:
                 last = node
                 self._fit(held - pos, 1 if self.spec.recurrent_layers else 0)
             self._checkpoint(node, kind)
-        self._insert(key[:n], None)
+        end = self._insert(key[:n], None)
         self.cache.dec_lock_ref(last)
+        if self.sessions is not None:
+            self.sessions.served(req, end)
         self._fit()
         for k, v in self.held().items():
             self.bytes_sum[k] += v
@@ -533,8 +546,8 @@ def simulate_hybrid(
     tree rows the tokens of its prompt the cache held before it ran (KV, whether or not
     a state was there to resume from; None for the other rows). ``checkpoint_every``: the
     ``radixkv`` policy also checkpoints every this many tokens, as the engine does."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy: unknown {policy!r}; valid: {', '.join(POLICIES)}")
+    if policy not in (*POLICIES, SESSION):
+        raise ValueError(f"policy: unknown {policy!r}; valid: {', '.join((*POLICIES, SESSION))}")
     if accounting not in ACCOUNTING:
         raise ValueError(f"accounting: unknown {accounting!r}; valid: {', '.join(ACCOUNTING)}")
     if schedule not in SCHEDULES:

@@ -10,8 +10,15 @@ needed (as the engine's precise eviction). Nothing reads the future: a request's
 reason and end are used only once ``now`` is past its end (the clock treats a session
 whose answer has not ended yet as running).
 
-Owns: the per-token owners and the walk. Must not touch: the tree (it evicts through
-`RadixCache.evict_leaf`), the replay (`radixkv.sim.replay` calls it), the prediction.
+`StampedSessions` drives the engine's own order instead (`radixkv.kvcache.sessions.
+SessionOrder`: the tree's ``priority`` stamped per session) on a replay's clock, for the
+hybrid budget's ``priority`` order (`radixkv.sim.hybrid`'s ``session`` policy): a
+request's session is running from its arrival (stamped as running) until its end, and
+its stop reason is read only once a later arrival is past that end.
+
+Owns: the per-token owners and the walk; the stamps' timing. Must not touch: the tree
+(it evicts through `RadixCache.evict_leaf`), the replay (`radixkv.sim.replay` calls it),
+the prediction.
 
 Complexity: an eviction walks the tree for its unlocked leaves, O(nodes) per victim (the
 nodes are about the sessions cached: one path each, plus old branches); the simulator's
@@ -20,9 +27,12 @@ order, not the engine's (which keeps a heap: `radixkv.tree.eviction`).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from typing import Any
 
 from radixkv.kvcache.sessions import DEFAULT_GAP_S, SessionClock
+from radixkv.kvcache.sessions import SessionOrder as Stamps
 from radixkv.sim.traces import SimRequest
 
 
@@ -73,4 +83,31 @@ class SessionOrder:
         return (0.0, self.predicted(s), node.id)
 
 
-__all__ = ["DEFAULT_GAP_S", "SessionOrder"]
+class StampedSessions:
+    """The engine's stamps on a replay's clock: `arrive` before a request is served,
+    `served` after, with the node its cached path ends at. Times: the trace's ms."""
+
+    def __init__(self, cache: Any) -> None:
+        self.stamps = Stamps(cache)
+        self._ends: list[tuple[float, int, Any, str, Any]] = []  # (end s, n, session, stop, node)
+        self._n = itertools.count()
+
+    def arrive(self, req: SimRequest) -> None:
+        now = req.timestamp / 1000.0
+        while self._ends and self._ends[0][0] <= now:  # answers that ended before it
+            end, _, session, stop, node = heapq.heappop(self._ends)
+            self.stamps.stopped(session, end, stop, node)
+        self.stamps.tick(now)
+        if req.session is not None:
+            self.stamps.started(req.session, now)
+
+    def served(self, req: SimRequest, node: Any) -> None:
+        if req.session is None:
+            return
+        now = req.timestamp / 1000.0
+        self.stamps.stamp(node, self.stamps.clock.predicted(req.session, now))  # running
+        end = (req.timestamp + req.duration_ms) / 1000.0
+        heapq.heappush(self._ends, (end, next(self._n), req.session, req.stop, node))
+
+
+__all__ = ["DEFAULT_GAP_S", "SessionOrder", "StampedSessions"]
