@@ -146,3 +146,68 @@ def test_a_waiting_session_is_demoted_to_the_host_tier_and_loaded_back_when_it_r
     loaded = eng.tier.stats.host_hit_tokens - before
     assert loaded > 0 and kept + loaded >= 380 - eng.cache.page_size, (kept, loaded)
     assert eng.cache.match_len(b) == 380
+
+
+def _tree_order():
+    from radixkv import RadixCache, RadixKey
+    from radixkv.kvcache.sessions import SessionOrder
+
+    cache = RadixCache(page_size=1, eviction_policy="session")
+
+    def add(tokens: list[int]):
+        cache.insert(RadixKey(tokens))
+        return cache.match_prefix(RadixKey(tokens)).last_node
+
+    return cache, SessionOrder(cache), add
+
+
+def test_a_path_its_session_left_goes_back_to_priority_zero():
+    """A session that went on from elsewhere (a compacted context, a new prompt) never
+    comes back to its old path: that path keeps no stamp (a stamp kept would be a
+    return long past, the highest priority), so it goes before a stamped session."""
+    cache, order, add = _tree_order()
+    old = add(list(range(100, 140)))
+    order.started("A", 0.0)
+    order.stopped("A", 1.0, "tool_use", old)
+    assert old.priority == priority_of(1.0 + DEFAULT_GAP_S["tool_use"])
+    order.started("B", 2.0)
+    order.stopped("B", 3.0, "end_turn", add(list(range(500, 540))))
+    new = add(list(range(900, 940)))  # A starts over elsewhere
+    order.started("A", 5.0)
+    order.stopped("A", 6.0, "tool_use", new)
+    assert old.priority == 0 and new.priority > 0
+    cache.evict(40)
+    assert cache.match_len(list(range(100, 140))) == 0  # the left path went first
+    assert cache.match_len(list(range(500, 540))) == 40  # B (back in minutes) stays
+
+
+def test_an_overdue_session_whose_leaf_was_evicted_is_stamped_where_its_path_survives():
+    """An order eats a path from its leaf: once a session's last node is gone, its
+    next stamp (overdue: away as long again) lands on what is left of its branch;
+    before, that stayed at the stamp of a return long past and was never evicted."""
+    cache, order, add = _tree_order()
+    first = add(list(range(100, 140)))
+    order.started("A", 0.0)
+    order.stopped("A", 1.0, "tool_use", first)
+    order.started("A", 4.0)
+    leaf = add(list(range(100, 180)))  # its next turn: a child of the first turn's node
+    order.stopped("A", 5.0, "tool_use", leaf)
+    assert leaf.parent is first and first.priority == leaf.priority
+    cache.evict_leaf(leaf)  # its latest turn left the device
+    stale = first.priority
+    order.tick(5.0 + 3 * DEFAULT_GAP_S["tool_use"])  # overdue: predicted away as long again
+    assert first.priority < stale  # stamped again, later than the stale return
+
+
+def test_a_forgotten_session_releases_its_path(monkeypatch):
+    from radixkv.kvcache import sessions
+
+    monkeypatch.setattr(sessions, "MAX_SESSIONS", 2)
+    _, order, add = _tree_order()
+    nodes = []
+    for i, name in enumerate("ABC"):  # C's arrival forgets A, the least recently started
+        nodes.append(add(list(range(100 * (i + 1), 100 * (i + 1) + 20))))
+        order.started(name, float(i))
+        order.stopped(name, float(i) + 0.5, "end_turn", nodes[-1])
+    assert "A" not in order.clock.sessions
+    assert nodes[0].priority == 0 and nodes[1].priority > 0 and nodes[2].priority > 0

@@ -23,6 +23,10 @@ session's last path is stamped ``PRIORITY_TOP - predicted ms``: what returns las
 first; prefixes no session stamped keep priority 0 and go before all of them, least
 recently used first. The leaf's own branch takes the stamp; shared ancestors keep the
 highest (the soonest return among the sessions below them).
+No stamp outlives its session's interest in the path (it would be a return long past,
+the highest priority there is, never evicted): a path its session left (its next request
+went on from elsewhere) or a forgotten session's goes back to 0, and once an order
+evicted a session's last node whole, its next stamp lands on what is left of its branch.
 
 Complexity: `SessionClock.stopped` O(log sessions) (a heap of predictions, stale entries
 dropped lazily), `SessionOrder.stamp` O(depth of the session's branch), `SessionOrder.tick`
@@ -54,13 +58,14 @@ PRIORITY_TOP = 1 << 62  # a stamp is this less the predicted return in ms
 
 
 class _Session:
-    __slots__ = ("end", "gaps", "node", "running", "stop", "version")
+    __slots__ = ("end", "gaps", "node", "running", "stop", "top", "version")
 
     def __init__(self) -> None:
         self.end = 0.0  # its last answer's end (s)
         self.stop = ""  # how that answer stopped
         self.running = 0  # its requests running now
         self.node: Any = None  # where its last request's cached path ends
+        self.top: Any = None  # the top of that path's own branch when last stamped
         self.gaps: dict[str, deque[float]] = {}
         self.version = 0  # its heap entries older than this are stale
 
@@ -80,6 +85,8 @@ class SessionClock:
         self.sessions: dict[Any, _Session] = {}
         self._due: list[tuple[float, int, Any]] = []  # (predicted, version, session)
         self.running = 0  # sessions with a request running (the rest wait: a metric)
+        # (last node, its branch's top) of the sessions forgotten since last read
+        self.forgotten: list[tuple[Any, Any]] = []
 
     def started(self, session: Any, now: float) -> None:
         """A request of ``session`` arrived: the gap since its last answer is recorded
@@ -123,7 +130,14 @@ class SessionClock:
             idle = next((k for k, s in self.sessions.items() if s.running == 0), None)
             if idle is None:
                 return
-            del self.sessions[idle]
+            self._forget(idle)
+
+    def _forget(self, session: Any) -> None:
+        """Forget a session; its last path's node waits in ``forgotten`` for the
+        caller (`SessionOrder` releases its stamp)."""
+        s = self.sessions.pop(session)
+        if s.node is not None:
+            self.forgotten.append((s.node, s.top))
 
     def typical(self, session: Any, stop: str) -> float:
         """The session's median gap after ``stop`` so far (seconds)."""
@@ -151,7 +165,7 @@ class SessionClock:
             if s is None or version != s.version or s.running:
                 continue
             if now - s.end > FORGET_S:
-                del self.sessions[session]
+                self._forget(session)
                 continue
             again = now + (now - s.end)
             s.version += 1
@@ -178,6 +192,11 @@ class SessionOrder:
 
     def started(self, session: Any, now: float) -> None:
         self.clock.started(session, now)
+        self._release_forgotten()
+
+    def _release_forgotten(self) -> None:
+        while self.clock.forgotten:
+            self.release(*self.clock.forgotten.pop())
 
     def requests_stopped(self, reqs: Any, now: float) -> None:
         """Requests that left (``session``: a `SessionTag` or None; ``final_node``, their
@@ -197,31 +216,94 @@ class SessionOrder:
             self.stopped(tag.key, now, stop, r.final_node)
 
     def stopped(self, session: Any, now: float, stop: str, node: Any) -> None:
+        s = self.clock.sessions.get(session)
+        before = (s.node, s.top) if s is not None else (None, None)
         predicted = self.clock.stopped(session, now, stop, node)
+        self._release_forgotten()
+        if before[0] is not None and node is not None and not _on_path(before[0], node):
+            self.release(*before)  # the session left that path (it went on elsewhere)
         if node is not None and self.clock.sessions[session].running == 0:
-            self.stamp(node, predicted)
+            self._stamp_session(session, predicted)
+
+    def release(self, node: Any, top: Any = None) -> None:
+        """A path no session will come back to (its session went on from elsewhere, or
+        was forgotten): what is left of its own branch (`_surviving`) goes back to
+        priority 0, evicted before every stamped one (a stamp it kept would be a return
+        long past: the highest priority there is)."""
+        node = _surviving(node, top)
+        if node is None:
+            return
+        x = node
+        while x is not None and x.parent is not None:
+            x.priority = 0
+            if len(x.parent.children) != 1:
+                break
+            x = x.parent
+        if not node.children and not node.lock_ref:
+            self.cache.order.push(node)
 
     def tick(self, now: float) -> None:
         for due in self.clock.due(now):
-            if due.node is not None:
-                self.stamp(due.node, due.predicted)
+            self._stamp_session(due.session, due.predicted)
+        self._release_forgotten()
 
-    def stamp(self, node: Any, predicted: float) -> None:
-        """Give ``node``'s own branch the priority of ``predicted``; shared ancestors
-        keep the highest; the leaf is indexed again under its new key."""
-        if node.parent is None:  # evicted since (or the root)
+    def _stamp_session(self, session: Any, predicted: float) -> None:
+        """Stamp what is left of the session's last path: its end node, or, once that
+        was evicted whole (an order eats a path from its leaf up), the deepest node
+        still cached down its own branch from the branch's top. Without this a
+        session's older turns kept the stamp of a return long past, the highest
+        priority there is, and were never evicted."""
+        s = self.clock.sessions.get(session)
+        if s is None or s.node is None:
             return
+        node = s.node = _surviving(s.node, s.top)
+        if node is None:
+            s.top = None
+            return
+        s.top = self.stamp(node, predicted)
+
+    def stamp(self, node: Any, predicted: float) -> Any:
+        """Give ``node``'s own branch the priority of ``predicted``; shared ancestors
+        keep the highest; the leaf is indexed again under its new key. Returns the top
+        of the own branch (None: ``node`` was evicted, or is the root)."""
+        if node.parent is None:  # evicted since (or the root)
+            return None
         value = priority_of(predicted)
-        x, own = node, True
+        x, own, top = node, True, node
         while x is not None and x.parent is not None:
             if own:
                 x.priority = value
+                top = x
             else:
                 x.priority = max(x.priority, value)
             own = own and len(x.parent.children) == 1
             x = x.parent
         if not node.children and not node.lock_ref:
             self.cache.order.push(node)
+        return top
+
+
+def _surviving(node: Any, top: Any) -> Any:
+    """``node`` while cached; once evicted whole, the deepest node still cached down
+    the single-child chain from ``top`` (its own branch's top when last stamped: an
+    order evicts a path from its leaf up); None when that is gone too."""
+    if node is not None and node.parent is not None:
+        return node
+    if top is None or top.parent is None:
+        return None
+    while len(top.children) == 1:
+        top = next(iter(top.children.values()))
+    return top
+
+
+def _on_path(node: Any, leaf: Any) -> bool:
+    """Whether ``node`` is ``leaf`` or one of its ancestors (O(depth))."""
+    x = leaf
+    while x is not None:
+        if x is node:
+            return True
+        x = x.parent
+    return False
 
 
 def session_order(policy: str, cache: Any, managers: Any) -> SessionOrder | None:

@@ -377,18 +377,19 @@ class _Sim:
         if served:  # room for its KV before it runs, as the engine's arena makes it
             held = max(n, div_ceil(req.prompt_tokens + max(req.output_tokens - 1, 0), self.unit))
             self._fit(held - hit)
+        mark = last  # where a match can end: its deepest checkpoint (the session's stamp)
         for pos, kind in positions:  # its KV to each checkpoint, then the checkpoint
-            node = self._insert(key[:pos], kind)
+            node = mark = self._insert(key[:pos], kind)
             if served:  # locked while it runs; the KV past it is still the request's
                 self.cache.inc_lock_ref(node)
                 self.cache.dec_lock_ref(last)
                 last = node
                 self._fit(held - pos, 1 if self.spec.recurrent_layers else 0)
             self._checkpoint(node, kind)
-        end = self._insert(key[:n], None)
+        self._insert(key[:n], None)  # (past its last checkpoint: dead KV, step 1's)
         self.cache.dec_lock_ref(last)
-        if self.sessions is not None:
-            self.sessions.served(req, end)
+        if self.sessions is not None and mark is not self.cache.root:
+            self.sessions.served(req, mark)
         self._fit()
         for k, v in self.held().items():
             self.bytes_sum[k] += v
