@@ -80,13 +80,16 @@ def test_the_agent_coming_back_is_kept_over_the_person_who_left(policy):
     assert kept[keeper] == 380 and kept[victim] < 380, kept
 
 
-def test_a_hybrid_model_refuses_the_session_order_rather_than_ignore_it(hybrid_models, capsys):
+def test_a_hybrid_model_with_separate_pools_refuses_the_session_order(hybrid_models, capsys):
+    """Separate pools (no one budget, or SGLang's fixed split) each evict in their own
+    order, which reads no stamp: refused, not ignored."""
     from radixkv.cli import main
 
     with pytest.raises(ValueError, match="eviction_policy session"):
         Engine(hybrid_models["qwen3.5"], eviction_policy="session")
     code = main(["serve", "--port", "0", "--model", hybrid_models["gemma3"],
-                 "--eviction-policy", "session"])  # fmt: skip
+                 "--eviction-policy", "session", "--cache-bytes", "1MiB",
+                 "--cache-split", "sglang"])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: --eviction-policy: "), err
 
@@ -211,3 +214,33 @@ def test_a_forgotten_session_releases_its_path(monkeypatch):
         order.stopped(name, float(i) + 0.5, "end_turn", nodes[-1])
     assert "A" not in order.clock.sessions
     assert nodes[0].priority == 0 and nodes[1].priority > 0 and nodes[2].priority > 0
+
+
+@pytest.mark.parametrize("policy", ["session", "lru"])
+@pytest.mark.parametrize("model", ["qwen3.5", "gemma3"])
+def test_on_a_hybrid_model_the_one_budget_keeps_the_agent_coming_back(
+    hybrid_models, model, policy
+):
+    """Qwen3.5 (recurrent layers) and Gemma 3 (sliding window) with one byte budget:
+    its last step drops the leaf with the lowest stamped priority, so the session that
+    ended its turn goes and the agent back from a tool stays; the budget's own order
+    drops the older."""
+    size = {"qwen3.5": 300 << 10, "gemma3": 420 << 10}[model]
+    eng = Engine(hybrid_models[model], page_size=4, cache_bytes=size,
+                 max_context_len=1024, eviction_policy=policy)  # fmt: skip
+    assert ("session order" in eng.memory_summary()[0]) == (policy == "session")
+
+    def run(key: str, prompt: list[int], tool: bool) -> None:
+        tag = SessionTag(key, lambda _text, _ids: tool)
+        eng.add_request(prompt, SamplingParams(2, ignore_eos=True), chat=False, session=tag)
+        while eng.has_unfinished():
+            eng.step()
+
+    a, b, c = _prompt(1, 380), _prompt(2, 380), _prompt(3, 560)
+    run("A", a, tool=True)
+    run("B", b, tool=False)
+    assert min(eng.cache.match_len(a), eng.cache.match_len(b)) >= 372  # both held
+    run("C", c, tool=False)
+    kept = {k: eng.cache.match_len(p) for k, p in (("A", a), ("B", b))}
+    victim, keeper = ("B", "A") if policy == "session" else ("A", "B")
+    assert kept[keeper] >= 372 and kept[victim] < 372, kept

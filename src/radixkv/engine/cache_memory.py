@@ -68,11 +68,12 @@ class CacheMemory:
         self.budget: HybridBudget | None = None
         self.room: ArenaRoom | None = None
         if self.arena is not None:
-            self._use_room(cfg.page_size)
+            self._use_room(cfg.page_size, cfg.eviction_policy)
 
-    def _use_room(self, p: int) -> None:
-        """One arena: its room frees units across kinds in the budget's order; every
-        kind's allocation goes through it."""
+    def _use_room(self, p: int, policy: str) -> None:
+        """One arena: its room frees units across kinds in the budget's order (its own,
+        or under ``session`` the priorities the session order stamps); every kind's
+        allocation goes through it."""
         plan = self.arena
         assert plan is not None
         unit = plan.arena.unit_bytes
@@ -80,6 +81,7 @@ class CacheMemory:
         self.budget = HybridBudget(  # a hit's worth: the tokens it saves (the budget's default)
             self.cache, self.recurrent.component if self.recurrent is not None else None, win,
             token_bytes=plan.full_columns * unit // p, window_bytes=plan.window_columns * unit // p,
+            order="priority" if policy == "session" else "greedy-dual",
         )  # fmt: skip
         self.room = ArenaRoom(plan.arena, self.budget, plan.full_columns, win,
                               max(plan.window_columns, 1), p)  # fmt: skip
@@ -126,7 +128,8 @@ class CacheMemory:
         layers = f"{plan.group} attention layer" + ("s'" if plan.group > 1 else "'s")
         lines = [f"one cache budget: {ar.nbytes * MIB:,.1f} MiB, {ar.num_units:,} units of "
                  f"{ar.unit_bytes:,} bytes (a page of {layers} KV); "
-                 f"{', '.join(kinds)} draw from it, evicted in the simulator's radixkv "
+                 f"{', '.join(kinds)} draw from it, evicted in the simulator's "
+                 f"{'session' if self.budget.order == 'priority' else 'radixkv'} "
                  f"order"]  # fmt: skip
         p = self.mgr.allocator.page_size
         capped = lambda cap: f"; capped at {cap * p:,} tokens" if cap else ""  # noqa: E731

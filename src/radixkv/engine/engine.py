@@ -171,7 +171,8 @@ class Engine:
         total = max(2 * retained, capacity // 4)
         self.retention = Retention(self.cache, retained, total, states=states)
         self.scheduler.relieve = self.retention.relieve
-        self.sessions = session_order(cfg.eviction_policy, self.cache, self.mgr.managers)
+        self.sessions = session_order(cfg.eviction_policy, self.cache, memory.mgr.managers,
+                                      memory.budget)  # fmt: skip
         self.scheduler.on_admit = self._admitted
         self.runner = ModelRunner(self.model, self.kv, self.device, self.window)
         self.outputs = OutputProcessor(self.tokenizer)

@@ -81,6 +81,7 @@ from radixkv.tree.state import utility, utility_array
 from radixkv.units import div_ceil
 
 _LRU = attrgetter("last_access", "id")  # least recently used first (ids break ties)
+_STAMPED = attrgetter("priority", "last_access", "id")  # order="priority": lowest first
 _TICK = attrgetter("tick")
 _USES = attrgetter("uses")
 _AGE = attrgetter("age")
@@ -198,7 +199,7 @@ class HybridBudget(TreeComponent):
         if freed:
             return True
         if state is None:  # a window's leaf is whole or useless: least recent goes whole
-            leaves = sorted(self._leaves, key=_LRU)
+            leaves = sorted(self._leaves, key=_STAMPED if self.order == "priority" else _LRU)
             for node in leaves:
                 cache.evict_leaf(node)
                 freed += len(node) * per_unit

@@ -306,21 +306,25 @@ def _on_path(node: Any, leaf: Any) -> bool:
     return False
 
 
-def session_order(policy: str, cache: Any, managers: Any) -> SessionOrder | None:
+def session_order(
+    policy: str, cache: Any, managers: Any, budget: Any = None
+) -> SessionOrder | None:
     """The engine's `SessionOrder` for eviction ``policy`` ``session`` (None for any
-    other). A hybrid model's layer managers evict in the hybrid budget's own order
-    (window, states and KV together), which reads no priority: refused there, not
-    ignored.
+    other). A hybrid model's cache is ordered by its one byte budget (``budget``: a
+    `radixkv.kvcache.budget.HybridBudget` in the ``priority`` order reads the stamps);
+    with separate pools (no ``cache_bytes``) its layer managers evict each in their own
+    order, which reads no priority: refused there, not ignored.
 
     Raises:
-        ValueError: ``session`` with layer managers (naming ``eviction_policy``).
+        ValueError: ``session`` with layer managers and no budget in the stamped order
+            (naming ``eviction_policy``).
     """
     if policy != "session":
         return None
-    if managers:
-        raise ValueError("eviction_policy session orders a full-attention model's cache; "
-                         "this model's sliding-window or recurrent layers are evicted in "
-                         "the hybrid budget's own order")  # fmt: skip
+    if managers and getattr(budget, "order", None) != "priority":
+        raise ValueError("eviction_policy session orders a hybrid model's cache through "
+                         "its one byte budget: give it cache_bytes (its separate pools "
+                         "each evict in their own order)")  # fmt: skip
     return SessionOrder(cache)
 
 
