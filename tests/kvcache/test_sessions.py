@@ -5,6 +5,8 @@ round."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from radixkv.engine.engine import Engine
@@ -53,6 +55,14 @@ def test_stamps_order_later_returns_first():
     assert priority_of(10.0) > priority_of(600.0) > 0
 
 
+def _serve(eng: Engine, key: str, prompt: list[int], tool: bool) -> None:
+    """One request of session ``key`` run to its end; its answer called a tool or not."""
+    tag = SessionTag(key, lambda _text, _ids: tool)
+    eng.add_request(prompt, SamplingParams(2, ignore_eos=True), chat=False, session=tag)
+    while eng.has_unfinished():
+        eng.step()
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     return [(seed * 131 + i * 7) % 250 + 3 for i in range(n)]
 
@@ -65,11 +75,7 @@ def test_the_agent_coming_back_is_kept_over_the_person_who_left(policy):
     eng = Engine("random", page_size=4, kv_tokens=1200, max_context_len=1024,
                  eviction_policy=policy, prefix_cache=True)  # fmt: skip
 
-    def run(key: str, prompt: list[int], tool: bool) -> None:
-        tag = SessionTag(key, lambda _text, _ids: tool)
-        eng.add_request(prompt, SamplingParams(2, ignore_eos=True), chat=False, session=tag)
-        while eng.has_unfinished():
-            eng.step()
+    run = functools.partial(_serve, eng)
 
     a, b, c = _prompt(1, 380), _prompt(2, 380), _prompt(3, 560)
     run("A", a, tool=True)
@@ -128,13 +134,7 @@ def test_a_waiting_session_is_demoted_to_the_host_tier_and_loaded_back_when_it_r
     eng = Engine("random", page_size=4, kv_tokens=1200, max_context_len=1024,
                  eviction_policy="session", prefix_cache=True, host_tokens=4096)  # fmt: skip
 
-    def run(key: str, prompt: list[int], tool: bool) -> int:
-        tag = SessionTag(key, lambda _text, _ids: tool)
-        rid = eng.add_request(prompt, SamplingParams(2, ignore_eos=True), chat=False,
-                              session=tag)  # fmt: skip
-        while eng.has_unfinished():
-            eng.step()
-        return rid
+    run = functools.partial(_serve, eng)
 
     a, b, c = _prompt(1, 380), _prompt(2, 380), _prompt(3, 560)
     run("A", a, tool=True)
@@ -230,11 +230,7 @@ def test_on_a_hybrid_model_the_one_budget_keeps_the_agent_coming_back(
                  max_context_len=1024, eviction_policy=policy)  # fmt: skip
     assert ("session order" in eng.memory_summary()[0]) == (policy == "session")
 
-    def run(key: str, prompt: list[int], tool: bool) -> None:
-        tag = SessionTag(key, lambda _text, _ids: tool)
-        eng.add_request(prompt, SamplingParams(2, ignore_eos=True), chat=False, session=tag)
-        while eng.has_unfinished():
-            eng.step()
+    run = functools.partial(_serve, eng)
 
     a, b, c = _prompt(1, 380), _prompt(2, 380), _prompt(3, 560)
     run("A", a, tool=True)
