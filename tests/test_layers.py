@@ -64,6 +64,16 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+def test_the_tests_mirror_every_part_of_the_source():
+    """tests/ has a folder of tests for each part of src/radixkv (a package, or a
+    module at the top: key.py, events.py, units.py), so a part's tests are where its
+    code is."""
+    parts = {_part(m) for m in _modules()} - {"__init__"}
+    tests = SRC.parents[1] / "tests"
+    missing = sorted(p for p in parts if not any((tests / p).glob("test_*.py")))
+    assert not missing, f"no tests/<part>/ for: {missing}"
+
+
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(SRC)))
 def test_each_module_imports_only_layers_below_it(path):
     banned = set(FORBIDDEN.get(_part(path), ())) - {_part(path)}

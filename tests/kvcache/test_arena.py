@@ -30,7 +30,6 @@ from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.kvcache.window_slots import WindowSlots
 from radixkv.tree.window import WindowKV
-from radixkv.units import parse_bytes
 
 GEMMA = ("Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 10,
                                "layer_types": ["sliding_attention", "full_attention"]})  # fmt: skip
@@ -349,20 +348,6 @@ def test_a_model_whose_every_layer_slides_serves_from_one_arena(tmp_path, page):
     assert one.cache_bytes_evicted()["window"] > 0 and one.scheduler.hit_tokens > 0
     reference = transformers.MistralForCausalLM.from_pretrained(path).eval()
     assert outs[0] == greedy(reference, ps[0], 10)
-
-
-@pytest.mark.parametrize(
-    ("text", "n"), [("384KiB", 384 * 1024), ("256MiB", 2**28), ("4GiB", 2**32),
-                    ("1.5GB", 1_500_000_000), ("1000", 1000), ("64 B", 64)],
-)  # fmt: skip
-def test_byte_sizes_read_as_written(text, n):
-    assert parse_bytes(text) == n
-
-
-@pytest.mark.parametrize("text", ["4x", "1b", "GiB", "-1KiB", "0", "1k"])
-def test_unreadable_byte_sizes_are_refused(text):
-    with pytest.raises(ValueError, match="byte size"):
-        parse_bytes(text)
 
 
 # --- radixkv serve ---------------------------------------------------------------------------
