@@ -240,3 +240,27 @@ def test_on_a_hybrid_model_the_one_budget_keeps_the_agent_coming_back(
     kept = {k: eng.cache.match_len(p) for k, p in (("A", a), ("B", b))}
     victim, keeper = ("B", "A") if policy == "session" else ("A", "B")
     assert kept[keeper] >= 372 and kept[victim] < 372, kept
+
+
+def test_a_request_naming_no_session_joins_the_one_whose_answer_it_continues():
+    """No header, no key: a follow-up whose prompt continues an earlier answer (its
+    prompt, then what the model said, then more) is that answer's session, found from
+    the tree at admission; an unrelated prompt starts a session of its own."""
+    eng = Engine("random", page_size=4, kv_tokens=2048, max_context_len=1024,
+                 eviction_policy="session")  # fmt: skip
+    finished = {}
+
+    def run(prompt: list[int]) -> tuple[object, list[int]]:
+        rid = eng.add_request(prompt, SamplingParams(6, ignore_eos=True), chat=False,
+                              session=SessionTag(None))  # fmt: skip
+        req = eng.requests[rid]
+        while eng.has_unfinished():
+            for out in eng.step():
+                finished[out.rid] = out
+        return req.session.key, list(req.output_ids)
+
+    first, said = run(_prompt(1, 101))
+    again, _ = run(_prompt(1, 101) + said + _prompt(9, 30))  # the next turn
+    other, _ = run(_prompt(2, 101))
+    assert first is not None and again == first and other not in (None, first)
+    assert set(eng.sessions.clock.sessions) == {first, other}

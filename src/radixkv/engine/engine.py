@@ -219,10 +219,11 @@ class Engine:
         return self.memory.evicted_bytes()
 
     def _admitted(self, r: EngineReq) -> None:
-        """A request was just admitted: a retained prefix its hit used whole lives on
-        from now."""
+        """Admitted: a retained prefix its hit used lives on; a tagless session is found."""
         if r.last_node is not None:
             self.retention.hit(r.last_node)
+        if self.sessions is not None and r.session is not None and r.session.key is None:
+            self.sessions.admitted(r, time.monotonic())
 
     def model_identity(self) -> bytes:
         """16 bytes naming what this engine's KV means (weights, config, dtype, page
@@ -428,25 +429,15 @@ class Engine:
             # seed + i: 2**64 - 1 + 1 used to overflow, and the 400 named max_tokens)
             gen.manual_seed(sampling.seed % 2**64 if sampling.seed is not None else torch.seed())
         req = EngineReq(
-            rid,
-            ids,
-            extra_key=extra_key,
-            sampling=sampling,
-            generator=gen,
-            order=order,
-            group=group,
-            arrival=time.perf_counter(),
-            boundaries=marks,
-            cache_limit=spec.limit,
-            cache_read=spec.read,
-            retain=spec.retain,
-            cache_spec=cache is not None,
+            rid, ids, extra_key=extra_key, sampling=sampling, generator=gen, order=order,
+            group=group, arrival=time.perf_counter(), boundaries=marks, cache_limit=spec.limit,
+            cache_read=spec.read, retain=spec.retain, cache_spec=cache is not None,
             session=session,
-        )
+        )  # fmt: skip
         self.scheduler.add(req)  # raises for a request that can never fit
         self.requests[rid] = req
-        if session is not None and self.sessions is not None:
-            self.sessions.started(session.key, time.monotonic())
+        if session is not None and session.key is not None and self.sessions is not None:
+            self.sessions.started(session.key, time.monotonic())  # (None: at admission)
         self.counters.prompt_tokens += len(ids)
         return rid
 

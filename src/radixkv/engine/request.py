@@ -154,10 +154,12 @@ class CacheSpec:
 @dataclass(frozen=True)
 class SessionTag:
     """The agent session a request belongs to (``--eviction-policy session``:
-    `radixkv.kvcache.sessions`). ``called_tool(text, output_ids)``: whether a finished
-    answer called a tool (the session comes back in seconds), else it ended its turn."""
+    `radixkv.kvcache.sessions`); ``key`` None: the one whose last answer its prompt
+    continues, found from the tree at admission (else a new one). ``called_tool(text,
+    output_ids)``: whether a finished answer called a tool (the session comes back in
+    seconds), else it ended its turn."""
 
-    key: str
+    key: str | None
     called_tool: Callable[[str, list[int]], bool] | None = None
 
 

@@ -42,7 +42,9 @@ touch: how the tree evicts (its order reads the priorities), requests.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import itertools
 import statistics
 from collections import deque
 from typing import Any, NamedTuple
@@ -189,14 +191,35 @@ class SessionOrder:
 
     def __init__(self, cache: Any) -> None:
         self.cache, self.clock = cache, SessionClock()
+        self._ends: dict[Any, Any] = {}  # a session's last node -> the session
+        self._anonymous = itertools.count()
 
     def started(self, session: Any, now: float) -> None:
         self.clock.started(session, now)
         self._release_forgotten()
 
+    def admitted(self, req: Any, now: float) -> None:
+        """A request whose tag names no session (``session.key`` None) was admitted: its
+        session is the one whose last answer ended where its cached prefix ends (its
+        hit's node, ``req.last_node``, or one of that node's children: a hit ending
+        inside that answer's node split it), else a new one of its own. The tag is
+        replaced by one naming it."""
+        node, key = req.last_node, None
+        if node is not None and node.parent is not None:
+            owners = [self._ends[x] for x in (node, *node.children.values()) if x in self._ends]
+            live = [k for k in owners if k in self.clock.sessions]
+            if live:  # (the latest answer among them)
+                key = max(live, key=lambda k: self.clock.sessions[k].end)
+        if key is None:
+            key = ("tree", next(self._anonymous))
+        req.session = dataclasses.replace(req.session, key=key)
+        self.started(key, now)
+
     def _release_forgotten(self) -> None:
         while self.clock.forgotten:
-            self.release(*self.clock.forgotten.pop())
+            node, top = self.clock.forgotten.pop()
+            self._ends.pop(node, None)
+            self.release(node, top)
 
     def requests_stopped(self, reqs: Any, now: float) -> None:
         """Requests that left (``session``: a `SessionTag` or None; ``final_node``, their
@@ -205,7 +228,7 @@ class SessionOrder:
         cut, an abort or a failure)."""
         for r in reqs:
             tag = getattr(r, "session", None)
-            if tag is None:
+            if tag is None or tag.key is None:  # (left before admission named it)
                 continue
             stop = "end_turn" if r.finish_reason == "stop" else ""
             if stop and tag.called_tool is not None:
@@ -220,6 +243,9 @@ class SessionOrder:
         before = (s.node, s.top) if s is not None else (None, None)
         predicted = self.clock.stopped(session, now, stop, node)
         self._release_forgotten()
+        if node is not None and node is not before[0]:  # where a tagless follow-up lands
+            self._ends.pop(before[0], None)
+            self._ends[node] = session
         if before[0] is not None and node is not None and not _on_path(before[0], node):
             self.release(*before)  # the session left that path (it went on elsewhere)
         if node is not None and self.clock.sessions[session].running == 0:
@@ -256,7 +282,12 @@ class SessionOrder:
         s = self.clock.sessions.get(session)
         if s is None or s.node is None:
             return
-        node = s.node = _surviving(s.node, s.top)
+        node = _surviving(s.node, s.top)
+        if node is not s.node:  # (a tagless follow-up lands where the path survives)
+            self._ends.pop(s.node, None)
+            if node is not None:
+                self._ends[node] = session
+        s.node = node
         if node is None:
             s.top = None
             return

@@ -290,10 +290,9 @@ class Api:
         return ids
 
     def session(self, key: str | None, salt: str | None, plan: ToolPlan) -> SessionTag | None:
-        """The agent session a request names (``key``; within its tenant's ``salt``), and
-        how its answer's tool call is recognised (``plan``'s parser; no tools: none)."""
-        if not key:
-            return None
+        """The agent session a request names (``key``; within its tenant's ``salt``; none:
+        the engine finds it from the tree), and how its answer's tool call is recognised
+        (``plan``'s parser; no tools: none)."""
         parser, marker_id = plan.parser, self.marker_id
 
         def called_tool(text: str, ids: list[int]) -> bool:
@@ -301,7 +300,8 @@ class Api:
                 return True
             return bool(parser.parse(plan.opening + text).calls)  # type: ignore[union-attr]
 
-        return SessionTag(f"{salt or ''}\0{key}"[:2048], called_tool if parser else None)
+        named = f"{salt or ''}\0{key}"[:2048] if key else None
+        return SessionTag(named, called_tool if parser else None)
 
     def marked(self, ids: list[int], text: str) -> str:
         """A step's output text with the parser's marker where its special token was (the
