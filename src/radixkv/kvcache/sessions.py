@@ -201,13 +201,13 @@ class SessionOrder:
     def admitted(self, req: Any, now: float) -> None:
         """A request whose tag names no session (``session.key`` None) was admitted: its
         session is the one whose last answer ended where its cached prefix ends (its
-        hit's node, ``req.last_node``, or one of that node's children: a hit ending
-        inside that answer's node split it), else a new one of its own. The tag is
-        replaced by one naming it."""
+        hit's node, ``req.last_node``, or that node's only child: a hit ending inside
+        that answer's node split it), else a new one of its own. The tag is replaced by
+        one naming it. O(1): a prefix many sessions share is never walked."""
         node, key = req.last_node, None
         if node is not None and node.parent is not None:
-            owners = [self._ends[x] for x in (node, *node.children.values()) if x in self._ends]
-            live = [k for k in owners if k in self.clock.sessions]
+            near = (node, *node.children.values()) if len(node.children) == 1 else (node,)
+            live = [self._ends[x] for x in near if self._ends.get(x) in self.clock.sessions]
             if live:  # (the latest answer among them)
                 key = max(live, key=lambda k: self.clock.sessions[k].end)
         if key is None:
