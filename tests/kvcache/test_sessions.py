@@ -56,11 +56,16 @@ def test_stamps_order_later_returns_first():
 
 
 def _serve(eng: Engine, key: str, prompt: list[int], tool: bool) -> None:
-    """One request of session ``key`` run to its end; its answer called a tool or not."""
+    """One request of session ``key`` run to its end, a stop the server reads (its model
+    ends at once: ``finish_reason`` ``stop``): its answer called a tool or ended the turn."""
     tag = SessionTag(key, lambda _text, _ids: tool)
-    eng.add_request(prompt, SamplingParams(2, ignore_eos=True), chat=False, session=tag)
+    eos = eng.tokenizer.eos_token_id
+    eng.add_request(prompt, SamplingParams(2, logit_bias=((eos, 100.0),)), chat=False,
+                    session=tag)  # fmt: skip
     while eng.has_unfinished():
         eng.step()
+    assert eng.sessions is None or eng.sessions.clock.sessions[key].stop == (
+        "tool_use" if tool else "end_turn")  # fmt: skip
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -84,6 +89,9 @@ def test_the_agent_coming_back_is_kept_over_the_person_who_left(policy):
     kept = {k: eng.cache.match_len(p) for k, p in (("A", a), ("B", b))}
     victim, keeper = ("B", "A") if policy == "session" else ("A", "B")
     assert kept[keeper] == 380 and kept[victim] < 380, kept
+    if policy == "session":  # what it gave up: B, whose person is back in minutes
+        gone = eng.sessions.reasons.tokens
+        assert gone["back_later"] >= 380 - kept["B"] and gone["back_within_1m"] == 0, gone
 
 
 def test_a_hybrid_model_with_separate_pools_refuses_the_session_order(hybrid_models, capsys):

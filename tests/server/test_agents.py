@@ -8,6 +8,7 @@ write a tool call."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import anthropic
@@ -616,5 +617,8 @@ def test_the_session_order_keeps_the_agent_that_called_a_tool(folder, tmp_path):
         metrics = httpx.get(f"{srv.url}/metrics").text
         assert 'radixkv:agent_sessions_waiting{model_name="tiny"} 3.0' in metrics
         assert 'radixkv:agent_sessions_running{model_name="tiny"} 0.0' in metrics
+        later = re.search(r'radixkv:session_evicted_tokens_total\{model_name="tiny",'
+                          r'reason="back_later"\} ([0-9.e+]+)', metrics)  # fmt: skip
+        assert later and float(later.group(1)) >= 200  # (B's turn ended: back in minutes)
     finally:
         assert srv.stop() == 0

@@ -49,6 +49,8 @@ import statistics
 from collections import deque
 from typing import Any, NamedTuple
 
+from radixkv.tree.component import TreeComponent
+
 DEFAULT_GAP_S = {"tool_use": 10.0, "end_turn": 600.0, "": 30.0}
 MAX_GAPS = 64  # gaps remembered per session and stop reason
 FORGET_S = 7 * 86400.0  # a session silent this long is forgotten
@@ -57,6 +59,9 @@ FORGET_S = 7 * 86400.0  # a session silent this long is forgotten
 # runs nothing is forgotten first
 MAX_SESSIONS = 100_000
 PRIORITY_TOP = 1 << 62  # a stamp is this less the predicted return in ms
+# why the cache gave up tokens (`EvictionReasons`): what its stamp said when it went
+REASONS = ("no_session", "back_within_1m", "back_later")
+SOON_S = 60.0  # a return predicted within this long is an agent about to come back
 
 
 class _Session:
@@ -185,12 +190,36 @@ def priority_of(predicted: float) -> int:
     return max(1, PRIORITY_TOP - int(predicted * 1000.0))
 
 
+class EvictionReasons(TreeComponent):
+    """Tokens the cache evicted, by what their stamp said then (`REASONS`): no session's
+    (priority 0), a session predicted back within `SOON_S` (an agent about to return:
+    the cache is short of its working set), or later. Read by the metrics; counted once
+    the tree changed (``evicted``: a retried eviction is not counted twice)."""
+
+    name = "session_reasons"
+
+    def __init__(self) -> None:
+        self.now = 0.0  # the session clock's time, as of the last tick
+        self.tokens = dict.fromkeys(REASONS, 0)
+
+    def evicted(self, victims: list[Any], trim: tuple[Any, int] | None) -> None:
+        for node, units in [(v, len(v)) for v in victims] + ([trim] if trim else []):
+            if not node.priority:
+                reason = "no_session"
+            else:
+                back = (PRIORITY_TOP - node.priority) / 1000.0
+                reason = "back_within_1m" if back - self.now <= SOON_S else "back_later"
+            self.tokens[reason] += units  # (a unit is a token: pages are whole units)
+
+
 class SessionOrder:
     """The tree's ``session`` order: `started` and `stopped` as requests come and go,
     `tick` before evicting (the sessions that came due are stamped again)."""
 
     def __init__(self, cache: Any) -> None:
         self.cache, self.clock = cache, SessionClock()
+        self.reasons = EvictionReasons()
+        cache.add_component(self.reasons)
         self._ends: dict[Any, Any] = {}  # a session's last node -> the session
         self._anonymous = itertools.count()
 
@@ -269,6 +298,7 @@ class SessionOrder:
             self.cache.order.push(node)
 
     def tick(self, now: float) -> None:
+        self.reasons.now = now
         for due in self.clock.due(now):
             self._stamp_session(due.session, due.predicted)
         self._release_forgotten()
@@ -359,5 +389,5 @@ def session_order(
     return SessionOrder(cache)
 
 
-__all__ = ["DEFAULT_GAP_S", "PRIORITY_TOP", "Due", "SessionClock", "SessionOrder",
-           "priority_of", "session_order"]  # fmt: skip
+__all__ = ["DEFAULT_GAP_S", "PRIORITY_TOP", "REASONS", "Due", "EvictionReasons",
+           "SessionClock", "SessionOrder", "priority_of", "session_order"]  # fmt: skip

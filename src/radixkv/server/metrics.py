@@ -242,6 +242,15 @@ class EngineCollector(Collector):
             evicted.add_metric([self.model_name, kind], gone[kind])
         yield held
         yield evicted
+        if e.sessions is not None:  # --eviction-policy session (ints: safe off its thread)
+            why = CounterMetricFamily(
+                "radixkv:session_evicted_tokens", "Cached tokens evicted under the session "
+                "order, by what their stamp said: no_session, back_within_1m (an agent "
+                "predicted back within a minute), back_later", labels=["model_name", "reason"],
+            )  # fmt: skip
+            for reason, n in e.sessions.reasons.tokens.items():
+                why.add_metric([self.model_name, reason], n)
+            yield why
 
 
 class ServerMetrics:
