@@ -272,3 +272,28 @@ def test_a_request_naming_no_session_joins_the_one_whose_answer_it_continues():
     other, _ = run(_prompt(2, 101))
     assert first is not None and again == first and other not in (None, first)
     assert set(eng.sessions.clock.sessions) == {first, other}
+
+
+def test_a_prefix_its_sessions_shared_and_left_is_unstamped_once_it_is_a_leaf():
+    """A shared ancestor keeps the soonest return stamped below it; once its sessions
+    went on elsewhere, their old paths were evicted and that return has passed, it is a
+    leaf no session owns (before, it kept that stamp, the highest priority there is,
+    and was never evicted)."""
+    cache, order, add = _tree_order()
+    a = add(list(range(100, 140)) + [1] * 8)
+    b = add(list(range(100, 140)) + [2] * 8)
+    shared = a.parent
+    assert shared is b.parent and len(shared) == 40
+    for name, node in (("A", a), ("B", b)):
+        order.started(name, 0.0)
+        order.stopped(name, 1.0, "tool_use", node)
+    stale = priority_of(1.0 + DEFAULT_GAP_S["tool_use"])
+    assert shared.priority == stale
+    for i, name in enumerate("AB"):  # each goes on from elsewhere
+        order.started(name, 2.0)
+        order.stopped(name, 3.0, "tool_use", add(list(range(500 + 100 * i, 540 + 100 * i))))
+    assert a.priority == b.priority == 0 and shared.priority == stale
+    order.tick(100.0)
+    cache.evict_leaf(a)
+    cache.evict_leaf(b)
+    assert shared.priority == 0 and not shared.children

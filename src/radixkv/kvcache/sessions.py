@@ -201,8 +201,13 @@ class EvictionReasons(TreeComponent):
     def __init__(self) -> None:
         self.now = 0.0  # the session clock's time, as of the last tick
         self.tokens = dict.fromkeys(REASONS, 0)
+        self._parents: list[Any] = []  # the whole victims' parents (leaves next, maybe)
+
+    def evicting(self, victims: list[Any], trim: tuple[Any, int] | None, slots: Any) -> None:
+        self._parents = [v.parent for v in victims]  # (a retry sets the same again)
 
     def evicted(self, victims: list[Any], trim: tuple[Any, int] | None) -> None:
+        self._unstamp_stale(self._parents)
         for node, units in [(v, len(v)) for v in victims] + ([trim] if trim else []):
             if not node.priority:
                 reason = "no_session"
@@ -210,6 +215,18 @@ class EvictionReasons(TreeComponent):
                 back = (PRIORITY_TOP - node.priority) / 1000.0
                 reason = "back_within_1m" if back - self.now <= SOON_S else "back_later"
             self.tokens[reason] += units  # (a unit is a token: pages are whole units)
+
+    def _unstamp_stale(self, parents: list[Any]) -> None:
+        """A parent left a leaf by the eviction, its stamp a return already past: no live
+        session's (each overdue one was stamped again at the last tick, its own branch
+        with it), so it is a prefix its sessions shared and left (a shared ancestor keeps
+        the soonest return ever stamped below it). Back to 0, as a path no session owns."""
+        for x in parents:
+            if (x is not None and x.parent is not None and x.priority and not x.children
+                    and (PRIORITY_TOP - x.priority) / 1000.0 < self.now):  # fmt: skip
+                x.priority = 0
+                if not x.lock_ref:
+                    self.cache.order.push(x)
 
 
 class SessionOrder:
