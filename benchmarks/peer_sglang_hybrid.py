@@ -34,7 +34,7 @@ PEER = PEERS / "sglang" / "bin" / "python"
 def pools(spec, cap: int) -> dict[str, int]:
     """SGLang's split of ``cap`` bytes: full-attention KV tokens and state slots (as the
     simulator's ``sglang`` row splits them)."""
-    from radixkv.engine.config import SGLANG_STATE_RATIO  # (the simulator's too)
+    from radixkv.kvcache.plan import SGLANG_STATE_RATIO  # (the simulator's too)
 
     full_share = cap / (1 + SGLANG_STATE_RATIO)
     return {"tokens": int(full_share // spec.full_kv),

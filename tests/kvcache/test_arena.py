@@ -207,7 +207,7 @@ def test_a_hit_restores_a_checkpoint_from_arena_units(hybrid_models):
     eng = Engine(hybrid_models["qwen3.5"], cache_bytes=2**20, page_size=4, check_memory=True)
     p = prompts(1)[0]
     first = eng.generate([p], max_new_tokens=8, chat=False, ignore_eos=True).outputs[0]
-    assert eng.arena.arena.held["states"] > 0 and eng.recurrent.store.held_ids
+    assert eng.arena.held["states"] > 0 and eng.recurrent.store.held_ids
     again = eng.generate([p], max_new_tokens=8, chat=False, ignore_eos=True).outputs[0]
     assert again.cached_tokens > 0 and again.token_ids == first.token_ids
 
@@ -223,7 +223,7 @@ def test_aborts_at_every_stage_return_every_unit(hybrid_models):
     while eng.has_unfinished():
         eng.step()
     eng.flush_cache()
-    ar = eng.arena.arena
+    ar = eng.arena
     assert ar.free_units() == ar.num_units
 
 
@@ -271,7 +271,7 @@ def test_bad_budget_settings_are_refused(kwargs, match):
 
 
 def arena_units(engine: Engine) -> int:
-    return engine.arena.arena.num_units
+    return engine.arena.num_units
 
 
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
@@ -285,7 +285,7 @@ def test_kv_and_window_tokens_cap_their_kind_inside_the_budget(hybrid_models, na
     capped = Engine(hybrid_models[name], cache_bytes=200_000, **caps, **small)
     roomy = Engine(hybrid_models[name], kv_tokens=4096, **small)
     ps = [p[:60] for p in prompts(8)]
-    arena, peak = capped.arena.arena, {"full": 0, "window": 0, "free": arena_units(capped)}
+    arena, peak = capped.arena, {"full": 0, "window": 0, "free": arena_units(capped)}
 
     def watch(_done: int, _all: int) -> None:
         for kind in ("full", "window"):
@@ -297,10 +297,10 @@ def test_kv_and_window_tokens_cap_their_kind_inside_the_budget(hybrid_models, na
     assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert a.stats.cached_tokens > 0 and capped.mgr.allocator.capacity == 96
     assert "capped at 96 tokens" in "\n".join(capped.memory_summary())  # said at start
-    assert peak["full"] == 96 // 4 * capped.arena.full_columns  # at its cap, never beyond
+    assert peak["full"] == 96 // 4 * capped.memory.plan.arena.full_columns  # at its cap
     assert peak["free"] > 0 and capped.cache_bytes_evicted()["full"] > 0  # the cap evicted
     if name == "gemma3":
-        assert peak["window"] == 48 // 4 * capped.arena.window_columns
+        assert peak["window"] == 48 // 4 * capped.memory.plan.arena.window_columns
     with pytest.raises(ValueError, match=r"window_tokens: 8 tokens cap the window KV below"):
         Engine(hybrid_models["gemma3"], cache_bytes=200_000, window_tokens=8, **small)
 

@@ -1,5 +1,7 @@
-"""`CacheMemory`: an engine's cache memory, built from its config and its model's layer
-specs, and what it reports: bytes held and evicted per kind, usage, a summary, checks.
+"""`CacheMemory`: an engine's cache memory, allocated as `radixkv.kvcache.plan` sized it
+from the config's memory knobs and the model's layer specs (after the machine's check),
+the tiers below it, and what it reports: bytes held and evicted per kind, usage, a
+summary, checks.
 
 Two shapes, chosen by `EngineConfig`:
     one arena     ``cache_bytes`` (``cache_split="one"``): full-attention KV pages,
@@ -10,8 +12,8 @@ Two shapes, chosen by `EngineConfig`:
                   each evicting its own (or ``cache_split="sglang"``: ``cache_bytes``
                   split into them by SGLang's fixed ratios)
 
-Owns: which shape, and the reports over it. Must not touch: requests and the step (the
-engine's), how each part is built (the loader's).
+Owns: the allocation of what the plan sized, and the reports over it. Must not touch:
+the sizes (the plan's), requests and the step (the engine's), the model (the loader's).
 """
 
 from __future__ import annotations
@@ -21,50 +23,45 @@ from typing import Any
 import torch
 
 from radixkv.engine.config import EngineConfig
-from radixkv.engine.loader import build_memory, build_states, plan_arena, split_budget
-from radixkv.kvcache.arena import ArenaCheckpoints, ArenaRoom
+from radixkv.engine.machine import check_fits
+from radixkv.kvcache.arena import Arena, ArenaCheckpoints, ArenaKV, ArenaPages, ArenaRoom
 from radixkv.kvcache.budget import HybridBudget
+from radixkv.kvcache.lifecycle import CacheManager
+from radixkv.kvcache.managers import LayerManager
+from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.plan import MemoryPlan, plan_memory
 from radixkv.kvcache.recurrent import RecurrentStates
+from radixkv.kvcache.state_pool import StatePool
+from radixkv.kvcache.window_slots import WindowSlots
+from radixkv.tree import RadixCache
+from radixkv.tree.window import WindowKV
 
 MIB = 2**-20
 
 
 class CacheMemory:
     """The cache, its KV, its request lifecycle (``mgr``), and on a model with them the
-    window slots and the recurrent states, as ``cfg`` shapes them for ``model``."""
+    window slots and the recurrent states, as ``cfg`` shapes them for ``model``: sized
+    by `plan_memory` (``plan``), checked against the machine, then allocated.
+
+    Raises:
+        ValueError: a size this model cannot take or this machine cannot hold, naming
+            the knob (`radixkv.kvcache.plan`, `radixkv.engine.machine`).
+    """
 
     def __init__(self, cfg: EngineConfig, model: torch.nn.Module, device: torch.device) -> None:
         mc = model.config  # type: ignore[attr-defined]
-        specs = mc.layer_specs()
-        if cfg.checkpoint_every and specs.recurrent is None:
-            raise ValueError(f"checkpoint_every: {mc.architecture} has no recurrent "
-                             "layers to checkpoint")  # fmt: skip
-        self.pools = pools = split_budget(cfg, mc)  # cache_split="sglang": the three pools
-        try:
-            self.arena = plan_arena(pools, mc, device) if pools.one_arena else None
-        except ValueError as e:  # "auto" was sized by kv_tokens: name that
-            if cfg.cache_bytes != "auto":
-                raise
-            raise ValueError(
-                f"kv_tokens: {pools.pool_tokens:,} tokens size the budget "
-                f"(--cache-bytes auto): {str(e).removeprefix('cache_bytes: ')}"
-            ) from None
-        self.recurrent: RecurrentStates | None = None
-        managers: tuple = ()
-        if specs.recurrent is not None:
-            pool = build_states(pools, specs.recurrent, device)
-            model.use_states(pool)  # type: ignore[operator]
-            store, cap = None, pools.checkpoint_cap
-            if self.arena is not None:
-                store = ArenaCheckpoints(self.arena.arena, specs.recurrent.state_bytes)
-                cap = cap or max(1, self.arena.arena.num_units // store.per)
-            self.recurrent = RecurrentStates(pool, cap or 1, cfg.checkpoint_every // cfg.page_size,
-                                             store=store)  # fmt: skip
-            managers = (self.recurrent,)
-        memory = build_memory(pools, mc, device, managers, self.arena)
-        self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
-        self.window = memory.window  # the sliding layers' own slot space, if any
-        self.why_not_window = memory.why_not_window
+        self.plan = plan = plan_memory(mc.layer_specs(), cfg.cache_config, mc.architecture)
+        _check_fits(plan, cfg, device)
+        self.arena = Arena(plan.arena.units, plan.arena.unit_bytes, device) if plan.arena else None
+        self.recurrent = _states(plan, model, self.arena, device)
+        managers = (self.recurrent,) if self.recurrent is not None else ()
+        self.cache, self.allocator, self.window = _tree(plan, cfg, self.arena, device, managers)
+        self.kv = _kv(plan, mc, self.arena, self.allocator, self.window, device)
+        slots = (self.window,) if self.window is not None else ()
+        req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=device)
+        self.mgr = CacheManager(self.cache, self.allocator, req_pool, *slots, *managers)
+        self.why_not_window = plan.window.why_not
         self.budget: HybridBudget | None = None
         self.room: ArenaRoom | None = None
         if self.arena is not None:
@@ -74,16 +71,16 @@ class CacheMemory:
         """One arena: its room frees units across kinds in the budget's order (its own,
         or under ``session`` the priorities the session order stamps); every kind's
         allocation goes through it."""
-        plan = self.arena
-        assert plan is not None
-        unit = plan.arena.unit_bytes
+        plan, arena = self.plan.arena, self.arena
+        assert plan is not None and arena is not None
+        unit = plan.unit_bytes
         win = self.window.component if self.window is not None else None
         self.budget = HybridBudget(  # a hit's worth: the tokens it saves (the budget's default)
             self.cache, self.recurrent.component if self.recurrent is not None else None, win,
             token_bytes=plan.full_columns * unit // p, window_bytes=plan.window_columns * unit // p,
             order="priority" if policy == "session" else "greedy-dual",
         )  # fmt: skip
-        self.room = ArenaRoom(plan.arena, self.budget, plan.full_columns, win,
+        self.room = ArenaRoom(arena, self.budget, plan.full_columns, win,
                               max(plan.window_columns, 1), p)  # fmt: skip
         if plan.full_columns:  # (every layer sliding: full slots cost no unit)
             self.mgr.room = self.room
@@ -119,9 +116,8 @@ class CacheMemory:
         return lines
 
     def _arena_summary(self) -> list[str]:
-        plan = self.arena
-        assert plan is not None
-        ar = plan.arena
+        plan, ar = self.plan.arena, self.arena
+        assert plan is not None and ar is not None
         kinds = ["full-attention KV"] if plan.full_columns else []
         kinds += ["sliding-window KV"] if plan.window_columns else []
         kinds += ["recurrent-state checkpoints"] if self.recurrent is not None else []
@@ -156,7 +152,7 @@ class CacheMemory:
         """Bytes the cache and the running requests hold, per kind (``full``,
         ``window``, ``states``): the arena's units, or each pool's handed-out pages."""
         if self.arena is not None:
-            return self.arena.arena.held_bytes()
+            return self.arena.held_bytes()
         kv, a = self.kv, self.mgr.allocator
         held = {"full": (a.size - a.available_size()) * kv.bytes_per_token(), "window": 0,
                 "states": 0}  # fmt: skip
@@ -170,7 +166,7 @@ class CacheMemory:
     def evicted_bytes(self) -> dict[str, int]:
         """Bytes evicted to make room since the start, per kind."""
         if self.arena is not None:
-            ar = self.arena.arena
+            ar = self.arena
             return {k: n * ar.unit_bytes for k, n in ar.evicted.items()}
         kv = self.kv
         gone = {"full": self.mgr.evicted_tokens * kv.bytes_per_token(), "window": 0, "states": 0}
@@ -183,7 +179,7 @@ class CacheMemory:
     def usage(self) -> float:
         """Fraction in use: of the arena, or of the full KV pool."""
         if self.arena is not None:
-            ar = self.arena.arena
+            ar = self.arena
             return 1.0 - ar.free_units() / ar.num_units
         a = self.mgr.allocator
         return 1.0 - a.available_size() / a.size
@@ -192,13 +188,115 @@ class CacheMemory:
         """With an arena: every unit is free or held once, by the kind that says so."""
         if self.arena is None:
             return
-        full = [self.mgr.allocator.source.units()] if self.arena.full_columns else []
+        shape = self.plan.arena
+        assert shape is not None
+        full = [self.mgr.allocator.source.units()] if shape.full_columns else []
         holders: dict[str, list[Any]] = {"full": full, "window": [], "states": []}
         if self.window is not None:
             holders["window"] = [self.window.allocator.source.units()]
         if self.recurrent is not None and self.recurrent.store is not None:
             holders["states"] = self.recurrent.store.units()
-        self.arena.arena.check(holders)
+        self.arena.check(holders)
 
 
-__all__ = ["CacheMemory"]
+def _check_fits(plan: MemoryPlan, cfg: EngineConfig, device: torch.device) -> None:
+    """Refuse a plan this machine cannot hold, naming the knob that sized it."""
+    try:
+        check_fits(plan.needs, device)
+    except ValueError as e:
+        if plan.arena is not None and cfg.cache_bytes == "auto":
+            raise ValueError(f"kv_tokens: {cfg.pool_tokens:,} tokens size the budget "
+                             f"(--cache-bytes auto): {e}") from None  # fmt: skip
+        raise ValueError(f"{plan.sized_by}: {e}" if plan.sized_by else str(e)) from None
+
+
+def _states(
+    plan: MemoryPlan, model: torch.nn.Module, arena: Arena | None, device: torch.device
+) -> RecurrentStates | None:
+    """The recurrent layers' state pool (a row per running request, spare rows for the
+    checkpoints and pending snapshots) handed to the model, and their manager."""
+    spec, cfg = plan.specs.recurrent, plan.config
+    if spec is None:
+        return None
+    pool = StatePool(spec, cfg.max_running, plan.state_rows, device)
+    model.use_states(pool)  # type: ignore[operator]
+    store = ArenaCheckpoints(arena, spec.state_bytes) if arena is not None else None
+    return RecurrentStates(pool, plan.checkpoints or 1, cfg.checkpoint_every // cfg.page_size,
+                           store=store)  # fmt: skip
+
+
+def _tree(
+    plan: MemoryPlan, cfg: EngineConfig, arena: Arena | None, device: torch.device,
+    managers: tuple[LayerManager, ...],
+) -> tuple[RadixCache, TokenToKVPoolAllocator, WindowSlots | None]:  # fmt: skip
+    """The full KV's allocator, the window slots (sliding layers apart) and the tree over
+    them, with the managers' tree components. The engine locks every node it keeps
+    right after matching or inserting it, so it opts in to chain merging (LRU) and
+    precise eviction (see `radixkv.tree`)."""
+    p, shape, win = cfg.page_size, plan.arena, plan.window
+    if shape is not None and arena is not None and shape.full_columns:
+        full = ArenaPages(arena, "full", shape.full_columns, shape.full_cap)
+        allocator = TokenToKVPoolAllocator(plan.full_slots, p, device, pages=full)
+        allocator.capacity = plan.full_capacity
+    else:  # separate pools, or every layer sliding (full slots index tokens, hold no KV)
+        allocator = TokenToKVPoolAllocator(plan.full_slots, p, device=device)
+    walloc = None
+    if win.layers and shape is not None and arena is not None:
+        wpages = ArenaPages(arena, "window", shape.window_columns, shape.window_cap)
+        walloc = TokenToKVPoolAllocator(win.tokens, p, device, pages=wpages)
+    elif win.layers:
+        walloc = TokenToKVPoolAllocator(win.tokens, p, device=device)
+    components = tuple(m.component for m in managers)
+    wkv = None
+    if walloc is not None:  # windows stay while there is room; under pressure spare ones go first
+        wkv = WindowKV(win.window, walloc, retain="all")
+        components = (*components, wkv)
+    cache = RadixCache(
+        p, cfg.eviction_policy, allocator, disable=not cfg.prefix_cache,
+        # merging joins an insert to another request's finished leaf, whose window a
+        # windowed insert (full KV first) would drop: windowed caches do not merge
+        eviction_mode="merge" if cfg.eviction_policy == "lru" and not win.layers else "precise",
+        components=components,
+    )  # fmt: skip
+    slots = None
+    if wkv is not None and walloc is not None:
+        slots = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, win.window)
+    return cache, allocator, slots
+
+
+def _kv(
+    plan: MemoryPlan, mc: Any, arena: Arena | None, allocator: TokenToKVPoolAllocator,
+    window: WindowSlots | None, device: torch.device,
+) -> Any:  # fmt: skip
+    """The K and V tensors: one pool per kind, or views into the arena's units."""
+    cfg, heads, dim, layers = plan.config, mc.num_key_value_heads, mc.head_dim, plan.specs.kv_layers
+    if arena is None:
+        return KVPool(layers, heads, dim, allocator.size, cfg.dtype, device, plan.window.layers,
+                      plan.window.tokens)  # fmt: skip
+    shape = plan.arena
+    assert shape is not None
+    return ArenaKV(arena, layers, heads, dim, cfg.dtype, cfg.page_size, shape.group,
+                   allocator.source if shape.full_columns else None,
+                   window.allocator.source if window is not None else None,
+                   plan.window.layers)  # fmt: skip
+
+
+def build_tiers(cfg: EngineConfig, memory: Any, identity: bytes) -> Any:
+    """The host pool and shared store below the device (`radixkv.storage.tier`), or
+    ``None`` when ``cfg`` asks for neither."""
+    if cfg.storage is None and not cfg.host_tokens:
+        return None
+    import os
+
+    from radixkv.storage.store import open_store
+    from radixkv.storage.tier import KVTiers
+
+    secret = cfg.storage_secret or os.environ.get("RADIXKV_STORAGE_SECRET") or None
+    store = open_store(cfg.storage, cfg.storage_max_bytes) if cfg.storage is not None else None
+    return KVTiers(
+        memory.kv, memory.cache, identity, store, cfg.host_tokens // cfg.page_size,
+        cfg.write_policy, secret.encode() if secret else None,
+    )  # fmt: skip
+
+
+__all__ = ["CacheMemory", "build_tiers"]

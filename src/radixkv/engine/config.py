@@ -4,28 +4,31 @@ Owns: the engine's knobs and their validation. Must not touch: building anything
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from radixkv.key import as_bool, as_count
+from radixkv.kvcache.plan import (  # noqa: F401  (the memory knobs' home; kept importable here)
+    CACHE_SPLITS,
+    DEFAULT_CHECKPOINTS,
+    DEFAULT_KV_TOKENS,
+    SGLANG_STATE_RATIO,
+    SGLANG_WINDOW_RATIO,
+    CacheConfig,
+)
 from radixkv.storage import WRITE_POLICIES
 from radixkv.tree.policy import POLICIES
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
-CACHE_SPLITS = ("one", "sglang")
-DEFAULT_KV_TOKENS = 8192  # without cache_bytes
-DEFAULT_CHECKPOINTS = 64  # without cache_bytes
-# SGLang's fixed split of one memory (`--cache-split sglang`): its server arguments'
-# defaults ``mamba_full_memory_ratio`` (state pool bytes / full KV bytes) and
-# ``swa_full_tokens_ratio`` (window pool tokens / full pool tokens)
-SGLANG_STATE_RATIO = 0.9
-SGLANG_WINDOW_RATIO = 0.8
 
 
 @dataclass
 class EngineConfig:
-    """How an `Engine` runs.
+    """How an `Engine` runs. The memory knobs (``page_size``, ``chunk_size``,
+    ``max_running``, ``max_context_len``, ``dtype``, ``kv_tokens``, ``window_tokens``,
+    ``max_checkpoints``, ``checkpoint_every``, ``cache_bytes``, ``cache_split``) are
+    validated and sized by `radixkv.kvcache.plan` (``cache_config``, `plan_memory`).
 
     Attributes:
         prefix_cache: reuse cached prefixes (False: a disabled cache, all recomputed).
@@ -120,22 +123,24 @@ class EngineConfig:
     cache_split: str = "one"  # with cache_bytes: "one" arena, or SGLang's fixed "sglang"
 
     @property
+    def cache_config(self) -> CacheConfig:
+        """The memory knobs, validated (`radixkv.kvcache.plan`: what sizes the cache)."""
+        return CacheConfig(**{f.name: getattr(self, f.name) for f in fields(CacheConfig)})
+
+    @property
     def pool_tokens(self) -> int:
         """The full KV pool's tokens without an arena (``kv_tokens`` or its default)."""
-        return DEFAULT_KV_TOKENS if self.kv_tokens is None else self.kv_tokens
+        return self.cache_config.pool_tokens
 
     @property
     def checkpoint_cap(self) -> int | None:
-        """Checkpoints held at most: ``max_checkpoints``, its default without an arena,
-        ``None`` (the budget's) with one."""
-        if self.max_checkpoints is not None:
-            return self.max_checkpoints
-        return None if self.one_arena else DEFAULT_CHECKPOINTS
+        """Checkpoints held at most (`CacheConfig.checkpoint_cap`)."""
+        return self.cache_config.checkpoint_cap
 
     @property
     def one_arena(self) -> bool:
         """Every kind of cache memory draws from one arena of ``cache_bytes``."""
-        return self.cache_bytes is not None and self.cache_split == "one"
+        return self.cache_config.one_arena
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -146,29 +151,14 @@ class EngineConfig:
             raise ValueError(
                 f"eviction_policy must be one of {tuple(POLICIES)}, got {self.eviction_policy!r}"
             )
-        for name in ("page_size", "chunk_size", "max_running", "kv_tokens", "max_context_len",
-                     "max_checkpoints", "cache_bytes"):  # fmt: skip
-            value = getattr(self, name)
-            if value is None and name in ("kv_tokens", "max_checkpoints", "cache_bytes"):
-                continue
-            if name == "cache_bytes" and value == "auto":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        self._check_budget()
-        if self.pool_tokens < 2 * self.page_size:
-            raise ValueError(
-                f"kv_tokens must hold at least two pages of {self.page_size} tokens, "
-                f"got {self.kv_tokens}"
-            )
-        as_count(self.checkpoint_every, "checkpoint_every")
-        if self.checkpoint_every % self.page_size:
-            raise ValueError(f"checkpoint_every must be a multiple of page_size "
-                             f"({self.page_size}), got {self.checkpoint_every}")  # fmt: skip
+        self.cache_config  # noqa: B018  (validates the memory knobs)
+        if self.cache_bytes is not None and self.cache_split == "one" and (
+            self.storage is not None or self.host_tokens
+        ):
+            raise ValueError("cache_bytes: host and store tiers read the separate pools; "
+                             "use cache_split='sglang' or kv_tokens with them")  # fmt: skip
         if self.max_retained_tokens is not None:
             as_count(self.max_retained_tokens, "max_retained_tokens")
-        if self.window_tokens is not None:
-            as_count(self.window_tokens, "window_tokens")
         as_bool(self.prefix_cache, "prefix_cache")
         as_bool(self.check_memory, "check_memory")
         as_count(self.seed, "seed")
@@ -188,23 +178,3 @@ class EngineConfig:
             if self.storage is None or not self.storage.startswith("file://"):
                 raise ValueError("storage_max_bytes: only a file:// store takes a size cap "
                                  "(size Redis with its maxmemory)")  # fmt: skip
-        if not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
-
-    def _check_budget(self) -> None:
-        """``cache_bytes`` and what goes with it."""
-        if self.cache_split not in CACHE_SPLITS:
-            raise ValueError(f"cache_split must be one of {CACHE_SPLITS}, got {self.cache_split!r}")
-        if self.cache_bytes is None:
-            if self.cache_split != "one":
-                raise ValueError("cache_split: splits a cache_bytes budget; set cache_bytes")
-            return
-        if self.cache_split == "sglang" and (self.kv_tokens is not None or self.window_tokens):
-            raise ValueError("kv_tokens, window_tokens: with cache_split='sglang' the split "
-                             "sizes the pools; give cache_bytes alone")  # fmt: skip
-        if self.cache_bytes == "auto" and self.window_tokens:
-            raise ValueError("window_tokens: with cache_bytes='auto' the window KV is sized "
-                             "in the budget; give a size to cap it inside")  # fmt: skip
-        if self.cache_split == "one" and (self.storage is not None or self.host_tokens):
-            raise ValueError("cache_bytes: host and store tiers read the separate pools; "
-                             "use cache_split='sglang' or kv_tokens with them")  # fmt: skip

@@ -4,11 +4,11 @@ The online API: ``add_request`` queues a request and returns its id; each ``step
 schedules (`radixkv.engine.scheduler`), runs the model (`ModelRunner`) and processes the
 sampled tokens (`radixkv.engine.output`: text, stop conditions, outputs), then caches
 what was computed; ``abort`` drops a request at any stage and frees its KV. ``generate``
-is the offline wrapper: add all, step until done. The parts are built by
-`radixkv.engine.loader`.
+is the offline wrapper: add all, step until done. The model comes from
+`radixkv.engine.loader`, the cache's memory from `radixkv.engine.cache_memory`.
 
 Owns: the requests in flight and the step. Must not touch: how the parts are built
-(the loader's), text and stop decisions (the output processor's).
+(the loader's, the cache memory's), text and stop decisions (the output processor's).
 
 Threads: one thread drives an `Engine` (`AsyncEngine` owns it for asyncio callers): the
 step, requests, the cache, the pools and the model are that thread's alone. Safe from
@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from radixkv.engine.cache_memory import CacheMemory
+from radixkv.engine.cache_memory import CacheMemory, build_tiers
 from radixkv.engine.config import SCHEDULE_POLICIES, EngineConfig
 from radixkv.engine.faults import EngineFault, FaultWatch
-from radixkv.engine.loader import build_tiers, load_model, load_tokenizer
+from radixkv.engine.loader import load_model, load_tokenizer
 from radixkv.engine.loader import model_identity as identity_of
 from radixkv.engine.model_runner import ModelRunner, NonFiniteLogits
 from radixkv.engine.models.llama import ModelConfig
@@ -197,7 +197,7 @@ class Engine:
             if self.recurrent is not None:  # its checkpoints go down the tiers too
                 from radixkv.storage.states import StateTiers
 
-                host_states = (memory.pools.checkpoint_cap or 0) if cfg.host_tokens else 0
+                host_states = (memory.plan.config.checkpoint_cap or 0) if cfg.host_tokens else 0
                 self.recurrent.tiers = StateTiers(self.tier, self.recurrent, self.cache,
                                                   host_states)  # fmt: skip
 

@@ -3,7 +3,8 @@ model's weights or an engine's pools are allocated, so that a size nobody can ha
 config's ``vocab_size`` of 2e9, ``max_checkpoints`` 1e9) is refused with one line naming
 it instead of growing the process until the allocator or the kernel stops it.
 
-Owns: that check. Must not touch: what is allocated (the loader does).
+Owns: that check. Must not touch: what is allocated (`radixkv.engine.cache_memory`
+and the loader do).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ the tree, between the tree (`radixkv.tree`) and the engine (`radixkv.engine`).
                      recurrent-state checkpoints, and the order it evicts in
     spec.py          layer specs: what each layer type keeps (full attention, sliding
                      window, recurrent), declared by each model's config
+    plan.py          `CacheConfig` (the memory knobs) and `plan_memory`: every pool's
+                     size, or the one arena's, from the specs; no tensor, no device
     state_pool.py    `StatePool`: the recurrent layers' state rows, out of the model
 
 The engine and the simulator both drive it: `radixkv simulate`'s hybrid policies evict

@@ -33,9 +33,13 @@ class FullAttentionSpec:
     kv_heads: int
     head_dim: int
 
+    def layer_token_bytes(self, dtype: torch.dtype) -> int:
+        """K and V of one token in one of these layers."""
+        return 2 * self.kv_heads * self.head_dim * dtype.itemsize
+
     def token_bytes(self, dtype: torch.dtype) -> int:
         """K and V of one token over these layers."""
-        return 2 * len(self.layers) * self.kv_heads * self.head_dim * dtype.itemsize
+        return len(self.layers) * self.layer_token_bytes(dtype)
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,12 @@ class LayerSpecs:
             SlidingWindowSpec(sliding, kv_heads, head_dim, max(windows)) if sliding else None,
             recurrent,
         )
+
+    def layer_token_bytes(self, dtype: torch.dtype) -> int:
+        """K and V of one token in one attention layer (full and sliding layers share
+        their heads' shape), 0 on a model without attention."""
+        attention = self.full or self.window
+        return attention.layer_token_bytes(dtype) if attention is not None else 0
 
     def window_limited(self, max_context_len: int) -> SlidingWindowSpec | None:
         """The sliding layers, when a request can outgrow their window (a window of

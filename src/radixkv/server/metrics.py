@@ -91,7 +91,7 @@ def _window_values(e: Engine) -> list[Value]:
     if e.arena is not None:
         values.append((GaugeMetricFamily, "cache_budget_bytes", "The one byte budget "
                        "every kind of cache memory draws from (--cache-bytes)",
-                       e.arena.arena.nbytes))  # fmt: skip
+                       e.arena.nbytes))  # fmt: skip
     win = e.window
     if win is None:
         return values

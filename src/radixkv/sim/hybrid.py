@@ -65,9 +65,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixkv.engine.config import SGLANG_STATE_RATIO, SGLANG_WINDOW_RATIO
 from radixkv.key import RadixKey
 from radixkv.kvcache.budget import HybridBudget
+from radixkv.kvcache.plan import SGLANG_STATE_RATIO, SGLANG_WINDOW_RATIO
 from radixkv.kvcache.spec import prefill_flops
 from radixkv.sim import marconi
 from radixkv.sim.traces import SimRequest, Trace
