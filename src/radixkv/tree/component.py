@@ -42,6 +42,12 @@ The contract (what the core promises, and what a component must do):
   the node the match ends inside (``units`` of it matched) or ``None``. It returns how
   many units from the root the match may keep; the core cuts the match there (a veto
   is a cut to 0). Called before anything is split or touched.
+* **Event gates** (optional) ``event_gate(sink, chain)``: a component whose data
+  decides which pages KV events may tell (a sliding window: only those a match can end
+  at) builds the component that tells them, given the real event sink and the hash
+  chain component (whose own sink is then muted); the core hosts it beside the chain.
+  ``event_gate(None, None)``: no sink listens any more. The gate names its component
+  in ``gated``; a component whose ``flush`` reports events sets ``tells_events``.
 * **Checks** ``check_node(node, parent)`` for every node, then ``check(nodes)`` with the
   set of node ids in the tree: raise ``AssertionError`` naming the violation.
 * **Freeing** (`release`): a component hands the slots it lets go to its allocator
@@ -80,6 +86,9 @@ class TreeComponent:
     unlock: Callable[[list[TreeNode]], int] | None = None
     match_limit: Callable[[list[TreeNode], TreeNode | None, int], int] | None = None
     inserted: Callable[..., None] | None = None
+    event_gate: Callable[[Any, Any], TreeComponent | None] | None = None
+    gated: TreeComponent | None = None  # an event gate: the component it tells for
+    tells_events = False  # its ``flush`` reports KV events (a hash chain, a gate)
 
     allocator: Any = None  # ``free(slots)``; ``None``: released slots are dropped
     pending: list[torch.Tensor]  # slots whose free failed, retried

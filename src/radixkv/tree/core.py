@@ -103,6 +103,7 @@ from radixkv.tree.hashes import (
     BlockHashes,
     CacheEventSink,
     EventHashes,
+    Muted,
     hash_components,
 )
 from radixkv.tree.node import (
@@ -116,8 +117,6 @@ from radixkv.tree.node import (
     check_slots,
 )
 from radixkv.tree.policy import get_policy
-from radixkv.tree.servable import Muted, ServableBlocks
-from radixkv.tree.window import WindowKV
 
 if TYPE_CHECKING:  # (the tree imports no torch: values come in and go out as tensors)
     import torch
@@ -842,28 +841,32 @@ class RadixCache:
         else:
             now = self._own + self._hash_components()
         self._set_components(now)
-        window = next((c for c in self._own if isinstance(c, WindowKV)), None)
-        if window is not None and not any(isinstance(c, ServableBlocks) for c in now):
-            window.watch = None  # no sink hears of windows any more
+        gated = self._event_gated()
+        if gated is not None and not any(c.gated is gated for c in now):
+            gated.event_gate(None, None)  # type: ignore[misc]  (no sink hears of it any more)
+
+    def _event_gated(self) -> TreeComponent | None:
+        """The component (of the cache's own) whose data gates what KV events tell."""
+        return next((c for c in self._own if c.event_gate is not None), None)
 
     def _hash_components(self) -> list[TreeComponent]:
-        """The chains the sink and the evict hook ask for; with sliding-window KV, the
-        event sink hears only servable blocks (`radixkv.tree.servable`), through a gate
-        that reads the chain's hashes."""
-        sink, hook = self._sink, self._evict_hook
-        window = next((c for c in self._own if isinstance(c, WindowKV)), None)
-        if window is None or sink is None:
+        """The chains the sink and the evict hook ask for; with a component that gates
+        events (sliding-window KV: `TreeComponent.event_gate`), the sink hears only
+        through its gate, which reads the chain's hashes."""
+        sink, hook, gated = self._sink, self._evict_hook, self._event_gated()
+        if gated is None or sink is None:
             return hash_components(sink, hook)
         strong = bool(getattr(sink, "strong_hashes", False))
         out: list[TreeComponent] = hash_components(Muted(strong), hook)
         chain = next(c for c in out if isinstance(c, BlockHashes if strong else EventHashes))
-        return [*out, ServableBlocks(sink, chain, window)]  # type: ignore[arg-type]
+        gate = gated.event_gate(sink, chain)  # type: ignore[misc]
+        return [*out, gate] if gate is not None else out
 
     def flush_events(self) -> None:
         """Hash the pages inserted since the last flush and report them to the event
-        sink (`radixkv.tree.hashes.EventHashes.flush`); a no-op without one."""
+        sink (`radixkv.tree.hashes.EventHashes.flush`, a gate's); a no-op without one."""
         for c in self._components:
-            if isinstance(c, EventHashes | ServableBlocks):
+            if c.tells_events:
                 c.flush()
 
     # --- locks -------------------------------------------------------------------------

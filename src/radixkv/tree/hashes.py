@@ -198,6 +198,7 @@ class EventHashes(_Chain):
 
     name = "event_hashes"
     unit_bytes = EVENT_HASH_BYTES
+    tells_events = True
 
     def __init__(self, sink: CacheEventSink) -> None:
         self.sink = sink
@@ -344,4 +345,24 @@ def hash_components(
     return out
 
 
-__all__ = ["BlockHashes", "CacheEventSink", "EventHashes", "hash_components"]
+class Muted:
+    """The chain component's sink under an event gate (`TreeComponent.event_gate`, as
+    the window's `ServableBlocks`): it hears nothing; its lazy flush is the gate's to
+    call."""
+
+    def __init__(self, strong: bool = False) -> None:
+        self.strong_hashes = strong
+
+    def stored(self, *args: Any) -> None:
+        pass
+
+    def removed(self, block_hashes: Any) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+    def attach(self, flush: Any) -> None:
+        pass
+
+__all__ = ["BlockHashes", "CacheEventSink", "EventHashes", "Muted", "hash_components"]

@@ -50,35 +50,17 @@ if TYPE_CHECKING:
     from radixkv.tree.window import WindowKV
 
 
-class Muted:
-    """The chain component's sink under `ServableBlocks`: it hears nothing; its lazy
-    flush is `ServableBlocks.flush`'s to call."""
-
-    def __init__(self, strong: bool = False) -> None:
-        self.strong_hashes = strong
-
-    def stored(self, *args: Any) -> None:
-        pass
-
-    def removed(self, block_hashes: Any) -> None:
-        pass
-
-    def cleared(self) -> None:
-        pass
-
-    def attach(self, flush: Any) -> None:
-        pass
-
-
 class ServableBlocks(TreeComponent):
     """See the module docstring. ``sink``: the real event sink; ``chain``: the hash
     component (its own sink `Muted`); ``window``: the cache's `WindowKV`."""
 
     name = "servable"
     empty = 0  # pages of the node told (its last ones)
+    tells_events = True
 
     def __init__(self, sink: Any, chain: EventHashes | BlockHashes, window: WindowKV) -> None:
         self.sink, self.chain, self.window = sink, chain, window
+        self.gated = window
         # arrays as the fast chain hands them (`EventHashes`); lists with BLAKE2b
         self.arrays = bool(getattr(sink, "arrays", False)) and isinstance(chain, EventHashes)
         self.touched: dict[int, TreeNode] = {}
@@ -273,4 +255,4 @@ class ServableBlocks(TreeComponent):
             raise AssertionError(f"{total} pages told over the nodes, counted {self.told}")
 
 
-__all__ = ["Muted", "ServableBlocks"]
+__all__ = ["ServableBlocks"]

@@ -166,6 +166,16 @@ class WindowKV(TreeComponent):
         # Best effort: one that raises is logged.
         self.demote: Callable[[TreeNode, int, torch.Tensor], None] | None = None
 
+    def event_gate(self, sink: Any, chain: Any) -> TreeComponent | None:
+        """KV events tell only the pages a match can end at (`ServableBlocks`, with the
+        chain's hashes); ``None, None``: nobody hears of windows any more."""
+        if sink is None:
+            self.watch = None
+            return None
+        from radixkv.tree.servable import ServableBlocks
+
+        return ServableBlocks(sink, chain, self)
+
     def attach(self, cache: Any, index: int) -> None:
         super().attach(cache, index)
         self.span = align_up(self.window, cache.page_size)  # the window, in whole pages
