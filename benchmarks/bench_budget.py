@@ -1,6 +1,6 @@
 """The hybrid byte budget's eviction rounds: incremental candidates against a scan of
 the whole tree every round (how `HybridBudget` chose before), on the same trace in the
-same run. Both must give the same hits, checkpoints and bytes (tests/tree/test_hybrid_cache.py
+same run. Both must give the same hits, checkpoints and bytes (tests/kvcache/test_hybrid_cache.py
 checks it on a small chat); this reports the time of each and that they agree.
 
     python benchmarks/bench_budget.py [--trace conversation_trace.jsonl] \\
@@ -18,8 +18,8 @@ import argparse
 import time
 
 from radixkv.kvcache.budget import HybridBudget
+from radixkv.kvcache.recurrent.component import utility
 from radixkv.tree.node import units_before
-from radixkv.tree.state import utility
 
 
 class ScanningBudget(HybridBudget):

@@ -56,8 +56,8 @@ def run_radixkv(reqs: list[list[int]]) -> tuple[float, int, int]:
     import numpy as np
 
     from radixkv import RadixCache, RadixKey
+    from radixkv.kvcache.recurrent.component import StateCheckpoints
     from radixkv.tree.node import bytes_to_tensor
-    from radixkv.tree.state import StateCheckpoints
 
     class Slots:
         def free(self, slots) -> None:

@@ -4,7 +4,7 @@ random, written by transformers' own ``save_pretrained``:
 1. TTFT with the prefix cache on ÷ off, requests sharing a 2,000-token prefix, against
    the same ratio for a full-attention model of the same size (Llama) in the same run,
    and for a Gemma-3-like one (sliding layers with a 512-token window, their KV in a
-   pool of its own: `radixkv.kvcache.window_slots`);
+   pool of its own: `radixkv.kvcache.window.slots`);
 2. prefill and decode tokens/s against transformers' ``generate`` on the same weights;
 3. output tokens/s with 32 requests at once, against transformers' batched ``generate``,
    and the time of one step that prefills 16 chat turns after a hit;

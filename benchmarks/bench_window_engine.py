@@ -4,7 +4,7 @@ multi-turn chats that share system prompts, two ways in the same run:
 
 * **whole**: every layer's KV in one pool (``window_tokens=0``, what the engine did
   before), ``K`` tokens of six layers;
-* **split**: the sliding layers' KV in a pool of its own (`radixkv.kvcache.window_slots`), sized
+* **split**: the sliding layers' KV in a pool of its own (`radixkv.kvcache.window.slots`), sized
   so that both pools together take the same bytes: ``F`` full-attention tokens and
   ``F / 4`` window tokens, ``F × 1 + F / 4 × 5 = K × 6`` layers' worth.
 
@@ -80,8 +80,8 @@ def pressure_calls(prompts: int) -> dict[str, tuple[float, float]]:
 
     from radixkv.key import RadixKey
     from radixkv.kvcache.memory import TokenToKVPoolAllocator
+    from radixkv.kvcache.window.component import WindowKV
     from radixkv.tree import RadixCache
-    from radixkv.tree.window import WindowKV
 
     alloc, walloc = (TokenToKVPoolAllocator(prompts * 64 + 64, 16) for _ in range(2))
     win = WindowKV(64, walloc, retain="all")

@@ -39,7 +39,7 @@ def reference(folder):
 
 def with_states(model, rows: int) -> None:
     """``rows`` state rows for a model run by hand (the engine builds its own pool)."""
-    from radixkv.kvcache.state_pool import StatePool
+    from radixkv.kvcache.recurrent.pool import StatePool
 
     model.use_states(StatePool(model.config.state_spec(), rows, 0))
 

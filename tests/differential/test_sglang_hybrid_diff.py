@@ -46,8 +46,8 @@ import numpy as np
 import pytest
 
 from radixkv import RadixCache, RadixKey
-from radixkv.tree.state import StateCheckpoints
-from radixkv.tree.window import WindowKV
+from radixkv.kvcache.recurrent.component import StateCheckpoints
+from radixkv.kvcache.window.component import WindowKV
 
 FIXTURE = Path(__file__).parent / "data" / "sglang_hybrid_ops.json.gz"
 DOC = json.loads(gzip.decompress(FIXTURE.read_bytes()))

@@ -1,5 +1,5 @@
 """The engine on models with sliding-window layers whose KV lives in a pool of its own
-(`radixkv.kvcache.window_slots`): Gemma 3 (sliding and global layers) and Mistral (every layer
+(`radixkv.kvcache.window.slots`): Gemma 3 (sliding and global layers) and Mistral (every layer
 sliding), from tiny random folders transformers writes. Outputs equal transformers' and
 an engine that keeps every window, under window-pool pressure, chunked prefill,
 preemption, sampling and ``n`` choices; a running request holds only its last window."""
@@ -189,7 +189,7 @@ def test_served_with_the_openai_client(tmp_path):
 
 @pytest.mark.parametrize("page", [1, 16])
 def test_kv_events_tell_the_blocks_a_match_can_end_at_under_window_pressure(model, page):
-    """KV events with the window apart (`radixkv.tree.servable`): after every step the
+    """KV events with the window apart (`radixkv.kvcache.window.servable`): after every step the
     blocks told are exactly the pages a match may end at (full KV in the tree and the
     window before it held), as windows are evicted while their full KV stays; a router
     index fed the stream credits this worker where its cache would hit, each block

@@ -28,8 +28,8 @@ from radixkv.kvcache.arena import Arena, ArenaCheckpoints, ArenaKV, ArenaPages, 
 from radixkv.kvcache.budget import HybridBudget
 from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from radixkv.kvcache.window_slots import WindowSlots
-from radixkv.tree.window import WindowKV
+from radixkv.kvcache.window.component import WindowKV
+from radixkv.kvcache.window.slots import WindowSlots
 
 GEMMA = ("Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 10,
                                "layer_types": ["sliding_attention", "full_attention"]})  # fmt: skip

@@ -21,8 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from radixkv import RadixCache, RadixKey
 from radixkv.kvcache.budget import HybridBudget
-from radixkv.tree.state import StateCheckpoints
-from radixkv.tree.window import WindowKV
+from radixkv.kvcache.recurrent.component import StateCheckpoints
+from radixkv.kvcache.window.component import WindowKV
 
 tokens = st.lists(st.integers(0, 3), min_size=1, max_size=16)
 

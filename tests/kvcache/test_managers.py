@@ -23,10 +23,10 @@ from radixkv.kvcache.lifecycle import CacheManager, Req
 from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.kvcache.recurrent import RecurrentStates
+from radixkv.kvcache.recurrent.pool import StatePool
 from radixkv.kvcache.spec import RecurrentSpec
-from radixkv.kvcache.state_pool import StatePool
-from radixkv.kvcache.window_slots import WindowSlots
-from radixkv.tree.window import WindowKV
+from radixkv.kvcache.window.component import WindowKV
+from radixkv.kvcache.window.slots import WindowSlots
 
 SPEC = RecurrentSpec(1, ((1,),), torch.float64)  # one number a state: its fingerprint
 

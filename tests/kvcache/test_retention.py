@@ -278,7 +278,7 @@ def test_retention_equals_a_brute_force_model(with_states):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from radixkv.tree.state import StateCheckpoints
+    from radixkv.kvcache.recurrent.component import StateCheckpoints
 
     class Slots:
         def free(self, slots):

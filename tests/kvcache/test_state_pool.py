@@ -1,4 +1,4 @@
-"""The state pool (`radixkv.kvcache.state_pool`): spare rows handed out and back once,
+"""The state pool (`radixkv.kvcache.recurrent.pool`): spare rows handed out and back once,
 copies that never share, and a row's bytes that load back into another row."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixkv.kvcache.recurrent.pool import StatePool
 from radixkv.kvcache.spec import RecurrentSpec
-from radixkv.kvcache.state_pool import StatePool
 
 SPEC = RecurrentSpec(2, ((3, 2), (2, 2, 2)))
 

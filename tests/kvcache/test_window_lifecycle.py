@@ -1,5 +1,5 @@
 """The request lifecycle with sliding-window KV in a slot space of its own
-(`radixkv.kvcache.window_slots`): a request keeps only its last window, the tree only the windows
+(`radixkv.kvcache.window.slots`): a request keeps only its last window, the tree only the windows
 a match can end at, and what a request reads is always what it computed.
 
 The fuzzer fingerprints every computed full and window slot with the tokens its KV
@@ -18,8 +18,8 @@ from support.window_machine import WindowLifecycleMachine, make, seq, serve
 from radixkv import RadixCache, RadixKey
 from radixkv.kvcache.lifecycle import CacheManager, Req
 from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
-from radixkv.kvcache.window_slots import WindowSlots
-from radixkv.tree.window import WindowKV
+from radixkv.kvcache.window.component import WindowKV
+from radixkv.kvcache.window.slots import WindowSlots
 
 
 def test_a_request_keeps_its_last_window_and_the_tree_the_ends():

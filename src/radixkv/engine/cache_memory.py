@@ -31,10 +31,10 @@ from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.kvcache.plan import MemoryPlan, plan_memory
 from radixkv.kvcache.recurrent import RecurrentStates
-from radixkv.kvcache.state_pool import StatePool
-from radixkv.kvcache.window_slots import WindowSlots
+from radixkv.kvcache.recurrent.pool import StatePool
+from radixkv.kvcache.window.component import WindowKV
+from radixkv.kvcache.window.slots import WindowSlots
 from radixkv.tree import RadixCache
-from radixkv.tree.window import WindowKV
 
 MIB = 2**-20
 

@@ -83,7 +83,7 @@ class EngineConfig:
             them (Gemma 3, Mistral, Qwen with ``use_sliding_window``): their KV lives in
             a slot space of its own, a running request keeps only its last window and
             the prefix cache only the windows a match can end at
-            (`radixkv.kvcache.window_slots`). ``None``: sized at start (a quarter of
+            (`radixkv.kvcache.window.slots`). ``None``: sized at start (a quarter of
             ``kv_tokens``, at least every running request's last window and one
             chunk, at most ``kv_tokens``; kept in the full pool when even that is less
             than one request needs, or with host / store tiers, which store whole

@@ -267,7 +267,7 @@ class Engine:
         checkpoint, so the events tell one block per checkpoint
         (`radixkv.kvcache.recurrent`), never the pages between; with the sliding layers'
         KV apart, a page only while the window before it is held, withdrawn when that
-        window goes (`radixkv.tree.servable`)."""
+        window goes (`radixkv.kvcache.window.servable`)."""
         from radixkv.events import EventCollector
 
         collector = EventCollector(salt_key, tokens, arrays)

@@ -12,7 +12,7 @@ import torch
 from radixkv.engine.models.base import ForwardBatch
 from radixkv.engine.request import EngineReq
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool
-from radixkv.kvcache.window_slots import WindowSlots
+from radixkv.kvcache.window.slots import WindowSlots
 
 
 class ModelRunner:

@@ -21,7 +21,7 @@ Progress: a request is admitted only if it fits the pool alone (``add`` refuses 
 that never can), and preemption always picks the newest request, so the oldest running
 request always advances and no request is preempted forever. When no request can run
 at all (every prefill chunk waits for memory the others hold, as in a window pool
-smaller than every running request's windows: `radixkv.kvcache.window_slots`), the newest
+smaller than every running request's windows: `radixkv.kvcache.window.slots`), the newest
 yields too. Retained prefixes (`radixkv.kvcache.retention`) never block that: they are released
 (``relieve``) before a decode preempts, and when a request alone cannot be admitted or
 get its chunk's slots. Nor do checkpoints on a lone request's own locked path, in one

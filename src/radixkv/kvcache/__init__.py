@@ -5,7 +5,6 @@ the tree, between the tree (`radixkv.tree`) and the engine (`radixkv.engine`).
                      K and V tensors), `ReqToTokenPool` (the running requests' rows)
     lifecycle.py     `CacheManager` and `Req`: match, allocate, cache, release; the one
                      place that joins the pools and the tree
-    window_slots.py  `WindowSlots`: the running requests' sliding-window slots
     retention.py     `Retention`: prefixes kept on request (prompt-cache retention)
     budget.py        `HybridBudget`: one byte budget over full KV, window KV and
                      recurrent-state checkpoints, and the order it evicts in
@@ -13,7 +12,11 @@ the tree, between the tree (`radixkv.tree`) and the engine (`radixkv.engine`).
                      window, recurrent), declared by each model's config
     plan.py          `CacheConfig` (the memory knobs) and `plan_memory`: every pool's
                      size, or the one arena's, from the specs; no tensor, no device
-    state_pool.py    `StatePool`: the recurrent layers' state rows, out of the model
+    window/          the sliding-window layer type in one home: its tree component
+                     (`WindowKV`), its event gate, its manager (`WindowSlots`)
+    recurrent/       the recurrent layer type in one home: its tree component
+                     (`StateCheckpoints`), its manager (`RecurrentStates`), its pool
+                     (`StatePool`)
 
 The engine and the simulator both drive it: `radixkv simulate`'s hybrid policies evict
 through the same `HybridBudget`. Nothing here imports the engine, the server, the router
@@ -25,10 +28,10 @@ Owns: the package's names. Must not touch: anything above it.
 from radixkv.kvcache.budget import HybridBudget
 from radixkv.kvcache.lifecycle import CacheManager, Req
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.recurrent.pool import StatePool
 from radixkv.kvcache.retention import Retention
 from radixkv.kvcache.spec import FullAttentionSpec, LayerSpecs, RecurrentSpec, SlidingWindowSpec
-from radixkv.kvcache.state_pool import StatePool
-from radixkv.kvcache.window_slots import WindowSlots
+from radixkv.kvcache.window.slots import WindowSlots
 
 __all__ = [
     "CacheManager",

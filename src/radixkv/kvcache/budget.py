@@ -75,9 +75,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from radixkv.kvcache.recurrent.component import utility, utility_array
 from radixkv.tree.component import TreeComponent
 from radixkv.tree.node import units_before
-from radixkv.tree.state import utility, utility_array
 from radixkv.units import div_ceil
 
 _LRU = attrgetter("last_access", "id")  # least recently used first (ids break ties)
@@ -88,10 +88,10 @@ _AGE = attrgetter("age")
 ORDERS = ("greedy-dual", "utility", "priority")  # step 3's order (the module docstring)
 
 if TYPE_CHECKING:
+    from radixkv.kvcache.recurrent.component import Checkpoint, StateCheckpoints
+    from radixkv.kvcache.window.component import WindowKV
     from radixkv.tree.core import RadixCache
     from radixkv.tree.node import TreeNode
-    from radixkv.tree.state import Checkpoint, StateCheckpoints
-    from radixkv.tree.window import WindowKV
 
 
 class HybridBudget(TreeComponent):

@@ -22,7 +22,7 @@ and one row-table write for every chunk and decode of the step), then
 Full attention is this module's own work (the tree's values are its slots). Every other
 layer spec has a manager (`radixkv.kvcache.managers.LayerManager`), and each step above
 is also a loop over them: with sliding-window layers in a slot space of their own
-(`radixkv.kvcache.window_slots.WindowSlots`) the match copies the tree's last window,
+(`radixkv.kvcache.window.slots.WindowSlots`) the match copies the tree's last window,
 allocation gives window slots too, an insert locks its new end before releasing the old
 one (so the window on the request's path stays while it reads it) and then offers the
 request's own window slots, and the request's ``boundaries`` become marked ends that
@@ -428,7 +428,7 @@ class CacheManager:
         locked throughout, and the request's window slots are offered only then, by a
         second insert of the (now cached and locked) key: whatever the tree takes of
         them is on the request's locked path, and a failure before it leaves them all
-        the request's own (`radixkv.kvcache.window_slots`).
+        the request's own (`radixkv.kvcache.window.slots`).
 
         The one call that can fail after the insert is freeing the duplicates; it runs
         before the row changes, and a failure undoes the insert (the units it added go

@@ -7,7 +7,7 @@ A model declares one spec per layer type (`radixkv.kvcache.spec`); the engine's 
 
     FullAttentionSpec   the lifecycle itself: the tree's values are full-attention
                         slots, so matching, locking and inserting them is its own work
-    SlidingWindowSpec   `radixkv.kvcache.window_slots.WindowSlots`: a running
+    SlidingWindowSpec   `radixkv.kvcache.window.slots.WindowSlots`: a running
                         request's window slots, beside its full ones
     RecurrentSpec       `radixkv.kvcache.recurrent.RecurrentStates`: a running
                         request's state row, its snapshots and the tree's checkpoints
@@ -42,8 +42,8 @@ boundaries and tells it, `boundary`, so it can keep what a match ending there ne
 `join` checks, once, that the manager fits the lifecycle's tree and row table.
 
 Eviction is not a manager's: each spec's cached part is a tree component
-(`radixkv.tree.window.WindowKV`, `radixkv.tree.state.StateCheckpoints`) that the tree
-evicts with its nodes, and with one arena the budget (`radixkv.kvcache.budget`) orders
+(`radixkv.kvcache.window.WindowKV`, `radixkv.kvcache.recurrent.StateCheckpoints`) that
+the tree evicts with its nodes, and with one arena the budget (`radixkv.kvcache.budget`) orders
 victims across kinds.
 
 Owns: the interface. Must not touch: any manager's state.

@@ -494,7 +494,7 @@ class KVPool:
         dtype, device: storage of the tensors.
         window_layers: layers whose KV lives in a slot space of its own, of
             ``window_size`` slots (sliding-window layers whose out-of-window KV is freed:
-            `radixkv.kvcache.window_slots`); a layer is read and written by the slots of its
+            `radixkv.kvcache.window.slots`); a layer is read and written by the slots of its
             space.
     """
 

@@ -36,7 +36,7 @@ import torch
 from radixkv.key import as_count
 from radixkv.kvcache.arena import layer_group
 from radixkv.kvcache.spec import LayerSpecs, SlidingWindowSpec
-from radixkv.kvcache.window_slots import window_peak
+from radixkv.kvcache.window.slots import window_peak
 from radixkv.units import align_down, align_up, div_ceil
 
 CACHE_SPLITS = ("one", "sglang")
@@ -360,9 +360,9 @@ def _index_tokens(cfg: CacheConfig, arena_tokens: int) -> int:
     of tokens the tree holds, no KV behind them. ``kv_tokens`` when given (a cap), else
     room for every running request's context and four times the tokens the arena's
     pages could hold (a node whose window was evicted costs only its index)."""
-    if cfg.kv_tokens:
-        return cfg.kv_tokens
     p = cfg.page_size
+    if cfg.kv_tokens:
+        return align_down(cfg.kv_tokens, p)
     return align_up(cfg.max_running * cfg.max_context_len + 4 * arena_tokens, p)
 
 

@@ -59,8 +59,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.key import RadixKey
+from radixkv.kvcache.recurrent.component import Checkpoint, StateCheckpoints
 from radixkv.tree import RadixCache, TreeNode
-from radixkv.tree.state import Checkpoint, StateCheckpoints
 
 REASONS = ("expired", "quota", "pressure", "flush")  # why a pin was released
 

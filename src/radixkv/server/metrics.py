@@ -104,7 +104,7 @@ def _window_values(e: Engine) -> list[Value]:
         (CounterMetricFamily, "window_kv_evicted_tokens", "Sliding-window KV tokens "
          "the cache freed to make room (its matches end earlier there)", win.evicted),
     ]  # fmt: skip
-    gate = e.cache.component("servable")  # with KV events (radixkv.tree.servable)
+    gate = e.cache.component("servable")  # with KV events (radixkv.kvcache.window.servable)
     if gate is not None:
         values.append((GaugeMetricFamily, "prefix_cache_servable_blocks", "Pages a "
                        "match can end at now (their window held), as the KV events "

@@ -68,13 +68,13 @@ import torch
 from radixkv.key import RadixKey
 from radixkv.kvcache.budget import HybridBudget
 from radixkv.kvcache.plan import SGLANG_STATE_RATIO, SGLANG_WINDOW_RATIO
+from radixkv.kvcache.recurrent.component import StateCheckpoints
 from radixkv.kvcache.spec import prefill_flops
+from radixkv.kvcache.window.component import WindowKV
 from radixkv.sim import marconi
 from radixkv.sim.traces import SimRequest, Trace
 from radixkv.sim.vllm_pool import VllmAlignPool
 from radixkv.tree import RadixCache
-from radixkv.tree.state import StateCheckpoints
-from radixkv.tree.window import WindowKV
 from radixkv.units import div_ceil
 
 KERNEL_BLOCK = 16  # vLLM's attention kernel block alignment (FlashAttention's 16)

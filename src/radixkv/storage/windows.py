@@ -1,9 +1,9 @@
 """`WindowTiers`: the sliding-window layers' KV pages below the device, in a host pool and
 the shared store, beside the full-attention pages of `radixkv.storage.tier`.
 
-With the sliding layers' KV in a slot space of its own (`radixkv.kvcache.window_slots`),
+With the sliding layers' KV in a slot space of its own (`radixkv.kvcache.window.slots`),
 a cached prefix serves a match only where the window before its end is held
-(`radixkv.tree.window`), so the full pages of a prefix alone are no hit: the tiers keep
+(`radixkv.kvcache.window.component`), so the full pages of a prefix alone are no hit: the tiers keep
 window pages too, apart from the full ones.
 
     key      the KV page key of its page (the page's chained hash, which names its whole

@@ -101,7 +101,7 @@ class ForwardBatch:
         snapshots: ``(sequence, new tokens, row)``: copy that sequence's recurrent
             state after that many of its new tokens to that row, during the pass.
         window: the same tokens in the sliding layers' slot space, when their KV lives
-            apart (`radixkv.kvcache.window_slots`): ``out_slots`` there, and per sequence the
+            apart (`radixkv.kvcache.window.slots`): ``out_slots`` there, and per sequence the
             window slots of only its last context tokens a new token can see (its
             window less one, and the new ones), ``kv_slots[i]`` ending at the same
             position; ``None``: every layer uses the slots above.

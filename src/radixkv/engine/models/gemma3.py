@@ -9,7 +9,7 @@ so its state dicts load as they are.
 
 Window layers read and write their KV through ``ForwardBatch.for_layer``: in a slot space
 of their own when the engine frees their KV outside the window
-(`radixkv.kvcache.window_slots`), else beside the global layers'; attention reads only the
+(`radixkv.kvcache.window.slots`), else beside the global layers'; attention reads only the
 window either way.
 
 Owns: Gemma 3's hyper-parameters, layers and forward pass. Must not touch: the KV pool's

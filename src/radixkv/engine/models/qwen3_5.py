@@ -54,8 +54,8 @@ from radixkv.engine.models.base import (
     rotate_half,
 )
 from radixkv.kvcache.memory import KVPool
+from radixkv.kvcache.recurrent.pool import StatePool
 from radixkv.kvcache.spec import LayerSpecs, RecurrentSpec
-from radixkv.kvcache.state_pool import StatePool
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -512,7 +512,7 @@ class DecoderLayer(nn.Module):
 
 
 class States(NamedTuple):
-    """The state pool's tensors (`radixkv.kvcache.state_pool`) by name: per row, every
+    """The state pool's tensors (`radixkv.kvcache.recurrent.pool`) by name: per row, every
     linear layer's conv inputs ``[layers, rows, conv_dim, K - 1]`` and DeltaNet matrix
     ``[layers, rows, heads, dk, dv]`` (the two shapes of `ModelConfig.state_spec`)."""
 

@@ -1,5 +1,5 @@
 """KV events from a cache with sliding-window KV tell only servable blocks
-(`radixkv.tree.servable`): after any sequence of inserts, evictions of full KV, window
+(`radixkv.kvcache.window.servable`): after any sequence of inserts, evictions of full KV, window
 evictions (whole, spare only, one node), locks and marks, the blocks the sink holds as
 told are exactly the pages a match may end at (checked page by page with `match_len`),
 and the stream is well formed (a block is stored once before it is removed, never
@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from support.events import servable_blocks
 
 from radixkv import RadixCache, RadixKey
-from radixkv.tree.window import WindowKV
+from radixkv.kvcache.window.component import WindowKV
 
 
 class Slots:

@@ -46,8 +46,8 @@ from radixkv.tree.hashes import BlockHashes, EventHashes
 if TYPE_CHECKING:
     import torch
 
+    from radixkv.kvcache.window.component import WindowKV
     from radixkv.tree.node import TreeNode
-    from radixkv.tree.window import WindowKV
 
 
 class ServableBlocks(TreeComponent):

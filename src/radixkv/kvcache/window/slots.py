@@ -2,8 +2,8 @@
 ones: the second slot space of a model with sliding-window layers (SGLang's SWA pool).
 
 A sliding layer attends to its last ``window`` tokens only, so a request needs window KV
-for those alone, and the tree (`radixkv.tree.window.WindowKV`) keeps it only where a match
-can end. It is the sliding-window spec's manager (`radixkv.kvcache.managers`): the
+for those alone, and the tree (`radixkv.kvcache.window.WindowKV`) keeps it only where a
+match can end. It is the sliding-window spec's manager (`radixkv.kvcache.managers`): the
 request lifecycle calls the hooks named below at each step. Row ``r`` of ``table``
 holds request ``r``'s window slots by position, ``-1`` where it has none; ``own`` says
 which of them the request owns (the others are the tree's, on the request's locked
@@ -56,7 +56,7 @@ import torch
 from radixkv.key import RadixKey
 from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.memory import TokenToKVPoolAllocator, runs
-from radixkv.tree.window import WindowKV
+from radixkv.kvcache.window.component import WindowKV
 from radixkv.units import align_down, align_up
 
 

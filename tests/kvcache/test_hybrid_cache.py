@@ -11,8 +11,8 @@ import torch
 
 from radixkv import RadixCache, RadixKey
 from radixkv.kvcache.budget import HybridBudget
-from radixkv.tree.state import StateCheckpoints
-from radixkv.tree.window import WindowKV
+from radixkv.kvcache.recurrent.component import StateCheckpoints
+from radixkv.kvcache.window.component import WindowKV
 
 
 class Pool:

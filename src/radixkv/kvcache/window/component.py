@@ -157,7 +157,7 @@ class WindowKV(TreeComponent):
         # reach changes, the only ways to gain spare (a split or trim shortens a node's
         # covered tail as much as its need); one found without is dropped
         self._holders, self._spares = _Order(), _Order()
-        # told of every node whose window slots change (`radixkv.tree.servable`: KV
+        # told of every node whose window slots change (`radixkv.kvcache.window.servable`: KV
         # events that tell only the blocks a match can end at)
         self.watch: Callable[[TreeNode], None] | None = None
         # ``demote(node, start, slots)``: the window slots of ``node``'s units from
@@ -172,7 +172,7 @@ class WindowKV(TreeComponent):
         if sink is None:
             self.watch = None
             return None
-        from radixkv.tree.servable import ServableBlocks
+        from radixkv.kvcache.window.servable import ServableBlocks
 
         return ServableBlocks(sink, chain, self)
 

@@ -1,5 +1,5 @@
 """`RecurrentStates`: prefix caching for models with recurrent layers (Qwen3.5's Gated
-DeltaNet), joining the state pool (`radixkv.kvcache.state_pool`: the tensors and the
+DeltaNet), joining the state pool (`radixkv.kvcache.recurrent.pool`: the tensors and the
 spare rows) and the tree's `StateCheckpoints` component.
 
 A recurrent layer's state after a prefix is one fixed-size tensor, updated in place, so a
@@ -51,9 +51,9 @@ from radixkv.hashing.fast import event_hashes
 from radixkv.key import RadixKey
 from radixkv.kvcache.arena import ArenaCheckpoints
 from radixkv.kvcache.managers import LayerManager
-from radixkv.kvcache.state_pool import StatePool
+from radixkv.kvcache.recurrent.component import StateCheckpoints
+from radixkv.kvcache.recurrent.pool import StatePool
 from radixkv.tree import RadixCache
-from radixkv.tree.state import StateCheckpoints
 from radixkv.units import align_down
 
 
