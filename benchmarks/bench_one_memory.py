@@ -163,8 +163,21 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
         for name in args.models.split(","):
             for budget in map(parse_bytes, (args.budgets or BUDGETS[name]).split(",")):
-                one = run(folders[name], budget, "one", args)
-                sgl = run(folders[name], budget, "sglang", args)
+                try:
+                    one = run(folders[name], budget, "one", args)
+                except ValueError as e:  # too small for one request, even as one budget
+                    print(f"| {name} | {kib(budget)} KiB | refused | - | - | - | - | - | - | - |")
+                    print(f"    one: refused ({str(e)[:100]})", flush=True)
+                    continue
+                try:
+                    sgl = run(folders[name], budget, "sglang", args)
+                except ValueError as e:  # its pools too small for one request
+                    print(f"| {name} | {kib(budget)} KiB | {one['hit']:.3f} | refused | - | "
+                          f"- | - | {one['preemptions']} / - | {one['wall']:.1f} / - | - |")
+                    print(f"    sglang: refused ({str(e)[:100]})", flush=True)
+                    if args.sweep:
+                        sweep(folders[name], budget, one, args)
+                    continue
                 same = one["outputs"] == sgl["outputs"]
                 ratio = one["hit"] / sgl["hit"] if sgl["hit"] else float("inf")
                 held = [" / ".join(kib(r["held"][k]) for k in ("full", "window", "states"))
