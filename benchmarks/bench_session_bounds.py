@@ -8,7 +8,13 @@ closes shows what each piece of knowledge is worth.
   it is running);
 - ``+tool gaps``: the same, told exactly when each agent waiting on a tool call comes
   back (the one piece a server would have to predict from the tool itself);
-- ``oracle``: every session's next arrival (Belady at the session's grain).
+- ``oracle``: every session's next arrival (Belady at the session's grain);
+- ``blind``: the order told *less* than a server usually knows: no answer's stop
+  reason (a client that offers no tools and ends every answer at ``max_tokens``, as
+  kv-cache-tester's replay client does), only each session's gaps.
+
+Each row also gives Belady's and the orders' ratio to LRU (issue 61's live target asks
+1.15x LRU).
 
 Also the online features a server has for a tool call's gap, against the gap itself
 (Spearman's rank correlation over every ``tool_use`` answer of the files).
@@ -68,7 +74,17 @@ class _Told(sessions.SessionOrder):
         return super().predicted(session)
 
 
-ORDERS = {"session": None, "+ends": "ends", "+tool gaps": "tools", "oracle": "all"}
+class _Blind(sessions.SessionOrder):
+    """The session order, never told how an answer stopped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        told = self.clock.stopped
+        self.clock.stopped = lambda s, now, stop, node=None: told(s, now, "", node)  # type: ignore[method-assign]
+
+
+ORDERS = {"session": None, "+ends": "ends", "+tool gaps": "tools", "oracle": "all",
+          "blind": "blind"}  # fmt: skip
 
 
 def _cell(args: tuple[str, int, int, str, str]) -> float:
@@ -79,7 +95,9 @@ def _cell(args: tuple[str, int, int, str, str]) -> float:
         return replay.simulate(trace, units, order).token_hit_rate
     know = ORDERS[order]
     original = sessions.SessionOrder
-    if know is not None:
+    if know == "blind":
+        sessions.SessionOrder = _Blind  # type: ignore[misc]
+    elif know is not None:
         sessions.SessionOrder = lambda: _Told(trace, know)  # type: ignore[assignment,misc]
     try:
         return replay.simulate(trace, units, "session").token_hit_rate
@@ -142,8 +160,9 @@ def main() -> None:
     jobs = [(a.folder, a.sessions, s, c, o) for s in seeds for c in caps for o in names]
     with ProcessPoolExecutor() as ex:
         got = dict(zip(jobs, ex.map(_cell, jobs), strict=True))
-    print("| seed | capacity | lru | belady | " + " | ".join(ORDERS) + " |")
-    print("|---" * (4 + len(ORDERS)) + "|")
+    print("| seed | capacity | lru | belady | " + " | ".join(ORDERS) + " | ÷ lru: belady, "
+          "session, blind |")  # fmt: skip
+    print("|---" * (5 + len(ORDERS)) + "|")
     for s in seeds:
         for c in caps:
             lru, bel = (got[(a.folder, a.sessions, s, c, o)] for o in ("lru", "belady"))
@@ -151,7 +170,10 @@ def main() -> None:
             for o in ORDERS:
                 v = got[(a.folder, a.sessions, s, c, o)]
                 cells.append(f"{v:.3f} ({(v - lru) / (bel - lru):+.0%})")
-            print(f"| {s} | {c} | {lru:.3f} | {bel:.3f} | " + " | ".join(cells) + " |")
+            ses, blind = (got[(a.folder, a.sessions, s, c, o)] for o in ("session", "blind"))
+            ratios = f"{bel / lru:.2f} / {ses / lru:.2f} / {blind / lru:.2f}"
+            print(f"| {s} | {c} | {lru:.3f} | {bel:.3f} | " + " | ".join(cells)
+                  + f" | {ratios} |")  # fmt: skip
     print()
     print("| a tool call's online feature | Spearman's rho with the gap after it |")
     print("|---|---|")
