@@ -103,7 +103,7 @@ def test_window_pages_go_down_the_tiers_apart_and_come_back(model, tier, tmp_pat
     kw = {"page_size": 16, "chunk_size": 32, "check_memory": True}
     store = {"storage": f"file://{tmp_path}/store"}
     engine = Engine(str(path), **({"host_tokens": 1024} if tier == "host" else store), **kw)
-    assert engine.window is not None and engine.window_tiers is not None
+    assert engine.window is not None and engine.layer_tiers
     engine.generate([shared + [7, 8]], max_new_tokens=4, chat=False, ignore_eos=True)
     if tier == "host":
         engine.flush_cache()
@@ -113,7 +113,7 @@ def test_window_pages_go_down_the_tiers_apart_and_come_back(model, tier, tmp_pat
         engine = Engine(str(path), **store, **kw)
     res = engine.generate([shared + [9]], max_new_tokens=8, chat=False, ignore_eos=True)
     assert res.stats.cached_tokens == 96
-    assert engine.window_tiers.loaded > 0  # the window came from the tier, not computed
+    assert engine.layer_tiers[0].loaded > 0  # the window came from the tier, not computed
     reference = getattr(transformers, arch).from_pretrained(path).eval()
     assert res.outputs[0].token_ids == greedy(reference, shared + [9], 8)
 
@@ -123,7 +123,7 @@ def test_window_tokens_is_checked(model, tmp_path):
     with pytest.raises(ValueError, match="window_tokens must hold one request's window"):
         Engine(str(path), page_size=16, chunk_size=64, window_tokens=32)
     tiers = Engine(str(path), host_tokens=256, window_tokens=1024)  # apart with tiers too
-    assert tiers.window is not None and tiers.window_tiers is not None
+    assert tiers.window is not None and tiers.layer_tiers
     with pytest.raises(ValueError, match="window_tokens: LlamaForCausalLM has no sliding"):
         Engine("random", window_tokens=512)
     split = Engine(str(path))  # KV events with the window apart: servable blocks only

@@ -40,7 +40,7 @@ def test_a_bad_window_page_in_the_store_is_refused_and_written_again(model, tmp_
     first = Engine(str(path), **kw)
     first.generate([prompt], max_new_tokens=4, chat=False, ignore_eos=True)
     first.tier.flush()
-    store, wt = first.tier.store, first.window_tiers
+    store, wt = first.tier.store, first.layer_tiers[0]
     assert wt.written > 0
     hashes = first.tier.page_hashes(prompt, None, 6)
     windows = [wt.prefix + h for h in hashes]
@@ -53,7 +53,7 @@ def test_a_bad_window_page_in_the_store_is_refused_and_written_again(model, tmp_
         store.set([k], [bytes(value)])
     second = Engine(str(path), **kw)
     res = second.generate([prompt], max_new_tokens=8, chat=False, ignore_eos=True)
-    assert res.stats.cached_tokens == 0 and second.window_tiers.bad >= 1
+    assert res.stats.cached_tokens == 0 and second.layer_tiers[0].bad >= 1
     # its full pages came back, but no match may end there without their window
     assert second.tier.stats.store_hit_tokens > 0
     reference = getattr(transformers, arch).from_pretrained(path).eval()
@@ -61,7 +61,7 @@ def test_a_bad_window_page_in_the_store_is_refused_and_written_again(model, tmp_
     second.tier.flush()  # the window pages were made again, and written again
     third = Engine(str(path), **kw)
     got = third.generate([prompt], max_new_tokens=8, chat=False, ignore_eos=True)
-    assert got.stats.cached_tokens == 96 and third.window_tiers.loaded > 0
+    assert got.stats.cached_tokens == 96 and third.layer_tiers[0].loaded > 0
     assert got.outputs[0].token_ids == res.outputs[0].token_ids
     keyed = Engine(str(path), storage_secret="fleet secret", **kw)
     miss = keyed.generate([prompt], max_new_tokens=2, chat=False, ignore_eos=True)
@@ -101,7 +101,7 @@ def test_a_host_tier_under_pressure_with_kv_events(model, page):
             assert told == servable_blocks(tiered.cache, False)
     ref = plain.generate(ps, max_new_tokens=6, chat=False, ignore_eos=True)
     assert [outputs[i] for i in range(len(ps))] == [o.token_ids for o in ref.outputs]
-    assert tiered.tier.stats.host_hit_tokens > 0 and tiered.window_tiers.host_loaded > 0
+    assert tiered.tier.stats.host_hit_tokens > 0 and tiered.layer_tiers[0].host_loaded > 0
 
 
 @pytest.mark.slow
@@ -136,7 +136,7 @@ def test_a_huge_value_planted_under_a_window_key_is_refused_unread(model, tmp_pa
     first = Engine(str(path), **kw)
     first.generate([prompt], max_new_tokens=2, chat=False, ignore_eos=True)
     first.tier.flush()
-    keys = [first.window_tiers.prefix + h for h in first.tier.page_hashes(prompt, None, 6)]
+    keys = [first.layer_tiers[0].prefix + h for h in first.tier.page_hashes(prompt, None, 6)]
     first.tier.store.set(keys, [b"\0" * (16 << 20)] * len(keys))
     second = Engine(str(path), **kw)
 
@@ -145,7 +145,7 @@ def test_a_huge_value_planted_under_a_window_key_is_refused_unread(model, tmp_pa
 
     second.tier.store.get = whole
     res = second.generate([prompt], max_new_tokens=2, chat=False, ignore_eos=True)
-    assert res.stats.cached_tokens == 0 and second.window_tiers.bad >= 1
+    assert res.stats.cached_tokens == 0 and second.layer_tiers[0].bad >= 1
 
 
 def test_a_prompt_sent_again_to_a_fresh_engine_hits_the_window_store(model, tmp_path):
@@ -164,6 +164,6 @@ def test_a_prompt_sent_again_to_a_fresh_engine_hits_the_window_store(model, tmp_
     second = Engine(str(path), **kw)
     res = second.generate([prompt], max_new_tokens=6, chat=False, ignore_eos=True)
     assert res.stats.cached_tokens == 192  # align_down(203 - 1, 16)
-    assert second.window_tiers.loaded > 0 and second.tier.stats.store_hit_tokens >= 192
+    assert second.layer_tiers[0].loaded > 0 and second.tier.stats.store_hit_tokens >= 192
     reference = getattr(transformers, arch).from_pretrained(path).eval()
     assert res.outputs[0].token_ids == greedy(reference, prompt, 6)

@@ -98,22 +98,9 @@ class CacheMemory:
         full_layers = kv.num_layers - len(kv.window_layers)
         lines = [f"full-attention KV: {a.size:,} tokens x {full_layers} layers = "
                  f"{a.size * kv.bytes_per_token() * MIB:,.1f} MiB"]  # fmt: skip
-        if self.window is not None:
-            w = self.window
-            lines.append(f"sliding-window KV: {w.allocator.size:,} tokens x "
-                         f"{len(kv.window_layers)} layers = "
-                         f"{w.allocator.size * kv.window_bytes_per_token() * MIB:,.1f} MiB "
-                         f"(window {w.window}: a running request keeps its last window; "
-                         f"cached windows stay while there is room, those no match end "
-                         f"needs go first)")  # fmt: skip
-        elif self.why_not_window:
+        if self.why_not_window:
             lines.append(f"sliding-window KV: in the full pool ({self.why_not_window})")
-        if self.recurrent is not None:
-            rec = self.recurrent
-            rows = rec.pool.first + rec.pool.spare
-            lines.append(f"recurrent states: {rows} rows x {rec.row_size * MIB:.2f} MiB = "
-                         f"{rows * rec.row_size * MIB:,.1f} MiB")  # fmt: skip
-        return lines
+        return lines + [line for m in self.mgr.managers if (line := m.summary())]
 
     def _arena_summary(self) -> list[str]:
         plan, ar = self.plan.arena, self.arena
@@ -156,25 +143,16 @@ class CacheMemory:
         kv, a = self.kv, self.mgr.allocator
         held = {"full": (a.size - a.available_size()) * kv.bytes_per_token(), "window": 0,
                 "states": 0}  # fmt: skip
-        if self.window is not None:
-            w = self.window.allocator
-            held["window"] = (w.size - w.available_size()) * kv.window_bytes_per_token()
-        if self.recurrent is not None:
-            held["states"] = len(self.recurrent.component.held) * self.recurrent.row_size
-        return held
+        return held | {m.kind: m.held_bytes() for m in self.mgr.managers}
 
     def evicted_bytes(self) -> dict[str, int]:
         """Bytes evicted to make room since the start, per kind."""
         if self.arena is not None:
             ar = self.arena
             return {k: n * ar.unit_bytes for k, n in ar.evicted.items()}
-        kv = self.kv
-        gone = {"full": self.mgr.evicted_tokens * kv.bytes_per_token(), "window": 0, "states": 0}
-        if self.window is not None:
-            gone["window"] = self.window.evicted * kv.window_bytes_per_token()
-        if self.recurrent is not None:
-            gone["states"] = self.recurrent.component.evictions * self.recurrent.row_size
-        return gone
+        gone = {"full": self.mgr.evicted_tokens * self.kv.bytes_per_token(), "window": 0,
+                "states": 0}  # fmt: skip
+        return gone | {m.kind: m.evicted_bytes() for m in self.mgr.managers}
 
     def usage(self) -> float:
         """Fraction in use: of the arena, or of the full KV pool."""
@@ -260,7 +238,9 @@ def _tree(
     )  # fmt: skip
     slots = None
     if wkv is not None and walloc is not None:
-        slots = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, win.window)
+        token_bytes = len(win.layers) * plan.specs.layer_token_bytes(cfg.dtype)
+        slots = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, win.window,
+                            token_bytes, len(win.layers))  # fmt: skip
     return cache, allocator, slots
 
 

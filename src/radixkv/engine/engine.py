@@ -174,7 +174,7 @@ class Engine:
         self.sessions = session_order(cfg.eviction_policy, self.cache, memory.mgr.managers,
                                       memory.budget)  # fmt: skip
         self.scheduler.on_admit = self._admitted
-        self.runner = ModelRunner(self.model, self.kv, self.device, self.window)
+        self.runner = ModelRunner(self.model, self.kv, self.device)
         self.outputs = OutputProcessor(self.tokenizer)
         self.counters = EngineCounters()
         self.faults = FaultWatch()
@@ -185,21 +185,16 @@ class Engine:
         self._source_files = getattr(net, "source_files", None)
         self._identity: bytes | None = None
         self.tier: Any = None  # host pool and shared store (radixkv.storage), if any
-        self.window_tiers: Any = None  # their window pages, with the sliding KV apart
+        self.layer_tiers: list[Any] = []  # the other layer types' pages and checkpoints there
         if cfg.storage is not None or cfg.host_tokens:
+            from radixkv.storage.layers import layer_tiers
+
             self.tier = build_tiers(cfg, memory, self.model_identity())
             self.scheduler.prefetch = self._prefetch
-            if self.window is not None:  # window pages go down the tiers apart
-                from radixkv.storage.windows import WindowTiers
-
-                host_pages = cfg.host_tokens // cfg.page_size
-                self.window_tiers = WindowTiers(self.tier, self.window, host_pages)
-            if self.recurrent is not None:  # its checkpoints go down the tiers too
-                from radixkv.storage.states import StateTiers
-
-                host_states = (memory.plan.config.checkpoint_cap or 0) if cfg.host_tokens else 0
-                self.recurrent.tiers = StateTiers(self.tier, self.recurrent, self.cache,
-                                                  host_states)  # fmt: skip
+            host_states = (memory.plan.config.checkpoint_cap or 0) if cfg.host_tokens else 0
+            host_pages = cfg.host_tokens // cfg.page_size
+            self.layer_tiers = layer_tiers(self.tier, self.mgr.managers, self.cache, host_pages,
+                                           host_states)  # fmt: skip
 
     def memory_summary(self) -> list[str]:
         """The cache's memory as sized at start, one line each (what ``radixkv serve``
@@ -243,12 +238,11 @@ class Engine:
             return slots
 
         usable = len(r.input_ids) - 1  # the last prompt token is always computed
-        if self.recurrent is not None and self.recurrent.tiers is not None:
-            self.recurrent.tiers.load(r.token_array(), r.extra_key, usable, alloc)
-        else:
-            self.tier.load(r.token_array(), r.extra_key, usable, alloc)
-        if self.window_tiers is not None:  # then the window before the deepest end
-            self.window_tiers.load(r.token_array(), r.extra_key, usable)
+        tokens = r.token_array()
+        if not any(t.loads_pages for t in self.layer_tiers):
+            self.tier.load(tokens, r.extra_key, usable, alloc)
+        for t in self.layer_tiers:  # (a window: the one before the deepest end)
+            t.load(tokens, r.extra_key, usable, alloc)
 
     def publish_kv_events(
         self,
@@ -271,9 +265,7 @@ class Engine:
         from radixkv.events import EventCollector
 
         collector = EventCollector(salt_key, tokens, arrays)
-        if self.recurrent is not None:
-            self.recurrent.publish(collector)
-        else:
+        if not any([m.publish(collector) for m in self.mgr.managers]):
             self.cache.set_event_sink(collector)
         self._events = (collector, publish)
 
@@ -282,9 +274,7 @@ class Engine:
         """What this engine's KV events' blocks are: ``"pages"`` (each with the run
         before it), ``"checkpoints"`` (a recurrent model's, each alone) or
         ``"windows"`` (pages whose window is held, each alone: the runs have holes)."""
-        if self.recurrent is not None:
-            return "checkpoints"
-        return "windows" if self.window is not None else "pages"
+        return next((m.event_blocks for m in self.mgr.managers if m.event_blocks), "pages")
 
     def _flush_events(self) -> None:
         if self._events is not None:
@@ -413,10 +403,8 @@ class Engine:
             raise ValueError(f"boundaries must be positions in (0, {len(ids)}], got {marks!r}")
         spec = self._check_spec(cache, len(ids))
         retained = [p for p, _ in spec.retain]
-        if self.window is not None:  # the same prefix sent again hits a page short of its
-            # end (its last token is computed): keep a window there too
-            page = self.cache.page_size
-            retained += [(p - 1) // page * page for p in retained]
+        for m in self.mgr.managers:  # (a window: a page short of each, where a resend hits)
+            retained += m.retained_marks(retained, self.cache.page_size)
         marks = tuple(sorted({*marks, *(p for p in retained if 0 < p < len(ids))}))
         order = next(self._order)
         rid = order if rid is None else rid
@@ -597,10 +585,9 @@ class Engine:
             n = r.kv_len - r.kv_len % self.cache.page_size
             slots = self.mgr.req_pool.read(r.row, 0, n).clone()
             hashes = self.tier.save(r.token_array()[:n], r.extra_key, slots)
-            if self.window_tiers is not None:  # (the page hashes once for both)
-                resend = align_down(len(r.input_ids) - 1, self.cache.page_size)
-                self.window_tiers.save(r.token_array()[:n], r.extra_key, r.row, n, hashes,
-                                       resend)  # fmt: skip
+            resend = align_down(len(r.input_ids) - 1, self.cache.page_size)
+            for t in self.layer_tiers:  # (the page hashes once for all)
+                t.save(r.token_array()[:n], r.extra_key, r.row, n, hashes, resend)
 
     def _check(self) -> None:
         self.mgr.check_memory()
@@ -609,10 +596,8 @@ class Engine:
         self.cache.check_integrity()
         if self.tier is not None:
             self.tier.check()
-            if self.recurrent is not None and self.recurrent.tiers is not None:
-                self.recurrent.tiers.check()
-            if self.window_tiers is not None:
-                self.window_tiers.check()
+            for t in self.layer_tiers:
+                t.check()
 
     def _finish(self, r: EngineReq, reason: str) -> None:
         r.finish_reason = reason

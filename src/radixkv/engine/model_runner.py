@@ -12,18 +12,14 @@ import torch
 from radixkv.engine.models.base import ForwardBatch
 from radixkv.engine.request import EngineReq
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool
-from radixkv.kvcache.window.slots import WindowSlots
 
 
 class ModelRunner:
     """Runs the model over a ragged batch whose KV lives in ``kv`` by slot (the sliding
-    layers' by the slots of ``window``, when they live apart)."""
+    layers' by the window manager's slots, when they live apart)."""
 
-    def __init__(
-        self, model: torch.nn.Module, kv: KVPool, device: torch.device,
-        window: WindowSlots | None = None,
-    ) -> None:  # fmt: skip
-        self.model, self.kv, self.device, self.window = model, kv, device, window
+    def __init__(self, model: torch.nn.Module, kv: KVPool, device: torch.device) -> None:
+        self.model, self.kv, self.device = model, kv, device
 
     def forward(
         self,
@@ -33,9 +29,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits of the last new token of each planned request (``[len(plan), vocab]``):
         request ``r`` computes its tokens ``[kv_len - n, kv_len)``. ``inputs``: the cache
-        managers' parts of the step (`CacheManager.step_inputs`): a recurrent model's
-        ``"states"`` are the snapshots `ForwardBatch` takes."""
+        managers' parts of the step (`CacheManager.step_inputs`), by the kinds the
+        models read: a recurrent model's ``"states"`` are the snapshots `ForwardBatch`
+        takes, the sliding layers' ``"window"`` their slots (`WindowSlots.forward`)."""
         snapshots = (inputs or {}).get("states", ())
+        window = (inputs or {}).get("window")
         ids, pos, out, lens, kv = [], [], [], [], []
         for r, n in plan:
             start = r.kv_len - n
@@ -55,24 +53,21 @@ class ModelRunner:
             [r.row for r, _ in plan],
             list(snapshots),
         )
-        if self.window is not None:
-            batch.window = self._window_batch(plan, batch)
+        if window:
+            batch.window = self._window_batch(window, batch)
         return self.model(batch, self.kv)  # the model runs under inference_mode
 
-    def _window_batch(self, plan: list[tuple[EngineReq, int]], batch: ForwardBatch) -> ForwardBatch:
-        """The batch in the window slot space: each sequence's window slots from the
-        first key its first new token sees (``window - 1`` back) to its end."""
-        win = self.window
-        assert win is not None
+    def _window_batch(
+        self, window: list[tuple[torch.Tensor, int]], batch: ForwardBatch
+    ) -> ForwardBatch:
+        """The batch in the window slot space: each sequence's window slots, its new
+        tokens' from ``first`` on (`WindowSlots.forward`)."""
         out, ctx = [], []
-        for r, n in plan:
-            start = r.kv_len - n
-            lo = max(0, start - win.window + 1)
-            slots = torch.from_numpy(win.table[r.row, lo : r.kv_len])
+        for slots, first in window:
             if self.device.type != "cpu":
                 slots = slots.to(self.device)
             ctx.append(slots)
-            out.append(slots[start - lo :])
+            out.append(slots[first:])
         return ForwardBatch(batch.input_ids, batch.positions, torch.cat(out), batch.extend_lens,
                             ctx, batch.state_slots)  # fmt: skip
 

@@ -65,6 +65,31 @@ class LayerManager:
     component: Any = None  # its cached part: a component of the tree, evicted with it
     reads_path = False
     marks_ends = False
+    # what the engine's KV events tell of a model with this layer type ("" : pages, each
+    # with the run before it; "checkpoints", "windows": servable blocks, each alone)
+    event_blocks = ""
+
+    def publish(self, sink: Any) -> bool:
+        """KV events are on: True when this manager tells ``sink`` what is servable
+        itself (the tree then tells it nothing)."""
+        return False
+
+    def held_bytes(self) -> int:
+        """Bytes of its own pool the cache and the running requests hold."""
+        return 0
+
+    def evicted_bytes(self) -> int:
+        """Bytes its pool evicted to make room since the start."""
+        return 0
+
+    def summary(self) -> str:
+        """One line on its own pool as sized ("": nothing to say)."""
+        return ""
+
+    def retained_marks(self, positions: Sequence[int], page: int) -> list[int]:
+        """Boundaries to add where a request asked ``positions`` retained (a window
+        keeps a page short of each: the same prefix sent again hits there)."""
+        return []
 
     def join(self, cache: Any, req_pool: Any) -> None:
         """Raise ``ValueError`` when this manager cannot serve a lifecycle over

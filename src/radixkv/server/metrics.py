@@ -133,32 +133,14 @@ def _recurrent_values(e: Engine) -> list[Value]:
             (CounterMetricFamily, "state_checkpoints_evicted", "Checkpoints evicted to "
              "stay within max_checkpoints", comp.evictions),
         ]  # fmt: skip
-        st_tiers = rec.tiers
-        if st_tiers is not None:
-            values += [
-                (CounterMetricFamily, "state_checkpoints_loaded", "Checkpoints brought "
-                 "back from the host tier or the shared store", st_tiers.loaded),
-                (GaugeMetricFamily, "host_state_checkpoints", "Checkpoints held by the "
-                 "host tier", len(st_tiers.host)),
-                (CounterMetricFamily, "state_checkpoints_bad", "Stored checkpoints "
-                 "refused: corrupt or unauthenticated", st_tiers.bad),
-            ]  # fmt: skip
     return values
 
 
 def _tier_values(e: Engine) -> list[Value]:
     """The host tier and the shared store: full-attention pages and window pages."""
-    values: list[Value] = []
-    wt = e.window_tiers
-    if wt is not None:  # window pages below the device (radixkv.storage.windows)
-        values += [
-            (CounterMetricFamily, "window_pages_loaded", "Window pages brought back from "
-             "the host tier or the shared store", wt.loaded),
-            (GaugeMetricFamily, "host_window_pages", "Window pages held by the host "
-             "tier", len(wt.host)),
-            (CounterMetricFamily, "window_pages_bad", "Stored window pages refused: "
-             "corrupt or unauthenticated", wt.bad),
-        ]  # fmt: skip
+    families = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+    values: list[Value] = [(families[kind], name, text, value)  # each layer type's tiers
+                           for t in e.layer_tiers for kind, name, text, value in t.metrics()]
     tier = e.tier
     if tier is not None:
         st = tier.stats

@@ -49,7 +49,7 @@ class ReplayRunner(ModelRunner):
     so greedy and seeded sampling both pick it). Nothing is computed or written."""
 
     def __init__(self, base: ModelRunner, outputs: dict[Any, list[int]], vocab: int) -> None:
-        super().__init__(base.model, base.kv, base.device, base.window)
+        super().__init__(base.model, base.kv, base.device)
         self.outputs, self.vocab = outputs, vocab
 
     def forward(self, plan: list, table: Any, inputs: Any = None) -> torch.Tensor:

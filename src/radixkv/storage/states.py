@@ -110,6 +110,23 @@ class StateTiers:
                 self._write(k, h, self.rows.row_bytes(row))
 
     # --- a request arrives --------------------------------------------------------------
+    loads_pages = True  # the prompt's pages up to a checkpoint (`radixkv.storage.layers`)
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        """Its counters for ``/metrics``: (counter or gauge, name, help, value)."""
+        return [
+            ("counter", "state_checkpoints_loaded", "Checkpoints brought back from the "
+             "host tier or the shared store", self.loaded),
+            ("gauge", "host_state_checkpoints", "Checkpoints held by the host tier",
+             len(self.host)),
+            ("counter", "state_checkpoints_bad", "Stored checkpoints refused: corrupt or "
+             "unauthenticated", self.bad),
+        ]  # fmt: skip
+
+    def save(self, tokens: Any, ns: Any, row: int, n: int, hashes: Any, resend: int) -> None:
+        """A request finished: nothing to write here (each checkpoint went down as the
+        manager took it)."""
+
     def load(self, tokens: Any, ns: Any, usable: int, alloc: Any) -> int:
         """Bring the deepest checkpoint of ``tokens[:usable]`` the device lacks (and the
         KV up to it) from the host pool or the store. Returns KV tokens loaded."""

@@ -183,10 +183,24 @@ class WindowTiers:
                 self._write([k], [k[len(self.prefix) :]], page[None])
 
     # --- a request arrives --------------------------------------------------------------
-    def load(self, tokens: Any, ns: Any, usable: int) -> int:
+    loads_pages = False  # after the full pages (`radixkv.storage.layers`)
+
+    def metrics(self) -> list[tuple[str, str, str, float]]:
+        """Its counters for ``/metrics``: (counter or gauge, name, help, value)."""
+        return [
+            ("counter", "window_pages_loaded", "Window pages brought back from the host "
+             "tier or the shared store", self.loaded),
+            ("gauge", "host_window_pages", "Window pages held by the host tier",
+             len(self.host)),
+            ("counter", "window_pages_bad", "Stored window pages refused: corrupt or "
+             "unauthenticated", self.bad),
+        ]  # fmt: skip
+
+    def load(self, tokens: Any, ns: Any, usable: int, alloc: Any = None) -> int:
         """Bring back the window of the deepest end of ``tokens[:usable]`` whose full KV
         the device holds and whose window the host pool or the store has, past what the
-        device serves. Returns the tokens that became servable."""
+        device serves. Returns the tokens that became servable. (``alloc``, the full
+        slots' allocator, is not used: window slots come from the window's own.)"""
         p, cache = self.page, self.cache
         key = RadixKey(tokens, ns)
         n_pages = usable // p

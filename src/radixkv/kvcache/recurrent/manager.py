@@ -64,6 +64,7 @@ class RecurrentStates(LayerManager):
     held."""
 
     kind = "states"
+    event_blocks = "checkpoints"
 
     def __init__(
         self, pool: StatePool, max_states: int, every_pages: int = 0,
@@ -91,13 +92,26 @@ class RecurrentStates(LayerManager):
         """Spare rows a pool needs: every checkpoint, and pending snapshots beside them."""
         return max_states + max_running
 
-    def publish(self, sink: Any) -> None:
+    def held_bytes(self) -> int:
+        return len(self.component.held) * self.row_size
+
+    def evicted_bytes(self) -> int:
+        return self.component.evictions * self.row_size
+
+    def summary(self) -> str:
+        rows = self.pool.first + self.pool.spare
+        return (f"recurrent states: {rows} rows x {self.row_size / 2**20:.2f} MiB = "
+                f"{rows * self.row_size / 2**20:,.1f} MiB")
+
+    def publish(self, sink: Any) -> bool:
         """Tell ``sink`` (`radixkv.tree.CacheEventSink`) of every checkpoint from now
-        on, as one stored block each (see the module docstring). Before any checkpoint
-        is held."""
+        on, as one stored block each (see the module docstring); the tree tells it
+        nothing (a prefix is servable only at a checkpoint). Before any checkpoint is
+        held."""
         if self.component.held:
             raise ValueError("KV events must be on before the first checkpoint")
         self.sink = sink
+        return True
 
     # --- where a checkpoint lives: a spare row of the pool, or units of the arena --------
     def _keep(self, row: int) -> int | None:

@@ -81,7 +81,7 @@ class WindowSlots(LayerManager):
 
     def __init__(
         self, component: WindowKV, allocator: TokenToKVPoolAllocator, max_reqs: int,
-        max_context_len: int, window: int,
+        max_context_len: int, window: int, token_bytes: int = 0, layers: int = 0,
     ) -> None:  # fmt: skip
         if component.allocator is not allocator:
             raise ValueError("the WindowKV component must free into the window allocator")
@@ -89,6 +89,8 @@ class WindowSlots(LayerManager):
             raise ValueError(f"window {window} is longer than the tree keeps "
                              f"({component.window})")  # fmt: skip
         self.component, self.allocator, self.window = component, allocator, window
+        # (for reports) one window slot's KV over the sliding layers, and how many
+        self.token_bytes, self.layers = token_bytes, layers
         self.page = allocator.page_size
         self.span = align_up(component.window, self.page)  # what the tree keeps at an end
         self.table = np.full((max_reqs, max_context_len), -1, dtype=np.int64)
@@ -99,8 +101,41 @@ class WindowSlots(LayerManager):
         self._reserved = 0  # window slots this admission round's requests reserved
 
     kind = "window"
+    event_blocks = "windows"  # pages whose window is held: the runs have holes
+
+    def held_bytes(self) -> int:
+        a = self.allocator
+        return (a.size - a.available_size()) * self.token_bytes
+
+    def evicted_bytes(self) -> int:
+        return self.evicted * self.token_bytes
+
+    def summary(self) -> str:
+        """The window pool as sized (separate pools: with an arena, its pages' line is
+        the arena's)."""
+        n = self.allocator.size
+        return (f"sliding-window KV: {n:,} tokens x {self.layers} layers = "
+                f"{n * self.token_bytes / 2**20:,.1f} MiB "
+                f"(window {self.window}: a running request keeps its last window; cached "
+                f"windows stay while there is room, those no match end needs go first)")
+
+    def retained_marks(self, positions: Sequence[int], page: int) -> list[int]:
+        """The same prefix sent again hits a page short of its end (its last token is
+        computed): a retained prefix keeps a window there too."""
+        return [(p - 1) // page * page for p in positions]
     reads_path = True  # the reads stay valid only with the old end locked (see above)
     marks_ends = True
+
+    def forward(self, plan: Sequence[tuple[Any, int]]) -> list[tuple[torch.Tensor, int]]:
+        """The step's window batch: for each planned request computing its last ``n``
+        tokens, its window slots from the first key its first new token sees
+        (``window - 1`` back) to its end, and where its new tokens start among them."""
+        out = []
+        for r, n in plan:
+            start = r.kv_len - n
+            lo = max(0, start - self.window + 1)
+            out.append((torch.from_numpy(self.table[r.row, lo : r.kv_len]), start - lo))
+        return out
 
     def join(self, cache: Any, req_pool: Any) -> None:
         if getattr(self.component, "cache", None) is not cache:
