@@ -12,6 +12,10 @@ Two shapes, chosen by `EngineConfig`:
                   each evicting its own (or ``cache_split="sglang"``: ``cache_bytes``
                   split into them by SGLang's fixed ratios)
 
+Each layer type beyond full attention is built by its entry in
+`radixkv.kvcache.layer_types` (its manager and tree component); this module builds the
+full KV's allocator, the tree over every component, the KV tensors, and the arena's room.
+
 Owns: the allocation of what the plan sized, and the reports over it. Must not touch:
 the sizes (the plan's), requests and the step (the engine's), the model (the loader's).
 """
@@ -24,15 +28,13 @@ import torch
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.machine import check_fits
-from radixkv.kvcache.arena import Arena, ArenaCheckpoints, ArenaKV, ArenaPages, ArenaRoom
+from radixkv.kvcache.arena import Arena, ArenaKV, ArenaPages, ArenaRoom
 from radixkv.kvcache.budget import HybridBudget
+from radixkv.kvcache.layer_types import build_managers
 from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.kvcache.plan import MemoryPlan, plan_memory
-from radixkv.kvcache.recurrent import RecurrentStates
-from radixkv.kvcache.recurrent.pool import StatePool
-from radixkv.kvcache.window.component import WindowKV
 from radixkv.kvcache.window.slots import WindowSlots
 from radixkv.tree import RadixCache
 
@@ -54,13 +56,13 @@ class CacheMemory:
         self.plan = plan = plan_memory(mc.layer_specs(), cfg.cache_config, mc.architecture)
         _check_fits(plan, cfg, device)
         self.arena = Arena(plan.arena.units, plan.arena.unit_bytes, device) if plan.arena else None
-        self.recurrent = _states(plan, model, self.arena, device)
-        managers = (self.recurrent,) if self.recurrent is not None else ()
-        self.cache, self.allocator, self.window = _tree(plan, cfg, self.arena, device, managers)
+        managers = build_managers(plan, self.arena, device, model)  # each layer type's
+        kinds = {m.kind: m for m in managers}
+        self.window, self.recurrent = kinds.get("window"), kinds.get("states")
+        self.cache, self.allocator = _tree(plan, cfg, self.arena, device, managers)
         self.kv = _kv(plan, mc, self.arena, self.allocator, self.window, device)
-        slots = (self.window,) if self.window is not None else ()
         req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=device)
-        self.mgr = CacheManager(self.cache, self.allocator, req_pool, *slots, *managers)
+        self.mgr = CacheManager(self.cache, self.allocator, req_pool, *managers)
         self.why_not_window = plan.window.why_not
         self.budget: HybridBudget | None = None
         self.room: ArenaRoom | None = None
@@ -188,60 +190,26 @@ def _check_fits(plan: MemoryPlan, cfg: EngineConfig, device: torch.device) -> No
         raise ValueError(f"{plan.sized_by}: {e}" if plan.sized_by else str(e)) from None
 
 
-def _states(
-    plan: MemoryPlan, model: torch.nn.Module, arena: Arena | None, device: torch.device
-) -> RecurrentStates | None:
-    """The recurrent layers' state pool (a row per running request, spare rows for the
-    checkpoints and pending snapshots) handed to the model, and their manager."""
-    spec, cfg = plan.specs.recurrent, plan.config
-    if spec is None:
-        return None
-    pool = StatePool(spec, cfg.max_running, plan.state_rows, device)
-    model.use_states(pool)  # type: ignore[operator]
-    store = ArenaCheckpoints(arena, spec.state_bytes) if arena is not None else None
-    return RecurrentStates(pool, plan.checkpoints or 1, cfg.checkpoint_every // cfg.page_size,
-                           store=store)  # fmt: skip
-
-
 def _tree(
     plan: MemoryPlan, cfg: EngineConfig, arena: Arena | None, device: torch.device,
     managers: tuple[LayerManager, ...],
-) -> tuple[RadixCache, TokenToKVPoolAllocator, WindowSlots | None]:  # fmt: skip
-    """The full KV's allocator, the window slots (sliding layers apart) and the tree over
-    them, with the managers' tree components. The engine locks every node it keeps
-    right after matching or inserting it, so it opts in to chain merging (LRU) and
-    precise eviction (see `radixkv.tree`)."""
-    p, shape, win = cfg.page_size, plan.arena, plan.window
+) -> tuple[RadixCache, TokenToKVPoolAllocator]:  # fmt: skip
+    """The full KV's allocator and the tree over it, with the managers' tree components.
+    The engine locks every node it keeps right after matching or inserting it, so it
+    opts in to chain merging (LRU, where every manager allows it) and precise eviction
+    (see `radixkv.tree`)."""
+    p, shape = cfg.page_size, plan.arena
+    pages = None
     if shape is not None and arena is not None and shape.full_columns:
-        full = ArenaPages(arena, "full", shape.full_columns, shape.full_cap)
-        allocator = TokenToKVPoolAllocator(plan.full_slots, p, device, pages=full)
-        allocator.capacity = plan.full_capacity
-    else:  # separate pools, or every layer sliding (full slots index tokens, hold no KV)
-        allocator = TokenToKVPoolAllocator(plan.full_slots, p, device=device)
-    walloc = None
-    if win.layers and shape is not None and arena is not None:
-        wpages = ArenaPages(arena, "window", shape.window_columns, shape.window_cap)
-        walloc = TokenToKVPoolAllocator(win.tokens, p, device, pages=wpages)
-    elif win.layers:
-        walloc = TokenToKVPoolAllocator(win.tokens, p, device=device)
-    components = tuple(m.component for m in managers)
-    wkv = None
-    if walloc is not None:  # windows stay while there is room; under pressure spare ones go first
-        wkv = WindowKV(win.window, walloc, retain="all")
-        components = (*components, wkv)
-    cache = RadixCache(
-        p, cfg.eviction_policy, allocator, disable=not cfg.prefix_cache,
-        # merging joins an insert to another request's finished leaf, whose window a
-        # windowed insert (full KV first) would drop: windowed caches do not merge
-        eviction_mode="merge" if cfg.eviction_policy == "lru" and not win.layers else "precise",
-        components=components,
-    )  # fmt: skip
-    slots = None
-    if wkv is not None and walloc is not None:
-        token_bytes = len(win.layers) * plan.specs.layer_token_bytes(cfg.dtype)
-        slots = WindowSlots(wkv, walloc, cfg.max_running, cfg.max_context_len, win.window,
-                            token_bytes, len(win.layers))  # fmt: skip
-    return cache, allocator, slots
+        pages = ArenaPages(arena, "full", shape.full_columns, shape.full_cap)
+    # (every layer sliding: full slots index tokens and hold no KV)
+    allocator = TokenToKVPoolAllocator(plan.full_slots, p, device, pages=pages)
+    allocator.capacity = plan.full_capacity
+    merge = cfg.eviction_policy == "lru" and all(m.allows_merge for m in managers)
+    cache = RadixCache(p, cfg.eviction_policy, allocator, disable=not cfg.prefix_cache,
+                       eviction_mode="merge" if merge else "precise",
+                       components=tuple(m.component for m in managers))  # fmt: skip
+    return cache, allocator
 
 
 def _kv(

@@ -12,6 +12,7 @@ the tree, between the tree (`radixkv.tree`) and the engine (`radixkv.engine`).
                      window, recurrent), declared by each model's config
     plan.py          `CacheConfig` (the memory knobs) and `plan_memory`: every pool's
                      size, or the one arena's, from the specs; no tensor, no device
+    layer_types.py   the registry of the layer types below: each one's ``build``
     window/          the sliding-window layer type in one home: its tree component
                      (`WindowKV`), its event gate, its manager (`WindowSlots`)
     recurrent/       the recurrent layer type in one home: its tree component

@@ -68,6 +68,9 @@ class LayerManager:
     # what the engine's KV events tell of a model with this layer type ("" : pages, each
     # with the run before it; "checkpoints", "windows": servable blocks, each alone)
     event_blocks = ""
+    # whether the tree may merge an insert into another request's finished leaf (LRU's
+    # chain merging): not where a windowed insert (full KV first) would drop its window
+    allows_merge = True
 
     def publish(self, sink: Any) -> bool:
         """KV events are on: True when this manager tells ``sink`` what is servable

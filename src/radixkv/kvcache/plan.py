@@ -166,7 +166,7 @@ class MemoryPlan:
     window: WindowPlan
     arena: ArenaPlan | None  # None: separate pools
     full_slots: int  # the full KV allocator's tokens (every layer sliding: an index only)
-    full_capacity: int  # the most full KV tokens one request can hold
+    full_capacity: int  # the most full KV tokens one request can hold (whole pages)
     checkpoints: int | None  # checkpoints held at most (None: no recurrent layers)
     state_rows: int  # spare rows of the state pool (beside one per running request)
     needs: dict[str, int]  # bytes of each part, by the knob that sets it
@@ -210,7 +210,7 @@ def plan_memory(specs: LayerSpecs, config: CacheConfig, model: str = "this model
         sized_by = "cache_bytes"
     else:
         arena, window = None, _plan_windows(specs, cfg, model)
-        full_slots = capacity = cfg.pool_tokens
+        full_slots, capacity = cfg.pool_tokens, align_down(cfg.pool_tokens, cfg.page_size)
         needs = {
             f"kv_tokens={cfg.pool_tokens:,}":
                 (specs.kv_layers - len(window.layers)) * per_layer * cfg.pool_tokens,

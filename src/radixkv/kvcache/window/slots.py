@@ -102,6 +102,7 @@ class WindowSlots(LayerManager):
 
     kind = "window"
     event_blocks = "windows"  # pages whose window is held: the runs have holes
+    allows_merge = False
 
     def held_bytes(self) -> int:
         a = self.allocator
