@@ -35,6 +35,7 @@ import torch
 
 from radixkv.key import as_count
 from radixkv.kvcache.arena import layer_group
+from radixkv.kvcache.recurrent.manager import RecurrentStates
 from radixkv.kvcache.spec import LayerSpecs, SlidingWindowSpec
 from radixkv.kvcache.window.slots import window_peak
 from radixkv.units import align_down, align_up, div_ceil
@@ -375,7 +376,7 @@ def _states(cfg: CacheConfig) -> tuple[int | None, int]:
         every = cfg.chunk_size // cfg.checkpoint_every if cfg.checkpoint_every else 0
         return cap, 2 * cfg.max_running + every
     assert cap is not None
-    return cap, cap + cfg.max_running
+    return cap, RecurrentStates.spare_rows(cfg.max_running, cap)
 
 
 __all__ = ["CACHE_SPLITS", "DEFAULT_CHECKPOINTS", "DEFAULT_KV_TOKENS", "SGLANG_STATE_RATIO",

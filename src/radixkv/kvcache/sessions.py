@@ -190,6 +190,11 @@ def priority_of(predicted: float) -> int:
     return max(1, PRIORITY_TOP - int(predicted * 1000.0))
 
 
+def predicted_of(priority: int) -> float:
+    """The return (seconds) a stamp says: `priority_of`'s inverse, to the millisecond."""
+    return (PRIORITY_TOP - priority) / 1000.0
+
+
 class EvictionReasons(TreeComponent):
     """Tokens the cache evicted, by what their stamp said then (`REASONS`): no session's
     (priority 0), a session predicted back within `SOON_S` (an agent about to return:
@@ -212,7 +217,7 @@ class EvictionReasons(TreeComponent):
             if not node.priority:
                 reason = "no_session"
             else:
-                back = (PRIORITY_TOP - node.priority) / 1000.0
+                back = predicted_of(node.priority)
                 reason = "back_within_1m" if back - self.now <= SOON_S else "back_later"
             self.tokens[reason] += units  # (a unit is a token: pages are whole units)
 
@@ -223,7 +228,7 @@ class EvictionReasons(TreeComponent):
         the soonest return ever stamped below it). Back to 0, as a path no session owns."""
         for x in parents:
             if (x is not None and x.parent is not None and x.priority and not x.children
-                    and (PRIORITY_TOP - x.priority) / 1000.0 < self.now):  # fmt: skip
+                    and predicted_of(x.priority) < self.now):  # fmt: skip
                 x.priority = 0
                 if not x.lock_ref:
                     self.cache.order.push(x)
@@ -407,4 +412,5 @@ def session_order(
 
 
 __all__ = ["DEFAULT_GAP_S", "PRIORITY_TOP", "REASONS", "Due", "EvictionReasons",
-           "SessionClock", "SessionOrder", "priority_of", "session_order"]  # fmt: skip
+           "SessionClock", "SessionOrder", "predicted_of", "priority_of",
+           "session_order"]  # fmt: skip

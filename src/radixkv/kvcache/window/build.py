@@ -32,9 +32,10 @@ def build(plan: MemoryPlan, arena: Arena | None, device: Any, model: Any) -> Win
     slots = TokenToKVPoolAllocator(win.tokens, p, device, pages=pages)
     # windows stay while there is room; under pressure the spare ones go first
     kv = WindowKV(win.window, slots, retain="all")
-    token_bytes = len(win.layers) * plan.specs.layer_token_bytes(cfg.dtype)
+    spec = plan.specs.window  # (its layers are the plan's: those that live apart)
+    assert spec is not None and spec.layers == win.layers
     return WindowSlots(kv, slots, cfg.max_running, cfg.max_context_len, win.window,
-                       token_bytes, len(win.layers))  # fmt: skip
+                       spec.token_bytes(cfg.dtype), len(spec.layers))  # fmt: skip
 
 
 __all__ = ["build"]
