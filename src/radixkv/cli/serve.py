@@ -238,13 +238,21 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
         help="verify every memory invariant after each step; a violation stops the engine "
         "and /health turns 503 (slow: for tests and debugging)",
     )
+    serve.add_argument(
+        "--served-log",
+        metavar="FILE",
+        help="append each finished request (its token ids, the engine step it arrived at) "
+        "to FILE, created for its owner only, up to 1 GiB: `radixkv simulate --trace FILE "
+        "--model-spec MODEL` replays it and checks each request's cached tokens",
+    )
     serve.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
 
 
 # engine settings a flag sets, by their config names (a message naming one names its flag)
 SIZING_FIELDS = ("cache_bytes", "kv_tokens", "window_tokens", "max_checkpoints", "host_tokens",
                  "chunk_size", "max_running", "max_context_len", "page_size",
-                 "checkpoint_every", "max_retained_tokens", "eviction_policy")  # fmt: skip
+                 "checkpoint_every", "max_retained_tokens", "eviction_policy",
+                 "served_log")  # fmt: skip
 
 
 def _sizing_flag(message: str, args: argparse.Namespace) -> str | None:
@@ -291,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
             storage_max_bytes=args.storage_max_bytes, max_checkpoints=args.max_checkpoints,
             checkpoint_every=args.checkpoint_every,
             max_retained_tokens=args.max_retained_tokens, window_tokens=args.window_tokens,
+            served_log=args.served_log,
         )  # fmt: skip
         access = Access.for_bind(
             args.host, api_key=args.api_key, admin_key=args.admin_key,

@@ -51,9 +51,12 @@ def _input_flags(parser: argparse.ArgumentParser) -> None:
                      "kv-cache-tester trace (.json, .json.gz) or a folder of them")  # fmt: skip
     src.add_argument("--workload", choices=["chat", "few-shot", "multi-turn", "shared-prefix"],
                      help="a built-in generated workload (default: shared-prefix)")  # fmt: skip
-    sim.add_argument("--format", choices=["mooncake", "marconi", "tokens", "agentic"],
+    sim.add_argument("--format", choices=["mooncake", "marconi", "tokens", "agentic", "served"],
                      default=None, help="trace format (default: agentic for a folder or a "
-                     ".json/.json.gz file, else guessed from the first line)")  # fmt: skip
+                     ".json/.json.gz file, else guessed from the first line); served: what "
+                     "serve --served-log wrote, replayed with the server's own knobs and "
+                     "arrivals, each request's cached tokens checked against the "
+                     "server's")  # fmt: skip
     agent = parser.add_argument_group("agentic traces (--format agentic: recorded Claude "
                                       "Code sessions, kv-cache-tester's format)")  # fmt: skip
     agent.add_argument("--sessions", type=positive_int, default=None,
@@ -232,6 +235,23 @@ def _trace_errors(path: str) -> Iterator[None]:
         raise flag_error(e) from None
 
 
+def _is_served(args: argparse.Namespace) -> bool:
+    from radixkv.sim.served import is_served_log
+
+    if args.format is not None or not args.trace or not Path(args.trace).is_file():
+        return args.format == "served"
+    with _trace_errors(args.trace):
+        return is_served_log(args.trace)
+
+
+def _defaults() -> dict[str, Any]:
+    """Each of the subcommand's flags (by its dest), with its default."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for add in (_input_flags, _model_flags, _output_flags, _tiers_flags):
+        add(parser)
+    return vars(parser.parse_args([]))
+
+
 _AGENTIC = (("--sessions", "sessions", None), ("--seed", "seed", 0), ("--span", "span", 3600.0),
             ("--warm-prefix", "warm_prefix", 0.0))  # fmt: skip
 
@@ -269,6 +289,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--plot: give a file name (a PNG cannot go to stdout)")
     if args.warmup >= 1.0:
         raise CliError(f"--warmup: must be a fraction in [0, 1), got {args.warmup}")
+    if _is_served(args):
+        from radixkv.cli.simulate_served import run_served
+
+        return run_served(args, _defaults(), _trace_errors)
     if args.model_spec is not None:
         return _hybrid(args)
     for flag, dest in _HYBRID_ONLY:

@@ -92,6 +92,9 @@ class EngineConfig:
             progress (`radixkv.engine.scheduler`). With a ``cache_bytes`` size: the
             most tokens of window KV the budget holds (a cap: at full, its spare
             windows go first, then its least recently used).
+        served_log: a file each finished request is appended to (its tokens, the step
+            it arrived at), for ``radixkv simulate --format served`` to replay
+            (`radixkv.engine.served_log`); it holds the prompts' token ids: created 0600.
         storage_secret: a secret shared by the engines of one store: every page carries
             a MAC under it and a page whose MAC fails is a counted miss. ``None``:
             ``RADIXKV_STORAGE_SECRET`` from the environment, if set.
@@ -121,6 +124,7 @@ class EngineConfig:
     cache_bytes: int | str | None = None  # one budget for every kind; "auto": sized
     # as the separate pools' defaults would be (radixkv.kvcache.arena)
     cache_split: str = "one"  # with cache_bytes: "one" arena, or SGLang's fixed "sglang"
+    served_log: str | None = None  # a file each finished request is logged to, for replay
 
     @property
     def cache_config(self) -> CacheConfig:
@@ -162,6 +166,9 @@ class EngineConfig:
         as_bool(self.prefix_cache, "prefix_cache")
         as_bool(self.check_memory, "check_memory")
         as_count(self.seed, "seed")
+        if self.served_log is not None and (not isinstance(self.served_log, str)
+                                            or not self.served_log):  # fmt: skip
+            raise ValueError("served_log must be a file path (a non-empty string)")
         if (self.storage is not None or self.host_tokens) and not self.prefix_cache:
             raise ValueError("storage and host_tokens need the prefix cache (prefix_cache=True)")
         as_count(self.host_tokens, "host_tokens")

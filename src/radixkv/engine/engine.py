@@ -50,6 +50,7 @@ from radixkv.engine.request import (
     StepOutput,
 )
 from radixkv.engine.scheduler import DoesNotFit, Scheduler
+from radixkv.engine.served_log import ServedLog
 from radixkv.key import RadixKey, check_namespace
 from radixkv.kvcache.retention import Retention
 from radixkv.kvcache.sessions import session_order
@@ -184,6 +185,7 @@ class Engine:
         self._events: Any = None  # (collector, publish) once KV events are on
         self._source_files = getattr(net, "source_files", None)
         self._identity: bytes | None = None
+        self.served_log = ServedLog(cfg.served_log, cfg) if cfg.served_log else None
         self.tier: Any = None  # host pool and shared store (radixkv.storage), if any
         self.layer_tiers: list[Any] = []  # the other layer types' pages and checkpoints there
         if cfg.storage is not None or cfg.host_tokens:
@@ -418,7 +420,8 @@ class Engine:
             gen.manual_seed(sampling.seed % 2**64 if sampling.seed is not None else torch.seed())
         req = EngineReq(
             rid, ids, extra_key=extra_key, sampling=sampling, generator=gen, order=order,
-            group=group, arrival=time.perf_counter(), boundaries=marks, cache_limit=spec.limit,
+            group=group, arrival=time.perf_counter(), arrived_step=self.counters.steps,
+            boundaries=marks, cache_limit=spec.limit,
             cache_read=spec.read, retain=spec.retain, cache_spec=cache is not None,
             session=session,
         )  # fmt: skip
@@ -603,6 +606,8 @@ class Engine:
         r.finish_reason = reason
         r.finished_at = time.perf_counter()
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        if self.served_log is not None:
+            self.served_log.record(r, self.counters.steps)
         if self.sessions is not None and reason in ("abort", "error"):  # (nothing cached)
             self.sessions.requests_stopped([r], time.monotonic())
 

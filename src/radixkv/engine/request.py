@@ -173,6 +173,7 @@ class EngineReq(Req):
     group: Any = None  # the request whose n choices this one is (None: on its own)
     session: SessionTag | None = None  # the agent session it belongs to
     arrival: float = 0.0
+    arrived_step: int = 0  # the engine's step count when it was queued (its served log)
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None

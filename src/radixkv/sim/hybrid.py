@@ -282,6 +282,7 @@ class HybridResult:
     checkpoints: int = 0  # checkpoints taken
     block_tokens: int = 0  # the grid hits land on (vllm), else the page
     refused: int = 0  # requests the pool could not hold (vllm: it would not start)
+    cached: list[int] = field(default_factory=list)  # each request's hit tokens, trace order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -564,10 +565,13 @@ def simulate_hybrid(
     hit_tokens = prompt_tokens = 0
     saved = total = 0.0
     lpm = schedule == "lpm" and policy not in marconi.POLICIES
+    where = {id(r): i for i, r in enumerate(trace.requests)}
+    cached = [0] * len(trace.requests)
     for req in lpm_order(trace, sim) if lpm else trace.requests:
         held = sim.cached_prefix(req, kv=True) if on_request and isinstance(sim, _Sim) else None
         hit = sim.serve(req, cache_outputs)
         tokens = trace.hit_tokens(req, hit)
+        cached[where[id(req)]] = tokens
         if on_request is not None:
             on_request(req, tokens, None if held is None else trace.hit_tokens(req, held))
         hit_tokens += tokens
@@ -583,7 +587,7 @@ def simulate_hybrid(
         mean_bytes={k: v / n for k, v in sim.bytes_sum.items()},
         checkpoints=sim.checkpoints,
         block_tokens=sim.page * sim.unit,
-        refused=getattr(sim, "refused", 0),
+        refused=getattr(sim, "refused", 0), cached=cached,
     )  # fmt: skip
 
 

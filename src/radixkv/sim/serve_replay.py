@@ -123,36 +123,18 @@ def replay_serve(
         ValueError: a trace without token ids, a token the model's vocabulary lacks, a
             capacity the engine refuses (naming its minimum), bad knobs.
     """
-    if any(r.prompt_ids is None for r in trace.requests):
-        raise ValueError("trace: the serve replay needs token ids (a token or Marconi trace "
-                         "that lists them, not Mooncake's hash ids)")  # fmt: skip
-    net = model if isinstance(model, torch.nn.Module) else empty_model(model)
     base = config or EngineConfig()
-    cfg = dataclasses.replace(
-        base, page_size=trace.block_size, cache_bytes=capacity_bytes, max_running=concurrency,
-        max_context_len=max([base.max_context_len, *(_length(r) for r in trace.requests)]),
-    )  # fmt: skip
-    from radixkv.engine.engine import Engine
-
-    engine = Engine(net, cfg)
-    outputs: dict[Any, list[int]] = {}
-    engine.runner = ReplayRunner(engine.runner, outputs, engine.config.vocab_size)
+    cfg = dataclasses.replace(base, page_size=trace.block_size, cache_bytes=capacity_bytes,
+                              max_running=concurrency)  # fmt: skip
+    engine, outputs = replay_engine(trace, model, cfg)
     result = ServeReplay(capacity_bytes, concurrency)
     sums = dict.fromkeys(("full", "window", "states"), 0.0)
     waves = itertools.groupby(enumerate(trace.requests), key=lambda x: x[1].timestamp)
     for _, wave in waves:
         rids = []
         for i, req in wave:
-            outputs[i] = list(req.output_ids or ())
-            n = max(1, req.output_tokens)
             spec = None if cache_outputs else CacheSpec(limit=len(req.prompt_ids))
-            sampling = SamplingParams(n, ignore_eos=True)
-            prompt = MarkedIds(req.prompt_ids, req.token_boundaries)
-            try:
-                rids.append(engine.add_request(prompt, sampling, rid=i, chat=False,
-                                               extra_key=req.extra_key, cache=spec))  # fmt: skip
-            except ValueError as e:  # a token the model lacks, a request too long
-                raise ValueError(f"trace request {i}: {e}") from None
+            rids.append(add_replayed(engine, outputs, i, req, spec))
         reqs = [engine.requests[rid] for rid in rids]
         while engine.has_unfinished():
             engine.step()
@@ -161,8 +143,53 @@ def replay_serve(
             result.prompt_tokens += len(r.input_ids)
             for k, v in engine.cache_bytes_held().items():
                 sums[k] += v
+    return finish_replay(engine, result, sums, len(trace.requests))
+
+
+def replay_engine(
+    trace: Trace, model: str | Path | torch.nn.Module, cfg: EngineConfig
+) -> tuple[Any, dict[Any, list[int]]]:
+    """An engine serving ``model`` (a folder or a model, never run) with ``cfg``, its
+    context long enough for every request of ``trace``, its runner replaying each
+    request's recorded outputs (the dict: request id -> output ids, filled by
+    `add_replayed`)."""
+    if any(r.prompt_ids is None for r in trace.requests):
+        raise ValueError("trace: the serve replay needs token ids (a token or Marconi trace "
+                         "that lists them, not Mooncake's hash ids)")  # fmt: skip
+    net = model if isinstance(model, torch.nn.Module) else empty_model(model)
+    longest = max([cfg.max_context_len, *(_length(r) for r in trace.requests)])
+    cfg = dataclasses.replace(cfg, max_context_len=longest)
+    from radixkv.engine.engine import Engine
+
+    engine = Engine(net, cfg)
+    outputs: dict[Any, list[int]] = {}
+    engine.runner = ReplayRunner(engine.runner, outputs, engine.config.vocab_size)
+    return engine, outputs
+
+
+def add_replayed(
+    engine: Any, outputs: dict[Any, list[int]], i: int, req: SimRequest,
+    cache: CacheSpec | None = None, group: Any = None,
+) -> Any:  # fmt: skip
+    """Queue trace request ``i`` (id ``i``), to generate its recorded outputs.
+
+    Raises:
+        ValueError: ``trace request I: ...`` (a token the model lacks, too long).
+    """
+    outputs[i] = list(req.output_ids or ())
+    sampling = SamplingParams(max(1, req.output_tokens), ignore_eos=True)
+    prompt = MarkedIds(req.prompt_ids, req.token_boundaries)
+    try:
+        return engine.add_request(prompt, sampling, rid=i, chat=False, extra_key=req.extra_key,
+                                  group=group, cache=cache)  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"trace request {i}: {e}") from None
+
+
+def finish_replay(engine: Any, result: ServeReplay, sums: dict[str, float], n: int) -> ServeReplay:
+    """``result`` with the engine's totals: preemptions, mean bytes, checkpoints."""
     result.preemptions = engine.scheduler.preemptions
-    result.mean_bytes = {k: v / max(len(trace.requests), 1) for k, v in sums.items()}
+    result.mean_bytes = {k: v / max(n, 1) for k, v in sums.items()}
     if engine.recurrent is not None:
         result.checkpoints = engine.recurrent.component.added
     return result
@@ -214,7 +241,7 @@ def serve_result(
         requests=len(trace.requests), prompt_tokens=rep.prompt_tokens,
         hit_tokens=rep.hit_tokens, token_hit_rate=rep.token_hit_rate,
         flops_saved=saved / total if total else 0.0, mean_bytes=rep.mean_bytes,
-        checkpoints=rep.checkpoints, block_tokens=trace.block_size,
+        checkpoints=rep.checkpoints, block_tokens=trace.block_size, cached=list(rep.cached),
     )  # fmt: skip
 
 

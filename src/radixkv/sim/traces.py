@@ -209,7 +209,7 @@ def json_object(text: str | bytes, where: str) -> dict:
     return rec
 
 
-def _records(path: str | Path) -> Iterator[tuple[int, dict]]:
+def read_records(path: str | Path) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) for every non-blank line; a ``TraceError`` naming the
     file and line for anything else, and for a trace with no request at all."""
     seen = False
@@ -242,7 +242,7 @@ def load_mooncake(path: str | Path) -> Trace:
     """
     trace = Trace(Path(path).stem, MOONCAKE_BLOCK)
     tally = Tally()
-    for n, rec in _records(path):
+    for n, rec in read_records(path):
         try:
             if "hash_ids" not in rec or "input_length" not in rec:
                 raise ValueError("a Mooncake record needs hash_ids and input_length")
@@ -314,7 +314,7 @@ def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -
     """
     records = []
     tally = Tally()
-    for n, rec in _records(path):
+    for n, rec in read_records(path):
         try:
             if "token_ids" in rec:
                 prompt = json_ints(rec["token_ids"], "token_ids")
@@ -347,7 +347,7 @@ def load_token_jsonl(path: str | Path, block_size: int, tokenizer: Any = None) -
         except ValueError as e:
             raise TraceError(f"{path}:{n}: {e}") from None
         records.append((prompt, out))
-    return _from_tokens(Path(path).stem, records, block_size)
+    return from_tokens(Path(path).stem, records, block_size)
 
 
 def load_marconi(path: str | Path, block_size: int) -> Trace:
@@ -366,7 +366,7 @@ def load_marconi(path: str | Path, block_size: int) -> Trace:
     history: dict[Any, tuple[int, list[int]]] = {}  # session -> (turn, prompt + output)
     fresh = -1
     tally = Tally()
-    for n, rec in _records(path):
+    for n, rec in read_records(path):
         try:
             for k in ("session_id", "turn_id", "ts", "input_tokens", "output_tokens"):
                 if k not in rec:
@@ -411,7 +411,7 @@ def load_marconi(path: str | Path, block_size: int) -> Trace:
         history[sid] = (turn, prompt + output)
         rows.append((ts, turn, n, prompt, {"output_ids": output, "timestamp": ts * 1000}))
     rows.sort(key=lambda r: r[:3])
-    return _from_tokens(Path(path).stem, [(r[3], r[4]) for r in rows], block_size)
+    return from_tokens(Path(path).stem, [(r[3], r[4]) for r in rows], block_size)
 
 
 def guess_format(path: str | Path) -> str:
@@ -451,7 +451,7 @@ def load_trace(
     return load_token_jsonl(path, block_size or 16, tokenizer)
 
 
-def _from_tokens(name: str, records: list[tuple[list[int], dict]], block: int) -> Trace:
+def from_tokens(name: str, records: list[tuple[list[int], dict]], block: int) -> Trace:
     interner, trace = Interner(), Trace(name, block)
     fresh = -1  # output tokens nobody else has: negative ids never collide with prompts
     for prompt, rec in records:
@@ -503,7 +503,7 @@ def gen_shared_prefix(
             rec = {"output_length": output_len, "boundaries": [system_len]}
             records.append((system + _toks(rng, question_len), rec))
     rng.shuffle(records)
-    return _from_tokens("shared-prefix", records, block_size)
+    return from_tokens("shared-prefix", records, block_size)
 
 
 def _interleave(queues: list[list], rng: random.Random) -> list:
@@ -546,7 +546,7 @@ def gen_multi_turn(
             history = history + answer + _toks(rng, message_len)
         queues.append(turns_out)
     records = _interleave(queues, rng)
-    return _from_tokens("multi-turn", records, block_size)
+    return from_tokens("multi-turn", records, block_size)
 
 
 def gen_few_shot(
@@ -569,7 +569,7 @@ def gen_few_shot(
         picks = sorted(rng.sample(range(pool), shots))
         prompt = instruction + [t for i in picks for t in examples[i]] + _toks(rng, question_len)
         records.append((prompt, {"output_length": output_len}))
-    return _from_tokens("few-shot", records, block_size)
+    return from_tokens("few-shot", records, block_size)
 
 
 def gen_chat(
@@ -599,7 +599,7 @@ def gen_chat(
             history = history + answer + _toks(rng, message_len)
         queues.append(turns_out)
     records = _interleave(queues, rng)
-    return _from_tokens("chat", records, block_size)
+    return from_tokens("chat", records, block_size)
 
 
 GENERATORS = {
