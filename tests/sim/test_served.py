@@ -228,3 +228,20 @@ def test_the_cli_refuses_what_the_log_decides(tmp_path, folders, capsys):
     assert main(["simulate", "--trace", str(path), "--format", "served", "--model-spec",
                  folders["qwen3.5"]]) == 0  # fmt: skip
     assert "cached what the server cached: 1 of 1 requests" in capsys.readouterr().out
+
+
+
+def test_a_replay_holds_no_kv_bytes_so_any_budget_replays(folders):
+    """The replay's engine is index-only: KV and checkpoints on the meta device, so a
+    budget past what this machine could hold beside its tests replays (its indices
+    only are real)."""
+    from radixkv.sim import traces
+    from radixkv.sim.serve_replay import replay_engine, replay_serve
+
+    trace = traces.from_tokens("t", [([5, 6, 7, 8] * 8, {"output_ids": [9, 9]})] * 2, 4)
+    engine, _ = replay_engine(trace, folders["qwen3.5"], EngineConfig(cache_bytes=4 << 30))
+    assert engine.arena.data.device.type == "meta" and engine.arena.data.shape[0] >= 1 << 22
+    assert engine.mgr.allocator.device.type == "cpu"
+    assert all(t.device.type == "meta" for t in engine.recurrent.pool.tensors)
+    # the same 32-token prompt again: all but its last page (the last token is computed)
+    assert replay_serve(trace, folders["qwen3.5"], 1 << 30).cached == [0, 28]

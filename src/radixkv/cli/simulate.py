@@ -519,7 +519,7 @@ def _hybrid(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(f"--capacity: {e}") from None
     if serve and hybrid.UNBOUNDED in caps:
-        raise CliError("--capacity: the serve policy holds a real arena; give bytes, not inf")
+        raise CliError("--capacity: the serve policy replays a finite budget; give bytes, not inf")
     outputs = trace.carries_outputs() if args.cache_outputs is None else args.cache_outputs
     console = make_console(stderr=args.json_out == "-")
     results = []

@@ -77,6 +77,13 @@ def usable_device(device: Any) -> torch.device:
     return dev
 
 
+def index_device(device: torch.device) -> torch.device:
+    """Where index tensors (slots, rows) live beside KV on ``device``: there, or on the
+    CPU for an index-only cache (the ``meta`` device: KV tensors with shapes and no
+    bytes, for replays that decide what a cache holds without computing it)."""
+    return torch.device("cpu") if device.type == "meta" else device
+
+
 def runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The concatenated ranges ``starts[i] .. starts[i] + lengths[i] - 1``."""
     total = int(lengths.sum())
@@ -162,7 +169,7 @@ class TokenToKVPoolAllocator:
         self.num_pages = size // page_size
         self.size = self.num_pages * page_size
         self.capacity = self.size  # the most tokens one request may hold (an arena's less)
-        self.device = usable_device(device)
+        self.device = index_device(usable_device(device))
         self._group: list[np.ndarray] | None = None
         if pages is not None and pages.num_pages != self.num_pages:
             raise ValueError(f"the page source has {pages.num_pages} pages, the allocator "
@@ -581,7 +588,7 @@ class ReqToTokenPool:
         ):
             raise ValueError("max_reqs and max_context_len must be > 0")
         self.max_reqs, self.max_context_len = max_reqs, max_context_len
-        self.device = usable_device(device)
+        self.device = index_device(usable_device(device))
         # the table's host memory, as numpy and as torch (one buffer): read them; the
         # pool's methods write them
         self.array = np.zeros((max_reqs, max_context_len), dtype=np.int64)

@@ -8,7 +8,8 @@ allocated, preempted, inserted, checkpointed, evicted) reads a KV value or a log
 reads token ids, positions and sizes. So a replay that feeds the engine the tokens it
 produced, with the same configuration and the same arrivals, makes the same decisions
 and caches the same tokens per request. The model is built from ``config.json`` without
-its weights (never run); the arena is the real one, so the capacity is real memory.
+its weights (never run); the memory is the engine's own, index-only (KV on the ``meta``
+device: shapes, no bytes), so any capacity replays in the memory of its indices.
 
 The budget simulator (`radixkv.sim.hybrid`, policy ``radixkv``) models the same order of
 eviction in the tree alone, one request at a time, fitting the budget after each
@@ -152,13 +153,15 @@ def replay_engine(
     """An engine serving ``model`` (a folder or a model, never run) with ``cfg``, its
     context long enough for every request of ``trace``, its runner replaying each
     request's recorded outputs (the dict: request id -> output ids, filled by
-    `add_replayed`)."""
+    `add_replayed`). Index-only: its KV and states live on the ``meta`` device (shapes,
+    no bytes; `radixkv.kvcache.memory.index_device`), so a budget of any size is
+    replayed in the memory of its indices alone."""
     if any(r.prompt_ids is None for r in trace.requests):
         raise ValueError("trace: the serve replay needs token ids (a token or Marconi trace "
                          "that lists them, not Mooncake's hash ids)")  # fmt: skip
     net = model if isinstance(model, torch.nn.Module) else empty_model(model)
     longest = max([cfg.max_context_len, *(_length(r) for r in trace.requests)])
-    cfg = dataclasses.replace(cfg, max_context_len=longest)
+    cfg = dataclasses.replace(cfg, max_context_len=longest, device="meta")
     from radixkv.engine.engine import Engine
 
     engine = Engine(net, cfg)
