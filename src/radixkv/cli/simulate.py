@@ -456,7 +456,8 @@ def _serve(
     from radixkv.sim.serve_replay import serve_result
 
     try:
-        return serve_result(trace, args.model_spec, spec, cap, args.concurrency or 1, outputs,
+        folder = args.model_spec if Path(args.model_spec).is_dir() else None
+        return serve_result(trace, folder, spec, cap, args.concurrency or 1, outputs,
                             chunk_size=args.chunk_size or 512, schedule=args.schedule or "lpm",
                             split=SERVE[policy],
                             checkpoint_every=args.checkpoint_every or 0)  # fmt: skip
@@ -488,9 +489,6 @@ def _hybrid(args: argparse.Namespace) -> int:
         raise CliError(f"--policy: unknown {bad[0]!r} with --model-spec; valid: "
                        f"{', '.join(valid)}")  # fmt: skip
     serve = bool(SERVE.keys() & set(policies))
-    if serve and not Path(args.model_spec).is_dir():
-        raise CliError("--policy serve: needs --model-spec FOLDER (the engine is built from "
-                       "its config.json), not a preset or a JSON spec")  # fmt: skip
     for flag, value in (("--concurrency", args.concurrency), ("--chunk-size", args.chunk_size)):
         if value is not None and not serve:
             raise CliError(f"{flag}: only with --policy serve (the engine's own knob)")

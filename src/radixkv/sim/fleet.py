@@ -149,8 +149,8 @@ class _TimedRunner(ReplayRunner):
     """The serve replay's runner (each request's known answer in place of the model),
     counting each step's work for its cost."""
 
-    def __init__(self, base: ModelRunner, vocab: int) -> None:
-        super().__init__(base, {}, vocab)
+    def __init__(self, base: ModelRunner) -> None:
+        super().__init__(base, {})
         self.prefill_tokens = self.decodes = 0
 
     def forward(self, plan: list, table: Any, inputs: Any = None) -> torch.Tensor:
@@ -173,7 +173,7 @@ class _Replica:
     def __init__(self, name: int, config: EngineConfig, model: str) -> None:
         self.name = name
         self.engine = Engine(model, config)
-        self.runner = _TimedRunner(self.engine.runner, self.engine.config.vocab_size)
+        self.runner = _TimedRunner(self.engine.runner)
         self.engine.runner = self.runner
         self.stepping = False
         self.served = 0

@@ -39,6 +39,8 @@ from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.request import CacheSpec, MarkedIds, SamplingParams
 from radixkv.sim.hybrid import HybridResult, ModelSpec
+from radixkv.sim.spec_model import DTYPE as SPEC_DTYPE
+from radixkv.sim.spec_model import SpecModel
 from radixkv.sim.traces import SimRequest, Trace
 
 REPLAY_TOKEN = 0  # an output the trace does not list is replayed as this token
@@ -46,20 +48,20 @@ REPLAY_TOKEN = 0  # an output the trace does not list is replayed as this token
 
 class ReplayRunner(ModelRunner):
     """The model runner with the trace in place of the model: a request whose prompt is
-    done "samples" its recorded next output token (logits that are 1 there, 0 elsewhere,
-    so greedy and seeded sampling both pick it). Nothing is computed or written."""
+    done samples its recorded next output token (`REPLAY_TOKEN` past the record's end).
+    Nothing is computed or written; the logits are one finite column a row, whatever
+    the vocabulary."""
 
-    def __init__(self, base: ModelRunner, outputs: dict[Any, list[int]], vocab: int) -> None:
+    def __init__(self, base: ModelRunner, outputs: dict[Any, list[int]]) -> None:
         super().__init__(base.model, base.kv, base.device)
-        self.outputs, self.vocab = outputs, vocab
+        self.outputs = outputs
 
     def forward(self, plan: list, table: Any, inputs: Any = None) -> torch.Tensor:
-        logits = torch.zeros(len(plan), self.vocab)
-        for i, (r, _) in enumerate(plan):
-            out = self.outputs[r.rid]
-            k = len(r.output_ids)
-            logits[i, out[k] if k < len(out) else REPLAY_TOKEN] = 1.0
-        return logits
+        return torch.zeros(len(plan), 1)
+
+    def sample(self, r: Any, logits: torch.Tensor) -> int:  # type: ignore[override]
+        out, k = self.outputs[r.rid], len(r.output_ids)
+        return out[k] if k < len(out) else REPLAY_TOKEN
 
 
 @dataclass
@@ -166,7 +168,7 @@ def replay_engine(
 
     engine = Engine(net, cfg)
     outputs: dict[Any, list[int]] = {}
-    engine.runner = ReplayRunner(engine.runner, outputs, engine.config.vocab_size)
+    engine.runner = ReplayRunner(engine.runner, outputs)
     return engine, outputs
 
 
@@ -223,18 +225,23 @@ def tightest_budget(
 
 
 def serve_result(
-    trace: Trace, folder: str | Path, spec: ModelSpec, capacity_bytes: int,
+    trace: Trace, folder: str | Path | None, spec: ModelSpec, capacity_bytes: int,
     concurrency: int = 1, cache_outputs: bool = True, chunk_size: int = 512,
     schedule: str = "lpm", split: str = "one", checkpoint_every: int = 0,
 ) -> HybridResult:  # fmt: skip
     """`replay_serve` as a row of the hybrid simulator's table, with ``radixkv serve``'s
     other defaults: policy ``serve`` (one arena), or ``serve-sglang`` with ``split=
     "sglang"`` (the engine with SGLang's fixed split of the same bytes, ``serve
-    --cache-split sglang``); ``checkpoint_every`` as ``serve --checkpoint-every``."""
+    --cache-split sglang``); ``checkpoint_every`` as ``serve --checkpoint-every``.
+    ``folder`` None: the engine of ``spec`` alone (`radixkv.sim.spec_model`: its
+    bytes, no model)."""
     cfg = EngineConfig(chunk_size=chunk_size, schedule_policy=schedule,
                        cache_bytes=capacity_bytes, cache_split=split,
                        checkpoint_every=checkpoint_every)  # fmt: skip
-    rep = replay_serve(trace, folder, capacity_bytes, cfg, concurrency=concurrency,
+    model: Any = folder
+    if folder is None:
+        model, cfg.dtype = SpecModel(spec, _vocab(trace)), SPEC_DTYPE
+    rep = replay_serve(trace, model, capacity_bytes, cfg, concurrency=concurrency,
                        cache_outputs=cache_outputs)  # fmt: skip
     saved = sum(spec.flops(c) for c in rep.cached)
     total = sum(spec.flops(r.prompt_tokens) for r in trace.requests)
@@ -246,6 +253,17 @@ def serve_result(
         flops_saved=saved / total if total else 0.0, mean_bytes=rep.mean_bytes,
         checkpoints=rep.checkpoints, block_tokens=trace.block_size, cached=list(rep.cached),
     )  # fmt: skip
+
+
+def _vocab(trace: Trace) -> int:
+    """Token ids the trace's prompts and outputs use, at least the byte tokenizer's 258
+    (the engine's for a model without one): a spec model's vocabulary."""
+    top = 257
+    for r in trace.requests:
+        for ids in (r.prompt_ids, r.output_ids):
+            if ids:
+                top = max(top, max(ids))
+    return top + 1
 
 
 def _length(r: SimRequest) -> int:
