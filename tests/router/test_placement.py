@@ -146,3 +146,45 @@ def test_recent_work_halves_every_half_life():
     assert abs(core.workers["a"].recent_work(now[0]) - 50) < 1e-9
     now[0] = 3 * WORK_HALF_LIFE_S
     assert abs(core.workers["a"].recent_work(now[0]) - 12.5) < 1e-9
+
+
+def _behind(prefix: list[int], tag: int, n: int) -> list[int]:
+    return prefix + _prompt(tag, n)
+
+
+def test_a_burst_of_sessions_behind_one_long_prefix_spreads_and_each_keeps_its_worker():
+    """kv-cache-tester's client puts a long common prefix before every session. Before
+    any worker reports that prefix shared (no events yet: all in flight), the sessions'
+    first requests matched the first one's routed prompt and all went to its worker,
+    and stayed there (live: 77 of 77 requests on one of 3 workers). Now a prompt that
+    only shares another conversation's prefix is no one's history: the burst spreads,
+    and each session's next turn goes back to its own worker."""
+    core = _core("a", "b", "c")
+    warm = _prompt(7, 1600)
+    first = [core.choose(_behind(warm, k, 160)) for k in range(1, 7)]
+    homes = [t.worker.name for t in first]
+    assert len(set(homes)) == 3 and max(homes.count(w) for w in "abc") <= 3
+    nxt = [core.choose(_behind(warm, k, 160) + _prompt(50 + k, 64)) for k in range(1, 7)]
+    assert [t.worker.name for t in nxt] == homes  # each extends its own last turn
+    for t in (*first, *nxt):
+        t.release()
+
+
+def test_a_new_session_sharing_anothers_prefix_goes_there_while_that_worker_is_calm():
+    """A sub-agent's first request shares its parent's prefix: it goes to the parent's
+    worker while that worker's recent work is within `KV_NEAR_SLACK` x the mean, and to
+    the calmer workers once it is past it."""
+    core = _core("a", "b", "c")
+    parent = core.choose(_prompt(1, 640))
+    home = parent.worker.name
+    parent.release()
+    others = [core.choose(_prompt(k, 640)) for k in (2, 3)]  # the same work elsewhere
+    for t in others:
+        t.release()
+    sub = core.choose(_prompt(1, 320) + _prompt(8, 160))  # the parent's first 320 tokens
+    assert sub.worker.name == home
+    sub.release()
+    core.workers[home].work += 10 * 640  # the parent's worker computed much more lately
+    again = core.choose(_prompt(1, 320) + _prompt(9, 160))
+    assert again.worker.name != home
+    again.release()

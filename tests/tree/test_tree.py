@@ -422,3 +422,20 @@ def test_check_integrity_detects_corruption(corrupt):
     corrupt(cache, leaf)
     with pytest.raises(AssertionError, match="integrity"):
         cache.check_integrity()
+
+
+def test_extends_leaf_tells_a_next_turn_from_a_divergence_and_changes_nothing():
+    c = RadixCache(page_size=2)
+    c.insert(RadixKey([1, 2, 3, 4]))
+    (leaf,) = c.root.children.values()
+    before = (c.total_size(), leaf.last_access, leaf.hit_count)
+    assert c.extends_leaf(RadixKey([1, 2, 3, 4, 5, 6]))  # a next turn
+    assert c.extends_leaf(RadixKey([1, 2, 3, 4]))  # the same prompt again
+    assert not c.extends_leaf(RadixKey([1, 2, 9, 9]))  # diverges inside the leaf
+    assert not c.extends_leaf(RadixKey([5, 5]))
+    assert (c.total_size(), leaf.last_access, leaf.hit_count) == before  # read-only
+    c.insert(RadixKey([1, 2, 7, 7]))  # [1, 2] is now a branch point, not a leaf
+    assert not c.extends_leaf(RadixKey([1, 2, 8, 8]))
+    assert c.extends_leaf(RadixKey([1, 2, 7, 7, 8, 8]))
+    assert not c.extends_leaf(RadixKey([1, 2, 3, 4], extra_key="other"))
+    assert not RadixCache(page_size=2, disable=True).extends_leaf(RadixKey([1, 2]))

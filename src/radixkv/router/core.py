@@ -290,7 +290,7 @@ class RoutingCore:
                     self.kv_weight, cached, {x: x.queued_blocks for x in pool}, shared,
                 )  # fmt: skip
 
-            w = self._place(alive, overlap, shared, cost)
+            w = self._place(alive, overlap, shared, cost, key)
             claim = [now + PENDING_S, key]
             w.claims.append(claim)
             if tokens:  # what was routed where: the demand a cold prompt is placed by
@@ -324,17 +324,21 @@ class RoutingCore:
 
     def _place(
         self, alive: list[WorkerLoad], overlap: dict[WorkerLoad, int], shared: int,
-        cost: Callable[[list[WorkerLoad]], WorkerLoad],
+        cost: Callable[[list[WorkerLoad]], WorkerLoad], key: RadixKey,
     ) -> WorkerLoad:  # fmt: skip
         """``kv``'s choice (the cost, `policies.kv`, breaks every tie):
 
-        - a prompt some worker holds more of than a shared prefix (a conversation's next
-          turn) stays with the worker holding the most of it while that worker's load is
-          within `policies.KV_STICK_SLACK` x the mean; past that the cost decides;
-        - a cold prompt (a new conversation, or one whose pages are gone everywhere)
-          goes among the workers within `policies.KV_PLACE_SLACK` x the mean load whose
-          recent prefill work (`WorkerLoad.recent_work`) is within
-          `policies.KV_WORK_SLACK` x the fleet's mean, to the one with the least
+        - a conversation's next turn (`_history`) stays with the worker holding the most
+          of it while that worker's load is within `policies.KV_STICK_SLACK` x the mean;
+          past that the cost decides;
+        - a new conversation goes among the workers within `policies.KV_PLACE_SLACK` x
+          the mean load whose recent prefill work (`WorkerLoad.recent_work`) is within
+          `policies.KV_WORK_SLACK` x the fleet's mean: to the one holding the most of
+          it when that is more than the shared prefix (another conversation's prefix:
+          a sub-agent's, one behind a long common prefix before it is known shared),
+          of those whose recent work is within `policies.KV_NEAR_SLACK` x the mean;
+        - a cold prompt (nothing beyond a shared prefix anywhere among those) to the one
+          with the least
           demand and work: its share of the tokens routed to them (its tree of routed
           prompts: the demand its conversations put on its pool) plus its share of their
           recent work. When every such worker's demand already exceeds its pool (its
@@ -344,11 +348,10 @@ class RoutingCore:
           every new session off that worker while the two others did all the work
           (busy time 20,694 / 11,190 / 841 s: imbalance 1.90)."""
         loads = {x: x.in_flight for x in alive}
-        best = max(overlap.values(), default=0)
-        if best > shared:
+        history = self._history(alive, overlap, shared, key)
+        if history:
             stick = policies.KV_STICK_SLACK
-            homes = [x for x in alive if overlap.get(x, 0) == best
-                     and policies.within_bound(alive, x, loads, stick)]  # fmt: skip
+            homes = [x for x in history if policies.within_bound(alive, x, loads, stick)]
             return cost(homes or alive)
         fit = [x for x in alive
                if policies.within_bound(alive, x, loads, policies.KV_PLACE_SLACK)]  # fmt: skip
@@ -358,6 +361,11 @@ class RoutingCore:
         work = {x: x.recent_work(now) for x in alive}
         bound = policies.KV_WORK_SLACK * sum(work.values()) / len(alive)
         fit = [x for x in fit if work[x] <= bound * (1 + 1e-9)] or fit
+        calm = [x for x in fit if work[x] <= bound / policies.KV_WORK_SLACK
+                * policies.KV_NEAR_SLACK * (1 + 1e-9)]  # fmt: skip
+        near = max((overlap.get(x, 0) for x in calm), default=0)
+        if near > shared:  # another conversation's prefix: where it is, within bounds
+            return cost([x for x in calm if overlap.get(x, 0) == near])
         demand = {x: x.routed.total_size() for x in fit}
         pool = {x: self.index.max_blocks.get(x.name, 1 << 62) * self.block_size for x in fit}
         if all(demand[x] > pool[x] for x in fit):  # oversubscribed: the most over first
@@ -367,6 +375,30 @@ class RoutingCore:
             score = {x: demand[x] / routed + work[x] / done for x in fit}
         least = min(score.values())
         return cost([x for x in fit if score[x] == least])
+
+    def _history(
+        self, alive: list[WorkerLoad], overlap: dict[WorkerLoad, int], shared: int,
+        key: RadixKey,
+    ) -> list[WorkerLoad]:  # fmt: skip
+        """The workers holding ``key``'s conversation: the most of it beyond the shared
+        prefix, where ``key`` extends a prompt routed there (its tree of routed prompts:
+        `RadixCache.extends_leaf`), a conversation's next turn. A prompt that only shares
+        a prefix with another conversation's is no one's history: a burst of new agent
+        sessions behind one long common prefix (kv-cache-tester's warm prefix), routed
+        before any worker reported the prefix shared by enough continuations
+        (`KvIndex.lookup`), all went to the first session's worker and stayed (live: 77
+        of 77 requests on one of 3 workers; simulated: imbalance 2.77, hit 0.88x the
+        cache-aware rule's). When no worker's routed prompts match
+        beyond the shared prefix (another router routed them, or they were forgotten),
+        the workers' reports decide alone."""
+        best = max(overlap.values(), default=0)
+        if best <= shared:
+            return []
+        homes = [x for x in alive if overlap.get(x, 0) == best]
+        size = self.block_size
+        if not any(x.routed.match_len(key) // size > shared for x in alive):
+            return homes
+        return [x for x in homes if x.routed.extends_leaf(key)]
 
     def _remember(self, w: WorkerLoad, key: RadixKey) -> None:
         """Add a routed prompt to the worker's tree, its oldest prompts evicted past

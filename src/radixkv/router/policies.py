@@ -66,6 +66,14 @@ KV_PLACE_SLACK = 1.5
 # <= 1.28 with or without the workers' pools known; 1.25 let one seed reach 1.44, 1.1
 # another 1.32. Mooncake at 16 / 64 replicas: imbalance 1.17 / 1.31 (1.19 / 1.44 before).
 KV_WORK_SLACK = 1.5
+# kv: a new conversation sharing another's prefix (a sub-agent's, or one behind a long
+# common prefix) goes where that prefix is only while that worker's recent work is within
+# this many times the mean. Simulated (radixkv.sim.replicas, 3 replicas x 256k tokens, 40
+# kv-cache-tester sessions, seeds 1-3): with the client's 50% warm prefix, hit 0.7663 /
+# 0.6405 / 0.7081 at imbalance 1.13 / 1.15 / 1.23; at 1.5 imbalance reached 1.32 / 1.36;
+# at 1.0 hit fell (0.6896 at seed 3); never placing by the prefix: 0.7428 / 0.6125 /
+# 0.6830 without the warm prefix (0.7574 / 0.6304 / 0.6947 at 1.25).
+KV_NEAR_SLACK = 1.25
 
 
 def round_robin(workers: Sequence[Hashable], turn: int) -> Hashable:

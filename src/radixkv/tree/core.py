@@ -423,6 +423,17 @@ class RadixCache:
             return MatchParts(parts, path[-1], off, full_len)
         return MatchParts(parts, self.root, 0, full_len)
 
+    def extends_leaf(self, key: RadixKey) -> bool:
+        """Read-only: whether ``key`` covers the whole path of some leaf (it extends, or
+        equals, a cached sequence nothing else continues). Over a tree of prompts, a
+        conversation's next turn extends its last turn, a leaf; a new conversation
+        behind a shared prefix diverges from one (or at a branch). O(matched nodes)."""
+        units, n, ns, _ = self._prepare(key)
+        if self.disable:
+            return False
+        path, _, partial, _ = self._descend(units, n, ns)
+        return partial is None and bool(path) and not path[-1].children
+
     def match_len(self, key: RadixKey, full: bool = False) -> int:
         """Read-only hit length of ``key`` in units: no split, no recency change, no tensor.
         For schedulers and routers that only rank requests by cache hit. ``full``: the
