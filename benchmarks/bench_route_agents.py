@@ -22,6 +22,7 @@ import argparse
 import csv
 import glob
 import json
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -102,9 +103,13 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=16384)
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--time-scale", type=float, default=0.1)
-    p.add_argument("--routers", default="kv,cache_aware")
+    p.add_argument("--routers", default="kv,approx",
+                   help="radixkv route policies; cache_aware: SGLang's router (kv-cache-tester's "
+                   "client cannot use it: it reads the model name from /v1/models, which "
+                   "sglang-router 0.3.2 answers as text/plain, naming the model 'unknown')")
     p.add_argument("--out", default="/tmp/route_agents")
     args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # three workers on a few cores: one each
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = []
     for seed in range(1, args.pairs + 1):

@@ -188,3 +188,18 @@ def test_a_new_session_sharing_anothers_prefix_goes_there_while_that_worker_is_c
     again = core.choose(_prompt(1, 320) + _prompt(9, 160))
     assert again.worker.name != home
     again.release()
+
+
+def test_a_worker_that_computed_less_than_its_pool_keeps_a_fresh_shared_prefix():
+    """Two requests behind one fresh system prompt, one after the other: the second goes
+    where the first computed it while that worker's recent work is under one pool (its
+    card's ``kv_blocks``); with no card it is past 1.25x the mean (the idle worker's 0)."""
+    for pool, stays in ((4096, True), (None, False)):
+        core = _core("a", "b")
+        if pool:
+            core.index.max_blocks.update(a=pool, b=pool)
+        first = core.choose(_prompt(1, 640) + _prompt(2, 32))
+        first.release()
+        second = core.choose(_prompt(1, 640) + _prompt(3, 32))
+        assert (second.worker.name == first.worker.name) is stays
+        second.release()

@@ -203,8 +203,8 @@ def _tree(
     if shape is not None and arena is not None and shape.full_columns:
         pages = ArenaPages(arena, "full", shape.full_columns, shape.full_cap)
     # (every layer sliding: full slots index tokens and hold no KV)
-    allocator = TokenToKVPoolAllocator(plan.full_slots, p, device, pages=pages)
-    allocator.capacity = plan.full_capacity
+    allocator = TokenToKVPoolAllocator(plan.full_slots, p, device, pages=pages,
+                                       capacity=plan.full_capacity)  # fmt: skip
     merge = cfg.eviction_policy == "lru" and all(m.allows_merge for m in managers)
     cache = RadixCache(p, cfg.eviction_policy, allocator, disable=not cfg.prefix_cache,
                        eviction_mode="merge" if merge else "precise",

@@ -49,7 +49,7 @@ from radixkv.engine.request import (
     SessionTag,
     StepOutput,
 )
-from radixkv.engine.scheduler import DoesNotFit, Scheduler
+from radixkv.engine.scheduler import DoesNotFit, Scheduler, SchedulerHooks
 from radixkv.engine.served_log import ServedLog
 from radixkv.key import RadixKey, check_namespace
 from radixkv.kvcache.retention import Retention
@@ -162,7 +162,6 @@ class Engine:
         self.recurrent, self.arena = memory.recurrent, memory.arena
         for line in self.memory_summary():
             log.info("%s", line)
-        self.scheduler = Scheduler(cfg, self.mgr)
         retained = cfg.max_retained_tokens
         capacity = self.mgr.allocator.capacity
         retained = capacity // 8 if retained is None else retained
@@ -171,10 +170,8 @@ class Engine:
         # default two namespaces at their quota fit, so one other tenant takes nothing
         total = max(2 * retained, capacity // 4)
         self.retention = Retention(self.cache, retained, total, states=states)
-        self.scheduler.relieve = self.retention.relieve
         self.sessions = session_order(cfg.eviction_policy, self.cache, memory.mgr.managers,
                                       memory.budget)  # fmt: skip
-        self.scheduler.on_admit = self._admitted
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.outputs = OutputProcessor(self.tokenizer)
         self.counters = EngineCounters()
@@ -192,11 +189,13 @@ class Engine:
             from radixkv.storage.layers import layer_tiers
 
             self.tier = build_tiers(cfg, memory, self.model_identity())
-            self.scheduler.prefetch = self._prefetch
             host_states = (memory.plan.config.checkpoint_cap or 0) if cfg.host_tokens else 0
             host_pages = cfg.host_tokens // cfg.page_size
             self.layer_tiers = layer_tiers(self.tier, self.mgr.managers, self.cache, host_pages,
                                            host_states)  # fmt: skip
+        hooks = SchedulerHooks(self._prefetch if self.tier is not None else None,
+                               self._admitted, self.retention.relieve)  # fmt: skip
+        self.scheduler = Scheduler(cfg, self.mgr, hooks)
 
     def memory_summary(self) -> list[str]:
         """The cache's memory as sized at start, one line each (what ``radixkv serve``

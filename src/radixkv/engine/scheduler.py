@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.request import EngineReq
@@ -64,23 +65,34 @@ class DoesNotFit(ValueError):
         self.limit, self.prompt_tokens, self.max_new_tokens = limit, prompt_tokens, max_new_tokens
 
 
+class SchedulerHooks(NamedTuple):
+    """What the scheduler calls out to, each optional, given at construction."""
+
+    # once per request before its first admission (loads shared-store pages)
+    prefetch: Callable[[EngineReq], None] | None = None
+    # right after a request is admitted (a retained prefix it hit lives on)
+    on_admit: Callable[[EngineReq], None] | None = None
+    # frees retained prefixes to make at least n more tokens evictable (returns how many
+    # it made): when a request cannot run otherwise (radixkv.kvcache.retention)
+    relieve: Callable[[int], int] | None = None
+
+
+NO_HOOKS = SchedulerHooks()
+
+
 class Scheduler:
     """Admission, chunked-prefill planning and preemption over a `CacheManager`."""
 
-    def __init__(self, config: EngineConfig, mgr: CacheManager) -> None:
+    def __init__(
+        self, config: EngineConfig, mgr: CacheManager, hooks: SchedulerHooks = NO_HOOKS
+    ) -> None:
         self.config, self.mgr = config, mgr
         self.waiting: deque[EngineReq] = deque()
         self.running: list[EngineReq] = []
         self.preemptions = 0
         self.queried_tokens = 0  # prompt tokens looked up at first admission
         self.hit_tokens = 0  # of which served from the cache
-        # called once per request before its first admission (loads shared-store pages)
-        self.prefetch: Callable[[EngineReq], None] | None = None
-        # called right after a request is admitted (a retained prefix it hit lives on)
-        self.on_admit: Callable[[EngineReq], None] | None = None
-        # frees retained prefixes to make at least n more tokens evictable (returns how
-        # many it made): called when a request cannot run otherwise (radixkv.kvcache.retention)
-        self.relieve: Callable[[int], int] | None = None
+        self.prefetch, self.on_admit, self.relieve = hooks
 
     def max_tokens(self) -> int:
         """The most tokens (prompt + output) one request may need: it must fit the

@@ -150,6 +150,8 @@ class TokenToKVPoolAllocator:
         size: number of slots (rounded down to whole pages).
         page_size: slots per page.
         device: where returned index tensors live.
+        pages: where pages come from (an arena's columns; default: its own free stack).
+        capacity: the most tokens one request may hold (an arena's share; default: all).
 
     ``alloc``/``alloc_extend`` cost O(pages); ``free`` O(k log k) for k slots (numpy).
     """
@@ -160,6 +162,7 @@ class TokenToKVPoolAllocator:
         page_size: int = 1,
         device: str | torch.device = "cpu",
         pages: PageSource | None = None,
+        capacity: int | None = None,
     ) -> None:
         size = _check_count(size, "size")
         page_size = _check_count(page_size, "page_size")
@@ -168,7 +171,7 @@ class TokenToKVPoolAllocator:
         self.page_size = page_size
         self.num_pages = size // page_size
         self.size = self.num_pages * page_size
-        self.capacity = self.size  # the most tokens one request may hold (an arena's less)
+        self.capacity = self.size if capacity is None else _check_count(capacity, "capacity")
         self.device = index_device(usable_device(device))
         self._group: list[np.ndarray] | None = None
         if pages is not None and pages.num_pages != self.num_pages:

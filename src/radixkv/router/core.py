@@ -336,7 +336,10 @@ class RoutingCore:
           `policies.KV_WORK_SLACK` x the fleet's mean: to the one holding the most of
           it when that is more than the shared prefix (another conversation's prefix:
           a sub-agent's, one behind a long common prefix before it is known shared),
-          of those whose recent work is within `policies.KV_NEAR_SLACK` x the mean;
+          of those whose recent work is within `policies.KV_NEAR_SLACK` x the mean or
+          under one pool (its card's ``kv_blocks``: a worker that computed less than its
+          cache holds is not busy; without it a second request behind a fresh system
+          prompt left the worker that had just computed it);
         - a cold prompt (nothing beyond a shared prefix anywhere among those) to the one
           with the least
           demand and work: its share of the tokens routed to them (its tree of routed
@@ -359,13 +362,15 @@ class RoutingCore:
             return cost(alive)
         now = self.clock()
         work = {x: x.recent_work(now) for x in alive}
-        bound = policies.KV_WORK_SLACK * sum(work.values()) / len(alive)
-        fit = [x for x in fit if work[x] <= bound * (1 + 1e-9)] or fit
-        calm = [x for x in fit if work[x] <= bound / policies.KV_WORK_SLACK
-                * policies.KV_NEAR_SLACK * (1 + 1e-9)]  # fmt: skip
+        mean = sum(work.values()) / len(alive)
+        calm = [x for x in fit  # (below one pool of recent work a worker is never busy)
+                if work[x] <= max(policies.KV_NEAR_SLACK * mean * (1 + 1e-9),
+                                  self.index.max_blocks.get(x.name, 0))]  # fmt: skip
         near = max((overlap.get(x, 0) for x in calm), default=0)
         if near > shared:  # another conversation's prefix: where it is, within bounds
             return cost([x for x in calm if overlap.get(x, 0) == near])
+        bound = policies.KV_WORK_SLACK * mean
+        fit = [x for x in fit if work[x] <= bound * (1 + 1e-9)] or fit
         demand = {x: x.routed.total_size() for x in fit}
         pool = {x: self.index.max_blocks.get(x.name, 1 << 62) * self.block_size for x in fit}
         if all(demand[x] > pool[x] for x in fit):  # oversubscribed: the most over first
