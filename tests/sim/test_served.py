@@ -223,6 +223,11 @@ def test_the_cli_refuses_what_the_log_decides(tmp_path, folders, capsys):
         assert main(["simulate", "--trace", str(path), "--model-spec", folders["qwen3.5"],
                      *extra]) == 2  # fmt: skip
         assert capsys.readouterr().err.startswith(f"error: {flag}:")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # (an open would block for ever: refused before it)
+    assert main(["simulate", "--trace", str(fifo), "--format", "served", "--model-spec",
+                 folders["qwen3.5"]]) == 2  # fmt: skip
+    assert "not a regular file" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(path), "--model-spec", "qwen3.5-4b"]) == 2
     assert "--model-spec: a served log needs the model's folder" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(path), "--format", "served", "--model-spec",

@@ -122,8 +122,5 @@ class ServedLog:
                         self.path, self.limit)  # fmt: skip
             return
         self.file.write(line)
-        self.file.flush()
+        self.file.flush()  # (whole lines on disk: the server may be killed at any time)
         self.written += len(line)
-
-    def close(self) -> None:
-        self.file.close()

@@ -116,6 +116,9 @@ def load_served(path: str | Path) -> ServedTrace:
             a bad value, an order twice. (Requests are logged as they finish; they are
             replayed in arrival order, by step and order.)
     """
+    from radixkv.checkpoint.files import regular_file
+
+    regular_file(Path(path))  # a FIFO would block the open; a device never ends
     header: dict | None = None
     rows: list[tuple[int, int, list[int], dict, Arrival, int]] = []
     tally, orders = traces.Tally(), set()
