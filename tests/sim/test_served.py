@@ -228,6 +228,11 @@ def test_the_cli_refuses_what_the_log_decides(tmp_path, folders, capsys):
     assert main(["simulate", "--trace", str(fifo), "--format", "served", "--model-spec",
                  folders["qwen3.5"]]) == 2  # fmt: skip
     assert "not a regular file" in capsys.readouterr().err
+    # a header claiming a petabyte: even the indices of an index-only replay would not fit
+    huge = _write(tmp_path / "huge.jsonl", [{**HEADER, "config": {"page_size": 4,
+                                                                 "cache_bytes": 1 << 50}}, REC])
+    assert main(["simulate", "--trace", str(huge), "--model-spec", folders["qwen3.5"]]) == 2
+    assert "its indices" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(path), "--model-spec", "qwen3.5-4b"]) == 2
     assert "--model-spec: a served log needs the model's folder" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(path), "--format", "served", "--model-spec",

@@ -39,6 +39,10 @@ from radixkv.kvcache.window.slots import WindowSlots
 from radixkv.tree import RadixCache
 
 MIB = 2**-20
+# an index-only cache's host bytes: per slot (its owner flag and its number in its page's
+# row: 9) and per page or arena unit (free stacks, counts, owners; measured with the
+# slots: 49 bytes an arena unit of one 4-slot page, tiny Qwen3.5)
+SLOT_INDEX_BYTES, PAGE_INDEX_BYTES = 9, 32
 
 
 class CacheMemory:
@@ -180,9 +184,16 @@ class CacheMemory:
 
 
 def _check_fits(plan: MemoryPlan, cfg: EngineConfig, device: torch.device) -> None:
-    """Refuse a plan this machine cannot hold, naming the knob that sized it."""
+    """Refuse a plan this machine cannot hold, naming the knob that sized it. An
+    index-only cache (the ``meta`` device) holds no KV, only its indices, on the CPU."""
+    needs, where = plan.needs, device
+    if device.type == "meta":
+        slots = plan.full_slots + (plan.window.tokens if plan.window.layers else 0)
+        pages = slots // cfg.page_size + (plan.arena.units if plan.arena else 0)
+        index = SLOT_INDEX_BYTES * slots + PAGE_INDEX_BYTES * pages
+        needs, where = {"its indices": index}, torch.device("cpu")
     try:
-        check_fits(plan.needs, device)
+        check_fits(needs, where)
     except ValueError as e:
         if plan.arena is not None and cfg.cache_bytes == "auto":
             raise ValueError(f"kv_tokens: {cfg.pool_tokens:,} tokens size the budget "
