@@ -233,6 +233,10 @@ def test_the_cli_refuses_what_the_log_decides(tmp_path, folders, capsys):
                                                                  "cache_bytes": 1 << 50}}, REC])
     assert main(["simulate", "--trace", str(huge), "--model-spec", folders["qwen3.5"]]) == 2
     assert "its indices" in capsys.readouterr().err
+    rows = _write(tmp_path / "rows.jsonl", [{**HEADER, "config": {
+        "page_size": 4, "max_running": 100_000, "max_context_len": 10_000_000}}, REC])
+    assert main(["simulate", "--trace", str(rows), "--model-spec", folders["qwen3.5"]]) == 2
+    assert "max_running=100000 x max_context_len=10,000,000" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(path), "--model-spec", "qwen3.5-4b"]) == 2
     assert "--model-spec: a served log needs the model's folder" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(path), "--format", "served", "--model-spec",

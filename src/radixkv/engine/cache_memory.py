@@ -34,7 +34,7 @@ from radixkv.kvcache.layer_types import build_managers
 from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from radixkv.kvcache.plan import MemoryPlan, plan_memory
+from radixkv.kvcache.plan import MemoryPlan, plan_memory, request_table
 from radixkv.kvcache.window.slots import WindowSlots
 from radixkv.tree import RadixCache
 
@@ -191,7 +191,8 @@ def _check_fits(plan: MemoryPlan, cfg: EngineConfig, device: torch.device) -> No
         slots = plan.full_slots + (plan.window.tokens if plan.window.layers else 0)
         pages = slots // cfg.page_size + (plan.arena.units if plan.arena else 0)
         index = SLOT_INDEX_BYTES * slots + PAGE_INDEX_BYTES * pages
-        needs, where = {"its indices": index}, torch.device("cpu")
+        needs = {"its indices": index, **request_table(plan.config)}
+        where = torch.device("cpu")
     try:
         check_fits(needs, where)
     except ValueError as e:

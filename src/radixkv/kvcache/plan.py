@@ -186,8 +186,7 @@ def plan_memory(specs: LayerSpecs, config: CacheConfig, model: str = "this model
     if config.checkpoint_every and specs.recurrent is None:
         raise ValueError(f"checkpoint_every: {model} has no recurrent layers to checkpoint")
     cfg = _split(specs, _auto(specs, config, model))
-    table = {f"max_running={cfg.max_running} x max_context_len={cfg.max_context_len:,}":
-             8 * cfg.max_running * cfg.max_context_len}  # fmt: skip
+    table = request_table(cfg)
     per_layer = specs.layer_token_bytes(cfg.dtype)
     if cfg.one_arena:
         try:
@@ -367,6 +366,13 @@ def _index_tokens(cfg: CacheConfig, arena_tokens: int) -> int:
     return align_up(cfg.max_running * cfg.max_context_len + 4 * arena_tokens, p)
 
 
+def request_table(cfg: CacheConfig) -> dict[str, int]:
+    """The running requests' slot table (`ReqToTokenPool`: host memory, 8 bytes a slot),
+    by the knobs that size it: one of a plan's ``needs``."""
+    return {f"max_running={cfg.max_running} x max_context_len={cfg.max_context_len:,}":
+            8 * cfg.max_running * cfg.max_context_len}  # fmt: skip
+
+
 def _states(cfg: CacheConfig) -> tuple[int | None, int]:
     """Checkpoints held at most (``None``: as many as the arena holds) and the state
     pool's spare rows: every checkpoint and a pending snapshot per running request, or
@@ -381,4 +387,4 @@ def _states(cfg: CacheConfig) -> tuple[int | None, int]:
 
 __all__ = ["CACHE_SPLITS", "DEFAULT_CHECKPOINTS", "DEFAULT_KV_TOKENS", "SGLANG_STATE_RATIO",
            "SGLANG_WINDOW_RATIO", "ArenaPlan", "CacheConfig", "MemoryPlan", "WindowPlan",
-           "plan_memory"]  # fmt: skip
+           "plan_memory", "request_table"]  # fmt: skip
