@@ -345,8 +345,13 @@ class RoutingCore:
           demand and work: its share of the tokens routed to them (its tree of routed
           prompts: the demand its conversations put on its pool) plus its share of their
           recent work. When every such worker's demand already exceeds its pool (its
-          card's ``kv_blocks``), to the one exceeding it most: its pool thrashes anyway,
-          and the others keep theirs. Demand alone let one agent's 800k-token context
+          card's ``kv_blocks``), to the calm one exceeding it most: its pool thrashes
+          anyway, and the others keep theirs. Among all within `policies.KV_WORK_SLACK`
+          instead, the one routed the least was never chosen again: with three workers
+          that bound lets one do no work at all (1.5 x the mean is half of the fleet's),
+          and live (kv-cache-tester's client, short sessions behind a warm prefix, every
+          routed tree at `DEMAND_POOLS`) one worker of three served 4 of 67 requests.
+          Demand alone let one agent's 800k-token context
           (three pools of routed prompts on a worker that computes little: a hit) keep
           every new session off that worker while the two others did all the work
           (busy time 20,694 / 11,190 / 841 s: imbalance 1.90)."""
@@ -373,7 +378,8 @@ class RoutingCore:
         fit = [x for x in fit if work[x] <= bound * (1 + 1e-9)] or fit
         demand = {x: x.routed.total_size() for x in fit}
         pool = {x: self.index.max_blocks.get(x.name, 1 << 62) * self.block_size for x in fit}
-        if all(demand[x] > pool[x] for x in fit):  # oversubscribed: the most over first
+        if all(demand[x] > pool[x] for x in fit):  # oversubscribed: the most over first,
+            fit = [x for x in fit if x in calm] or fit  # among the calm ones
             score = {x: pool[x] - demand[x] for x in fit}
         else:
             routed, done = sum(demand.values()) or 1, sum(work[x] for x in fit) or 1.0
