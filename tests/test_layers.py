@@ -329,3 +329,63 @@ def test_the_checker_sees_private_state_read_through_an_instance(tmp_path):
                    "    def f(self, cache, other):\n        return other._mine + cache._heap\n"
                    "def g(pool):\n    return pool.rows._np\n")  # fmt: skip
     assert sorted(_private_reads(bad)) == ["cache._heap (line 5)", "pool.rows._np (line 7)"]
+
+
+# A layer type's own names: an `if` (or a comprehension's filter) that reads one of them
+# outside the type's home branches on the layer type. (The memory shape, one arena or
+# separate pools, is still branched on: #62's item 3.)
+LAYER_TYPE_NAMES = {"window", "recurrent", "states", "state", "sliding", "window_layers",
+                    "recurrent_layers", "window_columns", "why_not_window"}  # fmt: skip
+TYPE_CHECKED = ("engine", "server", "sim", "cli")  # outside engine/models: each type's layers
+# modules that still branch on a layer type, and why
+TYPE_BRANCHES_LEFT = {
+    "sim/hybrid.py": "the budget model, beside the engine's replay (#62 item 4)",
+    "sim/vllm_pool.py": "vLLM's hybrid allocator, replayed as vLLM sizes it (a peer row)",
+    "sim/spec_model.py": "a spec as a model: it builds each type's layers, as engine/models",
+}
+
+
+def _type_branches(path: Path) -> list[str]:
+    """The tests of ``if``, ``while``, ``x if c else y`` and comprehension filters that
+    read a layer type's name (an attribute, a name or a string), and imports of a type's
+    package."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            ("radixkv.kvcache.window", "radixkv.kvcache.recurrent")
+        ):
+            out.append(f"import {node.module} (line {node.lineno})")
+        tests = [node.test] if isinstance(node, ast.If | ast.IfExp | ast.While) else []
+        tests += node.ifs if isinstance(node, ast.comprehension) else []
+        for t in tests:
+            for sub in ast.walk(t):
+                name = (sub.attr if isinstance(sub, ast.Attribute) else
+                        sub.id if isinstance(sub, ast.Name) else
+                        sub.value if isinstance(sub, ast.Constant) else None)  # fmt: skip
+                if name in LAYER_TYPE_NAMES:
+                    out.append(f"{ast.unparse(t)[:60]} (line {t.lineno})")
+                    break
+    return out
+
+
+def _type_checked() -> list[Path]:
+    return [p for p in _modules() if _part(p) in TYPE_CHECKED and "models" not in p.parts
+            and str(p.relative_to(SRC)) not in TYPE_BRANCHES_LEFT]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", _type_checked(), ids=lambda p: str(p.relative_to(SRC)))
+def test_the_engine_the_server_and_the_simulator_branch_on_no_layer_type(path):
+    """Each layer type's part of a report, a step or the memory is its manager's hook
+    (`radixkv.kvcache.managers`); the engine, the server and the simulator loop over the
+    managers, naming none."""
+    assert not _type_branches(path), f"{path.relative_to(SRC)}: {_type_branches(path)}"
+
+
+def test_the_type_branch_checker_sees_one(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from radixkv.kvcache.window.slots import WindowSlots\n"
+                   "def f(e):\n    if e.window is not None:\n        return 1\n"
+                   "    return [m for m in e.mgr.managers if m.kind == 'states']\n")  # fmt: skip
+    assert len(_type_branches(bad)) == 3
+    for module in TYPE_BRANCHES_LEFT:
+        assert _type_branches(SRC / module), f"{module} is clean now: take it off the list"

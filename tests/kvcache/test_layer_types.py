@@ -59,3 +59,15 @@ def test_a_layer_type_added_through_the_registry_alone_is_served(monkeypatch):
     cached, tokens = serve_twice(engine)
     assert cached == [0, 24]  # 28 tokens cached; its limit lets a match end at 3 x 8
     assert tokens == plain_tokens  # a layer type's cache changes no token
+
+
+def test_an_engine_names_each_types_manager_by_its_public_name_and_nothing_else():
+    """``engine.window`` / ``engine.recurrent`` (`layer_types.ENGINE_NAMES`): the type's
+    manager, or None on a model without such layers; any other missing name still fails."""
+    import pytest
+
+    plain = Engine("random", page_size=4)
+    assert plain.window is None and plain.recurrent is None
+    with pytest.raises(AttributeError, match="windows"):
+        plain.windows  # noqa: B018
+    assert set(layer_types.ENGINE_NAMES.values()) <= set(layer_types.LAYER_TYPES)

@@ -28,14 +28,13 @@ import torch
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.machine import check_fits
-from radixkv.kvcache.arena import Arena, ArenaKV, ArenaPages, ArenaRoom
-from radixkv.kvcache.budget import HybridBudget
+from radixkv.kvcache.arena import KINDS, Arena, ArenaPages, ArenaRoom, arena_kv
+from radixkv.kvcache.budget import HybridBudget, arena_room
 from radixkv.kvcache.layer_types import build_managers
 from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from radixkv.kvcache.plan import MemoryPlan, plan_memory, request_table
-from radixkv.kvcache.window.slots import WindowSlots
 from radixkv.tree import RadixCache
 
 MIB = 2**-20
@@ -61,13 +60,10 @@ class CacheMemory:
         _check_fits(plan, cfg, device)
         self.arena = Arena(plan.arena.units, plan.arena.unit_bytes, device) if plan.arena else None
         managers = build_managers(plan, self.arena, device, model)  # each layer type's
-        kinds = {m.kind: m for m in managers}
-        self.window, self.recurrent = kinds.get("window"), kinds.get("states")
         self.cache, self.allocator = _tree(plan, cfg, self.arena, device, managers)
-        self.kv = _kv(plan, mc, self.arena, self.allocator, self.window, device)
+        self.kv = _kv(plan, mc, self.arena, self.allocator, managers, device)
         req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=device)
         self.mgr = CacheManager(self.cache, self.allocator, req_pool, *managers)
-        self.why_not_window = plan.window.why_not
         self.budget: HybridBudget | None = None
         self.room: ArenaRoom | None = None
         if self.arena is not None:
@@ -79,21 +75,14 @@ class CacheMemory:
         allocation goes through it."""
         plan, arena = self.plan.arena, self.arena
         assert plan is not None and arena is not None
-        unit = plan.unit_bytes
-        win = self.window.component if self.window is not None else None
-        self.budget = HybridBudget(  # a hit's worth: the tokens it saves (the budget's default)
-            self.cache, self.recurrent.component if self.recurrent is not None else None, win,
-            token_bytes=plan.full_columns * unit // p, window_bytes=plan.window_columns * unit // p,
-            order="priority" if policy == "session" else "greedy-dual",
-        )  # fmt: skip
-        self.room = ArenaRoom(arena, self.budget, plan.full_columns, win,
-                              max(plan.window_columns, 1), p)  # fmt: skip
+        order = "priority" if policy == "session" else "greedy-dual"
+        self.budget, self.room = arena_room(arena, plan, self.cache, self.mgr.managers, p, order)
         if plan.full_columns:  # (every layer sliding: full slots cost no unit)
             self.mgr.room = self.room
-        if self.window is not None:
-            self.window.room = self.room
-        if self.recurrent is not None:
-            self.recurrent.room = self.room.make
+
+    def layer(self, kind: str) -> LayerManager | None:
+        """The manager of layer type ``kind`` (`radixkv.kvcache.layer_types`), if any."""
+        return next((m for m in self.mgr.managers if m.kind == kind), None)
 
     # --- reports ------------------------------------------------------------------------
     def summary(self) -> list[str]:
@@ -101,19 +90,16 @@ class CacheMemory:
         if self.arena is not None:
             return self._arena_summary()
         kv, a = self.kv, self.mgr.allocator
-        full_layers = kv.num_layers - len(kv.window_layers)
+        full_layers = kv.num_layers - len(self.plan.kv_layout[0])
         lines = [f"full-attention KV: {a.size:,} tokens x {full_layers} layers = "
                  f"{a.size * kv.bytes_per_token() * MIB:,.1f} MiB"]  # fmt: skip
-        if self.why_not_window:
-            lines.append(f"sliding-window KV: in the full pool ({self.why_not_window})")
-        return lines + [line for m in self.mgr.managers if (line := m.summary())]
+        return lines + self.plan.notes() + [x for m in self.mgr.managers if (x := m.summary())]
 
     def _arena_summary(self) -> list[str]:
         plan, ar = self.plan.arena, self.arena
         assert plan is not None and ar is not None
         kinds = ["full-attention KV"] if plan.full_columns else []
-        kinds += ["sliding-window KV"] if plan.window_columns else []
-        kinds += ["recurrent-state checkpoints"] if self.recurrent is not None else []
+        kinds += [m.title for m in self.mgr.managers if m.title]
         layers = f"{plan.group} attention layer" + ("s'" if plan.group > 1 else "'s")
         lines = [f"one cache budget: {ar.nbytes * MIB:,.1f} MiB, {ar.num_units:,} units of "
                  f"{ar.unit_bytes:,} bytes (a page of {layers} KV); "
@@ -129,17 +115,7 @@ class CacheMemory:
         else:
             lines.append(f"full-attention KV: none (every layer slides); the tree indexes "
                          f"up to {self.mgr.allocator.size:,} tokens")  # fmt: skip
-        if plan.window_columns:
-            lines.append(f"sliding-window KV page: {plan.window_columns} units (window "
-                         f"{plan.window}: a running request keeps its last window"
-                         f"{capped(plan.window_cap)})")  # fmt: skip
-        if self.recurrent is not None:
-            rec = self.recurrent
-            rows = rec.pool.first + rec.pool.spare
-            lines.append(f"checkpoint: {plan.state_units} units; running and pending "
-                         f"states outside the budget: {rows} rows x "
-                         f"{rec.row_size * MIB:.2f} MiB")  # fmt: skip
-        return lines
+        return lines + [x for m in self.mgr.managers if (x := m.arena_summary(plan))]
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes the cache and the running requests hold, per kind (``full``,
@@ -147,8 +123,8 @@ class CacheMemory:
         if self.arena is not None:
             return self.arena.held_bytes()
         kv, a = self.kv, self.mgr.allocator
-        held = {"full": (a.size - a.available_size()) * kv.bytes_per_token(), "window": 0,
-                "states": 0}  # fmt: skip
+        full = (a.size - a.available_size()) * kv.bytes_per_token()
+        held = {**dict.fromkeys(KINDS, 0), "full": full}
         return held | {m.kind: m.held_bytes() for m in self.mgr.managers}
 
     def evicted_bytes(self) -> dict[str, int]:
@@ -156,8 +132,8 @@ class CacheMemory:
         if self.arena is not None:
             ar = self.arena
             return {k: n * ar.unit_bytes for k, n in ar.evicted.items()}
-        gone = {"full": self.mgr.evicted_tokens * self.kv.bytes_per_token(), "window": 0,
-                "states": 0}  # fmt: skip
+        full = self.mgr.evicted_tokens * self.kv.bytes_per_token()
+        gone = {**dict.fromkeys(KINDS, 0), "full": full}
         return gone | {m.kind: m.evicted_bytes() for m in self.mgr.managers}
 
     def usage(self) -> float:
@@ -175,12 +151,8 @@ class CacheMemory:
         shape = self.plan.arena
         assert shape is not None
         full = [self.mgr.allocator.source.units()] if shape.full_columns else []
-        holders: dict[str, list[Any]] = {"full": full, "window": [], "states": []}
-        if self.window is not None:
-            holders["window"] = [self.window.allocator.source.units()]
-        if self.recurrent is not None and self.recurrent.store is not None:
-            holders["states"] = self.recurrent.store.units()
-        self.arena.check(holders)
+        holders: dict[str, list[Any]] = {"full": full}
+        self.arena.check(holders | {m.kind: m.arena_units() for m in self.mgr.managers})
 
 
 def _check_fits(plan: MemoryPlan, cfg: EngineConfig, device: torch.device) -> None:
@@ -188,7 +160,7 @@ def _check_fits(plan: MemoryPlan, cfg: EngineConfig, device: torch.device) -> No
     index-only cache (the ``meta`` device) holds no KV, only its indices, on the CPU."""
     needs, where = plan.needs, device
     if device.type == "meta":
-        slots = plan.full_slots + (plan.window.tokens if plan.window.layers else 0)
+        slots = plan.index_slots
         pages = slots // cfg.page_size + (plan.arena.units if plan.arena else 0)
         index = SLOT_INDEX_BYTES * slots + PAGE_INDEX_BYTES * pages
         needs = {"its indices": index, **request_table(plan.config)}
@@ -226,19 +198,16 @@ def _tree(
 
 def _kv(
     plan: MemoryPlan, mc: Any, arena: Arena | None, allocator: TokenToKVPoolAllocator,
-    window: WindowSlots | None, device: torch.device,
+    managers: tuple[LayerManager, ...], device: torch.device,
 ) -> Any:  # fmt: skip
     """The K and V tensors: one pool per kind, or views into the arena's units."""
     cfg, heads, dim, layers = plan.config, mc.num_key_value_heads, mc.head_dim, plan.specs.kv_layers
     if arena is None:
-        return KVPool(layers, heads, dim, allocator.size, cfg.dtype, device, plan.window.layers,
-                      plan.window.tokens)  # fmt: skip
+        return KVPool(layers, heads, dim, allocator.size, cfg.dtype, device, *plan.kv_layout)
     shape = plan.arena
     assert shape is not None
-    return ArenaKV(arena, layers, heads, dim, cfg.dtype, cfg.page_size, shape.group,
-                   allocator.source if shape.full_columns else None,
-                   window.allocator.source if window is not None else None,
-                   plan.window.layers)  # fmt: skip
+    full = allocator.source if shape.full_columns else None
+    return arena_kv(arena, shape, layers, heads, dim, cfg.dtype, cfg.page_size, full, managers)
 
 
 def build_tiers(cfg: EngineConfig, memory: Any, identity: bytes) -> Any:

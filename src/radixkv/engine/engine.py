@@ -52,6 +52,7 @@ from radixkv.engine.request import (
 from radixkv.engine.scheduler import DoesNotFit, Scheduler, SchedulerHooks
 from radixkv.engine.served_log import ServedLog
 from radixkv.key import RadixKey, check_namespace
+from radixkv.kvcache.layer_types import ENGINE_NAMES
 from radixkv.kvcache.retention import Retention
 from radixkv.kvcache.sessions import session_order
 from radixkv.tokenizer import Tokenizer
@@ -157,19 +158,16 @@ class Engine:
         self.memory = CacheMemory(cfg, self.model, self.device)
         memory = self.memory
         self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
-        self.window = memory.window  # the sliding layers' own slot space, if any
-        self.why_not_window = memory.why_not_window
-        self.recurrent, self.arena = memory.recurrent, memory.arena
+        self.arena = memory.arena
         for line in self.memory_summary():
             log.info("%s", line)
         retained = cfg.max_retained_tokens
         capacity = self.mgr.allocator.capacity
         retained = capacity // 8 if retained is None else retained
-        states = self.recurrent.component if self.recurrent is not None else None
         # all namespaces together, shared fairly (salts are the client's to choose): by
         # default two namespaces at their quota fit, so one other tenant takes nothing
         total = max(2 * retained, capacity // 4)
-        self.retention = Retention(self.cache, retained, total, states=states)
+        self.retention = Retention.over(self.cache, retained, total)
         self.sessions = session_order(cfg.eviction_policy, self.cache, memory.mgr.managers,
                                       memory.budget)  # fmt: skip
         self.runner = ModelRunner(self.model, self.kv, self.device)
@@ -196,6 +194,16 @@ class Engine:
         hooks = SchedulerHooks(self._prefetch if self.tier is not None else None,
                                self._admitted, self.retention.relieve)  # fmt: skip
         self.scheduler = Scheduler(cfg, self.mgr, hooks)
+
+    def __getattr__(self, name: str) -> Any:
+        """A layer type's manager by its public name (``engine.window``,
+        ``engine.recurrent``: `radixkv.kvcache.layer_types.ENGINE_NAMES`), or None when the
+        model has no such layers."""
+        kind = ENGINE_NAMES.get(name)
+        memory = self.__dict__.get("memory")
+        if kind is None or memory is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return memory.layer(kind)
 
     def memory_summary(self) -> list[str]:
         """The cache's memory as sized at start, one line each (what ``radixkv serve``

@@ -29,11 +29,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits of the last new token of each planned request (``[len(plan), vocab]``):
         request ``r`` computes its tokens ``[kv_len - n, kv_len)``. ``inputs``: the cache
-        managers' parts of the step (`CacheManager.step_inputs`), by the kinds the
-        models read: a recurrent model's ``"states"`` are the snapshots `ForwardBatch`
-        takes, the sliding layers' ``"window"`` their slots (`WindowSlots.forward`)."""
-        snapshots = (inputs or {}).get("states", ())
-        window = (inputs or {}).get("window")
+        managers' parts of the step (`CacheManager.step_inputs`), which the batch takes
+        (`ForwardBatch.take`)."""
         ids, pos, out, lens, kv = [], [], [], [], []
         for r, n in plan:
             start = r.kv_len - n
@@ -44,32 +41,10 @@ class ModelRunner:
             kv.append(row)
             lens.append(n)
         dev = self.device
-        batch = ForwardBatch(
-            torch.tensor(ids, device=dev),
-            torch.tensor(pos, device=dev),
-            torch.cat(out),
-            lens,
-            kv,
-            [r.row for r, _ in plan],
-            list(snapshots),
-        )
-        if window:
-            batch.window = self._window_batch(window, batch)
+        batch = ForwardBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
+                             torch.cat(out), lens, kv, [r.row for r, _ in plan])  # fmt: skip
+        batch.take(inputs or {}, dev)  # each layer type's part of the step
         return self.model(batch, self.kv)  # the model runs under inference_mode
-
-    def _window_batch(
-        self, window: list[tuple[torch.Tensor, int]], batch: ForwardBatch
-    ) -> ForwardBatch:
-        """The batch in the window slot space: each sequence's window slots, its new
-        tokens' from ``first`` on (`WindowSlots.forward`)."""
-        out, ctx = [], []
-        for slots, first in window:
-            if self.device.type != "cpu":
-                slots = slots.to(self.device)
-            ctx.append(slots)
-            out.append(slots[first:])
-        return ForwardBatch(batch.input_ids, batch.positions, torch.cat(out), batch.extend_lens,
-                            ctx, batch.state_slots)  # fmt: skip
 
     @staticmethod
     def sample(r: EngineReq, logits: torch.Tensor) -> int:

@@ -377,4 +377,16 @@ def layer_group(full: int, window: int, layer_page: int, state_bytes: int = 0) -
     return min(divisors, key=lambda d: div_ceil(state_bytes, d * layer_page) * d * layer_page)
 
 
-__all__ = ["Arena", "ArenaCheckpoints", "ArenaKV", "ArenaPages", "ArenaRoom", "layer_group"]
+def arena_kv(
+    arena: Arena, shape: Any, layers: int, heads: int, dim: int, dtype: torch.dtype,
+    page: int, full: ArenaPages | None, managers: Any,
+) -> ArenaKV:  # fmt: skip
+    """The K and V views over ``arena`` (``shape``: the plan's `ArenaPlan`): the full
+    pages ``full``, the window pages of the window manager among ``managers``, if any."""
+    window = next((m.allocator.source for m in managers if m.kind == "window"), None)
+    return ArenaKV(arena, layers, heads, dim, dtype, page, shape.group, full, window,
+                   shape.window_layers)  # fmt: skip
+
+
+__all__ = ["Arena", "ArenaCheckpoints", "ArenaKV", "ArenaPages", "ArenaRoom", "arena_kv",
+           "layer_group"]  # fmt: skip

@@ -69,7 +69,7 @@ Owns: the order of eviction across components. Must not touch: the components' d
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -417,4 +417,25 @@ class HybridBudget(TreeComponent):
                 raise AssertionError(f"budget: leaf {n.id}'s depth or segment is stale")
 
 
-__all__ = ["ORDERS", "HybridBudget", "utility"]
+def arena_room(
+    arena: Any, shape: Any, cache: Any, managers: Sequence[Any], page: int, order: str
+) -> tuple[HybridBudget, Any]:
+    """One arena's budget over ``cache`` and the managers' components, in ``order``, and
+    the room every kind allocates through (`radixkv.kvcache.arena.ArenaRoom`), handed to
+    each manager (``shape``: the plan's `ArenaPlan`). A hit's worth: the tokens it saves."""
+    from radixkv.kvcache.arena import ArenaRoom
+
+    parts = {m.kind: m.component for m in managers}
+    unit = shape.unit_bytes
+    budget = HybridBudget(cache, parts.get("states"), parts.get("window"),
+                          token_bytes=shape.full_columns * unit // page,
+                          window_bytes=shape.window_columns * unit // page,
+                          order=order)  # fmt: skip
+    room = ArenaRoom(arena, budget, shape.full_columns, parts.get("window"),
+                     max(shape.window_columns, 1), page)  # fmt: skip
+    for m in managers:
+        m.use_room(room)
+    return budget, room
+
+
+__all__ = ["ORDERS", "HybridBudget", "arena_room", "utility"]

@@ -19,6 +19,8 @@ from radixkv.kvcache.recurrent import build as recurrent
 from radixkv.kvcache.window import build as window
 
 LAYER_TYPES: dict[str, Callable[..., Any]] = {"window": window.build, "states": recurrent.build}
+# an engine's attribute naming each type's manager (``engine.window``), kept public
+ENGINE_NAMES = {"window": "window", "recurrent": "states"}
 
 
 def build_managers(plan: Any, arena: Any, device: Any, model: Any) -> tuple[Any, ...]:
@@ -27,4 +29,4 @@ def build_managers(plan: Any, arena: Any, device: Any, model: Any) -> tuple[Any,
     return tuple(m for m in built if m is not None)
 
 
-__all__ = ["LAYER_TYPES", "build_managers"]
+__all__ = ["ENGINE_NAMES", "LAYER_TYPES", "build_managers"]

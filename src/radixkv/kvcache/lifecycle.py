@@ -100,11 +100,6 @@ class Req:
     cache_limit: int | None = None
     cache_read: bool = True
     boundaries: tuple[int, ...] = ()
-    # a recurrent model's (`radixkv.kvcache.recurrent`): positions to snapshot the
-    # state at during the prefill with why each (``boundaries`` among them), and the
-    # snapshots taken but not yet in the tree
-    snap_plan: list[tuple[int, str]] = field(default_factory=list)
-    snap_rows: list[tuple[int, int, str]] = field(default_factory=list)
     _tokens: array | None = field(default=None, init=False, repr=False)
 
     @property

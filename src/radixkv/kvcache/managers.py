@@ -41,6 +41,12 @@ locked until the new one is) and ``marks_ends`` (an insert stops at each of a re
 boundaries and tells it, `boundary`, so it can keep what a match ending there needs).
 `join` checks, once, that the manager fits the lifecycle's tree and row table.
 
+What the engine reports of a manager, each a hook too (the engine names no layer type):
+``held_bytes`` / ``evicted_bytes`` of its own pool, ``summary`` (its pool as sized) or
+``arena_summary`` (its pages under one budget, ``title`` in the budget's line),
+``arena_units`` (the arena units it holds, for the arena's check), ``metrics`` (its
+Prometheus values), ``use_room`` (one arena's room, before any request).
+
 Eviction is not a manager's: each spec's cached part is a tree component
 (`radixkv.kvcache.window.WindowKV`, `radixkv.kvcache.recurrent.StateCheckpoints`) that
 the tree evicts with its nodes, and with one arena the budget (`radixkv.kvcache.budget`) orders
@@ -88,6 +94,23 @@ class LayerManager:
     def summary(self) -> str:
         """One line on its own pool as sized ("": nothing to say)."""
         return ""
+
+    title = ""  # what one budget's summary calls its pages ("": none of its own)
+
+    def arena_summary(self, shape: Any) -> str:
+        """One line on its pages under one budget (``shape``: the plan's `ArenaPlan`)."""
+        return ""
+
+    def arena_units(self) -> list[np.ndarray]:
+        """The arena units it holds (its kind's, for `Arena.check`)."""
+        return []
+
+    def metrics(self, cache: Any) -> list[tuple[str, str, str, float]]:
+        """Its values for ``/metrics``: (``counter`` or ``gauge``, name, help, value)."""
+        return []
+
+    def use_room(self, room: Any) -> None:
+        """One arena: its allocations make room through ``room`` (`ArenaRoom`)."""
 
     def retained_marks(self, positions: Sequence[int], page: int) -> list[int]:
         """Boundaries to add where a request asked ``positions`` retained (a window

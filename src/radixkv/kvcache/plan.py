@@ -173,6 +173,22 @@ class MemoryPlan:
     needs: dict[str, int]  # bytes of each part, by the knob that sets it
     sized_by: str = ""  # the knob a machine that cannot hold ``needs`` names ("": each)
 
+    @property
+    def index_slots(self) -> int:
+        """Slots the allocators index: the full KV's, and the window's own pool's."""
+        return self.full_slots + (self.window.tokens if self.window.layers else 0)
+
+    @property
+    def kv_layout(self) -> tuple[tuple[int, ...], int]:
+        """Separate pools: the layers whose KV lives in a slot space of its own, and its
+        slots (`radixkv.kvcache.memory.KVPool`'s ``window_layers``, ``window_size``)."""
+        return self.window.layers, self.window.tokens
+
+    def notes(self) -> list[str]:
+        """What the summary says of a layer type the plan did not give its own pool."""
+        why = self.window.why_not
+        return [f"sliding-window KV: in the full pool ({why})"] if why else []
+
 
 def plan_memory(specs: LayerSpecs, config: CacheConfig, model: str = "this model") -> MemoryPlan:
     """Every size of a cache for a model of ``specs`` under ``config`` (``model``: its

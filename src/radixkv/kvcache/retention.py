@@ -157,6 +157,13 @@ class Retention:
         self._by_states = _Lazy(lambda e: self._holds(self.protected, e))
 
     # --- the operations ---------------------------------------------------------------------
+
+    @classmethod
+    def over(cls, cache: RadixCache, max_tokens: int, max_total: int) -> Retention:
+        """Retention over ``cache``, protecting with each pin the checkpoints its tree
+        holds (its ``state`` component, `StateCheckpoints`, if any)."""
+        return cls(cache, max_tokens, max_total, states=cache.component("state"))
+
     def pin(self, key: RadixKey, ttl: float) -> int:
         """Keep ``key``'s cached prefix for ``ttl`` seconds from now. Returns the tokens
         retained (0: refused, counted in ``refused``): the part of ``key`` the cache can

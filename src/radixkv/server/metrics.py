@@ -35,6 +35,7 @@ LATENCY_BUCKETS = (
 
 # (family, name without the radixkv: prefix, help text, value)
 Value = tuple[type, str, str, float]
+FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}  # the parts' kinds
 
 
 def _engine_values(e: Engine) -> list[Value]:
@@ -85,61 +86,20 @@ def _engine_values(e: Engine) -> list[Value]:
     return values
 
 
-def _window_values(e: Engine) -> list[Value]:
-    """The one budget, and sliding-window KV (sliding layers with their own slots)."""
+def _layer_values(e: Engine) -> list[Value]:
+    """The one budget, and each layer type's own values (`LayerManager.metrics`)."""
     values: list[Value] = []
     if e.arena is not None:
         values.append((GaugeMetricFamily, "cache_budget_bytes", "The one byte budget "
                        "every kind of cache memory draws from (--cache-bytes)",
                        e.arena.nbytes))  # fmt: skip
-    win = e.window
-    if win is None:
-        return values
-    held = win.component.held_units()
-    values += [
-        (GaugeMetricFamily, "prefix_cache_window_tokens", "Tokens of sliding-window "
-         "KV held by the prefix cache", held),
-        (GaugeMetricFamily, "prefix_cache_window_bytes", "Bytes of sliding-window KV "
-         "held by the prefix cache", held * e.kv.window_bytes_per_token()),
-        (CounterMetricFamily, "window_kv_evicted_tokens", "Sliding-window KV tokens "
-         "the cache freed to make room (its matches end earlier there)", win.evicted),
-    ]  # fmt: skip
-    gate = e.cache.component("servable")  # with KV events (radixkv.kvcache.window.servable)
-    if gate is not None:
-        values.append((GaugeMetricFamily, "prefix_cache_servable_blocks", "Pages a "
-                       "match can end at now (their window held), as the KV events "
-                       "told them", gate.told))  # fmt: skip
-    if e.arena is None:  # (with one budget there is no window pool of its own)
-        values.append((GaugeMetricFamily, "window_kv_usage_perc", "Fraction of the "
-                       "sliding-window KV pool in use (running requests and cached "
-                       "windows)", 1.0 - win.allocator.available_size()
-                       / win.allocator.size))  # fmt: skip
-    return values
-
-
-def _recurrent_values(e: Engine) -> list[Value]:
-    """Recurrent-state checkpoints (a model with recurrent layers) and their tiers."""
-    values: list[Value] = []
-    rec = e.recurrent
-    if rec is not None:  # a model with recurrent layers: its state checkpoints
-        comp = rec.component
-        values += [
-            (GaugeMetricFamily, "state_checkpoints", "Recurrent-state checkpoints held by "
-             "the prefix cache", len(comp.held)),
-            (GaugeMetricFamily, "state_checkpoint_bytes", "Bytes of the recurrent-state "
-             "checkpoints held", len(comp.held) * rec.row_size),
-            (CounterMetricFamily, "state_checkpoint_hits", "Requests started from a "
-             "checkpoint's state", comp.hits),
-            (CounterMetricFamily, "state_checkpoints_evicted", "Checkpoints evicted to "
-             "stay within max_checkpoints", comp.evictions),
-        ]  # fmt: skip
-    return values
+    return values + [(FAMILIES[kind], name, text, value)
+                     for m in e.mgr.managers for kind, name, text, value in m.metrics(e.cache)]
 
 
 def _tier_values(e: Engine) -> list[Value]:
     """The host tier and the shared store: full-attention pages and window pages."""
-    families = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
-    values: list[Value] = [(families[kind], name, text, value)  # each layer type's tiers
+    values: list[Value] = [(FAMILIES[kind], name, text, value)  # each layer type's tiers
                            for t in e.layer_tiers for kind, name, text, value in t.metrics()]
     tier = e.tier
     if tier is not None:
@@ -185,7 +145,7 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         e = self.engine
-        values = _engine_values(e) + _window_values(e) + _recurrent_values(e) + _tier_values(e)
+        values = _engine_values(e) + _layer_values(e) + _tier_values(e)
         for family, name, doc, value in values:
             m = family(f"radixkv:{name}", doc, labels=["model_name"])
             m.add_metric([self.model_name], value)

@@ -195,8 +195,7 @@ def finish_replay(engine: Any, result: ServeReplay, sums: dict[str, float], n: i
     """``result`` with the engine's totals: preemptions, mean bytes, checkpoints."""
     result.preemptions = engine.scheduler.preemptions
     result.mean_bytes = {k: v / max(n, 1) for k, v in sums.items()}
-    if engine.recurrent is not None:
-        result.checkpoints = engine.recurrent.component.added
+    result.checkpoints = getattr(engine.cache.component("state"), "added", 0)  # (taken)
     return result
 
 

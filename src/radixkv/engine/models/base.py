@@ -116,6 +116,24 @@ class ForwardBatch:
     snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     window: ForwardBatch | None = None
 
+    def take(self, inputs: Mapping[str, Any], device: torch.device) -> None:
+        """The cache managers' parts of the step (`CacheManager.step_inputs`), by the
+        kinds the models read: a recurrent model's ``"states"``, the snapshots; the
+        sliding layers' ``"window"``, per sequence its window slots and where its new
+        tokens' start (`WindowSlots.forward`), as the window view."""
+        self.snapshots = list(inputs.get("states", ()))
+        window = inputs.get("window")
+        if not window:
+            return
+        out, ctx = [], []
+        for slots, first in window:
+            if device.type != "cpu":
+                slots = slots.to(device)
+            ctx.append(slots)
+            out.append(slots[first:])
+        self.window = ForwardBatch(self.input_ids, self.positions, torch.cat(out),
+                                   self.extend_lens, ctx, self.state_slots)  # fmt: skip
+
     def for_layer(self, window: int) -> ForwardBatch:
         """The batch as a layer with sliding window ``window`` (0: full attention)
         reads and writes its KV: the window view when sliding layers live apart."""

@@ -15,7 +15,7 @@ the model reads and writes the rows in place.
                 page boundary before its end, where the same prompt sent again starts)
     a chunk     each snapshot position inside the step's new tokens is handed to the
                 model (``ForwardBatch.snapshots``), which copies the state there to a
-                free checkpoint row during the same pass (``snap_rows``)
+                free checkpoint row during the same pass (its snapshots, kept here)
     caching     once the tree holds the prefix (after the step's inserts), each snapshot
                 becomes a checkpoint on the node ending there; at finish the state after
                 prompt + output is one more when that length is page-aligned
@@ -33,7 +33,7 @@ the model reads and writes the rows in place.
                 block it holds, not the run before it; the worker's card says so)
 
 Invariant (`check`): every checkpoint row is free, held by one checkpoint, or pending in
-one running request's ``snap_rows``.
+one running request's snapshots.
 
 Owns: which checkpoint a row is, and when rows are copied. Must not touch: the KV, the
 state tensors (the pool's), the tree's structure (it inserts through `RadixCache`),
@@ -43,8 +43,10 @@ scheduling.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixkv.hashing.fast import event_hashes
@@ -55,6 +57,16 @@ from radixkv.kvcache.recurrent.component import StateCheckpoints
 from radixkv.kvcache.recurrent.pool import StatePool
 from radixkv.tree import RadixCache
 from radixkv.units import align_down
+
+
+@dataclass(slots=True)
+class _Snapshots:
+    """One running request's: positions to snapshot its state at during the prefill,
+    with why each (its ``boundaries`` among them), and the snapshots taken, not yet in
+    the tree: (position, row, why)."""
+
+    plan: list[tuple[int, str]] = field(default_factory=list)
+    rows: list[tuple[int, int, str]] = field(default_factory=list)
 
 
 class RecurrentStates(LayerManager):
@@ -81,6 +93,7 @@ class RecurrentStates(LayerManager):
         self.sink: Any = None  # a KV event sink (`publish`)
         self.published: dict[int, int] = {}  # checkpoint row -> its block hash, told
         self.tiers: Any = None  # host pool and store of states (radixkv.storage.states)
+        self.running: dict[int, _Snapshots] = {}  # id(request) -> its snapshots
 
     @property
     def row_size(self) -> int:
@@ -102,6 +115,32 @@ class RecurrentStates(LayerManager):
         rows = self.pool.first + self.pool.spare
         return (f"recurrent states: {rows} rows x {self.row_size / 2**20:.2f} MiB = "
                 f"{rows * self.row_size / 2**20:,.1f} MiB")
+
+    title = "recurrent-state checkpoints"
+
+    def arena_summary(self, shape: Any) -> str:
+        rows = self.pool.first + self.pool.spare
+        return (f"checkpoint: {shape.state_units} units; running and pending states outside "
+                f"the budget: {rows} rows x {self.row_size / 2**20:.2f} MiB")
+
+    def arena_units(self) -> list[np.ndarray]:
+        return self.store.units() if self.store is not None else []
+
+    def metrics(self, cache: Any) -> list[tuple[str, str, str, float]]:
+        comp = self.component
+        return [
+            ("gauge", "state_checkpoints", "Recurrent-state checkpoints held by the prefix "
+             "cache", len(comp.held)),
+            ("gauge", "state_checkpoint_bytes", "Bytes of the recurrent-state checkpoints "
+             "held", len(comp.held) * self.row_size),
+            ("counter", "state_checkpoint_hits", "Requests started from a checkpoint's state",
+             comp.hits),
+            ("counter", "state_checkpoints_evicted", "Checkpoints evicted to stay within "
+             "max_checkpoints", comp.evictions),
+        ]  # fmt: skip
+
+    def use_room(self, room: Any) -> None:
+        self.room = room.make
 
     def publish(self, sink: Any) -> bool:
         """Tell ``sink`` (`radixkv.tree.CacheEventSink`) of every checkpoint from now
@@ -225,7 +264,15 @@ class RecurrentStates(LayerManager):
         # a preempted request's outputs too: the prompt's is its whole pages up to n - 1)
         n = len(r.input_ids)
         full = align_down(min(r.full_hit, n - 1), cache.page_size)
-        r.snap_plan = self.component.plan(n, full, r.cached_len, r.boundaries, resend=True)
+        self._of(r).plan = self.component.plan(n, full, r.cached_len, r.boundaries,
+                                               resend=True)  # fmt: skip
+
+    def _of(self, r: Any) -> _Snapshots:
+        """The running request's snapshots, planned and taken (kept until `release`)."""
+        snaps = self.running.get(id(r))
+        if snaps is None:
+            snaps = self.running[id(r)] = _Snapshots()
+        return snaps
 
     def forward(self, plan: Sequence[tuple[Any, int]]) -> list[tuple[int, int, int]]:
         """The step's snapshots: ``(index in plan, new tokens before it, row)`` for each
@@ -234,13 +281,13 @@ class RecurrentStates(LayerManager):
         out = []
         page = self.component.cache.page_size
         for i, (r, n) in enumerate(plan):
-            start = r.kv_len - n
-            while r.snap_plan and r.snap_plan[0][0] <= r.kv_len:
-                pos, kind = r.snap_plan.pop(0)
+            start, snaps = r.kv_len - n, self._of(r)
+            while snaps.plan and snaps.plan[0][0] <= r.kv_len:
+                pos, kind = snaps.plan.pop(0)
                 row = self.pool.take() if pos > start else None
                 if row is not None:
                     out.append((i, pos - start, row))
-                    r.snap_rows.append((pos, row, kind))
+                    snaps.rows.append((pos, row, kind))
             if start >= len(r.input_ids) and r.kv_len % page == 0:
                 self._roll(r, i, n, out)
         return out
@@ -251,42 +298,43 @@ class RecurrentStates(LayerManager):
         sequence's last page boundary has one; the next turn of a chat starts there
         rather than at this turn's prompt end. (The last sampled token is never
         computed, so that boundary is the furthest a later request can hit.)"""
-        prompt = len(r.input_ids)
-        old = next((k for k, (pos, _, _) in enumerate(r.snap_rows) if pos > prompt), None)
-        row = self.pool.take() if old is None else r.snap_rows.pop(old)[1]
+        prompt, rows = len(r.input_ids), self._of(r).rows
+        old = next((k for k, (pos, _, _) in enumerate(rows) if pos > prompt), None)
+        row = self.pool.take() if old is None else rows.pop(old)[1]
         if row is not None:
             out.append((i, n, row))
-            r.snap_rows.append((r.kv_len, row, "end"))
+            rows.append((r.kv_len, row, "end"))
 
     def finishing(self, r: Any) -> None:
         """Before the request's row goes: its state after prompt + output, when that
         length is page-aligned (the tree caches whole pages only)."""
-        page = self.component.cache.page_size
-        if r.kv_len and r.kv_len % page == 0 and all(p != r.kv_len for p, _, _ in r.snap_rows):
+        page, rows = self.component.cache.page_size, self._of(r).rows
+        if r.kv_len and r.kv_len % page == 0 and all(p != r.kv_len for p, _, _ in rows):
             row = self._take(lambda row: self.pool.copy(r.row, row))
             if row is not None:
-                r.snap_rows.append((r.kv_len, row, "end"))
+                rows.append((r.kv_len, row, "end"))
 
     def cached(self, r: Any, upto: int) -> None:
         """Make the request's snapshots at positions ``<= upto`` checkpoints of the
         tree (which holds that prefix now). A call that raises midway leaves every
         snapshot not yet handled pending, and the one it was handling freed."""
-        pending, r.snap_rows = r.snap_rows, []
+        snaps = self._of(r)
+        pending, snaps.rows = snaps.rows, []
         for i, (pos, row, kind) in enumerate(pending):
             if pos > upto:
-                r.snap_rows.append((pos, row, kind))
+                snaps.rows.append((pos, row, kind))
                 continue
             try:
                 slot = self._keep(row)  # (may evict: before the tree is asked)
             except BaseException:
-                r.snap_rows += pending[i:]
+                snaps.rows += pending[i:]
                 raise
             if slot is None:
                 continue
             try:
                 self._attach(r, pos, slot, kind)
             except BaseException:
-                r.snap_rows += pending[i + 1 :]
+                snaps.rows += pending[i + 1 :]
                 raise
 
     def _attach(self, r: Any, pos: int, slot: int, kind: str) -> None:
@@ -308,12 +356,14 @@ class RecurrentStates(LayerManager):
     def release(self, r: Any) -> None:
         """A request leaves without caching (preempted, aborted): free its pending
         snapshots."""
-        self.pool.give(row for _, row, _ in r.snap_rows)
-        r.snap_rows = []
-        r.snap_plan = []
+        snaps = self.running.pop(id(r), None)
+        if snaps is not None:
+            self.pool.give(row for _, row, _ in snaps.rows)
 
     def check(self, running: dict) -> None:
-        pending = [row for r in running.values() for _, row, _ in r.snap_rows]
+        pending = [row for r in running.values() for _, row, _ in self._of(r).rows]
+        if self.running.keys() - {id(r) for r in running.values()}:
+            raise AssertionError("a request that left still has snapshots planned or taken")
         if self.store is None:
             self.pool.check([*pending, *self.component.held])
         else:

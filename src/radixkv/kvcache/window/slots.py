@@ -120,6 +120,44 @@ class WindowSlots(LayerManager):
                 f"(window {self.window}: a running request keeps its last window; cached "
                 f"windows stay while there is room, those no match end needs go first)")
 
+    title = "sliding-window KV"
+
+    def arena_summary(self, shape: Any) -> str:
+        cap = shape.window_cap
+        capped = f"; capped at {cap * self.page:,} tokens" if cap else ""
+        return (f"sliding-window KV page: {shape.window_columns} units (window "
+                f"{shape.window}: a running request keeps its last window{capped})")
+
+    def arena_units(self) -> list[np.ndarray]:
+        return [self.allocator.source.units()]  # type: ignore[attr-defined]
+
+    def metrics(self, cache: Any) -> list[tuple[str, str, str, float]]:
+        """Window KV held and evicted; with KV events, the pages a match can end at now
+        (`radixkv.kvcache.window.servable`); with a pool of its own, its usage."""
+        held = self.component.held_units()
+        values: list[tuple[str, str, str, float]] = [
+            ("gauge", "prefix_cache_window_tokens", "Tokens of sliding-window KV held by "
+             "the prefix cache", held),
+            ("gauge", "prefix_cache_window_bytes", "Bytes of sliding-window KV held by the "
+             "prefix cache", held * self.token_bytes),
+            ("counter", "window_kv_evicted_tokens", "Sliding-window KV tokens the cache "
+             "freed to make room (its matches end earlier there)", self.evicted),
+        ]  # fmt: skip
+        gate = cache.component("servable")
+        if gate is not None:
+            values.append(("gauge", "prefix_cache_servable_blocks", "Pages a match can end "
+                           "at now (their window held), as the KV events told them",
+                           gate.told))  # fmt: skip
+        if self.room is None:  # (with one budget there is no window pool of its own)
+            a = self.allocator
+            values.append(("gauge", "window_kv_usage_perc", "Fraction of the sliding-window "
+                           "KV pool in use (running requests and cached windows)",
+                           1.0 - a.available_size() / a.size))  # fmt: skip
+        return values
+
+    def use_room(self, room: Any) -> None:
+        self.room = room
+
     def retained_marks(self, positions: Sequence[int], page: int) -> list[int]:
         """The same prefix sent again hits a page short of its end (its last token is
         computed): a retained prefix keeps a window there too."""
