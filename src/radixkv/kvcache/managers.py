@@ -45,7 +45,8 @@ What the engine reports of a manager, each a hook too (the engine names no layer
 ``held_bytes`` / ``evicted_bytes`` of its own pool, ``summary`` (its pool as sized) or
 ``arena_summary`` (its pages under one budget, ``title`` in the budget's line),
 ``arena_units`` (the arena units it holds, for the arena's check), ``metrics`` (its
-Prometheus values), ``use_room`` (one arena's room, before any request).
+Prometheus values), ``use_room`` / ``use_tiers`` (one arena's room, its type's tiers:
+before any request).
 
 Eviction is not a manager's: each spec's cached part is a tree component
 (`radixkv.kvcache.window.WindowKV`, `radixkv.kvcache.recurrent.StateCheckpoints`) that
@@ -111,6 +112,10 @@ class LayerManager:
 
     def use_room(self, room: Any) -> None:
         """One arena: its allocations make room through ``room`` (`ArenaRoom`)."""
+
+    def use_tiers(self, tiers: Any) -> None:
+        """Its type's tiers below the device (`radixkv.storage.layers`), before any
+        request."""
 
     def retained_marks(self, positions: Sequence[int], page: int) -> list[int]:
         """Boundaries to add where a request asked ``positions`` retained (a window

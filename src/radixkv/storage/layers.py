@@ -10,7 +10,8 @@ layers without naming them.
 Each tier the engine gets answers the same calls: ``loads_pages`` (its ``load`` brings
 the prompt's full pages too, in place of `KVTiers.load`), ``load(tokens, ns, usable,
 alloc)``, ``save(tokens, ns, row, n, hashes, resend)`` at a request's finish, ``check()``,
-``metrics()`` (its counters for ``/metrics``).
+``metrics()`` (its counters for ``/metrics``). Its manager is handed it
+(`LayerManager.use_tiers`).
 
 Owns: which tier a manager kind gets. Must not touch: any tier's data.
 """
@@ -30,9 +31,7 @@ def _windows(tiers: Any, slots: Any, cache: Any, host_pages: int, host_states: i
 def _states(tiers: Any, rows: Any, cache: Any, host_pages: int, host_states: int) -> Any:
     from radixkv.storage.states import StateTiers
 
-    tier = StateTiers(tiers, rows, cache, host_states)
-    rows.tiers = tier  # the manager writes each checkpoint down as it takes it
-    return tier
+    return StateTiers(tiers, rows, cache, host_states)
 
 
 LAYER_TIERS: dict[str, Callable[..., Any]] = {"window": _windows, "states": _states}
@@ -48,6 +47,7 @@ def layer_tiers(
         make = LAYER_TIERS.get(m.kind)
         if make is not None:
             out.append(make(tiers, m, cache, host_pages, host_states))
+            m.use_tiers(out[-1])
     return out
 
 

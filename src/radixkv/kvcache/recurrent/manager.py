@@ -142,6 +142,9 @@ class RecurrentStates(LayerManager):
     def use_room(self, room: Any) -> None:
         self.room = room.make
 
+    def use_tiers(self, tiers: Any) -> None:
+        self.tiers = tiers  # each checkpoint is written down as it is taken
+
     def publish(self, sink: Any) -> bool:
         """Tell ``sink`` (`radixkv.tree.CacheEventSink`) of every checkpoint from now
         on, as one stored block each (see the module docstring); the tree tells it
