@@ -49,6 +49,9 @@ def test_claude_code_through_the_router_keeps_a_session_on_its_worker(tmp_path):
     for out, answer in ((first, "Hello from radixkv."), (second, "Hello again from radixkv."),
                         (other, "Hello from radixkv.")):  # fmt: skip
         assert not out["is_error"] and out["result"] == answer, out
+        u = out["usage"]
+        print(f"turn: read {u['cache_read_input_tokens']}, written "
+              f"{u['cache_creation_input_tokens']}, uncached {u['input_tokens']}")
     assert first["session_id"] == second["session_id"] != other["session_id"]
     u = second["usage"]
     total = u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
