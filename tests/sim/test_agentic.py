@@ -77,6 +77,50 @@ def test_the_draw_is_seeded_and_spans_its_window(tmp_path):
         load_agentic(tmp_path, sessions=7)
 
 
+def test_a_context_limit_draws_what_fits_and_ends_each_session_before_it(tmp_path):
+    """kv-cache-tester's --max-context: a conversation whose first call is over the
+    limit is never drawn; a session (a sub-agent's too) ends before its first call over
+    it, and nothing after that call is read."""
+    write(tmp_path / "fits.json", conversation([
+        call(0.0, 128, [1, 2]),
+        {"type": "subagent", "t": 1.0,
+         "requests": [call(1.0, 64, [1]), call(2.0, 640, list(range(10)))]},
+        call(3.0, 192, [1, 2, 3]),
+        call(4.0, 256, [1, 2, 3, 4]),  # over 200: the session ends here
+        call(5.0, 64, [1]),
+    ]))  # fmt: skip
+    write(tmp_path / "big.json", conversation([call(0.0, 320, [1, 2, 3, 4, 5])]))
+    trace = load_agentic(tmp_path, max_context=200)
+    assert sorted(r.prompt_tokens for r in trace.requests) == [64, 128, 192]
+    assert len(load_agentic(tmp_path).requests) == 7  # (without the limit: every call)
+    with pytest.raises(ValueError, match="sessions: 2 of 1 traces whose first call fits"):
+        load_agentic(tmp_path, sessions=2, max_context=200)
+    with pytest.raises(ValueError, match="max_context: no trace"):
+        load_agentic(tmp_path, max_context=100)
+    with pytest.raises(ValueError, match="max_context must be an int >= 1"):
+        load_agentic(tmp_path, max_context=0)
+
+
+def test_recycled_draws_are_sessions_of_their_own(tmp_path):
+    """kv-cache-tester's --recycle replays a trace with new text: drawn with replacement,
+    two draws of one file share no unit (but the warm prefix)."""
+    write(tmp_path / "only.json", conversation([call(0.0, 128, [1, 2]), call(1.0, 192, [1, 2, 3])]))
+    trace = load_agentic(tmp_path, sessions=5, seed=3, span=10.0, recycle=True, warm_prefix=0.5)
+    assert len(trace.requests) == 10 and len({r.session for r in trace.requests}) == 5
+    firsts = [r for r in trace.requests if r.prompt_tokens == 128]
+    assert len({r.units[0] for r in firsts}) == 1  # the warm prefix: 1 block, shared
+    assert len({r.units[1] for r in firsts}) == 5  # the rest: each draw its own
+    with pytest.raises(ValueError, match="recycle: needs sessions"):
+        load_agentic(tmp_path, recycle=True)
+
+
+def test_the_client_flags_are_refused_but_for_agentic_traces(capsys):
+    assert main(["simulate", "--workload", "chat", "--recycle"]) == 2
+    assert "--recycle: only with --format agentic" in capsys.readouterr().err
+    assert main(["simulate", "--workload", "chat", "--max-context", "100"]) == 2
+    assert "--max-context: only with --format agentic" in capsys.readouterr().err
+
+
 def nested(depth: int) -> dict:
     inner: dict = {"type": "subagent", "t": 0.0, "requests": [call(0.0, 64, [1])]}
     for _ in range(depth):

@@ -71,6 +71,13 @@ def _input_flags(parser: argparse.ArgumentParser) -> None:
                        help="the first P of each trace's tool + system tokens is one "
                        "prefix every session shares, as kv-cache-tester's client models it "
                        "[0]")  # fmt: skip
+    agent.add_argument("--max-context", type=positive_int, default=None, metavar="TOKENS",
+                       help="as kv-cache-tester's client: draw only conversations whose "
+                       "first call fits, and end each session before its first call over "
+                       "it [none]")  # fmt: skip
+    agent.add_argument("--recycle", action="store_true",
+                       help="draw --sessions with replacement, each draw a session of its "
+                       "own (the client's --recycle: a trace replayed with new text)")  # fmt: skip
     sim.add_argument(
         "--capacity", default="64k,256k,1M,inf",
         help="comma-separated: tokens (1M, 512k), blocks (2000blocks), KV bytes "
@@ -254,7 +261,8 @@ def _defaults() -> dict[str, Any]:
 
 
 _AGENTIC = (("--sessions", "sessions", None), ("--seed", "seed", 0), ("--span", "span", 3600.0),
-            ("--warm-prefix", "warm_prefix", 0.0))  # fmt: skip
+            ("--warm-prefix", "warm_prefix", 0.0), ("--max-context", "max_context", None),
+            ("--recycle", "recycle", False))  # fmt: skip
 
 
 def _load_agentic(args: argparse.Namespace) -> Any:
@@ -263,7 +271,8 @@ def _load_agentic(args: argparse.Namespace) -> Any:
     if args.block_size is not None:
         raise CliError("--block-size: an agentic trace's hash ids fix it (its block_size)")
     with _trace_errors(args.trace):
-        return load_agentic(args.trace, args.sessions, args.seed, args.span, args.warm_prefix)
+        return load_agentic(args.trace, args.sessions, args.seed, args.span, args.warm_prefix,
+                            args.max_context, args.recycle)  # fmt: skip
 
 
 def _replica_counts(args: argparse.Namespace) -> list[int]:

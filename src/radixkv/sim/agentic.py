@@ -22,7 +22,13 @@ How a folder of them becomes one trace:
   sub-agent starts at its first call's ``t``, from its conversation's start);
 * **warm prefix** (``warm_prefix`` P in [0, 1]): the first P of ``tool_tokens +
   system_tokens`` (whole blocks) is one prefix every session shares, as the
-  kv-cache-tester client models a fleet's warm system prompt.
+  kv-cache-tester client models a fleet's warm system prompt;
+* **a context limit** (``max_context`` N tokens, as the client's ``--max-context``):
+  only conversations whose first call fits are drawn, and each session (a sub-agent's
+  too) ends before its first call over N;
+* **recycled** (``recycle``, as the client's ``--recycle``): the draw is with
+  replacement, each draw a session of its own (the client replays a trace with new text
+  behind the warm prefix: no unit in common with another draw of the same file).
 
 Records are checked, not trusted (`radixkv.sim.traces.TraceError`, naming the file and
 the field): times finite and >= 0, sizes ints in range, ``hash_ids`` one per block of
@@ -131,8 +137,8 @@ def _unknown(rec: dict, known: set[str], what: str) -> None:
 class _Reader:
     """Turns conversations into sessions of calls (see the module docstring)."""
 
-    def __init__(self, warm_prefix: float) -> None:
-        self.warm_prefix = warm_prefix
+    def __init__(self, warm_prefix: float, max_context: int | None = None) -> None:
+        self.warm_prefix, self.max_context = warm_prefix, max_context
         self.units: dict[tuple[int, int], int] = {}  # (file, hash id) -> unit
         self.tally = Tally()
         self.block: int | None = None  # the first file's; every other must agree
@@ -182,6 +188,9 @@ class _Reader:
                         raise ValueError("a sub-agent's requests must be a list")
                     _seconds(rec, "t", 0.0)  # (its calls carry their own t)
                 else:
+                    over = self.max_context is not None and _tokens_in(rec) > self.max_context
+                    if over:  # the session ends here (kv-cache-tester's --max-context)
+                        return
                     req, clock = self._call(scope, rec, start, clock, warm)
                     req.session = (scope, where)
                     out.append(req)
@@ -217,28 +226,61 @@ class _Reader:
         return req, begin + api
 
 
+def _tokens_in(rec: dict) -> int:
+    """A call's input tokens, as the context limit reads them (checked by `_call`)."""
+    n = rec.get("in")
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
+
+
+def _first_in(path: Path, doc: dict) -> int:
+    """The input tokens of a conversation's first call (its first record that is not
+    a sub-agent), as kv-cache-tester filters traces by ``--max-context``."""
+    calls = doc.get("requests")
+    first = next((r for r in calls if isinstance(r, dict) and r.get("type") != "subagent"),
+                 None) if isinstance(calls, list) else None  # fmt: skip
+    if first is None:
+        raise TraceError(f"{path}: requests: no call to read the first input size of")
+    return _tokens_in(first)
+
+
 def load_agentic(
     path: str | Path, sessions: int | None = None, seed: int = 0, span: float = 3600.0,
-    warm_prefix: float = 0.0,
+    warm_prefix: float = 0.0, max_context: int | None = None, recycle: bool = False,
 ) -> Trace:  # fmt: skip
     """The conversations ``path`` names (a file or a folder) as one trace in arrival
-    order (see the module docstring); ``sessions``: draw that many (all: None).
+    order (see the module docstring); ``sessions``: draw that many (all: None), with
+    replacement when ``recycle``; ``max_context``: the client's context limit.
 
     Raises:
         TraceError: a bad file or record, naming the file and the field. ValueError:
-            ``sessions``, ``span`` or ``warm_prefix`` out of range.
+            ``sessions``, ``span``, ``warm_prefix`` or ``max_context`` out of range, or
+            ``recycle`` without ``sessions``.
     """
+    if max_context is not None and (isinstance(max_context, bool) or not isinstance(
+            max_context, int) or max_context < 1):  # fmt: skip
+        raise ValueError(f"max_context must be an int >= 1, got {max_context!r}")
     files = trace_files(path)
-    if sessions is not None and not 1 <= sessions <= len(files):
-        raise ValueError(f"sessions: {sessions} of {len(files)} traces in {path}")
+    if max_context is not None:  # (read once here, again if drawn: memory stays one file's)
+        files = [f for f in files if _first_in(f, read_conversation(f)) <= max_context]
+        if not files:
+            raise ValueError(f"max_context: no trace in {path} has a first call within "
+                             f"{max_context:,} tokens")  # fmt: skip
+    if recycle and sessions is None:
+        raise ValueError("recycle: needs sessions (how many to draw)")
+    if sessions is not None and not (sessions >= 1 and (recycle or sessions <= len(files))):
+        fit = f" whose first call fits in {max_context:,} tokens" if max_context else ""
+        raise ValueError(f"sessions: {sessions} of {len(files)} traces{fit} in {path}")
     if not (math.isfinite(span) and span >= 0):
         raise ValueError(f"span must be seconds >= 0, got {span}")
     if not 0.0 <= warm_prefix <= 1.0:
         raise ValueError(f"warm_prefix must be a fraction in [0, 1], got {warm_prefix}")
     rng = random.Random(seed)
-    chosen = files if sessions is None else sorted(rng.sample(files, sessions))
+    if sessions is None:
+        chosen = files
+    else:
+        chosen = rng.choices(files, k=sessions) if recycle else sorted(rng.sample(files, sessions))
     starts = [rng.uniform(0, span) if sessions is not None else 0.0 for _ in chosen]
-    reader = _Reader(warm_prefix)
+    reader = _Reader(warm_prefix, max_context)
     requests: list[SimRequest] = []
     for scope, (f, start) in enumerate(zip(chosen, starts, strict=True)):
         requests += reader.conversation(scope, f, read_conversation(f), start)
