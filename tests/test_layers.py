@@ -331,17 +331,20 @@ def test_the_checker_sees_private_state_read_through_an_instance(tmp_path):
     assert sorted(_private_reads(bad)) == ["cache._heap (line 5)", "pool.rows._np (line 7)"]
 
 
-# A layer type's own names: an `if` (or a comprehension's filter) that reads one of them
-# outside the type's home branches on the layer type. (The memory shape, one arena or
-# separate pools, is still branched on: #62's item 3.)
+# A layer type's own names, and the memory shape's: an `if` (or a comprehension's filter)
+# that reads one of them outside the type's home (or `radixkv.kvcache.shapes`) branches on
+# the layer type, or on which memory shape is in use.
 LAYER_TYPE_NAMES = {"window", "recurrent", "states", "state", "sliding", "window_layers",
-                    "recurrent_layers", "window_columns", "why_not_window"}  # fmt: skip
+                    "recurrent_layers", "window_columns", "why_not_window",
+                    "arena", "one_arena", "cache_split"}  # fmt: skip
 TYPE_CHECKED = ("engine", "server", "sim", "cli")  # outside engine/models: each type's layers
 # modules that still branch on a layer type, and why
 TYPE_BRANCHES_LEFT = {
     "sim/hybrid.py": "the budget model, beside the engine's replay (#62 item 4)",
     "sim/vllm_pool.py": "vLLM's hybrid allocator, replayed as vLLM sizes it (a peer row)",
     "sim/spec_model.py": "a spec as a model: it builds each type's layers, as engine/models",
+    "engine/config.py": "the tiers read the separate pools only: one arena with a host or "
+    "store tier is refused by name (#62 item 3: one memory shape)",
 }
 
 
@@ -374,10 +377,11 @@ def _type_checked() -> list[Path]:
 
 
 @pytest.mark.parametrize("path", _type_checked(), ids=lambda p: str(p.relative_to(SRC)))
-def test_the_engine_the_server_and_the_simulator_branch_on_no_layer_type(path):
+def test_the_engine_the_server_and_the_simulator_branch_on_no_layer_type_or_shape(path):
     """Each layer type's part of a report, a step or the memory is its manager's hook
-    (`radixkv.kvcache.managers`); the engine, the server and the simulator loop over the
-    managers, naming none."""
+    (`radixkv.kvcache.managers`), and what differs between the memory shapes is the
+    shape's (`radixkv.kvcache.shapes`); the engine, the server and the simulator loop
+    over the managers and ask the shape, naming none."""
     assert not _type_branches(path), f"{path.relative_to(SRC)}: {_type_branches(path)}"
 
 
@@ -385,7 +389,8 @@ def test_the_type_branch_checker_sees_one(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from radixkv.kvcache.window.slots import WindowSlots\n"
                    "def f(e):\n    if e.window is not None:\n        return 1\n"
+                   "    x = 2 if e.arena is None else 3\n"
                    "    return [m for m in e.mgr.managers if m.kind == 'states']\n")  # fmt: skip
-    assert len(_type_branches(bad)) == 3
+    assert len(_type_branches(bad)) == 4
     for module in TYPE_BRANCHES_LEFT:
         assert _type_branches(SRC / module), f"{module} is clean now: take it off the list"

@@ -87,14 +87,10 @@ def _engine_values(e: Engine) -> list[Value]:
 
 
 def _layer_values(e: Engine) -> list[Value]:
-    """The one budget, and each layer type's own values (`LayerManager.metrics`)."""
-    values: list[Value] = []
-    if e.arena is not None:
-        values.append((GaugeMetricFamily, "cache_budget_bytes", "The one byte budget "
-                       "every kind of cache memory draws from (--cache-bytes)",
-                       e.arena.nbytes))  # fmt: skip
-    return values + [(FAMILIES[kind], name, text, value)
-                     for m in e.mgr.managers for kind, name, text, value in m.metrics(e.cache)]
+    """The memory shape's (the one budget's size), and each layer type's own values
+    (`LayerManager.metrics`)."""
+    parts = [e.memory.shape.metrics()] + [m.metrics(e.cache) for m in e.mgr.managers]
+    return [(FAMILIES[kind], name, text, value) for p in parts for kind, name, text, value in p]
 
 
 def _tier_values(e: Engine) -> list[Value]:
