@@ -343,8 +343,6 @@ TYPE_BRANCHES_LEFT = {
     "sim/hybrid.py": "the budget model, beside the engine's replay (#62 item 4)",
     "sim/vllm_pool.py": "vLLM's hybrid allocator, replayed as vLLM sizes it (a peer row)",
     "sim/spec_model.py": "a spec as a model: it builds each type's layers, as engine/models",
-    "engine/config.py": "the tiers read the separate pools only: one arena with a host or "
-    "store tier is refused by name (#62 item 3: one memory shape)",
 }
 
 

@@ -258,7 +258,6 @@ def test_a_budget_too_small_for_one_request_is_refused_naming_the_minimum(hybrid
             "kv_tokens, window_tokens: with cache_split='sglang'",
         ),
         (dict(cache_bytes="auto", window_tokens=64), "window_tokens: with cache_bytes='auto'"),
-        (dict(cache_bytes=2**20, host_tokens=64), "cache_bytes: host and store tiers"),
         (dict(cache_split="sglang"), "cache_split: splits a cache_bytes budget"),
         (dict(cache_bytes=2**20, cache_split="even"), "cache_split must be one of"),
         (dict(cache_bytes=0), "cache_bytes must be a positive int"),

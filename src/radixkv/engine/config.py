@@ -156,11 +156,6 @@ class EngineConfig:
                 f"eviction_policy must be one of {tuple(POLICIES)}, got {self.eviction_policy!r}"
             )
         self.cache_config  # noqa: B018  (validates the memory knobs)
-        if self.cache_bytes is not None and self.cache_split == "one" and (
-            self.storage is not None or self.host_tokens
-        ):
-            raise ValueError("cache_bytes: host and store tiers read the separate pools; "
-                             "use cache_split='sglang' or kv_tokens with them")  # fmt: skip
         if self.max_retained_tokens is not None:
             as_count(self.max_retained_tokens, "max_retained_tokens")
         as_bool(self.prefix_cache, "prefix_cache")

@@ -186,8 +186,12 @@ class Engine:
         if cfg.storage is not None or cfg.host_tokens:
             from radixkv.storage.layers import layer_tiers
 
+            why = next((w for m in self.mgr.managers if (w := m.why_no_tiers())), "")
+            if why:
+                raise ValueError(why)
+
             self.tier = build_tiers(cfg, memory, self.model_identity())
-            host_states = (memory.plan.config.checkpoint_cap or 0) if cfg.host_tokens else 0
+            host_states = (memory.plan.checkpoints or 0) if cfg.host_tokens else 0
             host_pages = cfg.host_tokens // cfg.page_size
             self.layer_tiers = layer_tiers(self.tier, self.mgr.managers, self.cache, host_pages,
                                            host_states)  # fmt: skip

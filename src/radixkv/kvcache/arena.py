@@ -215,6 +215,15 @@ class ArenaKV:
             j = kind.index(i)
             self._where.append((pages, j // group, j % group))
 
+    @property
+    def token_shape(self) -> tuple[int, int]:
+        """One token's K (or V) of one layer: ``(kv heads, head dim)``."""
+        return (self._rows.shape[3], self._rows.shape[4])
+
+    @property
+    def device(self) -> torch.device:
+        return self._rows.device
+
     def bytes_per_token(self) -> int:
         return (self.num_layers - len(self.window_layers)) * self._layer
 

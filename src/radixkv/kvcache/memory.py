@@ -544,6 +544,15 @@ class KVPool:
     def dtype(self) -> torch.dtype:
         return self.k[0].dtype
 
+    @property
+    def token_shape(self) -> tuple[int, int]:
+        """One token's K (or V) of one layer: ``(kv heads, head dim)``."""
+        return (self.k[0].shape[1], self.k[0].shape[2])
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
     def _layer_bytes(self) -> int:
         t = self.k[0]
         return 2 * t.shape[1] * t.shape[2] * t.element_size()

@@ -57,7 +57,6 @@ import torch
 
 from radixkv.hashing import HASH_BYTES, chain_hashes
 from radixkv.key import RadixKey
-from radixkv.kvcache.memory import KVPool
 from radixkv.storage import WRITE_POLICIES
 from radixkv.storage.base import PageStore, StoreStats
 from radixkv.storage.page import PageCodec, PageError, layout_identity
@@ -69,26 +68,27 @@ STAGING_MAX_BYTES = 256 << 20  # the staging buffer a tier keeps between loads, 
 WRITE_QUEUE = 256  # page batches waiting for the writer; beyond, writes are dropped
 
 
-def gather_pages(kv: KVPool, layers: list[int], slots: torch.Tensor, page: int) -> torch.Tensor:
-    """``layers``' KV at ``slots`` (whole pages) as ``[pages, 2, layers, page, H, D]``."""
-    by_page = slots.view(-1, page)
+def gather_pages(kv: Any, layers: list[int], slots: torch.Tensor, page: int) -> torch.Tensor:
+    """``layers``' KV at ``slots`` (whole pages) as ``[pages, 2, layers, page, H, D]``,
+    read through the pool's ``read`` (separate pools or one arena alike)."""
+    n = len(slots) // page
     if not layers:  # (every layer slides: a full page holds no tensor)
-        k0 = kv.k[0]
-        return torch.empty((len(by_page), 2, 0, page, *k0.shape[1:]), dtype=k0.dtype)
-    k = torch.stack([kv.k[i][by_page] for i in layers], dim=1)
-    v = torch.stack([kv.v[i][by_page] for i in layers], dim=1)
+        return torch.empty((n, 2, 0, page, *kv.token_shape), dtype=kv.dtype)
+    shape = (n, page, *kv.token_shape)
+    read = [kv.read(i, slots) for i in layers]  # per layer: K and V, [n * page, H, D]
+    k = torch.stack([kl.view(shape) for kl, _ in read], dim=1)
+    v = torch.stack([vl.view(shape) for _, vl in read], dim=1)
     return torch.stack((k, v), dim=1)
 
 
 def scatter_pages(
-    kv: KVPool, layers: list[int], slots: torch.Tensor, page: int, pages: torch.Tensor
+    kv: Any, layers: list[int], slots: torch.Tensor, page: int, pages: torch.Tensor
 ) -> None:
     """Write ``[pages, 2, layers, page, H, D]`` into ``layers``' KV at ``slots``."""
-    by_page = slots.view(-1, page)
-    pages = pages.to(kv.k[0].device, non_blocking=True)
+    pages = pages.to(kv.device, non_blocking=True)
     for j, i in enumerate(layers):
-        kv.k[i][by_page] = pages[:, 0, j]
-        kv.v[i][by_page] = pages[:, 1, j]
+        kv.write(i, slots, pages[:, 0, j].reshape(-1, *kv.token_shape),
+                 pages[:, 1, j].reshape(-1, *kv.token_shape))  # fmt: skip
 
 
 class TierStats(StoreStats):
@@ -120,7 +120,7 @@ class KVTiers:
 
     def __init__(
         self,
-        kv: KVPool,
+        kv: Any,
         cache: RadixCache,
         fingerprint: bytes,
         store: PageStore | None = None,
@@ -144,15 +144,14 @@ class KVTiers:
         self.prefix = fingerprint
         self.write_policy = write_policy
         self.stats = TierStats()
-        k0 = kv.k[0]
-        self._page_shape = (2, len(self.layers), self.page, k0.shape[1], k0.shape[2])
-        self._page_bytes = int(np.prod(self._page_shape)) * k0.element_size()
+        self._page_shape = (2, len(self.layers), self.page, *kv.token_shape)
+        self._page_bytes = int(np.prod(self._page_shape)) * kv.dtype.itemsize
         self._staging: np.ndarray | None = None  # store pages on their way to the device
         self.host_pages = host_pages
         self.host = torch.empty(
             (host_pages, *self._page_shape),
-            dtype=k0.dtype,
-            pin_memory=k0.device.type == "cuda",
+            dtype=kv.dtype,
+            pin_memory=kv.device.type == "cuda",
         )
         self._host_free = list(range(host_pages - 1, -1, -1))
         self._host_index: OrderedDict[bytes, int] = OrderedDict()  # key -> page, LRU first
@@ -217,7 +216,7 @@ class KVTiers:
 
     def _as_pages(self, raw: np.ndarray) -> torch.Tensor:
         """``[n, page bytes]`` as ``[n, 2, layers, page, H, D]`` in the pool's dtype."""
-        flat = torch.from_numpy(raw.reshape(-1)).view(self.kv.k[0].dtype)
+        flat = torch.from_numpy(raw.reshape(-1)).view(self.kv.dtype)
         return flat.view(len(raw), *self._page_shape)
 
     def _read_store(self, hashes: list[bytes], keys: list[bytes]) -> np.ndarray:

@@ -71,9 +71,8 @@ class WindowTiers:
         self.layers = list(kv.window_layers)
         self.prefix = layout_identity(tiers.identity, f"window-layers{self.layers}")
         self.codec = PageCodec(self.prefix, tiers.codec.secret)
-        k0 = kv.k[self.layers[0]]
-        self._shape = (2, len(self.layers), self.page, k0.shape[1], k0.shape[2])
-        self.page_bytes = int(np.prod(self._shape)) * k0.element_size()
+        self._shape = (2, len(self.layers), self.page, *kv.token_shape)
+        self.page_bytes = int(np.prod(self._shape)) * kv.dtype.itemsize
         self.host_pages = host_pages
         self.host: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> page, LRU first
         self.loaded = 0  # window pages brought back (host or store)
@@ -280,7 +279,7 @@ class WindowTiers:
             return [memoryview(headers[i]), memoryview(payloads[i]), memoryview(macs[i])]
 
         out: list[torch.Tensor | None] = []
-        dtype = self.kv.k[self.layers[0]].dtype
+        dtype = self.kv.dtype
         for i, got in enumerate(self.tiers.store.get_into(keys, parts)):
             if got is None:  # missing
                 out.append(None)

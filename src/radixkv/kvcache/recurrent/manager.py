@@ -142,6 +142,12 @@ class RecurrentStates(LayerManager):
     def use_room(self, room: Any) -> None:
         self.room = room.make
 
+    def why_no_tiers(self) -> str:
+        if self.store is None:
+            return ""
+        return ("cache_bytes: a recurrent model's checkpoints in one budget have no host or "
+                "store tier yet: use cache_split='sglang' or kv_tokens with the tiers")
+
     def use_tiers(self, tiers: Any) -> None:
         self.tiers = tiers  # each checkpoint is written down as it is taken
 

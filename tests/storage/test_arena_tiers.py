@@ -1,0 +1,100 @@
+"""The tiers below one arena (`radixkv.kvcache.shapes.OneArena`): the host pool and the
+store read and write a page through the KV's own ``read`` / ``write``, so full pages and
+window pages go down and come back from the arena's units as from separate pools. Outputs
+equal a cold engine's, loaded KV equals recomputed KV bit for bit, the arena's and the
+tiers' checks hold; a recurrent model's checkpoints in one arena have no tier yet and are
+refused by name, before any tier is built."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixkv import RadixKey
+from radixkv.engine.engine import Engine
+
+
+def prompts_sharing(prefixes: int, each: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    heads = [[rng.randrange(5, 300) for _ in range(40)] for _ in range(prefixes)]
+    return [h + [rng.randrange(5, 300) for _ in range(rng.randrange(4, 30))]
+            for h in heads for _ in range(each)]  # fmt: skip
+
+
+def serve_twice(engine: Engine, prompts: list[list[int]]) -> tuple[list, int, int]:
+    first = engine.generate(prompts, max_new_tokens=4, chat=False, ignore_eos=True)
+    again = engine.generate(prompts, max_new_tokens=4, chat=False, ignore_eos=True)
+    tokens = [o.token_ids for o in first.outputs], [o.token_ids for o in again.outputs]
+    assert tokens[0] == tokens[1]
+    return tokens[0], first.stats.cached_tokens, again.stats.cached_tokens
+
+
+def test_one_arena_with_a_host_tier_brings_back_what_the_arena_evicted():
+    prompts = prompts_sharing(6, 3)
+    cold = Engine("random", page_size=4, kv_tokens=4096, max_context_len=96)
+    want, _, _ = serve_twice(cold, prompts)
+    tiered = Engine("random", page_size=4, cache_bytes=60_000, max_context_len=96,
+                    host_tokens=512, check_memory=True)  # fmt: skip
+    assert tiered.arena is not None and tiered.arena.nbytes <= 60_000
+    got, first, again = serve_twice(tiered, prompts)
+    assert got == want
+    st = tiered.tier.stats
+    assert st.demoted_pages > 0 and st.host_hit_tokens > 0 and again > first
+    tiered.tier.check()
+    tiered.memory.check()
+
+
+@pytest.mark.parametrize("tier", ["host", "store"])
+def test_kv_loaded_into_the_arena_is_bit_identical_to_recomputed_kv(tier, tmp_path):
+    prompt = prompts_sharing(1, 1)[0] * 4
+    cold = Engine("random", page_size=4, kv_tokens=4096)
+    cold.generate([prompt], max_new_tokens=1, chat=False, ignore_eos=True)
+    where = dict(host_tokens=1024) if tier == "host" else dict(storage=f"file://{tmp_path}/p")
+    if tier == "store":  # another engine wrote the pages
+        writer = Engine("random", page_size=4, cache_bytes=2**20, **where)
+        writer.generate([prompt], max_new_tokens=1, chat=False, ignore_eos=True)
+        writer.tier.flush()
+    warm = Engine("random", page_size=4, cache_bytes=2**20, check_memory=True, **where)
+    if tier == "host":
+        warm.generate([prompt], max_new_tokens=1, chat=False, ignore_eos=True)
+        warm.flush_cache()  # everything leaves the arena: demoted to the host pool
+        assert warm.cache.total_size() == 0 and warm.tier.stats.demoted_pages > 0
+    out = warm.generate([prompt], max_new_tokens=1, chat=False, ignore_eos=True)
+    assert warm.tier.hit_tokens > 0 and out.outputs[0].cached_tokens > 100
+    n = (len(prompt) - 1) // 4 * 4
+    a = cold.cache.match_prefix(RadixKey(prompt[:n])).indices
+    b = warm.cache.match_prefix(RadixKey(prompt[:n])).indices
+    assert len(a) == len(b) == n
+    for layer in range(cold.kv.num_layers):
+        for x, y in zip(cold.kv.read(layer, a), warm.kv.read(layer, b), strict=True):
+            assert torch.equal(x, y)
+    warm.memory.check()
+
+
+def test_sliding_window_pages_come_back_into_the_arena(hybrid_models):
+    """Gemma 3's window pages and full pages both go down the host pool and come back
+    into the arena's units."""
+    prompts = prompts_sharing(6, 2, seed=1)
+    cold = Engine(hybrid_models["gemma3"], page_size=4, kv_tokens=8192, max_context_len=96)
+    want, _, _ = serve_twice(cold, prompts)
+    tiered = Engine(hybrid_models["gemma3"], page_size=4, cache_bytes=80_000, chunk_size=16,
+                    max_context_len=96, host_tokens=2048, check_memory=True)  # fmt: skip
+    got, _, _ = serve_twice(tiered, prompts)
+    assert got == want
+    loaded = {name: value for t in tiered.layer_tiers for _, name, _, value in t.metrics()}
+    st = tiered.tier.stats
+    assert st.demoted_pages > 0 and st.host_hit_tokens > 0 and loaded["window_pages_loaded"] > 0
+    tiered.memory.check()
+    for t in (tiered.tier, *tiered.layer_tiers):
+        t.check()
+
+
+def test_a_recurrent_models_checkpoints_in_one_arena_have_no_tier_yet(hybrid_models):
+    with pytest.raises(ValueError, match="cache_bytes: a recurrent model's checkpoints in "
+                       "one budget have no host or store tier yet"):  # fmt: skip
+        Engine(hybrid_models["qwen3.5"], cache_bytes=2**20, host_tokens=256)
+    split = Engine(hybrid_models["qwen3.5"], cache_bytes=2**20, cache_split="sglang",
+                   host_tokens=256)  # fmt: skip
+    assert split.tier is not None  # the separate pools SGLang's split gives have them
