@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from radixkv.kvcache.arena import ArenaRoom
 from radixkv.kvcache.recurrent.component import utility, utility_array
 from radixkv.tree.component import TreeComponent
 from radixkv.tree.node import units_before
@@ -419,12 +420,10 @@ class HybridBudget(TreeComponent):
 
 def arena_room(
     arena: Any, shape: Any, cache: Any, managers: Sequence[Any], page: int, order: str
-) -> tuple[HybridBudget, Any]:
+) -> tuple[HybridBudget, ArenaRoom]:
     """One arena's budget over ``cache`` and the managers' components, in ``order``, and
     the room every kind allocates through (`radixkv.kvcache.arena.ArenaRoom`), handed to
     each manager (``shape``: the plan's `ArenaPlan`). A hit's worth: the tokens it saves."""
-    from radixkv.kvcache.arena import ArenaRoom
-
     parts = {m.kind: m.component for m in managers}
     unit = shape.unit_bytes
     budget = HybridBudget(cache, parts.get("states"), parts.get("window"),

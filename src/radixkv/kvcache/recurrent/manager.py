@@ -370,7 +370,8 @@ class RecurrentStates(LayerManager):
             self.pool.give(row for _, row, _ in snaps.rows)
 
     def check(self, running: dict) -> None:
-        pending = [row for r in running.values() for _, row, _ in self._of(r).rows]
+        own = [self.running.get(id(r)) for r in running.values()]
+        pending = [row for snaps in own if snaps is not None for _, row, _ in snaps.rows]
         if self.running.keys() - {id(r) for r in running.values()}:
             raise AssertionError("a request that left still has snapshots planned or taken")
         if self.store is None:
