@@ -11,7 +11,7 @@ import json
 import pytest
 
 from radixkv.cli import main
-from radixkv.sim.agentic import MAX_DEPTH, load_agentic
+from radixkv.sim.agentic import MAX_DEPTH, MAX_SESSIONS, load_agentic
 from radixkv.sim.traces import TraceError
 
 
@@ -112,6 +112,9 @@ def test_recycled_draws_are_sessions_of_their_own(tmp_path):
     assert len({r.units[1] for r in firsts}) == 5  # the rest: each draw its own
     with pytest.raises(ValueError, match="recycle: needs sessions"):
         load_agentic(tmp_path, recycle=True)
+    # a draw with replacement is bounded before anything is drawn
+    with pytest.raises(ValueError, match=f"sessions: at most {MAX_SESSIONS:,}"):
+        load_agentic(tmp_path, sessions=10**12, recycle=True)
 
 
 def test_the_client_flags_are_refused_but_for_agentic_traces(capsys):

@@ -53,6 +53,7 @@ from radixkv.units import div_ceil
 MAX_FILE_BYTES = 64 << 20  # a conversation file, decompressed (the largest shared: 4 MB)
 MAX_BLOCKS = 1 << 16  # hash ids of one call: 4M tokens of 64-token blocks
 MAX_DEPTH = 8  # sub-agents within sub-agents
+MAX_SESSIONS = 1 << 20  # drawn (with --recycle, more than the files): bounded up front
 MAX_SECONDS = 1e9  # any time, in seconds (about 30 years)
 TOP = {"id", "models", "block_size", "hash_id_scope", "tool_tokens", "system_tokens",
        "requests", "totals"}  # fmt: skip
@@ -267,6 +268,8 @@ def load_agentic(
                              f"{max_context:,} tokens")  # fmt: skip
     if recycle and sessions is None:
         raise ValueError("recycle: needs sessions (how many to draw)")
+    if sessions is not None and sessions > MAX_SESSIONS:
+        raise ValueError(f"sessions: at most {MAX_SESSIONS:,}, got {sessions:,}")
     if sessions is not None and not (sessions >= 1 and (recycle or sessions <= len(files))):
         fit = f" whose first call fits in {max_context:,} tokens" if max_context else ""
         raise ValueError(f"sessions: {sessions} of {len(files)} traces{fit} in {path}")
@@ -282,8 +285,13 @@ def load_agentic(
     starts = [rng.uniform(0, span) if sessions is not None else 0.0 for _ in chosen]
     reader = _Reader(warm_prefix, max_context)
     requests: list[SimRequest] = []
-    for scope, (f, start) in enumerate(zip(chosen, starts, strict=True)):
-        requests += reader.conversation(scope, f, read_conversation(f), start)
+    draws: dict[Path, list[int]] = {}  # each file read once, however often drawn
+    for scope, f in enumerate(chosen):
+        draws.setdefault(f, []).append(scope)
+    for f, scopes in draws.items():
+        doc = read_conversation(f)
+        for scope in scopes:
+            requests += reader.conversation(scope, f, doc, starts[scope])
     if not requests:
         raise TraceError(f"{path}: the traces hold no call")
     requests.sort(key=lambda r: r.timestamp)
@@ -291,5 +299,5 @@ def load_agentic(
     return Trace(f"{name} ({len(chosen)} sessions)", reader.block or 64, requests)
 
 
-__all__ = ["MAX_BLOCKS", "MAX_DEPTH", "MAX_FILE_BYTES", "load_agentic", "looks_agentic",
-           "trace_files"]
+__all__ = ["MAX_BLOCKS", "MAX_DEPTH", "MAX_FILE_BYTES", "MAX_SESSIONS", "load_agentic",
+           "looks_agentic", "trace_files"]  # fmt: skip
