@@ -91,10 +91,12 @@ def test_sliding_window_pages_come_back_into_the_arena(hybrid_models):
         t.check()
 
 
-def test_a_recurrent_models_checkpoints_in_one_arena_have_no_tier_yet(hybrid_models):
+def test_a_recurrent_models_checkpoints_in_one_arena_have_no_tier_yet(hybrid_models, tmp_path):
+    log = tmp_path / "served.jsonl"
     with pytest.raises(ValueError, match="cache_bytes: a recurrent model's checkpoints in "
                        "one budget have no host or store tier yet"):  # fmt: skip
-        Engine(hybrid_models["qwen3.5"], cache_bytes=2**20, host_tokens=256)
+        Engine(hybrid_models["qwen3.5"], cache_bytes=2**20, host_tokens=256, served_log=str(log))
+    assert not log.exists()  # refused before anything was opened
     split = Engine(hybrid_models["qwen3.5"], cache_bytes=2**20, cache_split="sglang",
                    host_tokens=256)  # fmt: skip
     assert split.tier is not None  # the separate pools SGLang's split gives have them

@@ -159,6 +159,10 @@ class Engine:
         memory = self.memory
         self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
         self.arena = memory.arena
+        if cfg.storage is not None or cfg.host_tokens:  # (before any file or tier opens)
+            why = next((w for m in self.mgr.managers if (w := m.why_no_tiers())), "")
+            if why:
+                raise ValueError(why)
         for line in self.memory_summary():
             log.info("%s", line)
         retained = cfg.max_retained_tokens
@@ -185,10 +189,6 @@ class Engine:
         self.layer_tiers: list[Any] = []  # the other layer types' pages and checkpoints there
         if cfg.storage is not None or cfg.host_tokens:
             from radixkv.storage.layers import layer_tiers
-
-            why = next((w for m in self.mgr.managers if (w := m.why_no_tiers())), "")
-            if why:
-                raise ValueError(why)
 
             self.tier = build_tiers(cfg, memory, self.model_identity())
             host_states = (memory.plan.checkpoints or 0) if cfg.host_tokens else 0
