@@ -211,6 +211,33 @@ def test_the_serve_policy_refuses_what_it_cannot_replay(tmp_path, hybrid_models,
     )
 
 
+def test_a_request_the_engine_refuses_is_counted_not_fatal(tmp_path, hybrid_models, capsys):
+    """A request longer than the pool holds alone: the engine refuses it (``radixkv
+    serve`` answers 400) and the replay goes on, counting it refused and a miss, the
+    table saying so; the others are served as without it. `tightest_budget` finds the
+    least budget that serves the longest one."""
+    q = hybrid_models["qwen3.5"]
+    short = {"token_ids": list(range(10, 50)), "output_ids": [7, 8], "timestamp": 0}
+    again = {"token_ids": list(range(10, 50)) + [7, 9], "output_ids": [5], "timestamp": 2}
+    long = {"token_ids": list(range(10, 330)), "output_ids": [1], "timestamp": 1}
+    budget = tightest_budget(write_trace(tmp_path / "s.jsonl", [short, again]), q, 1 << 20)
+    trace = write_trace(tmp_path / "t.jsonl", [short, long, again])
+    rep = replay_serve(trace, q, budget, config(1))
+    alone = replay_serve(write_trace(tmp_path / "u.jsonl", [short, again]), q, budget, config(1))
+    assert rep.refused == 1 and alone.refused == 0
+    assert rep.cached == [alone.cached[0], 0, alone.cached[1]] and alone.cached[1] > 0
+    assert rep.prompt_tokens == 40 + 320 + 42
+    assert tightest_budget(trace, q, 1 << 20) > budget  # the long one needs more
+    with pytest.raises(ValueError, match="do not serve the trace's longest request"):
+        tightest_budget(trace, q, budget)
+    assert main(["simulate", "--trace", str(tmp_path / "t.jsonl"), "--model-spec", q,
+                 "--capacity", f"{budget}B", "--policy", "serve", "--block-size", str(PAGE),
+                 "--chunk-size", "16"]) == 0  # fmt: skip
+    out = " ".join(capsys.readouterr().out.split())
+    assert "refused (prompt + output over what the pool holds alone; each a miss): serve at" in out
+    assert out.endswith(": 1")
+
+
 def test_the_replay_builds_a_model_of_any_size_without_its_memory(tmp_path, hybrid_models):
     """A Qwen3.5-4B-sized config (no weights): the replay's model takes a few bytes a
     tensor, counts its parameters, and serves a trace (only the arena and the state rows

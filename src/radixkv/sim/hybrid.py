@@ -281,7 +281,8 @@ class HybridResult:
     mean_bytes: dict[str, float] = field(default_factory=dict)  # full, window, states
     checkpoints: int = 0  # checkpoints taken
     block_tokens: int = 0  # the grid hits land on (vllm), else the page
-    refused: int = 0  # requests the pool could not hold (vllm: it would not start)
+    refused: int = 0  # requests the pool could not hold (vllm: it would not start; serve:
+    # the engine refused it, as `radixkv serve` does): each a miss
     cached: list[int] = field(default_factory=list)  # each request's hit tokens, trace order
 
     def to_dict(self) -> dict[str, Any]:

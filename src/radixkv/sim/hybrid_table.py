@@ -39,7 +39,11 @@ def print_hybrid_table(
             fmt_bytes(r.mean_bytes["window"]), fmt_bytes(r.mean_bytes["states"]),
             f"{r.checkpoints:,}", str(r.block_tokens),
         )  # fmt: skip
-    table.caption = COLUMNS + (OVER if over else "")
+    refused = [f"{r.policy} at {fmt_bytes(r.capacity_bytes)}: {r.refused:,}" for r in results
+               if r.refused]  # fmt: skip
+    table.caption = COLUMNS + (OVER if over else "") + (
+        f"\nrefused (prompt + output over what the pool holds alone; each a miss): "
+        f"{'; '.join(refused)}" if refused else "")  # fmt: skip
     console.print(table)
 
 

@@ -38,6 +38,7 @@ import torch
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import ModelRunner
 from radixkv.engine.request import CacheSpec, MarkedIds, SamplingParams
+from radixkv.engine.scheduler import DoesNotFit
 from radixkv.sim.hybrid import HybridResult, ModelSpec
 from radixkv.sim.spec_model import DTYPE as SPEC_DTYPE
 from radixkv.sim.spec_model import SpecModel
@@ -75,6 +76,7 @@ class ServeReplay:
     preemptions: int = 0
     mean_bytes: dict[str, float] = field(default_factory=dict)  # full, window, states
     checkpoints: int = 0
+    refused: int = 0  # requests the engine refused (prompt + output over its pool alone)
 
     @property
     def hit_tokens(self) -> int:
@@ -120,7 +122,9 @@ def replay_serve(
     engine serving ``model`` (a folder, or a model) from one budget of
     ``capacity_bytes``, at most ``concurrency`` requests at once; the trace's block size
     is the engine's page. ``config``: the engine's other knobs (serve's defaults
-    otherwise). ``cache_outputs=False``: each request caches its prompt only.
+    otherwise). ``cache_outputs=False``: each request caches its prompt only. A request
+    that can never fit the pool alone is refused, as ``radixkv serve`` refuses it (400),
+    and counted in ``refused``, its prompt a miss.
 
     Raises:
         ValueError: a trace without token ids, a token the model's vocabulary lacks, a
@@ -134,16 +138,17 @@ def replay_serve(
     sums = dict.fromkeys(("full", "window", "states"), 0.0)
     waves = itertools.groupby(enumerate(trace.requests), key=lambda x: x[1].timestamp)
     for _, wave in waves:
-        rids = []
+        reqs = []
         for i, req in wave:
             spec = None if cache_outputs else CacheSpec(limit=len(req.prompt_ids))
-            rids.append(add_replayed(engine, outputs, i, req, spec))
-        reqs = [engine.requests[rid] for rid in rids]
+            rid = add_replayed(engine, outputs, i, req, spec, refuse=True)
+            reqs.append((req, None if rid is None else engine.requests[rid]))
+            result.refused += rid is None
         while engine.has_unfinished():
             engine.step()
-        for r in reqs:
-            result.cached.append(max(r.prompt_cached, 0))
-            result.prompt_tokens += len(r.input_ids)
+        for req, r in reqs:
+            result.cached.append(0 if r is None else max(r.prompt_cached, 0))
+            result.prompt_tokens += len(req.prompt_ids)
             for k, v in engine.cache_bytes_held().items():
                 sums[k] += v
     return finish_replay(engine, result, sums, len(trace.requests))
@@ -174,9 +179,10 @@ def replay_engine(
 
 def add_replayed(
     engine: Any, outputs: dict[Any, list[int]], i: int, req: SimRequest,
-    cache: CacheSpec | None = None, group: Any = None,
+    cache: CacheSpec | None = None, group: Any = None, refuse: bool = False,
 ) -> Any:  # fmt: skip
-    """Queue trace request ``i`` (id ``i``), to generate its recorded outputs.
+    """Queue trace request ``i`` (id ``i``), to generate its recorded outputs; its id,
+    or with ``refuse`` None for one that can never fit the engine's pool (not queued).
 
     Raises:
         ValueError: ``trace request I: ...`` (a token the model lacks, too long).
@@ -187,6 +193,11 @@ def add_replayed(
     try:
         return engine.add_request(prompt, sampling, rid=i, chat=False, extra_key=req.extra_key,
                                   group=group, cache=cache)  # fmt: skip
+    except DoesNotFit as e:
+        if refuse and e.prompt_tokens + e.max_new_tokens <= engine.engine_config.max_context_len:
+            del outputs[i]
+            return None
+        raise ValueError(f"trace request {i}: {e}") from None
     except ValueError as e:
         raise ValueError(f"trace request {i}: {e}") from None
 
@@ -211,15 +222,16 @@ def tightest_budget(
     """
     longest = max(trace.requests, key=lambda r: len(r.prompt_ids or ()))
     alone = Trace("alone", trace.block_size, [longest])
-    replay_serve(alone, model, hi)  # (raises: nothing up to hi serves it)
+    if replay_serve(alone, model, hi).refused:  # (or raises: a budget the engine refuses)
+        raise ValueError(f"capacity: {hi:,} bytes do not serve the trace's longest request")
     lo = 0
     while hi - lo > within:
         mid = (lo + hi) // 2
         try:
-            replay_serve(alone, model, mid)
-            hi = mid
+            served = not replay_serve(alone, model, mid).refused
         except ValueError:
-            lo = mid
+            served = False
+        lo, hi = (lo, mid) if served else (mid, hi)
     return hi
 
 
@@ -251,6 +263,7 @@ def serve_result(
         hit_tokens=rep.hit_tokens, token_hit_rate=rep.token_hit_rate,
         flops_saved=saved / total if total else 0.0, mean_bytes=rep.mean_bytes,
         checkpoints=rep.checkpoints, block_tokens=trace.block_size, cached=list(rep.cached),
+        refused=rep.refused,
     )  # fmt: skip
 
 
