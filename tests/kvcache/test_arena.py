@@ -212,6 +212,68 @@ def test_a_hit_restores_a_checkpoint_from_arena_units(hybrid_models):
     assert again.cached_tokens > 0 and again.token_ids == first.token_ids
 
 
+def test_admission_frees_room_for_the_whole_prompt_at_once(hybrid_models):
+    """With one arena, the step that admits a prompt of several chunks evicts for all of
+    its full-attention KV in one pass of the budget's order
+    (`CacheManager.make_prompt_room`), not chunk by chunk: right after that step the
+    rest of the prompt fits in free slots (Qwen3.5-like: no window pages drawing from
+    the same units meanwhile). The tokens are those of roomy pools."""
+    path = hybrid_models["qwen3.5"]
+    kw = dict(page_size=4, chunk_size=16, max_running=1, check_memory=True)
+    eng = Engine(path, cache_bytes=60_000, **kw)
+    roomy = Engine(path, kv_tokens=4096, **kw)
+    g = torch.Generator().manual_seed(3)
+    fill = [torch.randint(3, 384, (60,), generator=g).tolist() for _ in range(8)]
+    eng.generate(fill, max_new_tokens=2, chat=False, ignore_eos=True)
+    mgr = eng.mgr
+    assert mgr.allocator.available_size() < 64  # the cache is full of the others' prefixes
+    long = torch.randint(3, 384, (64,), generator=g).tolist()
+    rid = eng.add_request(long, SamplingParams(4, ignore_eos=True), chat=False)
+    eng.step()  # admits it and computes its first chunk of 16
+    r = eng.requests[rid]
+    assert r.kv_len == 16
+    assert mgr.allocator.available_size() >= len(long) - r.kv_len
+    while eng.has_unfinished():
+        eng.step()
+    again = roomy.generate([long], max_new_tokens=4, chat=False, ignore_eos=True).outputs[0]
+    assert r.output_ids == again.token_ids
+
+
+def test_a_turn_going_on_past_its_prompt_gives_up_its_own_checkpoint_not_another_chats(
+    hybrid_models,
+):
+    """Chats A then B, one turn each, fill one arena; A's second turn, a long answer,
+    needs room while it decodes. Once it has computed a page past its prompt's end, the
+    checkpoint there is superseded (`StateCheckpoints.pass_through`: the turn will cache
+    a longer sequence through it), so that one goes, not B's: B's second turn then hits
+    its whole first turn. (While A's was not a candidate until A's turn was in the tree,
+    B's went: B's second turn hit nothing at this budget.) The tokens are those of roomy
+    pools; `check_memory` runs after every step."""
+    path = hybrid_models["qwen3.5"]
+    kw = dict(page_size=4, chunk_size=64, max_running=1, check_memory=True)
+    g = torch.Generator().manual_seed(1)
+    first = {c: torch.randint(3, 384, (48,), generator=g).tolist() for c in "AB"}
+    more = {c: torch.randint(3, 384, (24,), generator=g).tolist() for c in "AB"}
+
+    def chats(eng):
+        out = {}
+        for c in "BA":
+            out[c + "1"] = eng.generate([first[c]], max_new_tokens=8, chat=False,
+                                        ignore_eos=True).outputs[0]  # fmt: skip
+        held = sum(eng.cache_bytes_held().values())
+        for c, new in (("A", 24), ("B", 8)):
+            ids = first[c] + out[c + "1"].token_ids + more[c]
+            out[c + "2"] = eng.generate([ids], max_new_tokens=new, chat=False,
+                                        ignore_eos=True).outputs[0]  # fmt: skip
+        return out, held
+
+    _, held = chats(Engine(path, cache_bytes=1 << 22, **kw))  # what both first turns hold
+    roomy, _ = chats(Engine(path, kv_tokens=4096, **kw))
+    tight, _ = chats(Engine(path, cache_bytes=held - 9_000, **kw))
+    assert tight["A2"].cached_tokens == tight["B2"].cached_tokens == 52  # 48 + 8 - 1, paged
+    assert [o.token_ids for o in tight.values()] == [o.token_ids for o in roomy.values()]
+
+
 def test_aborts_at_every_stage_return_every_unit(hybrid_models):
     eng = Engine(hybrid_models["gemma3"], cache_bytes=60_000, page_size=4, chunk_size=16,
                  max_running=4, check_memory=True)  # fmt: skip

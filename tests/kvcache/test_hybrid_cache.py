@@ -112,6 +112,41 @@ def test_a_chat_turn_supersedes_the_last_and_a_branch_point_never_is():
     assert not state.superseded(c1)
 
 
+def test_a_checkpoint_a_running_request_will_pass_is_superseded_while_it_runs():
+    """A turn's end that a running request resumed from (or computed a page past) is
+    superseded while nothing is cached below it yet, and the budget's candidate sets
+    follow (`HybridBudget.check`); when the request leaves it is a leaf's end again. A
+    branch point never is; neither is a checkpoint a longer path has branched at."""
+    cache, state, _ = hybrid()
+    budget = HybridBudget(cache, state, token_bytes=1)
+    serve(cache, state, seq(0, 8), 0)
+    (c1,) = state.held.values()
+    assert not state.superseded(c1)
+    state.pass_through(c1, 1)
+    assert state.superseded(c1)
+    budget.check(set())
+    state.pass_through(c1, 1)  # a second request resumed there too
+    state.pass_through(c1, -1)
+    assert state.superseded(c1) and c1.passing == 1
+    state.pass_through(c1, -1)  # it left without caching past it
+    assert not state.superseded(c1) and c1.passing == 0
+    budget.check(set())
+    node = c1.node
+    state.add(node, 7, offset=4, kind="branch")
+    branch = state.held[7]
+    state.pass_through(branch, 1)
+    assert not state.superseded(branch)  # a branch point: requests leave there
+    state.pass_through(branch, -1)
+    serve(cache, state, seq(0, 8) + seq(50, 4), 1)
+    serve(cache, state, seq(0, 8) + seq(80, 4), 2)  # two turns 2: a branch at c1
+    state.pass_through(c1, 1)
+    assert not state.superseded(c1)
+    state.drop([c1])
+    state.pass_through(c1, -1)  # dropped meanwhile: nothing to count
+    assert c1.passing == 1
+    budget.check(set())
+
+
 def test_lru_and_utility_eviction_choose_differently():
     """The oldest checkpoint sits after a long prefix: LRU drops it, utility (prefill
     FLOPs saved per byte, plus recency) drops a short one instead."""

@@ -201,6 +201,7 @@ class Scheduler:
             if r.group is not None:
                 groups[r.group] += 1
         if admitted:
+            mgr.make_prompt_room(admitted)
             gone = {id(r) for r in admitted}
             self.waiting = deque(r for r in self.waiting if id(r) not in gone)
 

@@ -9,9 +9,10 @@ so bytes are not all alike. `evict_bytes` frees, in this order, until enough is 
    last checkpoint: no recurrent layer can start further; with a window, a leaf whose
    end lost its window KV is dead whole), least recently used first.
 2. **Superseded checkpoints** (`StateCheckpoints.superseded`: an earlier turn's end
-   that the conversation went on from, with no branch there), least recently used
-   first; the KV stays, the conversation's later checkpoint still needs it (and starts
-   with one use if requests went on from the dropped one twice or more:
+   that the conversation went on from, with no branch there, or that a running request
+   is going on from: `StateCheckpoints.pass_through`), least recently used first; the
+   KV stays, the conversation's later checkpoint still needs it (and starts with one
+   use if requests went on from the dropped one twice or more:
    `StateCheckpoints.drop_superseded`).
 3. **Leaf segments by worth**: a leaf's last checkpoint and the KV that dropping it
    frees (back to the checkpoint before it on the path, a branch point or a lock). Its

@@ -241,6 +241,20 @@ class CacheManager:
         running alone that finds no room. False: no arena, or none to drop."""
         return self.room is not None and self.room.budget.drop_held_checkpoint()
 
+    def make_prompt_room(self, reqs: Sequence[Req]) -> None:
+        """With one arena: free room for the admitted requests' prompts still to compute
+        now, in one pass of the budget's order (`radixkv.kvcache.budget`), as the budget
+        simulator does, rather than chunk by chunk as they run, each chunk's victims
+        chosen after the chunks before it changed the tree (docs/hybrid.md: on Marconi's
+        trace up to 0.007 of the hit rate at page 16, none to lose elsewhere measured).
+        Without an arena the tree's own order decides, at allocation (SGLang's). Best
+        effort: what cannot be freed now is freed at allocation, as before. O(evicted)."""
+        if self.room is None or not reqs:
+            return
+        short = sum(len(r.input_ids) - r.kv_len for r in reqs) - self.allocator.available_size()
+        if short > 0:
+            self._evict_for(short)
+
     def _evict_for(self, need: int) -> None:
         """Make room for ``need`` more slots: the tree's eviction, or with one arena
         the budget's across kinds."""

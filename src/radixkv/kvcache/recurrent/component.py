@@ -83,9 +83,10 @@ class Checkpoint:
     ``lru``), and ``uses``: the hits that resumed from it or from a checkpoint past it on
     the same path (`StateCheckpoints.used`; it moves with the checkpoint through splits
     and merges, where a node's counts would not), and those of an earlier checkpoint at
-    the same prefix that was dropped, plus one (the use history)."""
+    the same prefix that was dropped, plus one (the use history). ``passing``: the
+    running requests that will cache a longer sequence through it (`pass_through`)."""
 
-    __slots__ = ("age", "flops", "kind", "node", "offset", "slot", "tick", "uses")
+    __slots__ = ("age", "flops", "kind", "node", "offset", "passing", "slot", "tick", "uses")
 
     def __init__(
         self, node: TreeNode, offset: int, slot: int, tick: int, flops: float, kind: str
@@ -94,6 +95,7 @@ class Checkpoint:
         self.kind = kind
         self.uses = 0
         self.age = 0.0
+        self.passing = 0
 
     def __repr__(self) -> str:
         return f"Checkpoint(node={self.node.id}, offset={self.offset}, slot={self.slot})"
@@ -308,13 +310,28 @@ class StateCheckpoints(TreeComponent):
     def superseded(self, c: Checkpoint) -> bool:
         """A sequence's end (or an interval's) that a longer cached sequence passes
         through with no branch there (a chat's earlier turn): only a request that leaves
-        the path exactly there starts from it. Branch points and boundaries never are."""
+        the path exactly there starts from it. Branch points and boundaries never are.
+        So is one with nothing cached below it yet that a running request will cache a
+        longer sequence through (`pass_through`): that request's own checkpoint past it
+        lands only once the tree holds its pages, and until then the budget would drop
+        what other sequences need in its place."""
         if c.kind not in ("end", "interval", "resend"):
             return False
         node = c.node
+        if c.passing and not node.children:
+            return True
         if c.offset < len(node):  # a later checkpoint here, or the path goes on below
             return c is not self._of(node)[-1] or bool(node.children)
         return len(node.children) == 1
+
+    def pass_through(self, c: Checkpoint, by: int) -> None:
+        """A running request will (``by=1``), or no longer will (``-1``: it left), cache a
+        longer sequence through ``c``: the request took it and has computed a page past
+        it since (`RecurrentStates`). One that was dropped meanwhile is left alone. O(1)."""
+        if self.held.get(c.slot) is c:
+            c.passing += by
+            if self.on_change is not None:
+                self.on_change(c.node)
 
     # --- eviction -----------------------------------------------------------------------
     def serving(self, node: TreeNode) -> tuple[Checkpoint, ...]:
@@ -518,6 +535,8 @@ class StateCheckpoints(TreeComponent):
                 raise AssertionError(f"checkpoint slot {c.slot} sits on a node not in the tree")
             if c.age > self.age:
                 raise AssertionError(f"checkpoint slot {c.slot}: its age is past the clock")
+            if c.passing < 0:
+                raise AssertionError(f"checkpoint slot {c.slot}: passed through {c.passing} times")
 
 
 def utility(ticks: list[float], value: list[float], cost: list[float], alpha: float) -> list[float]:

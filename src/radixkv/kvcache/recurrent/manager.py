@@ -18,7 +18,14 @@ the model reads and writes the rows in place.
                 free checkpoint row during the same pass (its snapshots, kept here)
     caching     once the tree holds the prefix (after the step's inserts), each snapshot
                 becomes a checkpoint on the node ending there; at finish the state after
-                prompt + output is one more when that length is page-aligned
+                prompt + output is one more when that length is page-aligned. Once the
+                request has computed a page past one of its own (a prompt's end, its
+                resend point, an interval), it will cache a longer sequence through it,
+                so that checkpoint is superseded now (`StateCheckpoints.pass_through`),
+                not once the tree holds the request's pages: room the request needs
+                meanwhile comes from it, not from another conversation's (docs/hybrid.md:
+                on Marconi's trace the engine then caches 1.06-1.92x the best published
+                row at every size, page 1 and 16)
     freeing     a checkpoint the tree evicts (with its node, or beyond ``max_states``)
                 gives its row back; a preempted or aborted request's pending snapshots
                 too
@@ -32,8 +39,9 @@ the model reads and writes the rows in place.
                 pages between checkpoints are never told (a router credits the deepest
                 block it holds, not the run before it; the worker's card says so)
 
-Invariant (`check`): every checkpoint row is free, held by one checkpoint, or pending in
-one running request's snapshots.
+Invariants (`check`): every checkpoint row is free, held by one checkpoint, or pending in
+one running request's snapshots; a checkpoint's ``passing`` count is the number of
+running requests passing through it.
 
 Owns: which checkpoint a row is, and when rows are copied. Must not touch: the KV, the
 state tensors (the pool's), the tree's structure (it inserts through `RadixCache`),
@@ -42,6 +50,7 @@ scheduling.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +62,7 @@ from radixkv.hashing.fast import event_hashes
 from radixkv.key import RadixKey
 from radixkv.kvcache.arena import ArenaCheckpoints
 from radixkv.kvcache.managers import LayerManager
-from radixkv.kvcache.recurrent.component import StateCheckpoints
+from radixkv.kvcache.recurrent.component import Checkpoint, StateCheckpoints
 from radixkv.kvcache.recurrent.pool import StatePool
 from radixkv.tree import RadixCache
 from radixkv.units import align_down
@@ -67,6 +76,10 @@ class _Snapshots:
 
     plan: list[tuple[int, str]] = field(default_factory=list)
     rows: list[tuple[int, int, str]] = field(default_factory=list)
+    # its own checkpoints a longer sequence of its may pass: (position, checkpoint)
+    ends: list[tuple[int, Checkpoint]] = field(default_factory=list)
+    # the checkpoints it will cache a longer sequence through (`StateCheckpoints.pass_through`)
+    passing: list[Checkpoint] = field(default_factory=list)
 
 
 class RecurrentStates(LayerManager):
@@ -286,11 +299,15 @@ class RecurrentStates(LayerManager):
     def forward(self, plan: Sequence[tuple[Any, int]]) -> list[tuple[int, int, int]]:
         """The step's snapshots: ``(index in plan, new tokens before it, row)`` for each
         planned position its new tokens reach (a free row each; none left: skipped),
-        and a decode step that ends on a page boundary (`_roll`)."""
+        and a decode step that ends on a page boundary (`_roll`). A checkpoint of its own
+        it has now computed a page past, it will cache a longer sequence through
+        (`StateCheckpoints.pass_through`)."""
         out = []
         page = self.component.cache.page_size
         for i, (r, n) in enumerate(plan):
             start, snaps = r.kv_len - n, self._of(r)
+            while snaps.ends and snaps.ends[0][0] + page <= r.kv_len:  # a page past it
+                self._pass(snaps, snaps.ends.pop(0)[1])
             while snaps.plan and snaps.plan[0][0] <= r.kv_len:
                 pos, kind = snaps.plan.pop(0)
                 row = self.pool.take() if pos > start else None
@@ -359,8 +376,15 @@ class RecurrentStates(LayerManager):
             raise
         if not added:
             self._unkeep([slot])
-        else:
-            self._added(slot, key, cache.page_size)
+            return
+        c = self.component.held[slot]
+        if c.kind in ("end", "resend", "interval"):  # (a kind a longer sequence supersedes)
+            self._of(r).ends.append((pos, c))
+        self._added(slot, key, cache.page_size)
+
+    def _pass(self, snaps: _Snapshots, c: Checkpoint) -> None:
+        snaps.passing.append(c)
+        self.component.pass_through(c, 1)
 
     def release(self, r: Any) -> None:
         """A request leaves without caching (preempted, aborted): free its pending
@@ -368,12 +392,18 @@ class RecurrentStates(LayerManager):
         snaps = self.running.pop(id(r), None)
         if snaps is not None:
             self.pool.give(row for _, row, _ in snaps.rows)
+            for c in snaps.passing:
+                self.component.pass_through(c, -1)
 
     def check(self, running: dict) -> None:
         own = [self.running.get(id(r)) for r in running.values()]
         pending = [row for snaps in own if snaps is not None for _, row, _ in snaps.rows]
         if self.running.keys() - {id(r) for r in running.values()}:
             raise AssertionError("a request that left still has snapshots planned or taken")
+        passing = Counter(id(c) for snaps in own if snaps is not None for c in snaps.passing
+                          if self.component.held.get(c.slot) is c)  # fmt: skip
+        if any(c.passing != passing[id(c)] for c in self.component.held.values()):
+            raise AssertionError("a checkpoint's running requests passing it are miscounted")
         if self.store is None:
             self.pool.check([*pending, *self.component.held])
         else:
