@@ -16,6 +16,15 @@ as Marconi's rows, so the policies compare like for like):
 
 Exit status 1 when a Marconi row is more than 0.01 off its published cell (page 1).
 
+With ``--engine`` it also replays the trace through the engine itself (``serve``:
+`radixkv.sim.serve_replay`, the scheduler, lifecycle and one arena of `radixkv serve`,
+the model only its cache's shape, chunks of 512, one request at a time): what the
+server caches, where the ``radixkv`` row is the budget simulator's model of it. A
+request longer than the engine's pool holds alone is refused, as the server refuses it
+(a miss; the count is printed). About a minute a size:
+
+    python benchmarks/bench_marconi.py --engine [--page 16]
+
 With ``--by-request GB`` it compares radixkv (as served) with Marconi's own row at that
 size request by request: where each hits more, and why radixkv hit less (one token: an
 engine computes a prompt's last token; more: its KV was evicted, or held without a state
@@ -44,6 +53,7 @@ from pathlib import Path
 
 from radixkv.sim import traces
 from radixkv.sim.hybrid import POLICIES, model_spec, simulate_hybrid
+from radixkv.sim.serve_replay import serve_result
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "marconi"
 SIZES = (0.5e9, 1e9, 2e9, 5e9)  # bytes, 1 GB = 10^9 as Marconi counts
@@ -122,6 +132,8 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=0,
                     help="Mooncake: radixkv also checkpoints every N tokens of a prompt, as "
                     "serve --checkpoint-every (a multiple of 512)")  # fmt: skip
+    ap.add_argument("--engine", action="store_true",
+                    help="also the engine's rows (serve: what radixkv serve caches)")  # fmt: skip
     ap.add_argument("--by-request", type=float, metavar="GB",
                     help="radixkv against Marconi's row at GB, request by request")  # fmt: skip
     args = ap.parse_args()
@@ -139,12 +151,18 @@ def main() -> int:
     print(f"{trace.name}: {len(trace.requests)} requests, {trace.prompt_tokens():,} prompt "
           f"tokens, page {args.page}; {spec.name}")  # fmt: skip
     print(f"{'policy':<13}" + "".join(f"{s / 1e9:>19g} GB" for s in SIZES) + "   seconds")
-    rates, worst = {}, 0.0
-    for policy in ("radixkv", "radixkv@after", *PUBLISHED):
+    rates, worst, refused = {}, 0.0, {}
+    ours = ("serve", "radixkv", "radixkv@after") if args.engine else ("radixkv", "radixkv@after")
+    for policy in (*ours, *PUBLISHED):
         t0 = time.perf_counter()
         name, _, acc = policy.partition("@")
-        rates[policy] = [simulate_hybrid(trace, spec, int(s), name, True, acc or "served")
-                         .token_hit_rate for s in SIZES]  # fmt: skip
+        if name == "serve":
+            rows = [serve_result(trace, None, spec, int(s)) for s in SIZES]
+            refused = {s: r.refused for s, r in zip(SIZES, rows, strict=True) if r.refused}
+        else:
+            rows = [simulate_hybrid(trace, spec, int(s), name, True, acc or "served")
+                    for s in SIZES]  # fmt: skip
+        rates[policy] = [r.token_hit_rate for r in rows]
         theirs = PUBLISHED.get(policy)
         cells = [f"{r:.3f}" + (f" (theirs {theirs[i]:.3f})" if theirs else "")
                  for i, r in enumerate(rates[policy])]  # fmt: skip
@@ -153,12 +171,14 @@ def main() -> int:
         print(f"{policy:<13}" + "".join(f"{c:>22}" for c in cells)
               + f"   {time.perf_counter() - t0:.1f}")  # fmt: skip
     best = [max(row[i] for row in PUBLISHED.values()) for i in range(len(SIZES))]
-    for row in ("radixkv", "radixkv@after"):
+    for row in ours:
         print(
             f"{row + ' / best published':<30}"
             + "".join(f"{r / b:>13.2f}x" for r, b in zip(rates[row], best, strict=True))
         )
     print(f"largest |row - published|: {worst:.4f} (tolerance {TOLERANCE})")
+    for s, n in refused.items():
+        print(f"serve at {s / 1e9:g} GB refused {n} request(s): longer than its pool holds alone")
     return 1 if args.page == 1 and worst > TOLERANCE else 0
 
 
