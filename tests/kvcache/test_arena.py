@@ -175,7 +175,7 @@ def test_one_budget_serves_the_same_tokens_under_pressure(hybrid_models, name, p
     windows, the checkpoints) runs after every step."""
     path = hybrid_models[name]
     small = dict(page_size=page, chunk_size=16, max_running=4, check_memory=True)
-    budget = 90_000 if name == "qwen3.5" else 60_000
+    budget = 75_000 if name == "qwen3.5" else 60_000
     one = Engine(path, cache_bytes=budget, **small)
     roomy = Engine(path, kv_tokens=4096, **small)
     assert one.arena is not None and roomy.arena is None
