@@ -72,6 +72,7 @@ STATE_POLICIES = ("lru", "utility")
 # template boundary, every N pages, a prompt's end less its last page (where it resent
 # starts)
 KINDS = ("end", "branch", "boundary", "interval", "resend")
+SUPERSEDABLE = ("end", "interval", "resend")  # kinds a longer sequence through them supersedes
 UTILITY_ALPHA = 1.0  # Marconi's weight of efficiency against recency
 HISTORY = 4096  # dropped checkpoints whose use counts are remembered (the use history)
 
@@ -315,7 +316,7 @@ class StateCheckpoints(TreeComponent):
         longer sequence through (`pass_through`): that request's own checkpoint past it
         lands only once the tree holds its pages, and until then the budget would drop
         what other sequences need in its place."""
-        if c.kind not in ("end", "interval", "resend"):
+        if c.kind not in SUPERSEDABLE:
             return False
         node = c.node
         if c.passing and not node.children:
@@ -557,4 +558,4 @@ def utility_array(
     return rec + alpha * ((eff - e0) / (e1 - e0) if e1 > e0 else np.ones_like(eff))
 
 
-__all__ = ["KINDS", "STATE_POLICIES", "Checkpoint", "StateCheckpoints", "utility"]
+__all__ = ["KINDS", "STATE_POLICIES", "SUPERSEDABLE", "Checkpoint", "StateCheckpoints", "utility"]

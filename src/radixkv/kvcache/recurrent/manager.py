@@ -62,7 +62,7 @@ from radixkv.hashing.fast import event_hashes
 from radixkv.key import RadixKey
 from radixkv.kvcache.arena import ArenaCheckpoints
 from radixkv.kvcache.managers import LayerManager
-from radixkv.kvcache.recurrent.component import Checkpoint, StateCheckpoints
+from radixkv.kvcache.recurrent.component import SUPERSEDABLE, Checkpoint, StateCheckpoints
 from radixkv.kvcache.recurrent.pool import StatePool
 from radixkv.tree import RadixCache
 from radixkv.units import align_down
@@ -378,7 +378,7 @@ class RecurrentStates(LayerManager):
             self._unkeep([slot])
             return
         c = self.component.held[slot]
-        if c.kind in ("end", "resend", "interval"):  # (a kind a longer sequence supersedes)
+        if c.kind in SUPERSEDABLE:
             self._of(r).ends.append((pos, c))
         self._added(slot, key, cache.page_size)
 
