@@ -32,6 +32,7 @@ from radixkv.sim.serve_replay import replay_serve, tightest_budget
 PAGE = 4
 # a few requests wide: full KV, windows and checkpoints are all evicted
 BUDGETS = {"qwen3.5": 48_000, "gemma3": 40_000}
+RUN_BUDGETS = {"qwen3.5": 72_000, "gemma3": 80_000}  # (longer prompts, for answers of 40)
 
 
 def serve_chats(engine: Engine, chats: int = 8, turns: int = 3) -> list[dict]:
@@ -91,6 +92,50 @@ def test_the_replay_caches_what_the_engine_cached_request_for_request(
         trace, hybrid_models[name], 8 * BUDGETS[name], cfg, concurrency=concurrency
     )
     assert roomy.hit_tokens > replay.hit_tokens
+
+
+def _long_answers(vocab: int, page: int, timestamps: bool) -> traces.Trace:
+    """24 chats x 3 turns behind shared prompts, answers of 21-47 tokens (runs of
+    decode steps a page long and short of one), in rounds or all at once."""
+    g = torch.Generator().manual_seed(11)
+    trace = traces.gen_multi_turn(conversations=24, turns=3, first_len=24, message_len=8,
+                                  output_len=40, block_size=page, seed=3)  # fmt: skip
+    for i, r in enumerate(trace.requests):
+        r.prompt_ids = [t % vocab for t in r.prompt_ids]
+        n = int(torch.randint(21, 48, (1,), generator=g))
+        r.output_ids = [t % vocab for t in (r.output_ids or ())][:n]
+        r.output_tokens = len(r.output_ids)
+        r.timestamp = r.timestamp if timestamps else i // 24
+    return trace
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])
+@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("page", [4, 8])
+def test_decoding_a_run_at_once_caches_what_one_token_a_step_does(
+    hybrid_models, name, concurrency, page
+):
+    """A replay decodes the runs of tokens that decide nothing in one step each
+    (`Scheduler.steady_run`); under pressure (every kind evicted, requests preempted at
+    8 running), with arrivals in rounds, each request caches exactly what it does one
+    token a step, and the engine holds the same bytes after each round, in far fewer
+    steps alone."""
+    trace = _long_answers(384, page, timestamps=concurrency == 1)
+    budget = RUN_BUDGETS[name] * page // PAGE
+    cfg = EngineConfig(page_size=page, chunk_size=16, max_context_len=512, check_memory=True)
+    one = replay_serve(trace, hybrid_models[name], budget, cfg, concurrency=concurrency,
+                       runs=False)  # fmt: skip
+    run = replay_serve(trace, hybrid_models[name], budget, cfg, concurrency=concurrency)
+    assert 0 < one.hit_tokens < one.prompt_tokens and not one.refused
+    assert run.cached == one.cached
+    assert (run.preemptions, run.checkpoints, run.mean_bytes) == (
+        one.preemptions, one.checkpoints, one.mean_bytes)  # fmt: skip
+    assert (one.preemptions > 0) == (concurrency > 1)
+    assert run.steps < one.steps
+    roomy = replay_serve(trace, hybrid_models[name], 8 * budget, cfg, concurrency=concurrency)
+    assert roomy.hit_tokens > one.hit_tokens  # (the budget evicts)
+    if concurrency == 1:  # a page's decodes in about two steps
+        assert run.steps < one.steps * 0.6
 
 
 @pytest.mark.parametrize("name", ["qwen3.5", "gemma3"])

@@ -502,6 +502,7 @@ class Engine:
         self.retention.expire()
         if self.sessions is not None:  # sessions away longer than predicted: stamped again
             self.sessions.tick(time.monotonic())
+        self._run_ahead()
         plan = self.scheduler.schedule()
         inputs = self.mgr.step_inputs(plan)  # each cache manager's part (snapshots)
         logits = self.runner.forward(plan, self.mgr.req_pool, inputs) if plan else None
@@ -510,6 +511,15 @@ class Engine:
             self._check()
         self._flush_events()
         return outputs
+
+    def _run_ahead(self) -> None:
+        """A runner that knows the tokens ahead (a replay's) decodes a run of them in one
+        step where that decides what one-token steps would (`Scheduler.steady_run`)."""
+        k = self.scheduler.steady_run() if self.runner.knows_ahead else 1
+        for r in self.scheduler.running if k > 1 else ():
+            for token in self.runner.ahead(r, k - 1):
+                self.outputs.append(r, token)
+            self.counters.generation_tokens += k - 1
 
     def _process(
         self, plan: list[tuple[EngineReq, int]], logits: torch.Tensor | None
@@ -608,10 +618,8 @@ class Engine:
         self.memory.check()
         self.retention.check()
         self.cache.check_integrity()
-        if self.tier is not None:
-            self.tier.check()
-            for t in self.layer_tiers:
-                t.check()
+        for t in [self.tier, *self.layer_tiers] if self.tier is not None else ():
+            t.check()
 
     def _finish(self, r: EngineReq, reason: str) -> None:
         r.finish_reason = reason

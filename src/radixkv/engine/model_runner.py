@@ -18,6 +18,8 @@ class ModelRunner:
     """Runs the model over a ragged batch whose KV lives in ``kv`` by slot (the sliding
     layers' by the window manager's slots, when they live apart)."""
 
+    knows_ahead = False  # a model samples: it cannot say a request's next tokens (`ahead`)
+
     def __init__(self, model: torch.nn.Module, kv: KVPool, device: torch.device) -> None:
         self.model, self.kv, self.device = model, kv, device
 
@@ -45,6 +47,11 @@ class ModelRunner:
                              torch.cat(out), lens, kv, [r.row for r, _ in plan])  # fmt: skip
         batch.take(inputs or {}, dev)  # each layer type's part of the step
         return self.model(batch, self.kv)  # the model runs under inference_mode
+
+    def ahead(self, r: EngineReq, k: int) -> list[int]:
+        """The next ``k`` tokens ``r`` will sample, where the runner knows them
+        (`knows_ahead`: a replay's, its trace's record)."""
+        raise NotImplementedError("a model's runner does not know the tokens ahead")
 
     @staticmethod
     def sample(r: EngineReq, logits: torch.Tensor) -> int:

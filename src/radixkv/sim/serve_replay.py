@@ -57,8 +57,14 @@ class ReplayRunner(ModelRunner):
         super().__init__(base.model, base.kv, base.device)
         self.outputs = outputs
 
+    knows_ahead = True
+
     def forward(self, plan: list, table: Any, inputs: Any = None) -> torch.Tensor:
         return torch.zeros(len(plan), 1)
+
+    def ahead(self, r: Any, k: int) -> list[int]:
+        out, at = self.outputs[r.rid], len(r.output_ids)
+        return [out[i] if i < len(out) else REPLAY_TOKEN for i in range(at, at + k)]
 
     def sample(self, r: Any, logits: torch.Tensor) -> int:  # type: ignore[override]
         out, k = self.outputs[r.rid], len(r.output_ids)
@@ -77,6 +83,7 @@ class ServeReplay:
     mean_bytes: dict[str, float] = field(default_factory=dict)  # full, window, states
     checkpoints: int = 0
     refused: int = 0  # requests the engine refused (prompt + output over its pool alone)
+    steps: int = 0  # engine steps the replay took
 
     @property
     def hit_tokens(self) -> int:
@@ -117,6 +124,7 @@ def empty_model(folder: str | Path) -> torch.nn.Module:
 def replay_serve(
     trace: Trace, model: str | Path | torch.nn.Module, capacity_bytes: int,
     config: EngineConfig | None = None, *, concurrency: int = 1, cache_outputs: bool = True,
+    runs: bool = True,
 ) -> ServeReplay:  # fmt: skip
     """Replay ``trace`` (a token trace: its requests carry ``prompt_ids``) through an
     engine serving ``model`` (a folder, or a model) from one budget of
@@ -124,7 +132,9 @@ def replay_serve(
     is the engine's page. ``config``: the engine's other knobs (serve's defaults
     otherwise). ``cache_outputs=False``: each request caches its prompt only. A request
     that can never fit the pool alone is refused, as ``radixkv serve`` refuses it (400),
-    and counted in ``refused``, its prompt a miss.
+    and counted in ``refused``, its prompt a miss. ``runs``: decode the runs of tokens
+    that decide nothing in one step each (`Scheduler.steady_run`); False: one token a
+    step, as a model decodes (the same cache, more steps).
 
     Raises:
         ValueError: a trace without token ids, a token the model's vocabulary lacks, a
@@ -134,6 +144,7 @@ def replay_serve(
     cfg = dataclasses.replace(base, page_size=trace.block_size, cache_bytes=capacity_bytes,
                               max_running=concurrency)  # fmt: skip
     engine, outputs = replay_engine(trace, model, cfg)
+    engine.runner.knows_ahead = runs
     result = ServeReplay(capacity_bytes, concurrency)
     sums = dict.fromkeys(("full", "window", "states"), 0.0)
     waves = itertools.groupby(enumerate(trace.requests), key=lambda x: x[1].timestamp)
@@ -204,7 +215,7 @@ def add_replayed(
 
 def finish_replay(engine: Any, result: ServeReplay, sums: dict[str, float], n: int) -> ServeReplay:
     """``result`` with the engine's totals: preemptions, mean bytes, checkpoints."""
-    result.preemptions = engine.scheduler.preemptions
+    result.preemptions, result.steps = engine.scheduler.preemptions, engine.counters.steps
     result.mean_bytes = {k: v / max(n, 1) for k, v in sums.items()}
     result.checkpoints = getattr(engine.cache.component("state"), "added", 0)  # (taken)
     return result
