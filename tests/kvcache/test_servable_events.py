@@ -179,9 +179,13 @@ def test_without_a_sink_windows_are_not_watched():
     win = WindowKV(4, Slots(), "all")
     cache = RadixCache(1, components=(win,))
     cache.set_event_sink(Told())
-    assert win.watch is not None
+    gate = cache.component("servable")
+    assert gate is not None and gate.gated is win
+    toks = np.arange(8, dtype=np.int64)
+    cache.insert_node(RadixKey(toks), extras={"window": np.arange(8, dtype=np.int64)})
+    assert gate.touched  # the gate hears of the window's new slots (`RadixCache.changed`)
     cache.set_event_sink(None)
-    assert win.watch is None
+    assert cache.component("servable") is None  # nobody hears of windows any more
     with pytest.raises(ValueError, match="EAGLE"):
         c = RadixCache(1, is_eagle=True, components=(WindowKV(4, Slots()),))
         c.set_event_sink(Told())

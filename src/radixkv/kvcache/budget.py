@@ -54,7 +54,7 @@ through the tree's or a component's eviction (their allocators, their hooks).
 
 Incremental: the budget is a tree component (it joins the cache at construction,
 while the cache is empty). The tree's hooks, a lock's path and the checkpoints' own
-changes (`StateCheckpoints.on_change`) mark the nodes they touch; a round first
+changes (heard through `RadixCache.changed`) mark the nodes they touch; a round first
 re-reads those alone and keeps three sets current: the unlocked leaves, those with
 dead KV and the superseded checkpoints (with each leaf's depth). ``check`` recomputes
 them from scratch (the tree's ``check_integrity`` runs it).
@@ -152,8 +152,11 @@ class HybridBudget(TreeComponent):
         self._last: dict[TreeNode, Checkpoint] = {}  # their last checkpoint
         self._parents: list[TreeNode | None] = []  # an eviction's victims' parents
         cache.add_component(self)
-        if state is not None:
-            state.on_change = self._mark
+
+    def heard(self, source: TreeComponent, node: TreeNode) -> None:
+        """The state's checkpoints of ``node`` changed (`RadixCache.changed`)."""
+        if source is self.state:
+            self._mark(node)
 
     def held(self) -> dict[str, int]:
         """Bytes held now: ``full``, ``window``, ``states``."""
@@ -287,7 +290,7 @@ class HybridBudget(TreeComponent):
     # --- the candidate sets -------------------------------------------------------------
     def _refresh(self) -> None:
         """Re-read the nodes marked since the last round."""
-        marked = list(self._marked)  # (the set stays: ``state.on_change`` adds to it)
+        marked = list(self._marked)  # (the set stays: `heard` adds to it)
         self._marked.clear()
         for node in marked:
             self._reread(node)

@@ -328,6 +328,7 @@ class _Sim:
             states, _Slots(), "utility" if policy == "radixkv" else "lru",
             prefill_flops=lambda units: spec.flops(units * self.unit), state_bytes=self.ckpt,
             every_pages=every_pages,
+            on_evict=self._drop_stateless_leaves if policy == "sglang" else None,
         )  # fmt: skip
         comps: list[Any] = [self.state] if spec.recurrent_layers else []
         self.window = None
@@ -337,8 +338,6 @@ class _Sim:
         # SGLang frees whole leaves (its evict overshoots by up to a leaf); the others trim
         mode = "leaf" if policy == "sglang" else "precise"
         self.cache = RadixCache(self.page, eviction_mode=mode, components=tuple(comps))
-        if policy == "sglang":
-            self.state.on_evict = self._drop_stateless_leaves
         # a hit's worth: the tokens it saves (the budget's default), as in the engine
         self.budget = HybridBudget(
             self.cache, self.state if spec.recurrent_layers else None, self.window,

@@ -48,6 +48,11 @@ The contract (what the core promises, and what a component must do):
   chain component (whose own sink is then muted); the core hosts it beside the chain.
   ``event_gate(None, None)``: no sink listens any more. The gate names its component
   in ``gated``; a component whose ``flush`` reports events sets ``tells_events``.
+* **Changes** (optional) ``heard(source, node)``: a component whose data of ``node``
+  changed outside the hooks above (a checkpoint taken or dropped, a window's slots)
+  tells the cache (`RadixCache.changed`), and every other component with ``heard``
+  hears it, in the cache's order: how one component follows another's data (an
+  eviction order, an event gate) without either holding a callback of the other's.
 * **Checks** ``check_node(node, parent)`` for every node, then ``check(nodes)`` with the
   set of node ids in the tree: raise ``AssertionError`` naming the violation.
 * **Freeing** (`release`): a component hands the slots it lets go to its allocator
@@ -87,6 +92,7 @@ class TreeComponent:
     match_limit: Callable[[list[TreeNode], TreeNode | None, int], int] | None = None
     inserted: Callable[..., None] | None = None
     event_gate: Callable[[Any, Any], TreeComponent | None] | None = None
+    heard: Callable[[TreeComponent, TreeNode], None] | None = None
     gated: TreeComponent | None = None  # an event gate: the component it tells for
     tells_events = False  # its ``flush`` reports KV events (a hash chain, a gate)
 

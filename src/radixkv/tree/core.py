@@ -187,6 +187,7 @@ class RadixCache:
         self._lockers: list[TreeComponent] = []
         self._limiters: list[TreeComponent] = []
         self._inserters: list[TreeComponent] = []
+        self._listeners: list[TreeComponent] = []
         self._num_nodes = 0
         self.reset()
         for c in components:
@@ -777,6 +778,13 @@ class RadixCache:
         self._own.append(component)
         self._set_components(self._own + self._hash_components())
 
+    def changed(self, source: TreeComponent, node: TreeNode) -> None:
+        """``source``'s data of ``node`` changed: every other component with ``heard``
+        hears it (`radixkv.tree.component`). O(listeners)."""
+        for c in self._listeners:
+            if c is not source:
+                c.heard(source, node)  # type: ignore[misc]
+
     def component(self, name: str) -> TreeComponent | None:
         """The component called ``name``, if the cache has one."""
         return next((c for c in self._components if c.name == name), None)
@@ -802,6 +810,7 @@ class RadixCache:
         self._lockers = [c for c in components if c.lock is not None]
         self._limiters = [c for c in components if c.match_limit is not None]
         self._inserters = [c for c in components if c.inserted is not None]
+        self._listeners = [c for c in components if c.heard is not None]
         for node in (self.root, *self.iter_nodes()):
             if components:  # a removed component's entries go; new ones start empty
                 node.ext = [

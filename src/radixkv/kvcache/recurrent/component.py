@@ -116,6 +116,10 @@ class StateCheckpoints(TreeComponent):
         every_pages: `plan` also snapshots every this many pages (0: never).
         history: how many dropped checkpoints' use counts are remembered (0: none;
             the module docstring's use history).
+        on_evict: told of the checkpoints `evict` drops by the policy.
+
+    A change to a node's checkpoints (taken, dropped, passed through) is told to the
+    cache's other components (`RadixCache.changed`): an eviction order follows them.
     """
 
     name = "state"
@@ -129,6 +133,7 @@ class StateCheckpoints(TreeComponent):
         state_bytes: int = 1,
         every_pages: int = 0,
         history: int = HISTORY,
+        on_evict: Callable[[list[Checkpoint]], None] | None = None,
     ) -> None:
         if isinstance(max_states, bool) or not isinstance(max_states, int) or max_states < 1:
             raise ValueError(f"max_states must be a positive int, got {max_states!r}")
@@ -155,11 +160,9 @@ class StateCheckpoints(TreeComponent):
         self.hits = 0  # matches served from a checkpoint
         self.added = 0  # checkpoints taken
         self.protected: dict[int, int] = {}  # slot -> protections (never evicted)
-        # told of each node whose checkpoints were added or dropped (`HybridBudget`)
-        self.on_change: Callable[[TreeNode], None] | None = None
         # told of the checkpoints `evict` just dropped by the policy (a caller's own
         # `drop` is not told): the simulator's SGLang row drops their leaves with them
-        self.on_evict: Callable[[list[Checkpoint]], None] | None = None
+        self.on_evict = on_evict
 
     # --- reading ------------------------------------------------------------------------
     def _of(self, node: TreeNode) -> tuple[Checkpoint, ...]:
@@ -258,8 +261,7 @@ class StateCheckpoints(TreeComponent):
         )
         self.held[slot] = c
         self.added += 1
-        if self.on_change is not None:
-            self.on_change(node)
+        self.cache.changed(self, node)  # (an eviction order follows: `HybridBudget`)
         heapq.heappush(self._lru, (c.tick, slot))
         if len(self._lru) > 2 * len(self.held) + 64:  # compact the lazy entries
             self._lru = [(x.tick, s) for s, x in self.held.items()]
@@ -331,8 +333,7 @@ class StateCheckpoints(TreeComponent):
         it since (`RecurrentStates`). One that was dropped meanwhile is left alone. O(1)."""
         if self.held.get(c.slot) is c:
             c.passing += by
-            if self.on_change is not None:
-                self.on_change(c.node)
+            self.cache.changed(self, c.node)
 
     # --- eviction -----------------------------------------------------------------------
     def serving(self, node: TreeNode) -> tuple[Checkpoint, ...]:
@@ -465,8 +466,7 @@ class StateCheckpoints(TreeComponent):
             self.protected.pop(c.slot, None)
             node = c.node
             node.ext[i] = tuple(x for x in node.ext[i] if x is not c) or None  # type: ignore[index]
-            if self.on_change is not None:
-                self.on_change(node)
+            self.cache.changed(self, node)
         self.release(torch.tensor([c.slot for c in victims], dtype=torch.int64))
 
     # --- hooks --------------------------------------------------------------------------

@@ -157,9 +157,6 @@ class WindowKV(TreeComponent):
         # reach changes, the only ways to gain spare (a split or trim shortens a node's
         # covered tail as much as its need); one found without is dropped
         self._holders, self._spares = _Order(), _Order()
-        # told of every node whose window slots change (`radixkv.kvcache.window.servable`: KV
-        # events that tell only the blocks a match can end at)
-        self.watch: Callable[[TreeNode], None] | None = None
         # ``demote(node, start, slots)``: the window slots of ``node``'s units from
         # ``start`` on (its offset in the node) are about to be freed, by an eviction or
         # under pressure: a host tier copies their pages out (`radixkv.storage.windows`).
@@ -170,7 +167,6 @@ class WindowKV(TreeComponent):
         """KV events tell only the pages a match can end at (`ServableBlocks`, with the
         chain's hashes); ``None, None``: nobody hears of windows any more."""
         if sink is None:
-            self.watch = None
             return None
         from radixkv.kvcache.window.servable import ServableBlocks
 
@@ -392,8 +388,10 @@ class WindowKV(TreeComponent):
             self.release(bytes_to_tensor(freed))
 
     def _changed(self, node: TreeNode) -> None:
-        if self.watch is not None:
-            self.watch(node)
+        """``node``'s window slots changed: the cache's other components hear it (the
+        event gate, `radixkv.kvcache.window.servable`, tells only the blocks a match
+        can end at)."""
+        self.cache.changed(self, node)
 
     # --- the tree changes ---------------------------------------------------------------
     def split(self, lower: TreeNode, upper: TreeNode, units: int) -> None:

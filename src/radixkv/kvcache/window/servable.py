@@ -15,7 +15,7 @@ start, by ``span`` units, or, when the whole node is covered, by what the covere
 entering it from its ancestors lacks of ``span``. Each node's entry is how many of its
 last pages were told; the told set is always that suffix of every node's pages.
 
-When it changes: a node's window slots change (`WindowKV.watch`), a node is new, or an
+When it changes: a node's window slots change (`RadixCache.changed`), a node is new, or an
 ancestor's coverage within ``span`` units before it changes. Nodes touched are
 collected and the suffixes of them and of their descendants up to ``span`` units below
 are recomputed at `flush` (once per engine step, when the event sink drains; each node
@@ -66,7 +66,6 @@ class ServableBlocks(TreeComponent):
         self.touched: dict[int, TreeNode] = {}
         self.told = 0  # pages told, over the tree
         self._gone: list[int] = []
-        window.watch = self._touch
 
     def attach(self, cache: Any, index: int) -> None:
         if cache.is_eagle:
@@ -74,6 +73,11 @@ class ServableBlocks(TreeComponent):
         super().attach(cache, index)
         if callable(getattr(self.sink, "attach", None)):
             self.sink.attach(self.flush)
+
+    def heard(self, source: TreeComponent, node: TreeNode) -> None:
+        """The window's slots of ``node`` changed (`RadixCache.changed`)."""
+        if source is self.window:
+            self._touch(node)
 
     def _touch(self, node: TreeNode) -> None:
         self.touched[node.id] = node
