@@ -144,11 +144,10 @@ class ArenaLifecycleMachine(WindowLifecycleMachine):
         comp = WindowKV(window, walloc, retain)
         cache = RadixCache(page, "lru", full, eviction_mode=mode, components=(comp,))
         slots = WindowSlots(comp, walloc, 4, 64, window)
-        m = CacheManager(cache, full, ReqToTokenPool(4, 64), slots)
         budget = HybridBudget(cache, None, comp, token_bytes=8 // page or 1,
                               window_bytes=16 // page or 1)  # fmt: skip
-        m.room = slots.room = ArenaRoom(self.arena, budget, 1, comp, 2, page)
-        return m
+        slots.room = room = ArenaRoom(self.arena, budget, 1, comp, 2, page)
+        return CacheManager(cache, full, ReqToTokenPool(4, 64), slots, room=room)
 
     @invariant()
     def units_held_once(self):

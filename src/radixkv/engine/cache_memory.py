@@ -67,8 +67,9 @@ class CacheMemory:
         self.kv = shape.make_kv(mc.num_key_value_heads, mc.head_dim, self.allocator, managers,
                                 device)  # fmt: skip
         req_pool = ReqToTokenPool(cfg.max_running, cfg.max_context_len, device=device)
-        self.mgr = CacheManager(self.cache, self.allocator, req_pool, *managers)
-        shape.wire(self.mgr, self.kv, cfg.eviction_policy)
+        room = shape.make_room(self.cache, managers, cfg.eviction_policy)
+        self.mgr = CacheManager(self.cache, self.allocator, req_pool, *managers, room=room)
+        shape.wire(self.mgr, self.kv)
         self.budget, self.room = shape.budget, shape.room
 
     def layer(self, kind: str) -> LayerManager | None:

@@ -145,11 +145,14 @@ class CacheManager:
         managers: one per layer spec beyond full attention (`LayerManager`: the window
             slots of a model with sliding-window layers in a slot space of their own,
             a recurrent model's states), each joined to ``cache`` and ``req_pool``.
+        room: with one arena for every kind (`radixkv.kvcache.arena.ArenaRoom`), what
+            frees room across kinds in the budget's order and says what can be had;
+            ``None``: the tree evicts for the full KV's own pool.
     """
 
     def __init__(
         self, cache: RadixCache, allocator: TokenToKVPoolAllocator, req_pool: ReqToTokenPool,
-        *managers: LayerManager,
+        *managers: LayerManager, room: Any = None,
     ) -> None:  # fmt: skip
         if cache.allocator is not allocator and not cache.disable:
             raise ValueError("cache.allocator must be the allocator, so evictions free slots")
@@ -168,9 +171,7 @@ class CacheManager:
         self._marks = [m for m in managers if m.marks_ends]
         self.running: dict[int, Req] = {}  # row -> request
         self.evicted_tokens = 0  # evicted to make room, since the start
-        # with one arena for every kind (`radixkv.kvcache.arena.ArenaRoom`): frees room
-        # across kinds in the budget's order, and says what can be had
-        self.room: Any = None
+        self.room = room
 
     def manager(self, kind: str) -> LayerManager | None:
         """The manager of ``kind`` (``"window"``, ``"states"``), if the model has one."""

@@ -62,7 +62,12 @@ class Pools:
         return KVPool(plan.specs.kv_layers, heads, dim, allocator.size, cfg.dtype, device,
                       *plan.kv_layout)  # fmt: skip
 
-    def wire(self, mgr: Any, kv: Any, policy: str) -> None:
+    def make_room(self, cache: Any, managers: Any, policy: str) -> Any:
+        """What the lifecycle makes room through (`CacheManager`'s ``room``): none, the
+        tree evicts for each pool."""
+        return None
+
+    def wire(self, mgr: Any, kv: Any) -> None:
         self.mgr, self.kv = mgr, kv
 
     def summary(self) -> list[str]:
@@ -125,17 +130,15 @@ class OneArena(Pools):
         return arena_kv(self.arena, shape, self.plan.specs.kv_layers, heads, dim, cfg.dtype,
                         cfg.page_size, full, managers)  # fmt: skip
 
-    def wire(self, mgr: Any, kv: Any, policy: str) -> None:
+    def make_room(self, cache: Any, managers: Any, policy: str) -> Any:
         """The room frees units across kinds in the budget's order (its own, or under
         ``session`` the priorities the session order stamps); every kind's allocation
-        goes through it."""
-        super().wire(mgr, kv, policy)
+        goes through it, the full KV's too, unless its slots cost no unit (every
+        layer sliding)."""
         order = "priority" if policy == "session" else "greedy-dual"
         p = self.plan.config.page_size
-        self.budget, self.room = arena_room(self.arena, self.shape, mgr.cache, mgr.managers,
-                                            p, order)  # fmt: skip
-        if self.shape.full_columns:  # (every layer sliding: full slots cost no unit)
-            mgr.room = self.room
+        self.budget, self.room = arena_room(self.arena, self.shape, cache, managers, p, order)
+        return self.room if self.shape.full_columns else None
 
     def summary(self) -> list[str]:
         shape, ar, mgr = self.shape, self.arena, self.mgr
