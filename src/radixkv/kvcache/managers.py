@@ -59,9 +59,12 @@ Owns: the interface. Must not touch: any manager's state.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from radixkv.kvcache.lifecycle import Req
 
 
 class LayerManager:
@@ -134,16 +137,16 @@ class LayerManager:
     def new_round(self) -> None:
         """An admission round starts: nothing is reserved."""
 
-    def reserve(self, req: Any, hit: int, chunk: int) -> bool:
+    def reserve(self, req: Req, hit: int, chunk: int) -> bool:
         """Whether the request, hitting ``hit`` tokens, can compute its first ``chunk``
         besides this round's earlier reservations; reserves it when so."""
         return True
 
-    def admitted(self, req: Any) -> None:
+    def admitted(self, req: Req) -> None:
         """The request was just admitted (row, lock and hit set)."""
 
     def allocate(
-        self, reqs: Sequence[Any], rows: np.ndarray, kv: np.ndarray, counts: np.ndarray
+        self, reqs: Sequence[Req], rows: np.ndarray, kv: np.ndarray, counts: np.ndarray
     ) -> bool:
         """Room for ``counts[i]`` more tokens of ``reqs[i]`` (at row ``rows[i]``, from
         ``kv[i]``). False: short (nothing changed but evictions)."""
@@ -152,26 +155,26 @@ class LayerManager:
     def unallocate(self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray) -> None:
         """Undo the last `allocate` of these (the full slots could not be had)."""
 
-    def forward(self, plan: Sequence[tuple[Any, int]]) -> list:
+    def forward(self, plan: Sequence[tuple[Req, int]]) -> list:
         """What the model needs of this manager for the step ``plan``."""
         return []
 
-    def inserted(self, req: Any, key: Any) -> None:
+    def inserted(self, req: Req, key: Any) -> None:
         """``key`` (the request's first tokens) was inserted; its end is locked."""
 
-    def boundary(self, req: Any) -> None:
+    def boundary(self, req: Req) -> None:
         """An insert ended at one of the request's boundaries (``req.last_node``)."""
 
-    def cached(self, req: Any, upto: int) -> None:
+    def cached(self, req: Req, upto: int) -> None:
         """The tree holds what the request computed up to ``upto``."""
 
-    def finishing(self, req: Any) -> None:
+    def finishing(self, req: Req) -> None:
         """The request has its last token; its row still holds its state."""
 
-    def free_tail(self, req: Any, start: int) -> None:
+    def free_tail(self, req: Req, start: int) -> None:
         """The request's own slots from ``start`` on were freed."""
 
-    def release(self, req: Any) -> None:
+    def release(self, req: Req) -> None:
         """The request leaves: free what it still owns."""
 
     def check(self, running: dict) -> None:

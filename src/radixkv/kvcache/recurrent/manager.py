@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -66,6 +66,9 @@ from radixkv.kvcache.recurrent.component import SUPERSEDABLE, Checkpoint, StateC
 from radixkv.kvcache.recurrent.pool import StatePool
 from radixkv.tree import RadixCache
 from radixkv.units import align_down
+
+if TYPE_CHECKING:
+    from radixkv.kvcache.lifecycle import Req
 
 
 @dataclass(slots=True)
@@ -273,7 +276,7 @@ class RecurrentStates(LayerManager):
             raise ValueError(f"states: {self.pool.first} running rows for "
                              f"{req_pool.max_reqs} requests")  # fmt: skip
 
-    def admitted(self, r: Any) -> None:
+    def admitted(self, r: Req) -> None:
         """After the match: copy the checkpoint the hit ends at into the request's row,
         and plan where its prefill snapshots."""
         self.release(r)
@@ -289,14 +292,14 @@ class RecurrentStates(LayerManager):
         self._of(r).plan = self.component.plan(n, full, r.cached_len, r.boundaries,
                                                resend=True)  # fmt: skip
 
-    def _of(self, r: Any) -> _Snapshots:
+    def _of(self, r: Req) -> _Snapshots:
         """The running request's snapshots, planned and taken (kept until `release`)."""
         snaps = self.running.get(id(r))
         if snaps is None:
             snaps = self.running[id(r)] = _Snapshots()
         return snaps
 
-    def forward(self, plan: Sequence[tuple[Any, int]]) -> list[tuple[int, int, int]]:
+    def forward(self, plan: Sequence[tuple[Req, int]]) -> list[tuple[int, int, int]]:
         """The step's snapshots: ``(index in plan, new tokens before it, row)`` for each
         planned position its new tokens reach (a free row each; none left: skipped),
         and a decode step that ends on a page boundary (`_roll`). A checkpoint of its own
@@ -318,7 +321,7 @@ class RecurrentStates(LayerManager):
                 self._roll(r, i, n, out)
         return out
 
-    def _roll(self, r: Any, i: int, n: int, out: list[tuple[int, int, int]]) -> None:
+    def _roll(self, r: Req, i: int, n: int, out: list[tuple[int, int, int]]) -> None:
         """A decode step reaching a page boundary: the state there replaces the
         request's previous decode snapshot (its row is written again), so at finish the
         sequence's last page boundary has one; the next turn of a chat starts there
@@ -331,7 +334,7 @@ class RecurrentStates(LayerManager):
             out.append((i, n, row))
             rows.append((r.kv_len, row, "end"))
 
-    def finishing(self, r: Any) -> None:
+    def finishing(self, r: Req) -> None:
         """Before the request's row goes: its state after prompt + output, when that
         length is page-aligned (the tree caches whole pages only)."""
         page, rows = self.component.cache.page_size, self._of(r).rows
@@ -340,7 +343,7 @@ class RecurrentStates(LayerManager):
             if row is not None:
                 rows.append((r.kv_len, row, "end"))
 
-    def cached(self, r: Any, upto: int) -> None:
+    def cached(self, r: Req, upto: int) -> None:
         """Make the request's snapshots at positions ``<= upto`` checkpoints of the
         tree (which holds that prefix now). A call that raises midway leaves every
         snapshot not yet handled pending, and the one it was handling freed."""
@@ -363,7 +366,7 @@ class RecurrentStates(LayerManager):
                 snaps.rows += pending[i + 1 :]
                 raise
 
-    def _attach(self, r: Any, pos: int, slot: int, kind: str) -> None:
+    def _attach(self, r: Req, pos: int, slot: int, kind: str) -> None:
         """Checkpoint ``slot`` (kept) on the node ending at ``pos``, if the tree holds
         that prefix and has no checkpoint there; else freed."""
         cache = self.component.cache
@@ -386,7 +389,7 @@ class RecurrentStates(LayerManager):
         snaps.passing.append(c)
         self.component.pass_through(c, 1)
 
-    def release(self, r: Any) -> None:
+    def release(self, r: Req) -> None:
         """A request leaves without caching (preempted, aborted): free its pending
         snapshots."""
         snaps = self.running.pop(id(r), None)

@@ -48,7 +48,7 @@ the full KV, the tree's structure, scheduling.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -58,6 +58,9 @@ from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.memory import TokenToKVPoolAllocator, runs
 from radixkv.kvcache.window.component import WindowKV
 from radixkv.units import align_down, align_up
+
+if TYPE_CHECKING:
+    from radixkv.kvcache.lifecycle import Req
 
 
 def window_peak(window: int, page: int, chunk: int) -> int:
@@ -165,7 +168,7 @@ class WindowSlots(LayerManager):
     reads_path = True  # the reads stay valid only with the old end locked (see above)
     marks_ends = True
 
-    def forward(self, plan: Sequence[tuple[Any, int]]) -> list[tuple[torch.Tensor, int]]:
+    def forward(self, plan: Sequence[tuple[Req, int]]) -> list[tuple[torch.Tensor, int]]:
         """The step's window batch: for each planned request computing its last ``n``
         tokens, its window slots from the first key its first new token sees
         (``window - 1`` back) to its end, and where its new tokens start among them."""
@@ -203,7 +206,7 @@ class WindowSlots(LayerManager):
     def new_round(self) -> None:
         self._reserved = 0
 
-    def reserve(self, req: Any, hit: int, chunk: int) -> bool:
+    def reserve(self, req: Req, hit: int, chunk: int) -> bool:
         """Room for the request's window and first chunk besides what this round's
         earlier admissions reserved (so requests admitted together cannot starve each
         other's windows)."""
@@ -213,7 +216,7 @@ class WindowSlots(LayerManager):
         self._reserved = reserved + need
         return True
 
-    def admitted(self, req: Any) -> None:
+    def admitted(self, req: Req) -> None:
         """The match ends at the request's lock after its hit: the last window's slots
         there (the tree's) go to its row."""
         row, node, hit = req.row, req.last_node, req.cached_len
@@ -222,7 +225,7 @@ class WindowSlots(LayerManager):
         self.kept[row] = lo
 
     def allocate(
-        self, reqs: Sequence[Any], rows: np.ndarray, kv: np.ndarray, counts: np.ndarray
+        self, reqs: Sequence[Req], rows: np.ndarray, kv: np.ndarray, counts: np.ndarray
     ) -> bool:
         """Trim the requests' windows (what no read or insert needs goes), then give
         window slots for their next tokens (`alloc`)."""
@@ -237,7 +240,7 @@ class WindowSlots(LayerManager):
         self.table[at] = -1
         self.own[at] = False
 
-    def inserted(self, req: Any, key: RadixKey) -> None:
+    def inserted(self, req: Req, key: RadixKey) -> None:
         """The whole key is cached and locked: offer the request's own window slots
         for it in a second insert; what the tree takes is its own from then on."""
         row = req.row
@@ -245,16 +248,16 @@ class WindowSlots(LayerManager):
         taken = self.component.taken  # one entry per unit the insert stored
         self.own[row, : len(taken)] &= ~taken
 
-    def boundary(self, req: Any) -> None:
+    def boundary(self, req: Req) -> None:
         """Keep the window at the request's boundary (a marked end)."""
         self.component.mark(req.last_node)
 
-    def free_tail(self, req: Any, start: int) -> None:
+    def free_tail(self, req: Req, start: int) -> None:
         """Free the row's own slots from ``start`` on (a finished request's unaligned
         tail, which the tree never takes)."""
         self._clear(req.row, start)
 
-    def release(self, req: Any) -> None:
+    def release(self, req: Req) -> None:
         """The request leaves: free what it owns, clear its row."""
         row = req.row
         self._clear(row, int(self.kept[row]))
