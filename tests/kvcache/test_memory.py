@@ -205,6 +205,20 @@ def test_alloc_extend_batch_equals_alloc_extend_request_by_request(page, before,
     a.check()
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    page=st.sampled_from([1, 2, 4, 16]),
+    before=st.lists(st.integers(1, 40), max_size=12),
+    batch=st.lists(st.integers(-1, 11), min_size=1, max_size=12),
+)
+def test_a_decode_batch_takes_the_one_slot_path_with_the_same_result(page, before, batch):
+    """One slot each (a decode step: `_alloc_decode`, SGLang's ``alloc_decode``): the
+    same slots and bookkeeping as request by request, refused all or nothing."""
+    test_alloc_extend_batch_equals_alloc_extend_request_by_request.hypothesis.inner_test(
+        page, before, [(i, 1) for i in batch]
+    )
+
+
 def test_alloc_extend_batch_refuses_bad_batches_unchanged():
     a = TokenToKVPoolAllocator(64, 4)
     x = a.alloc(6)  # slots 0-5: page 1 has room after slot 5

@@ -291,6 +291,43 @@ class TokenToKVPoolAllocator:
         slots = np.concatenate((tail, fresh)) if rest else tail
         return self._hand_out(slots, pages, last_slot // p, len(tail))
 
+    def _check_extends(self, ends: np.ndarray) -> None:
+        """Raise ``ValueError`` unless each of ``ends`` (last slots whose pages a batch
+        extends) is handed out, with the rest of its page free, one request a page."""
+        if not len(ends):
+            return
+        if ends.max() >= self.size or not self._owned[ends].all():
+            bad = ends[(ends >= self.size) | ~self._owned[np.minimum(ends, self.size - 1)]]
+            raise ValueError(f"alloc_extend_batch: last slot {bad[0]} is not handed out")
+        if self._owned[ends + 1].any():  # the rest of a page belongs to one owner
+            raise ValueError("alloc_extend_batch: a page is already extended")
+        pages_ext = np.sort(ends // self.page_size)
+        if (pages_ext[1:] == pages_ext[:-1]).any():
+            raise ValueError("alloc_extend_batch: two requests extend the same page")
+
+    def _alloc_decode(self, last: np.ndarray) -> torch.Tensor | None:
+        """`alloc_extend_batch` of one slot each (a decode step; SGLang's
+        ``alloc_decode``): the slot after each ``last`` inside its page, else the first
+        of a fresh page (in request order); the same slots and bookkeeping in a few
+        numpy calls."""
+        p = self.page_size
+        ext = (last >= 0) & ((last + 1) % p != 0) if p > 1 else np.zeros(len(last), dtype=bool)
+        self._check_extends(last[ext])
+        fresh = ~ext
+        k = int(fresh.sum())
+        if k > self._pages.count():
+            return None
+        taken = self._pages.peek(k)
+        slots = last + 1
+        slots[fresh] = self._page_slots[taken, 0]
+        out = self._tensor(slots)  # the one step that can fail: first
+        self._take(taken)
+        self._page_count[taken] = 1
+        self._page_count[last[ext] // p] += 1
+        self._owned[slots] = True
+        self._handed_out += len(slots)
+        return out
+
     def _extension(self, last: np.ndarray, n: np.ndarray) -> Extension:
         """Per request of a batch extension: whether it continues a partial page of
         ``last``, the slots that fill that page, and the fresh pages the rest takes."""
@@ -327,17 +364,10 @@ class TokenToKVPoolAllocator:
         if len(n) and n.min() < 0:
             raise ValueError(f"alloc_extend_batch: counts must be >= 0, got {int(n.min())}")
         p = self.page_size
+        if len(n) and n.min() == 1 == n.max():
+            return self._alloc_decode(last)
         ext, tail, pages = self._extension(last, n)  # tail: slots filling a partial page
-        if ext.any():
-            ends = last[ext]
-            if ends.max() >= self.size or not self._owned[ends].all():
-                bad = ends[(ends >= self.size) | ~self._owned[np.minimum(ends, self.size - 1)]]
-                raise ValueError(f"alloc_extend_batch: last slot {bad[0]} is not handed out")
-            if self._owned[ends + 1].any():  # the rest of a page belongs to one owner
-                raise ValueError("alloc_extend_batch: a page is already extended")
-            pages_ext = np.sort(ends // p)
-            if (pages_ext[1:] == pages_ext[:-1]).any():
-                raise ValueError("alloc_extend_batch: two requests extend the same page")
+        self._check_extends(last[ext])
         rest = n - tail
         total_pages = int(pages.sum())
         if total_pages > self._pages.count():
@@ -671,6 +701,9 @@ class ReqToTokenPool:
                 f"max_context_len={self.max_context_len}"
             )
         src = slots.numpy(force=True)
+        if len(src) == len(rows) and (counts == 1).all():  # decodes: one scatter
+            self.array[rows, starts] = src
+            return
         offsets = np.cumsum(counts) - counts
         long = counts > _SLICE_WRITE
         for row, start, n, off in zip(  # long runs: a slice copy each
