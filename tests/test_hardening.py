@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from radixkv import RadixCache, RadixKey
 from radixkv.checkpoint import sources
 from radixkv.cli import main
-from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import TokenToKVPoolAllocator
+from radixkv.kvcache.req_table import ReqToTokenPool
 from radixkv.sim.traces import MAX_OUTPUT_TOKENS, TraceError, load_mooncake, load_token_jsonl
 
 

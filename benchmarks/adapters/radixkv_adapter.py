@@ -22,7 +22,8 @@ from harness import adapter_main, rss_bytes, run_suite
 from radixkv import RadixCache, RadixKey
 from radixkv.events import EventCollector
 from radixkv.kvcache.lifecycle import CacheManager, Req
-from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import TokenToKVPoolAllocator
+from radixkv.kvcache.req_table import ReqToTokenPool
 from radixkv.units import div_ceil
 
 # Set by ``bench_tree.py --events``: caches report KV events to a sink that keeps them

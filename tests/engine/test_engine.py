@@ -15,7 +15,8 @@ from radixkv.engine.engine import Engine
 from radixkv.engine.models.llama import ForwardBatch, ModelConfig
 from radixkv.engine.weights import random_model
 from radixkv.kvcache.lifecycle import CacheManager, Req
-from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import KVPool, TokenToKVPoolAllocator
+from radixkv.kvcache.req_table import ReqToTokenPool
 
 CFG = ModelConfig(
     vocab_size=384,

@@ -27,7 +27,8 @@ from radixkv.engine.engine import Engine, EngineConfig, SamplingParams
 from radixkv.kvcache.arena import Arena, ArenaCheckpoints, ArenaKV, ArenaPages, ArenaRoom
 from radixkv.kvcache.budget import HybridBudget
 from radixkv.kvcache.lifecycle import CacheManager
-from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import KVPool, TokenToKVPoolAllocator
+from radixkv.kvcache.req_table import ReqToTokenPool
 from radixkv.kvcache.window.component import WindowKV
 from radixkv.kvcache.window.slots import WindowSlots
 

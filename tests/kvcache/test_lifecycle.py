@@ -20,7 +20,8 @@ from support.faults import InjectedFault, inject_fault
 
 from radixkv import RadixCache
 from radixkv.kvcache.lifecycle import CacheManager, Req
-from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import TokenToKVPoolAllocator
+from radixkv.kvcache.req_table import ReqToTokenPool
 
 
 def make(size=64, page=1, eagle=False, max_reqs=4, max_len=64, policy="lru"):

@@ -21,9 +21,10 @@ from support.window_machine import WindowLifecycleMachine
 from radixkv import RadixCache
 from radixkv.kvcache.lifecycle import CacheManager, Req
 from radixkv.kvcache.managers import LayerManager
-from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import TokenToKVPoolAllocator
 from radixkv.kvcache.recurrent import RecurrentStates
 from radixkv.kvcache.recurrent.pool import StatePool
+from radixkv.kvcache.req_table import ReqToTokenPool
 from radixkv.kvcache.spec import RecurrentSpec
 from radixkv.kvcache.window.component import WindowKV
 from radixkv.kvcache.window.slots import WindowSlots

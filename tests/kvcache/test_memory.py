@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import KVPool, TokenToKVPoolAllocator
+from radixkv.kvcache.req_table import ReqToTokenPool
 
 
 def state(a: TokenToKVPoolAllocator):

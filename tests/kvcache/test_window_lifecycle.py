@@ -17,7 +17,8 @@ from support.window_machine import WindowLifecycleMachine, make, seq, serve
 
 from radixkv import RadixCache, RadixKey
 from radixkv.kvcache.lifecycle import CacheManager, Req
-from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import TokenToKVPoolAllocator
+from radixkv.kvcache.req_table import ReqToTokenPool
 from radixkv.kvcache.window.component import WindowKV
 from radixkv.kvcache.window.slots import WindowSlots
 

@@ -15,7 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from radixkv import RadixCache, RadixKey
 from radixkv.engine.engine import Engine
 from radixkv.kvcache.lifecycle import CacheManager
-from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import KVPool, TokenToKVPoolAllocator
+from radixkv.kvcache.req_table import ReqToTokenPool
 from radixkv.storage import MemoryStore
 from radixkv.storage.tier import WRITE_POLICIES, KVTiers
 

@@ -10,7 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from radixkv import RadixCache
 from radixkv.kvcache.lifecycle import CacheManager, Req
-from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import TokenToKVPoolAllocator
+from radixkv.kvcache.req_table import ReqToTokenPool
 from radixkv.kvcache.window.component import WindowKV
 from radixkv.kvcache.window.slots import WindowSlots
 from support.faults import InjectedFault, inject_fault

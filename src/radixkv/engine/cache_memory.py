@@ -33,8 +33,9 @@ from radixkv.kvcache.arena import ArenaPages
 from radixkv.kvcache.layer_types import build_managers
 from radixkv.kvcache.lifecycle import CacheManager
 from radixkv.kvcache.managers import LayerManager
-from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import TokenToKVPoolAllocator
 from radixkv.kvcache.plan import MemoryPlan, plan_memory, request_table
+from radixkv.kvcache.req_table import ReqToTokenPool
 from radixkv.kvcache.shapes import Pools, memory_shape
 from radixkv.tree import RadixCache
 

@@ -11,7 +11,8 @@ import torch
 
 from radixkv.engine.models.base import ForwardBatch
 from radixkv.engine.request import EngineReq
-from radixkv.kvcache.memory import KVPool, ReqToTokenPool
+from radixkv.kvcache.memory import KVPool
+from radixkv.kvcache.req_table import ReqToTokenPool
 
 
 class ModelRunner:

@@ -2,7 +2,8 @@
 the tree, between the tree (`radixkv.tree`) and the engine (`radixkv.engine`).
 
     memory.py        `TokenToKVPoolAllocator` (KV slots in whole pages), `KVPool` (the
-                     K and V tensors), `ReqToTokenPool` (the running requests' rows)
+                     K and V tensors)
+    req_table.py     `ReqToTokenPool` (the running requests' rows of slots)
     lifecycle.py     `CacheManager` and `Req`: match, allocate, cache, release; the one
                      place that joins the pools and the tree
     retention.py     `Retention`: prefixes kept on request (prompt-cache retention)
@@ -28,8 +29,9 @@ Owns: the package's names. Must not touch: anything above it.
 
 from radixkv.kvcache.budget import HybridBudget
 from radixkv.kvcache.lifecycle import CacheManager, Req
-from radixkv.kvcache.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import KVPool, TokenToKVPoolAllocator
 from radixkv.kvcache.recurrent.pool import StatePool
+from radixkv.kvcache.req_table import ReqToTokenPool
 from radixkv.kvcache.retention import Retention
 from radixkv.kvcache.spec import FullAttentionSpec, LayerSpecs, RecurrentSpec, SlidingWindowSpec
 from radixkv.kvcache.window.slots import WindowSlots

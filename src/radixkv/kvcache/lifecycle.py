@@ -55,7 +55,8 @@ import torch
 
 from radixkv.key import RadixKey, check_namespace
 from radixkv.kvcache.managers import LayerManager
-from radixkv.kvcache.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from radixkv.kvcache.memory import TokenToKVPoolAllocator
+from radixkv.kvcache.req_table import ReqToTokenPool
 from radixkv.tree import RadixCache, TreeNode
 from radixkv.units import align_down
 
