@@ -97,6 +97,7 @@ def test_an_engine_at_concurrency_8_is_replayed_request_for_request(
     assert "abort" in finishes
     rep = replay_served(served, folders[family])
     assert rep.cached == served.server_cached  # request for request
+    assert rep.steps == engine.counters.steps  # one token a step, as the server stepped
     assert rep.agree == queued and rep.hit_tokens > 0
     if family == "qwen3.5":
         assert rep.preemptions > 0
@@ -104,6 +105,27 @@ def test_an_engine_at_concurrency_8_is_replayed_request_for_request(
     early = [dataclasses.replace(a, step=0, left_step=None) for a in served.arrivals]
     wrong = replay_served(dataclasses.replace(served, arrivals=early), folders[family])
     assert wrong.agree < queued
+
+
+def test_a_logs_replay_steps_one_token_a_step_as_the_server_did(tmp_path, folders):
+    """A replay of a trace decodes runs of tokens in one step (`Scheduler.steady_run`),
+    but a served log times its arrivals in the server's steps, one token each: its replay
+    steps as the server did (with runs it took fewer steps, the arrivals later)."""
+    log = tmp_path / "served.jsonl"
+    cfg = EngineConfig(page_size=4, cache_bytes=60_000, max_running=1, chunk_size=32,
+                       max_context_len=1024, served_log=str(log))  # fmt: skip
+    engine = Engine(folders["qwen3.5"], cfg)
+    for i in range(6):  # each arrives while the one before decodes
+        engine.add_request([*range(3, 40), *[i + 3] * 5], SamplingParams(24, ignore_eos=True),
+                           f"r{i}", chat=False)  # fmt: skip
+        for _ in range(7):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    served = load_served(log)
+    rep = replay_served(served, folders["qwen3.5"])
+    assert rep.cached == served.server_cached and rep.hit_tokens > 0
+    assert rep.steps == engine.counters.steps
 
 
 async def _chats(port: int, model: str, chats: int = 12, turns: int = 3) -> list[tuple[int, int]]:

@@ -53,11 +53,9 @@ class ReplayRunner(ModelRunner):
     Nothing is computed or written; the logits are one finite column a row, whatever
     the vocabulary."""
 
-    def __init__(self, base: ModelRunner, outputs: dict[Any, list[int]]) -> None:
+    def __init__(self, base: ModelRunner, outputs: dict[Any, list[int]], runs: bool) -> None:
         super().__init__(base.model, base.kv, base.device)
-        self.outputs = outputs
-
-    knows_ahead = True
+        self.outputs, self.knows_ahead = outputs, runs
 
     def forward(self, plan: list, table: Any, inputs: Any = None) -> torch.Tensor:
         return torch.zeros(len(plan), 1)
@@ -143,8 +141,7 @@ def replay_serve(
     base = config or EngineConfig()
     cfg = dataclasses.replace(base, page_size=trace.block_size, cache_bytes=capacity_bytes,
                               max_running=concurrency)  # fmt: skip
-    engine, outputs = replay_engine(trace, model, cfg)
-    engine.runner.knows_ahead = runs
+    engine, outputs = replay_engine(trace, model, cfg, runs)
     result = ServeReplay(capacity_bytes, concurrency)
     sums = dict.fromkeys(("full", "window", "states"), 0.0)
     waves = itertools.groupby(enumerate(trace.requests), key=lambda x: x[1].timestamp)
@@ -166,14 +163,15 @@ def replay_serve(
 
 
 def replay_engine(
-    trace: Trace, model: str | Path | torch.nn.Module, cfg: EngineConfig
+    trace: Trace, model: str | Path | torch.nn.Module, cfg: EngineConfig, runs: bool = True
 ) -> tuple[Any, dict[Any, list[int]]]:
     """An engine serving ``model`` (a folder or a model, never run) with ``cfg``, its
     context long enough for every request of ``trace``, its runner replaying each
     request's recorded outputs (the dict: request id -> output ids, filled by
-    `add_replayed`). Index-only: its KV and states live on the ``meta`` device (shapes,
-    no bytes; `radixkv.kvcache.memory.index_device`), so a budget of any size is
-    replayed in the memory of its indices alone."""
+    `add_replayed`); ``runs``: it decodes runs of tokens that decide nothing in one step
+    (`replay_serve`), else one token a step. Index-only: its KV and states live on the
+    ``meta`` device (shapes, no bytes; `radixkv.kvcache.memory.index_device`), so a
+    budget of any size is replayed in the memory of its indices alone."""
     if any(r.prompt_ids is None for r in trace.requests):
         raise ValueError("trace: the serve replay needs token ids (a token or Marconi trace "
                          "that lists them, not Mooncake's hash ids)")  # fmt: skip
@@ -184,7 +182,7 @@ def replay_engine(
 
     engine = Engine(net, cfg)
     outputs: dict[Any, list[int]] = {}
-    engine.runner = ReplayRunner(engine.runner, outputs)
+    engine.runner = ReplayRunner(engine.runner, outputs, runs)
     return engine, outputs
 
 

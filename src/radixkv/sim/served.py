@@ -182,7 +182,8 @@ def replay_served(log: ServedTrace, model: str | Path | torch.nn.Module) -> Serv
         ValueError: a knob or a request the engine refuses (``trace request I: ...``).
     """
     cfg = log.config()
-    engine, outputs = replay_engine(log.trace, model, cfg)
+    # one token a step: the server's steps time the arrivals
+    engine, outputs = replay_engine(log.trace, model, cfg, runs=False)
     capacity = int(cfg.cache_bytes) if isinstance(cfg.cache_bytes, int) else 0
     result = ServedReplay(capacity, cfg.max_running, server_cached=list(log.server_cached))
     sums = dict.fromkeys(("full", "window", "states"), 0.0)
