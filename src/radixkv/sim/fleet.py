@@ -147,10 +147,11 @@ def chat_turns(
 # --- the replicas ------------------------------------------------------------------------
 class _TimedRunner(ReplayRunner):
     """The serve replay's runner (each request's known answer in place of the model),
-    counting each step's work for its cost."""
+    counting each step's work for its cost: one token a step, as a model decodes (a
+    run of them in one step would cost one decode)."""
 
     def __init__(self, base: ModelRunner) -> None:
-        super().__init__(base, {})
+        super().__init__(base, {}, runs=False)
         self.prefill_tokens = self.decodes = 0
 
     def forward(self, plan: list, table: Any, inputs: Any = None) -> torch.Tensor:
