@@ -140,8 +140,10 @@ def test_a_request_whose_logits_go_non_finite_fails_alone(poisoned):
         for i in range(6):  # more in a row than the fault watch's count: the canary passes
             assert post(srv.url, prompt=f"~ {i}").status_code == 500
         assert healthy(srv.url)
-        again = [c.completions.create(model="gemma", prompt=CLEAN + "!", max_tokens=4)
-                 for _ in range(2)]  # fmt: skip
+        # greedy: sampled at OpenAI's default temperature 1, one answer in ~100 drew the
+        # poisoned token itself and failed on its own (400 of them: 4 did)
+        again = [c.completions.create(model="gemma", prompt=CLEAN + "!", max_tokens=4,
+                                      temperature=0) for _ in range(2)]  # fmt: skip
         assert again[1].usage.prompt_tokens_details.cached_tokens > 0  # the cache serves
 
 
