@@ -17,6 +17,11 @@ request; this replay also holds what a running request holds (its new pages, its
 its chunk, pending checkpoints) and evicts as the engine does, on demand. docs/hybrid.md
 compares the two (``benchmarks/bench_fidelity.py``).
 
+A hash-id trace (Mooncake's, an agentic one: no token ids) replays in its units
+(`in_units`): each unit one token, at page 1, through the engine of the spec scaled to
+a unit (`unit_spec`), the budget simulator's grain; with room to spare it caches what
+the token trace would at a page of one unit, request for request.
+
 Arrivals: requests with the same timestamp arrive together (one wave, as one
 ``Engine.generate`` call); the next wave arrives when the previous one has finished.
 ``concurrency`` is the engine's ``max_running``.
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,7 @@ from radixkv.sim.hybrid import HybridResult, ModelSpec
 from radixkv.sim.spec_model import DTYPE as SPEC_DTYPE
 from radixkv.sim.spec_model import SpecModel
 from radixkv.sim.traces import SimRequest, Trace
+from radixkv.units import div_ceil
 
 REPLAY_TOKEN = 0  # an output the trace does not list is replayed as this token
 
@@ -122,7 +130,7 @@ def empty_model(folder: str | Path) -> torch.nn.Module:
 def replay_serve(
     trace: Trace, model: str | Path | torch.nn.Module, capacity_bytes: int,
     config: EngineConfig | None = None, *, concurrency: int = 1, cache_outputs: bool = True,
-    runs: bool = True,
+    runs: bool = True, limits: Sequence[int] | None = None,
 ) -> ServeReplay:  # fmt: skip
     """Replay ``trace`` (a token trace: its requests carry ``prompt_ids``) through an
     engine serving ``model`` (a folder, or a model) from one budget of
@@ -132,7 +140,8 @@ def replay_serve(
     that can never fit the pool alone is refused, as ``radixkv serve`` refuses it (400),
     and counted in ``refused``, its prompt a miss. ``runs``: decode the runs of tokens
     that decide nothing in one step each (`Scheduler.steady_run`); False: one token a
-    step, as a model decodes (the same cache, more steps).
+    step, as a model decodes (the same cache, more steps). ``limits``: request ``i``
+    caches its first ``limits[i]`` tokens (`in_units`), in place of ``cache_outputs``.
 
     Raises:
         ValueError: a trace without token ids, a token the model's vocabulary lacks, a
@@ -148,7 +157,8 @@ def replay_serve(
     for _, wave in waves:
         reqs = []
         for i, req in wave:
-            spec = None if cache_outputs else CacheSpec(limit=len(req.prompt_ids))
+            limit = limits[i] if limits else None if cache_outputs else len(req.prompt_ids)
+            spec = None if limit is None else CacheSpec(limit=limit)
             rid = add_replayed(engine, outputs, i, req, spec, refuse=True)
             reqs.append((req, None if rid is None else engine.requests[rid]))
             result.refused += rid is None
@@ -254,15 +264,29 @@ def serve_result(
     "sglang"`` (the engine with SGLang's fixed split of the same bytes, ``serve
     --cache-split sglang``); ``checkpoint_every`` as ``serve --checkpoint-every``.
     ``folder`` None: the engine of ``spec`` alone (`radixkv.sim.spec_model`: its
-    bytes, no model)."""
-    cfg = EngineConfig(chunk_size=chunk_size, schedule_policy=schedule,
+    bytes, no model). A hash-id trace (no token ids) replays in its units (`in_units`)
+    through the engine of ``spec`` scaled to a unit (`unit_spec`; a folder's spec),
+    ``chunk_size`` and ``checkpoint_every`` in whole units; its hits count in tokens as
+    the budget simulator's do (`Trace.hit_tokens`)."""
+    u, limits, replayed = 1, None, trace
+    if any(r.prompt_ids is None for r in trace.requests):
+        u, folder = trace.block_size, None
+        if checkpoint_every % u:
+            raise ValueError(f"checkpoint_every must be a multiple of the trace's block size "
+                             f"({u}), got {checkpoint_every}")  # fmt: skip
+        replayed, limits = in_units(trace, cache_outputs)
+    cfg = EngineConfig(chunk_size=max(1, chunk_size // u), schedule_policy=schedule,
                        cache_bytes=capacity_bytes, cache_split=split,
-                       checkpoint_every=checkpoint_every)  # fmt: skip
+                       checkpoint_every=checkpoint_every // u)  # fmt: skip
     model: Any = folder
     if folder is None:
-        model, cfg.dtype = SpecModel(spec, _vocab(trace)), SPEC_DTYPE
-    rep = replay_serve(trace, model, capacity_bytes, cfg, concurrency=concurrency,
-                       cache_outputs=cache_outputs)  # fmt: skip
+        model, cfg.dtype = SpecModel(unit_spec(spec, u), _vocab(replayed)), SPEC_DTYPE
+    rep = replay_serve(replayed, model, capacity_bytes, cfg, concurrency=concurrency,
+                       cache_outputs=cache_outputs, limits=limits)  # fmt: skip
+    if limits is not None:  # units to tokens
+        pairs = zip(trace.requests, rep.cached, strict=True)
+        rep.cached = [trace.hit_tokens(r, c) for r, c in pairs]
+        rep.prompt_tokens = sum(r.prompt_tokens for r in trace.requests)
     saved = sum(spec.flops(c) for c in rep.cached)
     total = sum(spec.flops(r.prompt_tokens) for r in trace.requests)
     return HybridResult(
@@ -274,6 +298,54 @@ def serve_result(
         checkpoints=rep.checkpoints, block_tokens=trace.block_size, cached=list(rep.cached),
         refused=rep.refused,
     )  # fmt: skip
+
+
+def in_units(trace: Trace, cache_outputs: bool = True) -> tuple[Trace, list[int]]:
+    """A hash-id trace (Mooncake's, an agentic one: unit ids, no token ids) as the token
+    trace of its units, each unit one token, to replay at page 1 through the engine of
+    the spec scaled to a unit (`unit_spec`); and each request's cache limit in units.
+
+    Request by request, in units of ``u = trace.block_size`` tokens: its prompt is the
+    units that cover its tokens (``ceil(prompt_tokens / u)``; the trace's ids, a fresh
+    one for a tail it does not list), so a match ends at most one unit before the one its
+    last token lies in, as a paged engine's at page ``u``; it generates units until it
+    has computed the whole units of ``prompt + output - 1`` tokens (the trace's ids where
+    it lists them, fresh ones past them: nobody else's), so its states lie where a paged
+    engine's do; it caches what `Trace.cached_units` says an engine leaves cached, in
+    whole units of the tokens it computed (the units a later prompt can name: an unlisted
+    output's KV is freed when it finishes). Boundaries, namespace and arrival stay. Unit
+    ids become dense token ids from 1; fresh ones follow them. O(units).
+
+    Exact with room to spare (the same hits as the token trace replayed at page ``u``,
+    request for request); under pressure a running request holds one unit less than a
+    paged engine where its output ends inside a page (that partial page is not a unit)."""
+    dense: dict[Any, int] = {}
+    for r in trace.requests:
+        for x in r.units:
+            dense.setdefault(x, len(dense) + 1)
+    fresh = itertools.count(len(dense) + 1)
+    out, limits, u = Trace(trace.name, 1), [], trace.block_size
+    for r in trace.requests:
+        prompt_u = max(1, div_ceil(r.prompt_tokens, u))
+        end_u = max(prompt_u, (r.prompt_tokens + max(r.output_tokens, 1) - 1) // u)
+        ids = [dense[x] for x in r.units[:end_u]]
+        ids += [next(fresh) for _ in range(end_u + 1 - len(ids))]  # (the last: sampled)
+        out.requests.append(SimRequest(
+            ids[:end_u], prompt_u, prompt_u, r.timestamp, end_u + 1 - prompt_u,
+            r.boundaries, prompt_ids=array("q", ids[:prompt_u]),
+            output_ids=array("q", ids[prompt_u:]), token_boundaries=r.boundaries,
+            extra_key=r.extra_key, session=r.session, stop=r.stop, duration_ms=r.duration_ms,
+        ))  # fmt: skip
+        computed = r.prompt_tokens + (max(r.output_tokens - 1, 0) if cache_outputs else 0)
+        limits.append(min(trace.cached_units(r, cache_outputs), computed // u))
+    return out, limits
+
+
+def unit_spec(spec: ModelSpec, unit: int) -> ModelSpec:
+    """``spec`` with a unit of ``unit`` tokens as its token: KV bytes a unit, the window
+    in whole units (as the budget simulator counts it), states unchanged."""
+    return dataclasses.replace(spec, kv_bytes=spec.kv_bytes * unit,
+                               window=div_ceil(spec.window, unit))  # (0 stays 0)
 
 
 def _vocab(trace: Trace) -> int:
@@ -291,4 +363,12 @@ def _length(r: SimRequest) -> int:
     return len(r.prompt_ids or ()) + max(1, r.output_tokens)
 
 
-__all__ = ["ReplayRunner", "ServeReplay", "empty_model", "replay_serve", "serve_result"]
+__all__ = [
+    "ReplayRunner",
+    "ServeReplay",
+    "empty_model",
+    "in_units",
+    "replay_serve",
+    "serve_result",
+    "unit_spec",
+]
