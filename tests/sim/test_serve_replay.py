@@ -17,6 +17,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ from radixkv.engine.request import MarkedIds, SamplingParams
 from radixkv.sim import traces
 from radixkv.sim.hybrid import ModelSpec, simulate_hybrid
 from radixkv.sim.serve_replay import replay_serve, serve_result, tightest_budget
+from radixkv.sim.spec_model import DTYPE as SPEC_DTYPE
+from radixkv.sim.spec_model import SpecModel
 
 PAGE = 4
 # a few requests wide: full KV, windows and checkpoints are all evicted
@@ -409,3 +412,65 @@ def test_a_mooncake_trace_replays_through_the_engine(tmp_path, capsys):
         "error: --policy serve: checkpoint_every must be a multiple of the trace's block "
         "size (16), got 24"
     )
+
+
+def test_the_engine_keeps_the_agent_coming_back_on_the_traces_clock(tmp_path):
+    """An agentic trace through the engine with ``--eviction-policy session``
+    (``serve-session``): room for little more than one session's prefix; A's person
+    left (end_turn), B is running a tool, C arrives and forces one out. The engine's
+    default order evicts most of B (its next call hits 64 of 640 tokens); the session
+    order, told each request's session and stop by the replay, evicts A and B's next
+    call hits whole. The engine's session clock is the trace's (seconds)."""
+    from test_agentic import call, conversation, write
+
+    from radixkv.sim.agentic import load_agentic
+
+    a = conversation([call(0.4, 640, list(range(10)), api=1.0, stop="end_turn"),
+                      call(500.0, 704, list(range(11)), api=1.0)])  # fmt: skip
+    b = conversation([call(0.0, 640, list(range(10)), api=0.5),
+                      call(2.2, 704, list(range(11)), api=0.5, think=1.7)])  # fmt: skip
+    c = conversation([call(1.5, 640, list(range(10)), api=0.5)])
+    for name, doc in (("a", a), ("b", b), ("c", c)):
+        write(tmp_path / f"{name}.json", doc)
+    trace = load_agentic(tmp_path)
+    spec, cap = ModelSpec("full", 1, 64), 22 * 64 * 64  # 22 blocks of 64 tokens
+    lru = serve_result(trace, None, spec, cap, schedule="fcfs")
+    session = serve_result(trace, None, spec, cap, schedule="fcfs", eviction="session")
+    assert [r.session[0] for r in trace.requests] == [1, 0, 0, 2, 1]  # b a a c b
+    assert lru.cached == [0, 0, 640, 0, 64] and lru.policy == "serve"
+    assert session.cached == [0, 0, 640, 0, 640] and session.policy == "serve-session"
+    (tmp_path / "full.spec").write_text(json.dumps({"full_layers": 1, "kv_bytes": 64}))
+    out = tmp_path / "rows.json"
+    assert main(["simulate", "--trace", str(tmp_path), "--format", "agentic", "--model-spec",
+                 str(tmp_path / "full.spec"), "--capacity", f"{cap}B", "--policy",
+                 "serve,serve-session", "--schedule", "fcfs", "--json", str(out)]) == 0  # fmt: skip
+    rows = {r["policy"]: r["cached"] for r in json.loads(out.read_text())["results"]}
+    assert rows == {"serve": lru.cached, "serve-session": session.cached}
+
+
+def test_a_replayed_session_stops_as_its_trace_says_at_the_traces_time():
+    """`add_replayed` tags a request with its session and ends its answer on EOS where
+    the trace gives a stop (the same tokens cached: the last one has no KV); the
+    engine's session clock is the replay's `TraceClock`."""
+    from radixkv.engine.config import EngineConfig as Config
+    from radixkv.sim.serve_replay import TraceClock, add_replayed, replay_engine
+
+    def req(stop: str) -> traces.SimRequest:
+        return traces.SimRequest([], 0, 6, output_tokens=3, session=("s", stop), stop=stop,
+                                 prompt_ids=array("q", [300, 301, 302, 303, 304, 305]))  # fmt: skip
+
+    trace = traces.Trace("t", 1, [req("tool_use"), req("end_turn")])
+    clock = TraceClock()
+    cfg = Config(cache_bytes=1 << 20, eviction_policy="session", dtype=SPEC_DTYPE)
+    engine, outputs = replay_engine(trace, SpecModel(ModelSpec("m", 1, 64), 400), cfg,
+                                    clock=clock)  # fmt: skip
+    for i, r in enumerate(trace.requests):
+        clock.now = 7.0 + i
+        add_replayed(engine, outputs, i, r)
+        finished = []
+        while engine.has_unfinished():
+            finished += [o.finish_reason for o in engine.step() if o.finished]
+        assert finished == ["stop"]
+        s = engine.sessions.clock.sessions[repr(r.session)]
+        assert (s.end, s.stop) == (7.0 + i, r.stop)
+    assert engine.cache.total_size() == 6 + 3 - 1  # prompt and answer, but the EOS

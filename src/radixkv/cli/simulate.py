@@ -105,7 +105,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                      "own rules; sglang, vllm; and serve: the engine's own scheduler "
                      "and memory replayed without the model (a folder's, or one that is "
                      "only the spec's bytes; a hash-id trace in its units), index-only, "
-                     "serve-sglang: the same with SGLang's fixed split of the bytes; "
+                     "serve-sglang: the same with SGLang's fixed split of the bytes, "
+                     "serve-session: with serve's session eviction order; "
                      "named only, session: radixkv's budget in the session order, for "
                      "agentic traces); capacities in bytes. Its table: full KV, window KV "
                      "and states are the bytes each kind held (the mean after each request), "
@@ -457,7 +458,9 @@ _HYBRID_ONLY = (("--accounting", "accounting"), ("--schedule", "schedule"),
                 ("--checkpoint-every", "checkpoint_every"))  # fmt: skip
 
 
-SERVE = {"serve": "one", "serve-sglang": "sglang"}  # the engine, and its --cache-split
+# the engine: its --cache-split and --eviction-policy
+SERVE = {"serve": ("one", "lru"), "serve-sglang": ("sglang", "lru"),
+         "serve-session": ("one", "session")}  # fmt: skip
 
 
 def _serve(
@@ -469,7 +472,7 @@ def _serve(
         folder = args.model_spec if Path(args.model_spec).is_dir() else None
         return serve_result(trace, folder, spec, cap, args.concurrency or 1, outputs,
                             chunk_size=args.chunk_size or 512, schedule=args.schedule or "lpm",
-                            split=SERVE[policy],
+                            split=SERVE[policy][0], eviction=SERVE[policy][1],
                             checkpoint_every=args.checkpoint_every or 0)  # fmt: skip
     except ValueError as e:
         text = str(e)

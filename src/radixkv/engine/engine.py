@@ -139,6 +139,7 @@ class Engine:
         config: an `EngineConfig`; keyword arguments override its fields
             (``Engine("random", kv_tokens=4096)``).
         tokenizer: the tokenizer to use instead of the model's own.
+        clock: seconds for the agent sessions' order (a replay passes its trace's time).
     """
 
     def __init__(
@@ -146,17 +147,17 @@ class Engine:
         model: str | Path | ModelConfig | torch.nn.Module = "auto",
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
+        clock: Callable[[], float] = time.monotonic,
         **overrides: Any,
     ) -> None:
         cfg = dataclasses.replace(config or EngineConfig(), **overrides)
-        self.engine_config = cfg
+        self.engine_config, self.clock = cfg, clock
         self.device = torch.device(cfg.device)
         net, own_tokenizer, self.model_name = load_model(model, cfg.seed)
         self.tokenizer: Tokenizer = tokenizer or own_tokenizer
         self.model = net.to(device=self.device, dtype=cfg.dtype)
         self.config: ModelConfig = self.model.config
-        self.memory = CacheMemory(cfg, self.model, self.device)
-        memory = self.memory
+        self.memory = memory = CacheMemory(cfg, self.model, self.device)
         self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
         self.arena = memory.arena
         if cfg.storage is not None or cfg.host_tokens:  # (before any file or tier opens)
@@ -176,8 +177,7 @@ class Engine:
                                       memory.budget)  # fmt: skip
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.counters = EngineCounters()
-        self.faults = FaultWatch()
+        self.counters, self.faults = EngineCounters(), FaultWatch()
         self.requests: dict[Any, EngineReq] = {}  # unfinished requests by id
         self._order = itertools.count()
         self._aborted: list[EngineReq] = []  # aborted since the last step (reported once)
@@ -231,7 +231,7 @@ class Engine:
         if r.last_node is not None:
             self.retention.hit(r.last_node)
         if self.sessions is not None and r.session is not None and r.session.key is None:
-            self.sessions.admitted(r, time.monotonic())
+            self.sessions.admitted(r, self.clock())
 
     def model_identity(self) -> bytes:
         """16 bytes naming what this engine's KV means (weights, config, dtype, page
@@ -439,7 +439,7 @@ class Engine:
         self.scheduler.add(req)  # raises for a request that can never fit
         self.requests[rid] = req
         if session is not None and session.key is not None and self.sessions is not None:
-            self.sessions.started(session.key, time.monotonic())  # (None: at admission)
+            self.sessions.started(session.key, self.clock())  # (None: at admission)
         self.counters.prompt_tokens += len(ids)
         return rid
 
@@ -501,7 +501,7 @@ class Engine:
         produced this step."""
         self.retention.expire()
         if self.sessions is not None:  # sessions away longer than predicted: stamped again
-            self.sessions.tick(time.monotonic())
+            self.sessions.tick(self.clock())
         self._run_ahead()
         plan = self.scheduler.schedule()
         inputs = self.mgr.step_inputs(plan)  # each cache manager's part (snapshots)
@@ -570,7 +570,7 @@ class Engine:
         self.mgr.cache_unfinished_batch(computed)
         self.scheduler.finish(finished)
         if self.sessions is not None:  # (after the inserts: where each path ends is known)
-            self.sessions.requests_stopped(finished, time.monotonic())
+            self.sessions.requests_stopped(finished, self.clock())
         if finished:
             self._retain([r for r in finished if r.cache_spec], outputs)
         return outputs
@@ -628,7 +628,7 @@ class Engine:
         if self.served_log is not None:
             self.served_log.record(r, self.counters.steps)
         if self.sessions is not None and reason in ("abort", "error"):  # (nothing cached)
-            self.sessions.requests_stopped([r], time.monotonic())
+            self.sessions.requests_stopped([r], self.clock())
 
     # --- offline ----------------------------------------------------------------------------
     def generate(

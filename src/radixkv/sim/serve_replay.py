@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ import torch
 
 from radixkv.engine.config import EngineConfig
 from radixkv.engine.model_runner import ModelRunner
-from radixkv.engine.request import CacheSpec, MarkedIds, SamplingParams
+from radixkv.engine.request import CacheSpec, MarkedIds, SamplingParams, SessionTag
 from radixkv.engine.scheduler import DoesNotFit
 from radixkv.sim.hybrid import HybridResult, ModelSpec
 from radixkv.sim.spec_model import DTYPE as SPEC_DTYPE
@@ -53,6 +54,8 @@ from radixkv.sim.traces import SimRequest, Trace
 from radixkv.units import div_ceil
 
 REPLAY_TOKEN = 0  # an output the trace does not list is replayed as this token
+FIRST_UNIT = 258  # a unit replay's first token id: past the byte tokenizer's BOS and EOS
+# (a spec model's; a session's answer ends on EOS, so no unit may be it)
 
 
 class ReplayRunner(ModelRunner):
@@ -75,6 +78,17 @@ class ReplayRunner(ModelRunner):
     def sample(self, r: Any, logits: torch.Tensor) -> int:  # type: ignore[override]
         out, k = self.outputs[r.rid], len(r.output_ids)
         return out[k] if k < len(out) else REPLAY_TOKEN
+
+
+class TraceClock:
+    """The engine's session clock in a replay (`radixkv.engine.engine.Engine`'s ``clock``):
+    the trace's time in seconds, set to each wave's arrival."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @dataclass
@@ -150,11 +164,13 @@ def replay_serve(
     base = config or EngineConfig()
     cfg = dataclasses.replace(base, page_size=trace.block_size, cache_bytes=capacity_bytes,
                               max_running=concurrency)  # fmt: skip
-    engine, outputs = replay_engine(trace, model, cfg, runs)
+    clock = TraceClock()
+    engine, outputs = replay_engine(trace, model, cfg, runs, clock)
     result = ServeReplay(capacity_bytes, concurrency)
     sums = dict.fromkeys(("full", "window", "states"), 0.0)
     waves = itertools.groupby(enumerate(trace.requests), key=lambda x: x[1].timestamp)
-    for _, wave in waves:
+    for at, wave in waves:
+        clock.now = max(clock.now, at / 1000.0)  # (ms; a wave's answers end at its arrival)
         reqs = []
         for i, req in wave:
             limit = limits[i] if limits else None if cache_outputs else len(req.prompt_ids)
@@ -173,15 +189,17 @@ def replay_serve(
 
 
 def replay_engine(
-    trace: Trace, model: str | Path | torch.nn.Module, cfg: EngineConfig, runs: bool = True
-) -> tuple[Any, dict[Any, list[int]]]:
+    trace: Trace, model: str | Path | torch.nn.Module, cfg: EngineConfig, runs: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[Any, dict[Any, list[int]]]:  # fmt: skip
     """An engine serving ``model`` (a folder or a model, never run) with ``cfg``, its
     context long enough for every request of ``trace``, its runner replaying each
     request's recorded outputs (the dict: request id -> output ids, filled by
     `add_replayed`); ``runs``: it decodes runs of tokens that decide nothing in one step
     (`replay_serve`), else one token a step. Index-only: its KV and states live on the
     ``meta`` device (shapes, no bytes; `radixkv.kvcache.memory.index_device`), so a
-    budget of any size is replayed in the memory of its indices alone."""
+    budget of any size is replayed in the memory of its indices alone. ``clock``: the
+    engine's session clock (`TraceClock`)."""
     if any(r.prompt_ids is None for r in trace.requests):
         raise ValueError("trace: the serve replay needs token ids (a token or Marconi trace "
                          "that lists them, not Mooncake's hash ids)")  # fmt: skip
@@ -190,7 +208,7 @@ def replay_engine(
     cfg = dataclasses.replace(cfg, max_context_len=longest, device="meta")
     from radixkv.engine.engine import Engine
 
-    engine = Engine(net, cfg)
+    engine = Engine(net, cfg, clock=clock)
     outputs: dict[Any, list[int]] = {}
     engine.runner = ReplayRunner(engine.runner, outputs, runs)
     return engine, outputs
@@ -206,12 +224,19 @@ def add_replayed(
     Raises:
         ValueError: ``trace request I: ...`` (a token the model lacks, too long).
     """
-    outputs[i] = list(req.output_ids or ())
-    sampling = SamplingParams(max(1, req.output_tokens), ignore_eos=True)
+    n, out = max(1, req.output_tokens), list(req.output_ids or ())
+    session, eos = None, engine.tokenizer.eos_token_id
+    if engine.sessions is not None and req.session is not None:  # (an agentic trace's)
+        tool = req.stop == "tool_use"
+        session = SessionTag(repr(req.session), lambda text, ids: tool)
+    if session is not None and req.stop and eos is not None:  # it stops as the trace says
+        out = (out + [REPLAY_TOKEN] * n)[: n - 1] + [eos]  # (the last: sampled, no KV)
+    outputs[i] = out
+    sampling = SamplingParams(n, ignore_eos=out[-1:] != [eos] or session is None)
     prompt = MarkedIds(req.prompt_ids, req.token_boundaries)
     try:
         return engine.add_request(prompt, sampling, rid=i, chat=False, extra_key=req.extra_key,
-                                  group=group, cache=cache)  # fmt: skip
+                                  group=group, cache=cache, session=session)  # fmt: skip
     except DoesNotFit as e:
         if refuse and e.prompt_tokens + e.max_new_tokens <= engine.engine_config.max_context_len:
             del outputs[i]
@@ -258,11 +283,15 @@ def serve_result(
     trace: Trace, folder: str | Path | None, spec: ModelSpec, capacity_bytes: int,
     concurrency: int = 1, cache_outputs: bool = True, chunk_size: int = 512,
     schedule: str = "lpm", split: str = "one", checkpoint_every: int = 0,
+    eviction: str = "lru",
 ) -> HybridResult:  # fmt: skip
     """`replay_serve` as a row of the hybrid simulator's table, with ``radixkv serve``'s
     other defaults: policy ``serve`` (one arena), or ``serve-sglang`` with ``split=
     "sglang"`` (the engine with SGLang's fixed split of the same bytes, ``serve
-    --cache-split sglang``); ``checkpoint_every`` as ``serve --checkpoint-every``.
+    --cache-split sglang``), or ``serve-session`` with ``eviction="session"`` (``serve
+    --eviction-policy session``: each request of an agentic trace tagged with its
+    session, its answer stopping as the trace says, on the trace's clock);
+    ``checkpoint_every`` as ``serve --checkpoint-every``.
     ``folder`` None: the engine of ``spec`` alone (`radixkv.sim.spec_model`: its
     bytes, no model). A hash-id trace (no token ids) replays in its units (`in_units`)
     through the engine of ``spec`` scaled to a unit (`unit_spec`; a folder's spec),
@@ -277,7 +306,8 @@ def serve_result(
         replayed, limits = in_units(trace, cache_outputs)
     cfg = EngineConfig(chunk_size=max(1, chunk_size // u), schedule_policy=schedule,
                        cache_bytes=capacity_bytes, cache_split=split,
-                       checkpoint_every=checkpoint_every // u)  # fmt: skip
+                       checkpoint_every=checkpoint_every // u,
+                       eviction_policy=eviction)  # fmt: skip
     model: Any = folder
     if folder is None:
         model, cfg.dtype = SpecModel(unit_spec(spec, u), _vocab(replayed)), SPEC_DTYPE
@@ -291,7 +321,8 @@ def serve_result(
     total = sum(spec.flops(r.prompt_tokens) for r in trace.requests)
     return HybridResult(
         trace=trace.name, model=spec.name, capacity_bytes=capacity_bytes,
-        policy="serve" if split == "one" else f"serve-{split}",
+        policy="serve-session" if eviction == "session" else
+        "serve" if split == "one" else f"serve-{split}",
         requests=len(trace.requests), prompt_tokens=rep.prompt_tokens,
         hit_tokens=rep.hit_tokens, token_hit_rate=rep.token_hit_rate,
         flops_saved=saved / total if total else 0.0, mean_bytes=rep.mean_bytes,
@@ -313,8 +344,9 @@ def in_units(trace: Trace, cache_outputs: bool = True) -> tuple[Trace, list[int]
     it lists them, fresh ones past them: nobody else's), so its states lie where a paged
     engine's do; it caches what `Trace.cached_units` says an engine leaves cached, in
     whole units of the tokens it computed (the units a later prompt can name: an unlisted
-    output's KV is freed when it finishes). Boundaries, namespace and arrival stay. Unit
-    ids become dense token ids from 1; fresh ones follow them. O(units).
+    output's KV is freed when it finishes). Boundaries, namespace, arrival, session and
+    stop stay. Unit ids become dense token ids from `FIRST_UNIT`; fresh ones follow them.
+    O(units).
 
     Exact with room to spare (the same hits as the token trace replayed at page ``u``,
     request for request); under pressure a running request holds one unit less than a
@@ -322,8 +354,8 @@ def in_units(trace: Trace, cache_outputs: bool = True) -> tuple[Trace, list[int]
     dense: dict[Any, int] = {}
     for r in trace.requests:
         for x in r.units:
-            dense.setdefault(x, len(dense) + 1)
-    fresh = itertools.count(len(dense) + 1)
+            dense.setdefault(x, len(dense) + FIRST_UNIT)
+    fresh = itertools.count(len(dense) + FIRST_UNIT)
     out, limits, u = Trace(trace.name, 1), [], trace.block_size
     for r in trace.requests:
         prompt_u = max(1, div_ceil(r.prompt_tokens, u))
