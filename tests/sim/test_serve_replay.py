@@ -416,29 +416,33 @@ def test_a_mooncake_trace_replays_through_the_engine(tmp_path, capsys):
 
 def test_the_engine_keeps_the_agent_coming_back_on_the_traces_clock(tmp_path):
     """An agentic trace through the engine with ``--eviction-policy session``
-    (``serve-session``): room for little more than one session's prefix; A's person
-    left (end_turn), B is running a tool, C arrives and forces one out. The engine's
-    default order evicts most of B (its next call hits 64 of 640 tokens); the session
-    order, told each request's session and stop by the replay, evicts A and B's next
-    call hits whole. The engine's session clock is the trace's (seconds)."""
+    (``serve-session``): room for little more than one session's prefix. B, an agent,
+    is running a tool; A's person left (end_turn; back in 10 minutes); C arrives and
+    forces one out. The engine's default order evicts most of B (its next call hits 128
+    of 640 tokens); the session order, told each request's session and stop by the
+    replay on the trace's clock, evicts A, and B's next call hits whole. The budget
+    simulator's ``session`` row (full attention: its stamps land on each request's
+    path end) keeps B too, where its ``radixkv`` row does not."""
     from test_agentic import call, conversation, write
 
     from radixkv.sim.agentic import load_agentic
 
     a = conversation([call(0.4, 640, list(range(10)), api=1.0, stop="end_turn"),
-                      call(500.0, 704, list(range(11)), api=1.0)])  # fmt: skip
+                      call(0.0, 704, list(range(11)), api=1.0, think=600.0)])  # fmt: skip
     b = conversation([call(0.0, 640, list(range(10)), api=0.5),
                       call(2.2, 704, list(range(11)), api=0.5, think=1.7)])  # fmt: skip
     c = conversation([call(1.5, 640, list(range(10)), api=0.5)])
     for name, doc in (("a", a), ("b", b), ("c", c)):
         write(tmp_path / f"{name}.json", doc)
     trace = load_agentic(tmp_path)
+    assert [r.session[0] for r in trace.requests] == [1, 0, 2, 1, 0]  # b a c b a
     spec, cap = ModelSpec("full", 1, 64), 22 * 64 * 64  # 22 blocks of 64 tokens
     lru = serve_result(trace, None, spec, cap, schedule="fcfs")
     session = serve_result(trace, None, spec, cap, schedule="fcfs", eviction="session")
-    assert [r.session[0] for r in trace.requests] == [1, 0, 0, 2, 1]  # b a a c b
-    assert lru.cached == [0, 0, 640, 0, 64] and lru.policy == "serve"
-    assert session.cached == [0, 0, 640, 0, 640] and session.policy == "serve-session"
+    assert lru.cached == [0, 0, 0, 128, 64] and lru.policy == "serve"
+    assert session.cached == [0, 0, 0, 640, 64] and session.policy == "serve-session"
+    model = {p: simulate_hybrid(trace, spec, cap, p).cached for p in ("radixkv", "session")}
+    assert model == {"radixkv": [0, 0, 0, 64, 0], "session": [0, 0, 0, 640, 0]}
     (tmp_path / "full.spec").write_text(json.dumps({"full_layers": 1, "kv_bytes": 64}))
     out = tmp_path / "rows.json"
     assert main(["simulate", "--trace", str(tmp_path), "--format", "agentic", "--model-spec",

@@ -337,7 +337,11 @@ class _Sim:
             comps.append(self.window)
         # SGLang frees whole leaves (its evict overshoots by up to a leaf); the others trim
         mode = "leaf" if policy == "sglang" else "precise"
-        self.cache = RadixCache(self.page, eviction_mode=mode, components=tuple(comps))
+        # (with neither a state nor a window the budget frees through the tree's own
+        # order: the stamps' there too)
+        tree_order = "priority" if ordered == "priority" else "lru"
+        self.cache = RadixCache(self.page, eviction_policy=tree_order, eviction_mode=mode,
+                                components=tuple(comps))  # fmt: skip
         # a hit's worth: the tokens it saves (the budget's default), as in the engine
         self.budget = HybridBudget(
             self.cache, self.state if spec.recurrent_layers else None, self.window,
@@ -387,7 +391,9 @@ class _Sim:
                 last = node
                 self._fit(held - pos, 1 if self.spec.recurrent_layers else 0)
             self._checkpoint(node, kind)
-        self._insert(key[:n], None)  # (past its last checkpoint: dead KV, step 1's)
+        end = self._insert(key[:n], None)  # (past its last checkpoint: dead KV, step 1's)
+        if not self.spec.recurrent_layers:  # (a match can end anywhere on its path)
+            mark = end
         self.cache.dec_lock_ref(last)
         if self.sessions is not None and mark is not self.cache.root:
             self.sessions.served(req, mark)
