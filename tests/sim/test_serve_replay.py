@@ -29,7 +29,7 @@ from radixkv.engine.engine import Engine
 from radixkv.engine.request import MarkedIds, SamplingParams
 from radixkv.sim import traces
 from radixkv.sim.hybrid import ModelSpec, simulate_hybrid
-from radixkv.sim.serve_replay import replay_serve, serve_result, tightest_budget
+from radixkv.sim.serve_replay import in_units, replay_serve, serve_result, tightest_budget
 from radixkv.sim.spec_model import DTYPE as SPEC_DTYPE
 from radixkv.sim.spec_model import SpecModel
 
@@ -406,6 +406,13 @@ def test_a_mooncake_trace_replays_through_the_engine(tmp_path, capsys):
                  "1GiB", "--policy", "serve,radixkv", "--json", str(out)]) == 0  # fmt: skip
     rows = {r["policy"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["serve"]["cached"] == rows["radixkv"]["cached"] == [0, 592, 0]
+    # an answer's unlisted units are generated, never materialized: a million-token one
+    # holds no ids (it would cost the replay memory, and no later prompt names them)
+    huge = traces.Trace("h", 16, [traces.SimRequest([1, 2], 2, 20, output_tokens=1 << 20)])
+    replayed, limits = in_units(huge)
+    r = replayed.requests[0]
+    assert (list(r.prompt_ids), len(r.output_ids), r.output_tokens, limits) == (
+        [258, 259], 0, (20 + (1 << 20) - 1) // 16 - 2 + 1, [2])
     assert main(["simulate", "--trace", str(path), "--model-spec", "qwen3.5-4b", "--capacity",
                  "1GiB", "--policy", "serve", "--checkpoint-every", "24"]) == 2  # fmt: skip
     assert capsys.readouterr().err.strip().splitlines()[-1] == (

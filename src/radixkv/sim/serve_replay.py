@@ -80,6 +80,22 @@ class ReplayRunner(ModelRunner):
         return out[k] if k < len(out) else REPLAY_TOKEN
 
 
+class _EndsOn:
+    """A replayed answer of ``n`` tokens ending on ``last``: the recorded ones before it,
+    `REPLAY_TOKEN` between (never materialized: a huge answer costs no memory)."""
+
+    def __init__(self, recorded: list[int], n: int, last: int) -> None:
+        self.recorded, self.n, self.last = recorded[: n - 1], n, last
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k: int) -> int:
+        if k == self.n - 1:
+            return self.last
+        return self.recorded[k] if k < len(self.recorded) else REPLAY_TOKEN
+
+
 class TraceClock:
     """The engine's session clock in a replay (`radixkv.engine.engine.Engine`'s ``clock``):
     the trace's time in seconds, set to each wave's arrival."""
@@ -229,10 +245,10 @@ def add_replayed(
     if engine.sessions is not None and req.session is not None:  # (an agentic trace's)
         tool = req.stop == "tool_use"
         session = SessionTag(repr(req.session), lambda text, ids: tool)
-    if session is not None and req.stop and eos is not None:  # it stops as the trace says
-        out = (out + [REPLAY_TOKEN] * n)[: n - 1] + [eos]  # (the last: sampled, no KV)
-    outputs[i] = out
-    sampling = SamplingParams(n, ignore_eos=out[-1:] != [eos] or session is None)
+    stops = session is not None and bool(req.stop) and eos is not None
+    # it stops as the trace says, on EOS (the last token: sampled, no KV)
+    outputs[i] = _EndsOn(out, n, eos) if stops else out
+    sampling = SamplingParams(n, ignore_eos=not stops)
     prompt = MarkedIds(req.prompt_ids, req.token_boundaries)
     try:
         return engine.add_request(prompt, sampling, rid=i, chat=False, extra_key=req.extra_key,
@@ -341,12 +357,13 @@ def in_units(trace: Trace, cache_outputs: bool = True) -> tuple[Trace, list[int]
     one for a tail it does not list), so a match ends at most one unit before the one its
     last token lies in, as a paged engine's at page ``u``; it generates units until it
     has computed the whole units of ``prompt + output - 1`` tokens (the trace's ids where
-    it lists them, fresh ones past them: nobody else's), so its states lie where a paged
-    engine's do; it caches what `Trace.cached_units` says an engine leaves cached, in
-    whole units of the tokens it computed (the units a later prompt can name: an unlisted
-    output's KV is freed when it finishes). Boundaries, namespace, arrival, session and
-    stop stay. Unit ids become dense token ids from `FIRST_UNIT`; fresh ones follow them.
-    O(units).
+    it lists them, `REPLAY_TOKEN` past them, never materialized: a huge answer costs the
+    replay steps, not memory), so its states lie where a paged engine's do; it caches what
+    `Trace.cached_units` says an engine leaves cached, in whole units of the tokens it
+    computed (the units a later prompt can name: an unlisted output is never cached, so
+    no two requests share one). Boundaries, namespace, arrival, session and stop stay.
+    Unit ids become dense token ids from `FIRST_UNIT`; a prompt's unlisted tail gets fresh
+    ones after them. O(listed units + prompt units).
 
     Exact with room to spare (the same hits as the token trace replayed at page ``u``,
     request for request); under pressure a running request holds one unit less than a
@@ -361,12 +378,12 @@ def in_units(trace: Trace, cache_outputs: bool = True) -> tuple[Trace, list[int]
         prompt_u = max(1, div_ceil(r.prompt_tokens, u))
         end_u = max(prompt_u, (r.prompt_tokens + max(r.output_tokens, 1) - 1) // u)
         ids = [dense[x] for x in r.units[:end_u]]
-        ids += [next(fresh) for _ in range(end_u + 1 - len(ids))]  # (the last: sampled)
+        ids += [next(fresh) for _ in range(prompt_u - len(ids))]  # (a prompt tail unlisted)
         out.requests.append(SimRequest(
-            ids[:end_u], prompt_u, prompt_u, r.timestamp, end_u + 1 - prompt_u,
-            r.boundaries, prompt_ids=array("q", ids[:prompt_u]),
-            output_ids=array("q", ids[prompt_u:]), token_boundaries=r.boundaries,
-            extra_key=r.extra_key, session=r.session, stop=r.stop, duration_ms=r.duration_ms,
+            ids, prompt_u, prompt_u, r.timestamp, end_u + 1 - prompt_u, r.boundaries,
+            prompt_ids=array("q", ids[:prompt_u]), output_ids=array("q", ids[prompt_u:]),
+            token_boundaries=r.boundaries, extra_key=r.extra_key, session=r.session,
+            stop=r.stop, duration_ms=r.duration_ms,
         ))  # fmt: skip
         computed = r.prompt_tokens + (max(r.output_tokens - 1, 0) if cache_outputs else 0)
         limits.append(min(trace.cached_units(r, cache_outputs), computed // u))
