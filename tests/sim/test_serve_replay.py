@@ -459,6 +459,35 @@ def test_the_engine_keeps_the_agent_coming_back_on_the_traces_clock(tmp_path):
     assert rows == {"serve": lru.cached, "serve-session": session.cached}
 
 
+def test_a_replayed_answer_ends_at_its_end_in_the_trace_not_at_its_arrival(tmp_path):
+    """The replay computes an answer at its arrival; a server takes the trace's
+    ``api_time``. B's answer takes 60 s (back 2 s after it), A's 1 s (a tool, back in
+    5 minutes), and C arrives at 55 s, while B's answer still runs, forcing one of them
+    out. Told at its end (60 s), B is predicted back at 70 s and A, overdue, at 108.6 s:
+    A goes and B's next call hits whole. Told at its arrival (as the replay did), B's
+    absence looked 55 s long, predicted as long again (110 s), past A: B went."""
+    from test_agentic import call, conversation, write
+
+    from radixkv.sim.agentic import load_agentic
+
+    a = conversation([call(0.4, 640, list(range(10)), api=1.0),
+                      call(0.0, 704, list(range(11)), api=1.0, think=300.0)])  # fmt: skip
+    b = conversation([call(0.0, 640, list(range(10)), api=60.0),
+                      call(0.0, 704, list(range(11)), api=0.5, think=2.0)])  # fmt: skip
+    c = conversation([call(55.0, 640, list(range(10)), api=0.5)])
+    for name, doc in (("a", a), ("b", b), ("c", c)):
+        write(tmp_path / f"{name}.json", doc)
+    trace = load_agentic(tmp_path)
+    assert [r.session[0] for r in trace.requests] == [1, 0, 2, 1, 0]  # b a c b a
+    assert [r.timestamp for r in trace.requests] == [0, 400, 55_000, 62_000, 301_400]
+    spec, cap = ModelSpec("full", 1, 64), 22 * 64 * 64  # 22 blocks of 64 tokens
+    lru = serve_result(trace, None, spec, cap, schedule="fcfs")
+    session = serve_result(trace, None, spec, cap, schedule="fcfs", eviction="session")
+    assert lru.cached == [0, 0, 0, 128, 64]  # (B, the least recently used, went)
+    assert session.cached == [0, 0, 0, 640, 64]  # (A went; told at B's arrival: 128)
+    assert simulate_hybrid(trace, spec, cap, "session").cached[3] == 640  # (the model: too)
+
+
 def test_a_replayed_session_stops_as_its_trace_says_at_the_traces_time():
     """`add_replayed` tags a request with its session and ends its answer on EOS where
     the trace gives a stop (the same tokens cached: the last one has no KV); the
