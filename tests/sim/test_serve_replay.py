@@ -421,6 +421,25 @@ def test_a_mooncake_trace_replays_through_the_engine(tmp_path, capsys):
     )
 
 
+def _agents(tmp_path, a: list, b: list, c: list) -> tuple:  # type: ignore[type-arg]
+    """Agents A, B and C's calls (`test_agentic.call`) as an agentic trace (requests in
+    the order B A C B A), a full-attention spec and room for little more than one
+    session's 640-token prefix (22 blocks of 64 tokens), and the engine's rows with its
+    default order and with the session order."""
+    from test_agentic import conversation, write
+
+    from radixkv.sim.agentic import load_agentic
+
+    for name, calls in (("a", a), ("b", b), ("c", c)):
+        write(tmp_path / f"{name}.json", conversation(calls))
+    trace = load_agentic(tmp_path)
+    assert [r.session[0] for r in trace.requests] == [1, 0, 2, 1, 0]  # b a c b a
+    spec, cap = ModelSpec("full", 1, 64), 22 * 64 * 64
+    lru = serve_result(trace, None, spec, cap, schedule="fcfs")
+    session = serve_result(trace, None, spec, cap, schedule="fcfs", eviction="session")
+    return trace, spec, cap, lru, session
+
+
 def test_the_engine_keeps_the_agent_coming_back_on_the_traces_clock(tmp_path):
     """An agentic trace through the engine with ``--eviction-policy session``
     (``serve-session``): room for little more than one session's prefix. B, an agent,
@@ -430,22 +449,16 @@ def test_the_engine_keeps_the_agent_coming_back_on_the_traces_clock(tmp_path):
     replay on the trace's clock, evicts A, and B's next call hits whole. The budget
     simulator's ``session`` row (full attention: its stamps land on each request's
     path end) keeps B too, where its ``radixkv`` row does not."""
-    from test_agentic import call, conversation, write
+    from test_agentic import call
 
-    from radixkv.sim.agentic import load_agentic
-
-    a = conversation([call(0.4, 640, list(range(10)), api=1.0, stop="end_turn"),
-                      call(0.0, 704, list(range(11)), api=1.0, think=600.0)])  # fmt: skip
-    b = conversation([call(0.0, 640, list(range(10)), api=0.5),
-                      call(2.2, 704, list(range(11)), api=0.5, think=1.7)])  # fmt: skip
-    c = conversation([call(1.5, 640, list(range(10)), api=0.5)])
-    for name, doc in (("a", a), ("b", b), ("c", c)):
-        write(tmp_path / f"{name}.json", doc)
-    trace = load_agentic(tmp_path)
-    assert [r.session[0] for r in trace.requests] == [1, 0, 2, 1, 0]  # b a c b a
-    spec, cap = ModelSpec("full", 1, 64), 22 * 64 * 64  # 22 blocks of 64 tokens
-    lru = serve_result(trace, None, spec, cap, schedule="fcfs")
-    session = serve_result(trace, None, spec, cap, schedule="fcfs", eviction="session")
+    trace, spec, cap, lru, session = _agents(
+        tmp_path,
+        [call(0.4, 640, list(range(10)), api=1.0, stop="end_turn"),
+         call(0.0, 704, list(range(11)), api=1.0, think=600.0)],
+        [call(0.0, 640, list(range(10)), api=0.5),
+         call(2.2, 704, list(range(11)), api=0.5, think=1.7)],
+        [call(1.5, 640, list(range(10)), api=0.5)],
+    )  # fmt: skip
     assert lru.cached == [0, 0, 0, 128, 64] and lru.policy == "serve"
     assert session.cached == [0, 0, 0, 640, 64] and session.policy == "serve-session"
     model = {p: simulate_hybrid(trace, spec, cap, p).cached for p in ("radixkv", "session")}
@@ -466,23 +479,17 @@ def test_a_replayed_answer_ends_at_its_end_in_the_trace_not_at_its_arrival(tmp_p
     out. Told at its end (60 s), B is predicted back at 70 s and A, overdue, at 108.6 s:
     A goes and B's next call hits whole. Told at its arrival (as the replay did), B's
     absence looked 55 s long, predicted as long again (110 s), past A: B went."""
-    from test_agentic import call, conversation, write
+    from test_agentic import call
 
-    from radixkv.sim.agentic import load_agentic
-
-    a = conversation([call(0.4, 640, list(range(10)), api=1.0),
-                      call(0.0, 704, list(range(11)), api=1.0, think=300.0)])  # fmt: skip
-    b = conversation([call(0.0, 640, list(range(10)), api=60.0),
-                      call(0.0, 704, list(range(11)), api=0.5, think=2.0)])  # fmt: skip
-    c = conversation([call(55.0, 640, list(range(10)), api=0.5)])
-    for name, doc in (("a", a), ("b", b), ("c", c)):
-        write(tmp_path / f"{name}.json", doc)
-    trace = load_agentic(tmp_path)
-    assert [r.session[0] for r in trace.requests] == [1, 0, 2, 1, 0]  # b a c b a
+    trace, spec, cap, lru, session = _agents(
+        tmp_path,
+        [call(0.4, 640, list(range(10)), api=1.0),
+         call(0.0, 704, list(range(11)), api=1.0, think=300.0)],
+        [call(0.0, 640, list(range(10)), api=60.0),
+         call(0.0, 704, list(range(11)), api=0.5, think=2.0)],
+        [call(55.0, 640, list(range(10)), api=0.5)],
+    )  # fmt: skip
     assert [r.timestamp for r in trace.requests] == [0, 400, 55_000, 62_000, 301_400]
-    spec, cap = ModelSpec("full", 1, 64), 22 * 64 * 64  # 22 blocks of 64 tokens
-    lru = serve_result(trace, None, spec, cap, schedule="fcfs")
-    session = serve_result(trace, None, spec, cap, schedule="fcfs", eviction="session")
     assert lru.cached == [0, 0, 0, 128, 64]  # (B, the least recently used, went)
     assert session.cached == [0, 0, 0, 640, 64]  # (A went; told at B's arrival: 128)
     assert simulate_hybrid(trace, spec, cap, "session").cached[3] == 640  # (the model: too)
