@@ -27,12 +27,14 @@ Arrivals: requests with the same timestamp arrive together (one wave, as one
 ``concurrency`` is the engine's ``max_running``.
 
 Owns: driving an `Engine` through a trace. Must not touch: the engine's internals (it
-replaces only its model runner, through `ReplayRunner`).
+replaces only its model runner, through `ReplayRunner`, and on the trace's clock wraps
+its session order, through `HeldStops`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import time
 from array import array
@@ -64,12 +66,9 @@ class ReplayRunner(ModelRunner):
     Nothing is computed or written; the logits are one finite column a row, whatever
     the vocabulary."""
 
-    def __init__(
-        self, base: ModelRunner, outputs: dict[Any, list[int]], runs: bool,
-        ending: Callable[[Any], None] | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, base: ModelRunner, outputs: dict[Any, list[int]], runs: bool) -> None:
         super().__init__(base.model, base.kv, base.device)
-        self.outputs, self.knows_ahead, self.ending = outputs, runs, ending
+        self.outputs, self.knows_ahead = outputs, runs
 
     def forward(self, plan: list, table: Any, inputs: Any = None) -> torch.Tensor:
         return torch.zeros(len(plan), 1)
@@ -80,8 +79,6 @@ class ReplayRunner(ModelRunner):
 
     def sample(self, r: Any, logits: torch.Tensor) -> int:  # type: ignore[override]
         out, k = self.outputs[r.rid], len(r.output_ids)
-        if self.ending is not None and k + 1 == r.sampling.max_new_tokens:  # (its last)
-            self.ending(r.rid)
         return out[k] if k < len(out) else REPLAY_TOKEN
 
 
@@ -103,43 +100,68 @@ class _EndsOn:
 
 class TraceClock:
     """The engine's session clock in a replay (`radixkv.engine.engine.Engine`'s ``clock``):
-    the trace's time in seconds, set to each wave's arrival. The replay computes an answer
-    at its arrival, where a server takes the trace's ``api_time``: as the runner samples a
-    request's last token the clock moves to that answer's end in the trace (`ending`:
-    ``ends``, request id -> seconds), so its session's stop is told at the time it stopped
-    (told at the arrival, a session's gaps and absences were measured from the wrong end:
-    its order lost 0.02 of hit rate to LRU on real sessions, where it gains 0.06); the
-    replay moves it back to the wave's arrival after the step. Requests that end in the
-    same step (concurrency over 1) are told at the latest of their ends.
+    the trace's time in seconds, set to each wave's arrival."""
 
-    What this reads early: between the arrival and that end the order ranks the session
-    by its prediction after the answer (its stop and end, up to one ``api_time`` before
-    the trace reaches them), where a server would hold its path locked while the answer
-    runs (the replay holds nothing between arrivals): a stand-in for the lock, not what
-    a server knows then. Measured instead (seed 2, 256k, full attention): the stop held
-    back until the trace passes the end, the path ranked as running meanwhile (the
-    budget simulator's ``session`` row), 0.26 against LRU's 0.41 (every session
-    mid-answer protected without its memory, those about to return evicted); held back
-    with no rank meanwhile, 0.47 (the answer's new pages go first: an agent's first call
-    is lost to a newcomer while it runs, `test_a_replayed_answer_ends_at_its_end_in_
-    the_trace_not_at_its_arrival`)."""
-
-    def __init__(self, ends: dict[Any, float] | None = None) -> None:
+    def __init__(self) -> None:
         self.now = 0.0
-        self.ends = ends or {}
 
     def __call__(self) -> float:
         return self.now
 
-    def ending(self, rid: Any) -> None:
-        """Request ``rid``'s answer ends in this step: at least its end is now."""
-        self.now = max(self.now, self.ends.get(rid, self.now))
 
-    @classmethod
-    def of(cls, trace: Trace) -> TraceClock:
-        """The clock of ``trace``: each request's (by index) end, arrival + duration."""
-        return cls({i: (r.timestamp + r.duration_ms) / 1000.0
-                    for i, r in enumerate(trace.requests)})  # fmt: skip
+class HeldStops:
+    """The engine's session order (`radixkv.kvcache.sessions.SessionOrder`) in a replay
+    on the trace's clock, each answer's stop told when the trace reaches its end
+    (arrival + ``api_time``: ``ends``, request id -> seconds), not when the replay
+    computes the answer (at its arrival, all at once). A stop is held until the engine
+    next reads the clock at or past its end (a tick, a request starting), then told in
+    the order of the ends; one whose end has passed is told at once. Nothing is read
+    early: until its end the session counts as running and its path keeps the stamps
+    it had, the pages its answer added unranked (priority 0), where a server would hold
+    them locked (the replay holds nothing between arrivals).
+
+    Told at the arrival instead (an answer ending when it starts), a session's absences
+    were measured from the start of its answer: a long answer made its session look
+    away long, predicted away as long again (the engine's order 0.96x LRU in one of
+    nine cells on real sessions, 1.12-1.15x at that size told at the end). Told at the
+    end but ranked meanwhile by the prediction after the answer, the row read each
+    stop up to one ``api_time`` early (0.478 against 0.473 there); ranked as running
+    meanwhile (the budget simulator's ``session`` row), every session mid-answer was
+    protected without its memory and those about to return went (0.26 against LRU's
+    0.41). Delegates the rest to the order. O(log held) a stop."""
+
+    def __init__(self, order: Any, ends: dict[Any, float]) -> None:
+        self.order, self.ends = order, ends
+        self._held: list[tuple[float, int, Any]] = []  # (end, arrival order, request)
+        self._n = itertools.count()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.order, name)
+
+    def _tell(self, now: float) -> None:
+        while self._held and self._held[0][0] <= now:
+            end, _, r = heapq.heappop(self._held)
+            self.order.requests_stopped([r], end)
+
+    def tick(self, now: float) -> None:
+        self._tell(now)
+        self.order.tick(now)
+
+    def started(self, session: Any, now: float) -> None:
+        self._tell(now)
+        self.order.started(session, now)
+
+    def admitted(self, req: Any, now: float) -> None:
+        self._tell(now)
+        self.order.admitted(req, now)
+
+    def requests_stopped(self, reqs: Any, now: float) -> None:
+        for r in reqs:
+            end = self.ends.get(r.rid, now)
+            if end <= now:
+                self.order.requests_stopped([r], now)
+            else:
+                heapq.heappush(self._held, (end, next(self._n), r))
 
 
 @dataclass
@@ -215,7 +237,7 @@ def replay_serve(
     base = config or EngineConfig()
     cfg = dataclasses.replace(base, page_size=trace.block_size, cache_bytes=capacity_bytes,
                               max_running=concurrency)  # fmt: skip
-    clock = TraceClock.of(trace)
+    clock = TraceClock()
     engine, outputs = replay_engine(trace, model, cfg, runs, clock)
     result = ServeReplay(capacity_bytes, concurrency)
     sums = dict.fromkeys(("full", "window", "states"), 0.0)
@@ -231,7 +253,6 @@ def replay_serve(
             result.refused += rid is None
         while engine.has_unfinished():
             engine.step()
-            clock.now = at / 1000.0  # (an answer that ended moved it to its end)
         for req, r in reqs:
             result.cached.append(0 if r is None else max(r.prompt_cached, 0))
             result.prompt_tokens += len(req.prompt_ids)
@@ -251,7 +272,8 @@ def replay_engine(
     (`replay_serve`), else one token a step. Index-only: its KV and states live on the
     ``meta`` device (shapes, no bytes; `radixkv.kvcache.memory.index_device`), so a
     budget of any size is replayed in the memory of its indices alone. ``clock``: the
-    engine's session clock (a `TraceClock` is moved to each answer's end as it ends)."""
+    engine's session clock (on a `TraceClock` each answer's stop is told at its end in
+    the trace: `HeldStops`)."""
     if any(r.prompt_ids is None for r in trace.requests):
         raise ValueError("trace: the serve replay needs token ids (a token or Marconi trace "
                          "that lists them, not Mooncake's hash ids)")  # fmt: skip
@@ -262,8 +284,10 @@ def replay_engine(
 
     engine = Engine(net, cfg, clock=clock)
     outputs: dict[Any, list[int]] = {}
-    ending = clock.ending if isinstance(clock, TraceClock) else None
-    engine.runner = ReplayRunner(engine.runner, outputs, runs, ending)
+    engine.runner = ReplayRunner(engine.runner, outputs, runs)
+    if engine.sessions is not None and isinstance(clock, TraceClock):
+        ends = {i: (r.timestamp + r.duration_ms) / 1000.0 for i, r in enumerate(trace.requests)}
+        engine.sessions = HeldStops(engine.sessions, ends)
     return engine, outputs
 
 
@@ -450,6 +474,7 @@ def _length(r: SimRequest) -> int:
 
 
 __all__ = [
+    "HeldStops",
     "ReplayRunner",
     "ServeReplay",
     "empty_model",
