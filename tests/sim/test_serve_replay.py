@@ -421,24 +421,6 @@ def test_a_mooncake_trace_replays_through_the_engine(tmp_path, capsys):
     )
 
 
-def _agents(tmp_path, a: list, b: list, c: list) -> tuple:  # type: ignore[type-arg]
-    """Agents A, B and C's calls (`test_agentic.call`) as an agentic trace, a
-    full-attention spec and room for little more than one session's 640-token prefix (22
-    blocks of 64 tokens), and the engine's rows with its default order and with the
-    session order."""
-    from test_agentic import conversation, write
-
-    from radixkv.sim.agentic import load_agentic
-
-    for name, calls in (("a", a), ("b", b), ("c", c)):
-        write(tmp_path / f"{name}.json", conversation(calls))
-    trace = load_agentic(tmp_path)
-    spec, cap = ModelSpec("full", 1, 64), 22 * 64 * 64
-    lru = serve_result(trace, None, spec, cap, schedule="fcfs")
-    session = serve_result(trace, None, spec, cap, schedule="fcfs", eviction="session")
-    return trace, spec, cap, lru, session
-
-
 def test_the_engine_keeps_the_agent_coming_back_on_the_traces_clock(tmp_path):
     """An agentic trace through the engine with ``--eviction-policy session``
     (``serve-session``): room for little more than one session's prefix. B, an agent,
@@ -448,17 +430,22 @@ def test_the_engine_keeps_the_agent_coming_back_on_the_traces_clock(tmp_path):
     replay on the trace's clock, evicts A, and B's next call hits whole. The budget
     simulator's ``session`` row (full attention: its stamps land on each request's
     path end) keeps B too, where its ``radixkv`` row does not."""
-    from test_agentic import call
+    from test_agentic import call, conversation, write
 
-    trace, spec, cap, lru, session = _agents(
-        tmp_path,
-        [call(0.4, 640, list(range(10)), api=1.0, stop="end_turn"),
-         call(0.0, 704, list(range(11)), api=1.0, think=600.0)],
-        [call(0.0, 640, list(range(10)), api=0.5),
-         call(2.2, 704, list(range(11)), api=0.5, think=1.7)],
-        [call(1.5, 640, list(range(10)), api=0.5)],
-    )  # fmt: skip
+    from radixkv.sim.agentic import load_agentic
+
+    a = conversation([call(0.4, 640, list(range(10)), api=1.0, stop="end_turn"),
+                      call(0.0, 704, list(range(11)), api=1.0, think=600.0)])  # fmt: skip
+    b = conversation([call(0.0, 640, list(range(10)), api=0.5),
+                      call(2.2, 704, list(range(11)), api=0.5, think=1.7)])  # fmt: skip
+    c = conversation([call(1.5, 640, list(range(10)), api=0.5)])
+    for name, doc in (("a", a), ("b", b), ("c", c)):
+        write(tmp_path / f"{name}.json", doc)
+    trace = load_agentic(tmp_path)
     assert [r.session[0] for r in trace.requests] == [1, 0, 2, 1, 0]  # b a c b a
+    spec, cap = ModelSpec("full", 1, 64), 22 * 64 * 64  # 22 blocks of 64 tokens
+    lru = serve_result(trace, None, spec, cap, schedule="fcfs")
+    session = serve_result(trace, None, spec, cap, schedule="fcfs", eviction="session")
     assert lru.cached == [0, 0, 0, 128, 64] and lru.policy == "serve"
     assert session.cached == [0, 0, 0, 640, 64] and session.policy == "serve-session"
     model = {p: simulate_hybrid(trace, spec, cap, p).cached for p in ("radixkv", "session")}
@@ -470,44 +457,6 @@ def test_the_engine_keeps_the_agent_coming_back_on_the_traces_clock(tmp_path):
                  "serve,serve-session", "--schedule", "fcfs", "--json", str(out)]) == 0  # fmt: skip
     rows = {r["policy"]: r["cached"] for r in json.loads(out.read_text())["results"]}
     assert rows == {"serve": lru.cached, "serve-session": session.cached}
-
-
-def test_a_replayed_answer_stops_at_its_end_in_the_trace_not_at_its_arrival(tmp_path, monkeypatch):
-    """The replay computes an answer at its arrival; in the trace it takes its
-    ``api_time``, and the session order is told its stop then (`HeldStops`). B's second
-    answer starts at 0.2 s and takes 60 s (B back 2 s after it); A's takes 1 s (a tool,
-    back in 5 minutes); C arrives at 55 s, while B's answer still runs, and forces one of
-    them out. Told at the end, B is running at 55 s, its path stamped from its first
-    answer (back at 10.1 s: overdue, the highest rank), and A, overdue, is predicted back
-    at 108.6 s: A goes (with B's newest page, unranked while its answer runs) and B's
-    next call hits its first 640 tokens. Told at the arrival, B's answer ended at 0.2 s,
-    its absence looked longer than A's and B went: 128, as with LRU."""
-    from test_agentic import call
-
-    from radixkv.sim import serve_replay
-
-    b = [call(0.0, 640, list(range(10)), api=0.1),
-         call(0.0, 704, list(range(11)), api=60.0, think=0.1),
-         call(0.0, 768, list(range(12)), api=0.5, think=2.0)]  # fmt: skip
-    trace, spec, cap, lru, session = _agents(
-        tmp_path,
-        [call(0.4, 640, list(range(10)), api=1.0),
-         call(0.0, 704, list(range(11)), api=1.0, think=300.0)],
-        b, [call(55.0, 640, list(range(10)), api=0.5)],
-    )  # fmt: skip
-    assert [(r.session[0], r.timestamp) for r in trace.requests] == [
-        (1, 0), (1, 200), (0, 400), (2, 55_000), (1, 62_200), (0, 301_400)]  # fmt: skip
-    assert lru.cached == [0, 640, 0, 0, 128, 0]  # (B, the least recently used, went)
-    assert session.cached == [0, 640, 0, 0, 640, 0]
-    assert simulate_hybrid(trace, spec, cap, "session").cached[4] == 704  # (the model: B)
-
-    class AtArrival(serve_replay.HeldStops):  # each stop told as the replay computes it
-        def __init__(self, order, ends):  # type: ignore[no-untyped-def]
-            super().__init__(order, {})
-
-    monkeypatch.setattr(serve_replay, "HeldStops", AtArrival)
-    early = serve_result(trace, None, spec, cap, schedule="fcfs", eviction="session")
-    assert early.cached == lru.cached
 
 
 def test_a_replayed_session_stops_as_its_trace_says_at_the_traces_time():

@@ -27,14 +27,12 @@ Arrivals: requests with the same timestamp arrive together (one wave, as one
 ``concurrency`` is the engine's ``max_running``.
 
 Owns: driving an `Engine` through a trace. Must not touch: the engine's internals (it
-replaces only its model runner, through `ReplayRunner`, and on the trace's clock wraps
-its session order, through `HeldStops`).
+replaces only its model runner, through `ReplayRunner`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 import time
 from array import array
@@ -100,68 +98,20 @@ class _EndsOn:
 
 class TraceClock:
     """The engine's session clock in a replay (`radixkv.engine.engine.Engine`'s ``clock``):
-    the trace's time in seconds, set to each wave's arrival."""
+    the trace's time in seconds, set to each wave's arrival. The replay computes a wave's
+    answers at its arrival, so the session order sees what a server whose answers are
+    fast sees of the trace: each answer stops as it starts, and the next call comes its
+    ``api_time`` + think time later (the trace's arrivals carry the recorded answer's
+    time). A server whose answers took that long is not replayed: dating each stop at
+    the answer's end in the trace needs the answer's path held (locked) meanwhile,
+    which a replay of one call at a time cannot (the ways tried and what they measure:
+    docs/performance.md, "Agent sessions through the engine")."""
 
     def __init__(self) -> None:
         self.now = 0.0
 
     def __call__(self) -> float:
         return self.now
-
-
-class HeldStops:
-    """The engine's session order (`radixkv.kvcache.sessions.SessionOrder`) in a replay
-    on the trace's clock, each answer's stop told when the trace reaches its end
-    (arrival + ``api_time``: ``ends``, request id -> seconds), not when the replay
-    computes the answer (at its arrival, all at once). A stop is held until the engine
-    next reads the clock at or past its end (a tick, a request starting), then told in
-    the order of the ends; one whose end has passed is told at once. Nothing is read
-    early: until its end the session counts as running and its path keeps the stamps
-    it had, the pages its answer added unranked (priority 0), where a server would hold
-    them locked (the replay holds nothing between arrivals).
-
-    Told at the arrival instead (an answer ending when it starts), a session's absences
-    were measured from the start of its answer: a long answer made its session look
-    away long, predicted away as long again (the engine's order 0.96x LRU in one of
-    nine cells on real sessions, 1.12-1.15x at that size told at the end). Told at the
-    end but ranked meanwhile by the prediction after the answer, the row read each
-    stop up to one ``api_time`` early (0.478 against 0.473 there); ranked as running
-    meanwhile (the budget simulator's ``session`` row), every session mid-answer was
-    protected without its memory and those about to return went (0.26 against LRU's
-    0.41). Delegates the rest to the order. O(log held) a stop."""
-
-    def __init__(self, order: Any, ends: dict[Any, float]) -> None:
-        self.order, self.ends = order, ends
-        self._held: list[tuple[float, int, Any]] = []  # (end, arrival order, request)
-        self._n = itertools.count()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.order, name)
-
-    def _tell(self, now: float) -> None:
-        while self._held and self._held[0][0] <= now:
-            end, _, r = heapq.heappop(self._held)
-            self.order.requests_stopped([r], end)
-
-    def tick(self, now: float) -> None:
-        self._tell(now)
-        self.order.tick(now)
-
-    def started(self, session: Any, now: float) -> None:
-        self._tell(now)
-        self.order.started(session, now)
-
-    def admitted(self, req: Any, now: float) -> None:
-        self._tell(now)
-        self.order.admitted(req, now)
-
-    def requests_stopped(self, reqs: Any, now: float) -> None:
-        for r in reqs:
-            end = self.ends.get(r.rid, now)
-            if end <= now:
-                self.order.requests_stopped([r], now)
-            else:
-                heapq.heappush(self._held, (end, next(self._n), r))
 
 
 @dataclass
@@ -243,7 +193,7 @@ def replay_serve(
     sums = dict.fromkeys(("full", "window", "states"), 0.0)
     waves = itertools.groupby(enumerate(trace.requests), key=lambda x: x[1].timestamp)
     for at, wave in waves:
-        clock.now = at / 1000.0  # (ms)
+        clock.now = max(clock.now, at / 1000.0)  # (ms; a wave's answers end at its arrival)
         reqs = []
         for i, req in wave:
             limit = limits[i] if limits else None if cache_outputs else len(req.prompt_ids)
@@ -272,8 +222,7 @@ def replay_engine(
     (`replay_serve`), else one token a step. Index-only: its KV and states live on the
     ``meta`` device (shapes, no bytes; `radixkv.kvcache.memory.index_device`), so a
     budget of any size is replayed in the memory of its indices alone. ``clock``: the
-    engine's session clock (on a `TraceClock` each answer's stop is told at its end in
-    the trace: `HeldStops`)."""
+    engine's session clock (`TraceClock`)."""
     if any(r.prompt_ids is None for r in trace.requests):
         raise ValueError("trace: the serve replay needs token ids (a token or Marconi trace "
                          "that lists them, not Mooncake's hash ids)")  # fmt: skip
@@ -285,9 +234,6 @@ def replay_engine(
     engine = Engine(net, cfg, clock=clock)
     outputs: dict[Any, list[int]] = {}
     engine.runner = ReplayRunner(engine.runner, outputs, runs)
-    if engine.sessions is not None and isinstance(clock, TraceClock):
-        ends = {i: (r.timestamp + r.duration_ms) / 1000.0 for i, r in enumerate(trace.requests)}
-        engine.sessions = HeldStops(engine.sessions, ends)
     return engine, outputs
 
 
@@ -474,7 +420,6 @@ def _length(r: SimRequest) -> int:
 
 
 __all__ = [
-    "HeldStops",
     "ReplayRunner",
     "ServeReplay",
     "empty_model",
