@@ -192,6 +192,57 @@ def test_a_path_its_session_left_goes_back_to_priority_zero():
     assert cache.match_len(list(range(500, 540))) == 40  # B (back in minutes) stays
 
 
+def test_a_left_branch_is_released_after_its_last_node_went():
+    """A session's next request branched off its last path (the answer re-rendered
+    differently: Claude Code drops thinking from its history) after that path's last
+    node was evicted. What is left of the old branch below the fork goes back to 0, and
+    the fork, on the new path, keeps its stamp. Before, the walk stopped at the fork
+    (two children), zeroed the new path's prefix and left the old branch at its stamp,
+    a return long past once due: never evicted (a quarter of the cache in an agentic
+    replay, where the engine's session order then lost to LRU)."""
+    cache, order, add = _tree_order()
+    prefix = list(range(100, 140))
+    add(prefix)  # (a request's path is inserted as it is computed: a chain of nodes)
+    add(prefix + [1] * 8)
+    last = add(prefix + [1] * 8 + [5] * 8)
+    order.started("A", 0.0)
+    order.stopped("A", 1.0, "tool_use", last)
+    order.started("A", 4.0)
+    new = add(prefix + [2] * 8)  # its next turn forks below the prefix
+    fork, old = new.parent, last.parent
+    assert len(fork) == 40 and old.parent is fork and len(fork.children) == 2
+    cache.evict_leaf(last)  # the old path's last node went under pressure
+    order.stopped("A", 5.0, "tool_use", new)
+    assert old.priority == 0  # what is left of the branch it left
+    assert fork.priority == new.priority == priority_of(5.0 + 3.0)  # its path: stamped
+    order.started("B", 6.0)
+    order.stopped("B", 7.0, "end_turn", add(list(range(500, 508))))
+    cache.evict(8)  # the left branch goes first, not the person who left (B)
+    assert cache.match_len(prefix + [1] * 8) == 40 and cache.match_len(list(range(500, 508))) == 8
+
+
+def test_a_prefix_left_by_evicted_branches_takes_its_sessions_next_stamp():
+    """A and B share a prefix; both their own branches were evicted, the prefix a leaf
+    still holding the soonest return stamped below it (A's, 11 s). Once A is overdue
+    it is predicted away as long again, and that stamp lands on the prefix, the part
+    of its path left; before, nothing stamped it again and its passed return (the
+    highest priority there is) kept it for good."""
+    cache, order, add = _tree_order()
+    prefix = list(range(100, 140))
+    a, b = add(prefix + [1] * 8), add(prefix + [2] * 8)
+    order.started("A", 0.0)
+    order.stopped("A", 1.0, "tool_use", a)
+    order.started("B", 0.5)
+    order.stopped("B", 2.0, "end_turn", b)
+    shared = a.parent
+    assert shared.priority == priority_of(1.0 + DEFAULT_GAP_S["tool_use"])
+    cache.evict_leaf(a)
+    cache.evict_leaf(b)
+    assert not shared.children and shared.priority == priority_of(11.0)
+    order.tick(20.0)  # A overdue: away as long again, 20 + 19 s
+    assert shared.priority == priority_of(39.0)
+
+
 def test_an_overdue_session_whose_leaf_was_evicted_is_stamped_where_its_path_survives():
     """An order eats a path from its leaf: once a session's last node is gone, its
     next stamp (overdue: away as long again) lands on what is left of its branch;

@@ -25,8 +25,12 @@ recently used first. The leaf's own branch takes the stamp; shared ancestors kee
 highest (the soonest return among the sessions below them).
 No stamp outlives its session's interest in the path (it would be a return long past,
 the highest priority there is, never evicted): a path its session left (its next request
-went on from elsewhere) or a forgotten session's goes back to 0, and once an order
-evicted a session's last node whole, its next stamp lands on what is left of its branch.
+went on from elsewhere, or forked below it, even after the old path's last node went) or
+a forgotten session's goes back to 0; once an order evicted a session's last node whole,
+its next stamp lands on what is left of its branch, and, the branch gone, on the prefix
+it shared (a return already past there is replaced). A branch is found again after its
+nodes were split or its last one evicted from where it hangs (the node above it and its
+first page's key), not from node objects a split may have left below.
 
 Complexity: `SessionClock.stopped` O(log sessions) (a heap of predictions, stale entries
 dropped lazily), `SessionOrder.stamp` O(depth of the session's branch), `SessionOrder.tick`
@@ -65,14 +69,16 @@ SOON_S = 60.0  # a return predicted within this long is an agent about to come b
 
 
 class _Session:
-    __slots__ = ("end", "gaps", "node", "running", "stop", "top", "version")
+    __slots__ = ("anchor", "end", "gaps", "node", "running", "stop", "version")
 
     def __init__(self) -> None:
         self.end = 0.0  # its last answer's end (s)
         self.stop = ""  # how that answer stopped
         self.running = 0  # its requests running now
         self.node: Any = None  # where its last request's cached path ends
-        self.top: Any = None  # the top of that path's own branch when last stamped
+        # that path's own branch when last stamped: (the node above it, the key of its
+        # first page there), which a split of the branch keeps
+        self.anchor: tuple[Any, Any] | None = None
         self.gaps: dict[str, deque[float]] = {}
         self.version = 0  # its heap entries older than this are stale
 
@@ -92,7 +98,7 @@ class SessionClock:
         self.sessions: dict[Any, _Session] = {}
         self._due: list[tuple[float, int, Any]] = []  # (predicted, version, session)
         self.running = 0  # sessions with a request running (the rest wait: a metric)
-        # (last node, its branch's top) of the sessions forgotten since last read
+        # (last node, its branch's anchor) of the sessions forgotten since last read
         self.forgotten: list[tuple[Any, Any]] = []
 
     def started(self, session: Any, now: float) -> None:
@@ -144,7 +150,7 @@ class SessionClock:
         caller (`SessionOrder` releases its stamp)."""
         s = self.sessions.pop(session)
         if s.node is not None:
-            self.forgotten.append((s.node, s.top))
+            self.forgotten.append((s.node, s.anchor))
 
     def typical(self, session: Any, stop: str) -> float:
         """The session's median gap after ``stop`` so far (seconds)."""
@@ -268,9 +274,9 @@ class SessionOrder:
 
     def _release_forgotten(self) -> None:
         while self.clock.forgotten:
-            node, top = self.clock.forgotten.pop()
+            node, anchor = self.clock.forgotten.pop()
             self._ends.pop(node, None)
-            self.release(node, top)
+            self.release(node, anchor)
 
     def requests_stopped(self, reqs: Any, now: float) -> None:
         """Requests that left (``session``: a `SessionTag` or None; ``final_node``, their
@@ -291,23 +297,28 @@ class SessionOrder:
 
     def stopped(self, session: Any, now: float, stop: str, node: Any) -> None:
         s = self.clock.sessions.get(session)
-        before = (s.node, s.top) if s is not None else (None, None)
+        before = (s.node, s.anchor) if s is not None else (None, None)
         predicted = self.clock.stopped(session, now, stop, node)
         self._release_forgotten()
         if node is not None and node is not before[0]:  # where a tagless follow-up lands
             self._ends.pop(before[0], None)
             self._ends[node] = session
         if before[0] is not None and node is not None and not _on_path(before[0], node):
-            self.release(*before)  # the session left that path (it went on elsewhere)
+            self.release(*before, node)  # the session left that path (went on elsewhere)
         if node is not None and self.clock.sessions[session].running == 0:
-            self._stamp_session(session, predicted)
+            self._stamp_session(session, predicted, now)
 
-    def release(self, node: Any, top: Any = None) -> None:
-        """A path no session will come back to (its session went on from elsewhere, or
-        was forgotten): what is left of its own branch (`_surviving`) goes back to
-        priority 0, evicted before every stamped one (a stamp it kept would be a return
-        long past: the highest priority there is)."""
-        node = _surviving(node, top)
+    def release(
+        self, node: Any, anchor: tuple[Any, Any] | None = None, left: Any = None
+    ) -> None:
+        """A path no session will come back to (its session went on from elsewhere, to
+        ``left``, or was forgotten): what is left of its own branch (`_surviving`) goes
+        back to priority 0, evicted before every stamped one (a stamp it kept would be
+        a return long past: the highest priority there is). Found from ``anchor`` once
+        ``node`` was evicted: before, a branch forked below its top was missed (the walk
+        stopped at the fork and zeroed the new path's prefix), and its stamp held a
+        quarter of an agentic replay's cache for the rest of the replay."""
+        node = self._surviving(node, anchor, left)
         if node is None:
             return
         x = node
@@ -322,28 +333,75 @@ class SessionOrder:
     def tick(self, now: float) -> None:
         self.reasons.now = now
         for due in self.clock.due(now):
-            self._stamp_session(due.session, due.predicted)
+            self._stamp_session(due.session, due.predicted, now)
         self._release_forgotten()
 
-    def _stamp_session(self, session: Any, predicted: float) -> None:
+    def _stamp_session(self, session: Any, predicted: float, now: float) -> None:
         """Stamp what is left of the session's last path: its end node, or, once that
         was evicted whole (an order eats a path from its leaf up), the deepest node
-        still cached down its own branch from the branch's top. Without this a
-        session's older turns kept the stamp of a return long past, the highest
-        priority there is, and were never evicted."""
+        still cached down its own branch (`_surviving`); once the whole branch is gone,
+        the prefix it shared (the node above the branch: `_stamp_shared`). Without this
+        a session's older turns, or a prefix only gone sessions shared, kept the stamp
+        of a return long past, the highest priority there is, and were never evicted."""
         s = self.clock.sessions.get(session)
-        if s is None or s.node is None:
+        if s is None:
             return
-        node = _surviving(s.node, s.top)
+        node = self._surviving(s.node, s.anchor)
         if node is not s.node:  # (a tagless follow-up lands where the path survives)
             self._ends.pop(s.node, None)
             if node is not None:
                 self._ends[node] = session
         s.node = node
-        if node is None:
-            s.top = None
+        if node is None:  # its own branch is gone: a prefix it shared may be left
+            base = s.anchor[0] if s.anchor is not None else None
+            if base is not None and base.parent is not None:
+                self._stamp_shared(base, predicted, now)
             return
-        s.top = self.stamp(node, predicted)
+        top = self.stamp(node, predicted)
+        s.anchor = None if top is None else (top.parent, self.cache.child_key(top.parent, top))
+
+    def _surviving(self, node: Any, anchor: tuple[Any, Any] | None, left: Any = None) -> Any:
+        """``node`` while cached; once evicted whole, the deepest node still cached of
+        its own branch as last stamped (``anchor``: the node above the branch, the key
+        of the branch's first page there): down the branch's only child at each node,
+        or where the path a session went on with (``left``: the node it ends at now)
+        branched off it, the one child off that path (an order evicts a path from its
+        leaf up; a split leaves a node's head under the same key). None when that is
+        gone too, or (``left``) when nothing of it is off the new path. O(depth x
+        children)."""
+        if node is not None and node.parent is not None:
+            return node
+        if anchor is None:
+            return None
+        base, key = anchor
+        if base.parent is None and base is not self.cache.root:  # (evicted)
+            return None
+        x = base.children.get(key)
+        new = set()
+        while left is not None:
+            new.add(id(left))
+            left = left.parent
+        while x is not None and x.children:
+            kids = list(x.children.values())
+            if len(kids) > 1:
+                kids = [c for c in kids if id(c) not in new]
+            if len(kids) != 1:
+                break
+            x = kids[0]
+        return None if x is None or id(x) in new else x
+
+    def _stamp_shared(self, node: Any, predicted: float, now: float) -> None:
+        """Give ``node`` and its ancestors, prefixes other sessions may share, the
+        priority of ``predicted`` where theirs is lower or a return already past (no
+        prediction any more: it would be the highest priority there is); the leaf is
+        indexed again under its new key."""
+        value, x = priority_of(predicted), node
+        while x is not None and x.parent is not None:
+            if x.priority < value or predicted_of(x.priority) < now:
+                x.priority = value
+            x = x.parent
+        if not node.children and not node.lock_ref:
+            self.cache.order.push(node)
 
     def stamp(self, node: Any, predicted: float) -> Any:
         """Give ``node``'s own branch the priority of ``predicted``; shared ancestors
@@ -364,19 +422,6 @@ class SessionOrder:
         if not node.children and not node.lock_ref:
             self.cache.order.push(node)
         return top
-
-
-def _surviving(node: Any, top: Any) -> Any:
-    """``node`` while cached; once evicted whole, the deepest node still cached down
-    the single-child chain from ``top`` (its own branch's top when last stamped: an
-    order evicts a path from its leaf up); None when that is gone too."""
-    if node is not None and node.parent is not None:
-        return node
-    if top is None or top.parent is None:
-        return None
-    while len(top.children) == 1:
-        top = next(iter(top.children.values()))
-    return top
 
 
 def _on_path(node: Any, leaf: Any) -> bool:
