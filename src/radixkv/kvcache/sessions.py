@@ -377,18 +377,14 @@ class SessionOrder:
         if base.parent is None and base is not self.cache.root:  # (evicted)
             return None
         x = base.children.get(key)
-        new = set()
-        while left is not None:
-            new.add(id(left))
-            left = left.parent
         while x is not None and x.children:
             kids = list(x.children.values())
-            if len(kids) > 1:
-                kids = [c for c in kids if id(c) not in new]
+            if len(kids) > 1 and left is not None:  # (a fork: the child off the new path)
+                kids = [c for c in kids if not _on_path(c, left)]
             if len(kids) != 1:
                 break
             x = kids[0]
-        return None if x is None or id(x) in new else x
+        return None if x is None or (left is not None and _on_path(x, left)) else x
 
     def _stamp_shared(self, node: Any, predicted: float, now: float) -> None:
         """Give ``node`` and its ancestors, prefixes other sessions may share, the
