@@ -221,6 +221,28 @@ def test_a_left_branch_is_released_after_its_last_node_went():
     assert cache.match_len(prefix + [1] * 8) == 40 and cache.match_len(list(range(500, 508))) == 8
 
 
+def test_a_left_branch_is_told_from_another_sessions_at_the_same_fork():
+    """Another session (B) forked at the same node: of the two children off A's new
+    path, A's left branch is the one holding A's stamp; B's keeps its own."""
+    cache, order, add = _tree_order()
+    prefix = list(range(100, 140))
+    add(prefix)
+    add(prefix + [1] * 8)
+    last = add(prefix + [1] * 8 + [5] * 8)
+    order.started("A", 0.0)
+    order.stopped("A", 1.0, "tool_use", last)
+    b = add(prefix + [3] * 8)
+    order.started("B", 1.5)
+    order.stopped("B", 2.0, "end_turn", b)
+    order.started("A", 4.0)
+    new = add(prefix + [2] * 8)
+    old = last.parent
+    assert len(new.parent.children) == 3
+    cache.evict_leaf(last)
+    order.stopped("A", 5.0, "tool_use", new)
+    assert old.priority == 0 and b.priority == priority_of(2.0 + DEFAULT_GAP_S["end_turn"])
+
+
 def test_a_prefix_left_by_evicted_branches_takes_its_sessions_next_stamp():
     """A and B share a prefix; both their own branches were evicted, the prefix a leaf
     still holding the soonest return stamped below it (A's, 11 s). Once A is overdue

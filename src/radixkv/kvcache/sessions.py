@@ -77,8 +77,8 @@ class _Session:
         self.running = 0  # its requests running now
         self.node: Any = None  # where its last request's cached path ends
         # that path's own branch when last stamped: (the node above it, the key of its
-        # first page there), which a split of the branch keeps
-        self.anchor: tuple[Any, Any] | None = None
+        # first page there, the priority given), which a split of the branch keeps
+        self.anchor: tuple[Any, Any, int] | None = None
         self.gaps: dict[str, deque[float]] = {}
         self.version = 0  # its heap entries older than this are stale
 
@@ -309,7 +309,7 @@ class SessionOrder:
             self._stamp_session(session, predicted, now)
 
     def release(
-        self, node: Any, anchor: tuple[Any, Any] | None = None, left: Any = None
+        self, node: Any, anchor: tuple[Any, Any, int] | None = None, left: Any = None
     ) -> None:
         """A path no session will come back to (its session went on from elsewhere, to
         ``left``, or was forgotten): what is left of its own branch (`_surviving`) goes
@@ -358,29 +358,38 @@ class SessionOrder:
                 self._stamp_shared(base, predicted, now)
             return
         top = self.stamp(node, predicted)
-        s.anchor = None if top is None else (top.parent, self.cache.child_key(top.parent, top))
+        if top is None:
+            s.anchor = None
+        else:
+            s.anchor = (top.parent, self.cache.child_key(top.parent, top), top.priority)
 
-    def _surviving(self, node: Any, anchor: tuple[Any, Any] | None, left: Any = None) -> Any:
+    def _surviving(
+        self, node: Any, anchor: tuple[Any, Any, int] | None, left: Any = None
+    ) -> Any:
         """``node`` while cached; once evicted whole, the deepest node still cached of
         its own branch as last stamped (``anchor``: the node above the branch, the key
-        of the branch's first page there): down the branch's only child at each node,
-        or where the path a session went on with (``left``: the node it ends at now)
-        branched off it, the one child off that path (an order evicts a path from its
-        leaf up; a split leaves a node's head under the same key). None when that is
-        gone too, or (``left``) when nothing of it is off the new path. O(depth x
-        children)."""
+        of the branch's first page there, the priority it gave): down the branch's only
+        child at each node, or where the path a session went on with (``left``: the node
+        it ends at now) branched off it, the one child off that path (of several, the
+        one still holding the stamp it gave: the others are other sessions'). An order
+        evicts a path from its leaf up; a split leaves a node's head under the same key.
+        None when that is gone too, or (``left``) when nothing of it is off the new
+        path. O(depth + children of the forks it passes)."""
         if node is not None and node.parent is not None:
             return node
         if anchor is None:
             return None
-        base, key = anchor
+        base, key, value = anchor
         if base.parent is None and base is not self.cache.root:  # (evicted)
             return None
-        x = base.children.get(key)
+        x, new = base.children.get(key), None
         while x is not None and x.children:
             kids = list(x.children.values())
             if len(kids) > 1 and left is not None:  # (a fork: the child off the new path)
-                kids = [c for c in kids if not _on_path(c, left)]
+                new = new if new is not None else _path_ids(left)
+                kids = [c for c in kids if id(c) not in new]
+                if len(kids) > 1:  # (another session's branch forked here too)
+                    kids = [c for c in kids if c.priority == value]
             if len(kids) != 1:
                 break
             x = kids[0]
@@ -418,6 +427,16 @@ class SessionOrder:
         if not node.children and not node.lock_ref:
             self.cache.order.push(node)
         return top
+
+
+def _path_ids(leaf: Any) -> set[int]:
+    """The ids of ``leaf`` and its ancestors (O(depth)): a fork's many children are each
+    checked in O(1) against the path, not walked up from one by one."""
+    out = set()
+    while leaf is not None:
+        out.add(id(leaf))
+        leaf = leaf.parent
+    return out
 
 
 def _on_path(node: Any, leaf: Any) -> bool:
