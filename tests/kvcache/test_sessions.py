@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixkv.engine.engine import Engine
 from radixkv.engine.request import SamplingParams, SessionTag
@@ -370,3 +372,70 @@ def test_a_prefix_its_sessions_shared_and_left_is_unstamped_once_it_is_a_leaf():
     cache.evict_leaf(a)
     cache.evict_leaf(b)
     assert shared.priority == 0 and not shared.children
+
+
+def _dump(cache) -> dict[tuple[int, ...], int]:
+    """Every cached token's path from the root, with its node's priority."""
+    import numpy as np
+
+    out, stack = {}, [(cache.root, ())]
+    while stack:
+        node, path = stack.pop()
+        if node is not cache.root:
+            for t in np.frombuffer(node.key_bytes, dtype=np.int64).tolist():
+                path = (*path, t)
+                out[path] = node.priority
+        stack.extend((c, path) for c in node.children.values())
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_the_session_order_decides_the_same_however_a_path_is_split_into_nodes(data):
+    """Two trees get the same sessions' turns, ticks and evictions; one caches each path
+    in one insert, the other chunk by chunk (a chain of single-child nodes: how the
+    engine computes a prompt). After every step they hold the same tokens at the same
+    priorities: where an order's stamps land, what it finds of a session's path once
+    part of it was evicted, and when a stale stamp counts as none do not depend on node
+    boundaries (else a replay that computes a prompt in one step would not cache what
+    the server does: `Scheduler.prefill_run`)."""
+    from radixkv import RadixCache, RadixKey
+    from radixkv.kvcache.sessions import SessionOrder
+
+    trees = []
+    for _ in range(2):
+        cache = RadixCache(page_size=1, eviction_policy="session", precise=True)
+        trees.append((cache, SessionOrder(cache)))
+    history = {s: list(range(1, 9)) for s in range(4)}  # a shared system prompt first
+    now, fresh = 0.0, iter(range(100, 10**6))
+    for _ in range(data.draw(st.integers(4, 24))):
+        op = data.draw(st.sampled_from(["turn", "turn", "tick", "evict"]))
+        if op == "turn":
+            s = data.draw(st.integers(0, 3))
+            h = history[s]
+            if data.draw(st.booleans()) and len(h) > 9:  # its next prompt forks below
+                h = history[s] = h[: data.draw(st.integers(8, len(h) - 1))]
+            if data.draw(st.integers(0, 4)) == 0:  # a sub-agent: another's history
+                h = history[s] = list(history[data.draw(st.integers(0, 3))])
+            h += [next(fresh) for _ in range(data.draw(st.integers(1, 30)))]
+            stop = data.draw(st.sampled_from(["tool_use", "end_turn"]))
+            for i, (cache, order) in enumerate(trees):
+                order.tick(now)
+                order.started(s, now)
+                hit = cache.match_len(RadixKey(h))
+                for end in range(hit + 4, len(h), 4) if i else ():  # chunk by chunk
+                    cache.insert(RadixKey(h[:end]))
+                cache.insert(RadixKey(h))
+                node = cache.match_prefix(RadixKey(h)).last_node
+                order.stopped(s, now + 0.5, stop, node)
+            now += 1.0
+        elif op == "tick":
+            now += data.draw(st.sampled_from([1.0, 5.0, 20.0, 700.0]))
+            for _, order in trees:
+                order.tick(now)
+        else:
+            n = data.draw(st.integers(1, 40))
+            for cache, order in trees:
+                order.tick(now)
+                cache.evict(n)
+        assert _dump(trees[0][0]) == _dump(trees[1][0])

@@ -31,6 +31,13 @@ its next stamp lands on what is left of its branch, and, the branch gone, on the
 it shared (a return already past there is replaced). A branch is found again after its
 nodes were split or its last one evicted from where it hangs (the node above it and its
 first page's key), not from node objects a split may have left below.
+What the order decides does not depend on how a path is split into nodes (cached in one
+insert, or chunk by chunk as the engine computes a prompt: a chain of single-child
+nodes). A session's end and the node its branch hangs from follow their unbranched run
+up when evicted, as a trim of one node would keep them (`_Places`), and a stale stamp on
+a leaf an eviction leaves counts as none within that eviction and goes, with the rest
+of its run's (tests/kvcache/test_sessions.py: two trees, the same steps, the same tokens
+at the same priorities; so a replay may compute a prompt at once).
 
 Complexity: `SessionClock.stopped` O(log sessions) (a heap of predictions, stale entries
 dropped lazily), `SessionOrder.stamp` O(depth of the session's branch), `SessionOrder.tick`
@@ -98,8 +105,8 @@ class SessionClock:
         self.sessions: dict[Any, _Session] = {}
         self._due: list[tuple[float, int, Any]] = []  # (predicted, version, session)
         self.running = 0  # sessions with a request running (the rest wait: a metric)
-        # (last node, its branch's anchor) of the sessions forgotten since last read
-        self.forgotten: list[tuple[Any, Any]] = []
+        # (key, session) of the sessions forgotten since last read
+        self.forgotten: list[tuple[Any, _Session]] = []
 
     def started(self, session: Any, now: float) -> None:
         """A request of ``session`` arrived: the gap since its last answer is recorded
@@ -146,11 +153,11 @@ class SessionClock:
             self._forget(idle)
 
     def _forget(self, session: Any) -> None:
-        """Forget a session; its last path's node waits in ``forgotten`` for the
-        caller (`SessionOrder` releases its stamp)."""
+        """Forget a session; it waits in ``forgotten`` for the caller (`SessionOrder`
+        releases its stamp)."""
         s = self.sessions.pop(session)
-        if s.node is not None:
-            self.forgotten.append((s.node, s.anchor))
+        if s.node is not None or s.anchor is not None:
+            self.forgotten.append((session, s))
 
     def typical(self, session: Any, stop: str) -> float:
         """The session's median gap after ``stop`` so far (seconds)."""
@@ -226,18 +233,113 @@ class EvictionReasons(TreeComponent):
                 back = predicted_of(node.priority)
                 reason = "back_within_1m" if back - self.now <= SOON_S else "back_later"
             self.tokens[reason] += units  # (a unit is a token: pages are whole units)
+        if trim:  # (a leaf too: what one node's eviction would leave of a chain's)
+            self._unstamp_stale([trim[0]])
 
     def _unstamp_stale(self, parents: list[Any]) -> None:
-        """A parent left a leaf by the eviction, its stamp a return already past: no live
-        session's (each overdue one was stamped again at the last tick, its own branch
-        with it), so it is a prefix its sessions shared and left (a shared ancestor keeps
-        the soonest return ever stamped below it). Back to 0, as a path no session owns."""
+        """A parent left a leaf by the eviction (or a leaf it trimmed), its stamp a return
+        already past: no live session's (each overdue one was stamped again at the last
+        tick, its own branch with it), so it is a prefix its sessions shared and left (a
+        shared ancestor keeps the soonest return ever stamped below it). Back to 0, as a
+        path no session owns, and so is the rest of its unbranched run that holds such a
+        stamp (the same path, were it one node). An eviction choosing a node's children
+        keys it so already (`SessionOrder._uncovered_key`)."""
         for x in parents:
             if (x is not None and x.parent is not None and x.priority and not x.children
                     and predicted_of(x.priority) < self.now):  # fmt: skip
                 x.priority = 0
                 if not x.lock_ref:
                     self.cache.order.push(x)
+                y = x.parent  # (not leaves: nothing to index again)
+                while (y.parent is not None and len(y.children) == 1 and y.priority
+                       and predicted_of(y.priority) < self.now):  # fmt: skip
+                    y.priority, y = 0, y.parent
+
+
+class _Places(TreeComponent):
+    """Where each session's path ends (`_Session.node`) and where its own branch hangs
+    (the node of `_Session.anchor`), kept through the tree's changes as a trim of one
+    node keeps them, however a path is split into nodes (a prompt computed chunk by
+    chunk is a chain of single-child nodes; computed at once, one node). A node evicted
+    whole (or detached) hands its sessions to its parent while that parent has no other
+    child (the same unbranched run: one node's trim would have kept the place); past a
+    fork or at the root the place is gone (the node stays the dead one). A node merged
+    into a leaf hands them to that leaf. A moved anchor names no child below (its branch
+    is gone). O(victims) an eviction; two entries per session at most."""
+
+    name = "session_places"
+
+    def __init__(self, sessions: dict[Any, _Session]) -> None:
+        self.sessions = sessions  # the clock's: key -> session
+        self.ends: dict[Any, set[Any]] = {}  # node -> keys of the sessions ending there
+        self.bases: dict[Any, set[Any]] = {}  # node -> keys of the sessions hanging there
+        self._moves: list[tuple[Any, Any]] = []  # (victim, the place it hands on, or None)
+
+    def end(self, key: Any, s: _Session, node: Any) -> None:
+        """``s.node`` = ``node``, and the map with it."""
+        _regroup(self.ends, key, s.node, node)
+        s.node = node
+
+    def hang(self, key: Any, s: _Session, anchor: tuple[Any, Any, int] | None) -> None:
+        """``s.anchor`` = ``anchor``, and the map with it."""
+        _regroup(self.bases, key, s.anchor[0] if s.anchor else None,
+                 anchor[0] if anchor else None)  # fmt: skip
+        s.anchor = anchor
+
+    def forget(self, key: Any, s: _Session) -> None:
+        self.end(key, s, None)
+        self.hang(key, s, None)
+
+    def evicting(self, victims: list[Any], trim: tuple[Any, int] | None, slots: Any) -> None:
+        gone = {id(v) for v in victims}
+        self._moves = []  # (a retry computes them again)
+        for v in victims:
+            if v in self.ends or v in self.bases:
+                x, up = v, None
+                while (p := x.parent) is not None and p.parent is not None and len(p.children) == 1:
+                    if id(p) not in gone:
+                        up = p
+                        break
+                    x = p
+                self._moves.append((v, up))
+
+    def evicted(self, victims: list[Any], trim: tuple[Any, int] | None) -> None:
+        for v, up in self._moves:
+            self._move(v, up)
+        self._moves = []
+
+    def merge(self, leaf: Any, parent: Any) -> None:
+        self._move(parent, leaf)
+
+    def detached(self, node: Any, parent: Any) -> None:
+        alone = parent.parent is not None and not parent.children
+        self._move(node, parent if alone else None)
+
+    def reset(self) -> None:
+        self.ends.clear()
+        self.bases.clear()
+
+    def _move(self, node: Any, to: Any) -> None:
+        for key in self.ends.pop(node, ()):
+            s = self.sessions.get(key)
+            if to is not None and s is not None and s.node is node:
+                self.ends.setdefault(to, set()).add(key)
+                s.node = to
+        for key in self.bases.pop(node, ()):
+            s = self.sessions.get(key)
+            if to is not None and s is not None and s.anchor and s.anchor[0] is node:
+                self.bases.setdefault(to, set()).add(key)
+                s.anchor = (to, None, s.anchor[2])
+
+
+def _regroup(groups: dict[Any, set[Any]], key: Any, old: Any, new: Any) -> None:
+    """Move ``key`` from ``groups[old]`` to ``groups[new]`` (None: none)."""
+    if old is not None and old in groups:
+        groups[old].discard(key)
+        if not groups[old]:
+            del groups[old]
+    if new is not None:
+        groups.setdefault(new, set()).add(key)
 
 
 class SessionOrder:
@@ -248,7 +350,9 @@ class SessionOrder:
         self.cache, self.clock = cache, SessionClock()
         self.reasons = EvictionReasons()
         cache.add_component(self.reasons)
-        self._ends: dict[Any, Any] = {}  # a session's last node -> the session
+        cache.order.uncovered_key = self._uncovered_key
+        self.places = _Places(self.clock.sessions)
+        cache.add_component(self.places)
         self._anonymous = itertools.count()
 
     def started(self, session: Any, now: float) -> None:
@@ -264,7 +368,8 @@ class SessionOrder:
         node, key = req.last_node, None
         if node is not None and node.parent is not None:
             near = (node, *node.children.values()) if len(node.children) == 1 else (node,)
-            live = [self._ends[x] for x in near if self._ends.get(x) in self.clock.sessions]
+            ends = self.places.ends
+            live = [k for x in near for k in ends.get(x, ()) if k in self.clock.sessions]
             if live:  # (the latest answer among them)
                 key = max(live, key=lambda k: self.clock.sessions[k].end)
         if key is None:
@@ -274,9 +379,9 @@ class SessionOrder:
 
     def _release_forgotten(self) -> None:
         while self.clock.forgotten:
-            node, anchor = self.clock.forgotten.pop()
-            self._ends.pop(node, None)
-            self.release(node, anchor)
+            key, s = self.clock.forgotten.pop()
+            self.release(s.node, s.anchor)
+            self.places.forget(key, s)
 
     def requests_stopped(self, reqs: Any, now: float) -> None:
         """Requests that left (``session``: a `SessionTag` or None; ``final_node``, their
@@ -298,11 +403,11 @@ class SessionOrder:
     def stopped(self, session: Any, now: float, stop: str, node: Any) -> None:
         s = self.clock.sessions.get(session)
         before = (s.node, s.anchor) if s is not None else (None, None)
-        predicted = self.clock.stopped(session, now, stop, node)
+        predicted = self.clock.stopped(session, now, stop, None)
         self._release_forgotten()
-        if node is not None and node is not before[0]:  # where a tagless follow-up lands
-            self._ends.pop(before[0], None)
-            self._ends[node] = session
+        s = self.clock.sessions[session]
+        if node is not None:  # (where a tagless follow-up lands, too)
+            self.places.end(session, s, node)
         if before[0] is not None and node is not None and not _on_path(before[0], node):
             self.release(*before, node)  # the session left that path (went on elsewhere)
         if node is not None and self.clock.sessions[session].running == 0:
@@ -330,6 +435,14 @@ class SessionOrder:
         if not node.children and not node.lock_ref:
             self.cache.order.push(node)
 
+    def _uncovered_key(self, node: Any) -> tuple[int, int, int]:
+        """The eviction key of a parent whose children an eviction takes: a stale stamp
+        there counts as none (priority 0), as `EvictionReasons` leaves it once they went,
+        within the same eviction (so taking a prompt's room at once or chunk by chunk
+        takes the same victims)."""
+        stale = node.priority and predicted_of(node.priority) < self.reasons.now
+        return (0 if stale else node.priority, node.last_access, node.id)
+
     def tick(self, now: float) -> None:
         self.reasons.now = now
         for due in self.clock.due(now):
@@ -347,21 +460,17 @@ class SessionOrder:
         if s is None:
             return
         node = self._surviving(s.node, s.anchor)
-        if node is not s.node:  # (a tagless follow-up lands where the path survives)
-            self._ends.pop(s.node, None)
-            if node is not None:
-                self._ends[node] = session
-        s.node = node
+        self.places.end(session, s, node)  # (a tagless follow-up lands where it survives)
         if node is None:  # its own branch is gone: a prefix it shared may be left
             base = s.anchor[0] if s.anchor is not None else None
             if base is not None and base.parent is not None:
                 self._stamp_shared(base, predicted, now)
             return
         top = self.stamp(node, predicted)
-        if top is None:
-            s.anchor = None
-        else:
-            s.anchor = (top.parent, self.cache.child_key(top.parent, top), top.priority)
+        anchor = None
+        if top is not None:
+            anchor = (top.parent, self.cache.child_key(top.parent, top), top.priority)
+        self.places.hang(session, s, anchor)
 
     def _surviving(
         self, node: Any, anchor: tuple[Any, Any, int] | None, left: Any = None

@@ -103,6 +103,11 @@ class EvictionOrder:
 
     def __init__(self, policy_key: Callable[[TreeNode], Any], num_nodes: Callable[[], int]):
         self.policy_key = policy_key
+        # the key of a parent whose children a choice takes (it is a leaf once they go):
+        # an order whose key becoming a leaf changes sets it (the session order's: a
+        # stale stamp counts as none), so one choice of many victims takes what the
+        # same victims chosen a few at a time would
+        self.uncovered_key = policy_key
         self._num_nodes = num_nodes
         self.clear()
 
@@ -156,7 +161,7 @@ class EvictionOrder:
         index entries taken, and the parents that become leaves once their children go
         (``uncovered``)."""
         heap, run, pop, push = self._heap, self._run, heapq.heappop, heapq.heappush
-        policy_key = self.policy_key
+        policy_key = self.uncovered_key
         popped: list[Any] = []
         uncovered: list[Any] = []
         gone: dict[TreeNode, int] = {}  # parent -> its children chosen as victims
