@@ -485,3 +485,63 @@ def test_a_replayed_session_stops_as_its_trace_says_at_the_traces_time():
         s = engine.sessions.clock.sessions[repr(r.session)]
         assert (s.end, s.stop) == (7.0 + i, r.stop)
     assert engine.cache.total_size() == 6 + 3 - 1  # prompt and answer, but the EOS
+
+
+def _agents(vocab: int, page: int, seed: int = 7) -> traces.Trace:
+    """Six agent sessions behind one system prompt, five calls each: a call resends the
+    session's last prompt and answer (at times cut short, as Claude Code drops an
+    answer's thinking: the next prompt forks below the last path) and a tool's result,
+    prompts 100-500 tokens (many chunks); stops drawn (``tool_use`` back in seconds,
+    ``end_turn`` in minutes), so sessions' stamps come due and go stale."""
+    import random
+
+    g = random.Random(seed)
+    system = [g.randrange(3, vocab) for _ in range(96)]
+    reqs = []
+    for s in range(6):
+        t, history = g.uniform(0, 20), list(system)
+        for _ in range(5):
+            history += [g.randrange(3, vocab) for _ in range(g.randrange(20, 90))]
+            out = [g.randrange(3, vocab) for _ in range(g.randrange(5, 30))]
+            stop = g.choice(("tool_use", "tool_use", "end_turn"))
+            reqs.append(traces.SimRequest(
+                [], 0, len(history), timestamp=round(t * 1000), output_tokens=len(out),
+                prompt_ids=array("q", history), output_ids=array("q", out),
+                session=(s,), stop=stop, duration_ms=1000.0))  # fmt: skip
+            if s < 2 and g.random() < 0.5:  # two sub-agents on the history so far
+                task = [g.randrange(3, vocab) for _ in range(40)]
+                for k in range(2):
+                    own = history + task + [g.randrange(3, vocab) for _ in range(12)]
+                    reqs.append(traces.SimRequest(
+                        [], 0, len(own), timestamp=round(t * 1000) + 1, output_tokens=8,
+                        prompt_ids=array("q", own), output_ids=array("q", own[:8]),
+                        session=(s, len(reqs), k), stop="tool_use", duration_ms=500.0))  # fmt: skip
+            t += 1 + (g.uniform(1, 5) if stop == "tool_use" else g.uniform(30, 120))
+            history += out if g.random() < 0.5 else out[: len(out) // 2]
+    reqs.sort(key=lambda r: r.timestamp)
+    return traces.Trace("agents", page, reqs)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "session"])
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_prompt_computed_in_one_step_caches_what_its_chunks_do(eviction, concurrency):
+    """A replay computes a prompt running alone in one step where its chunks decide
+    nothing (`Scheduler.prefill_run`: full attention, no waiting request it could let
+    in); under pressure, with the default order and the session order (whose stale
+    stamps must not depend on how a path is split into nodes: a prompt computed chunk by
+    chunk is a chain of them), each request caches exactly what it does one chunk and one
+    token a step, and the engine holds the same bytes, in far fewer steps."""
+    trace = _agents(400, 4)
+    model = SpecModel(ModelSpec("full", 2, 64), 400)
+    cfg = EngineConfig(page_size=4, chunk_size=16, eviction_policy=eviction,
+                       dtype=SPEC_DTYPE, check_memory=True)  # fmt: skip
+    budget = 800 * 2 * 64  # tokens x bytes a token: the longest call and little more
+    one = replay_serve(trace, model, budget, cfg, concurrency=concurrency, runs=False)
+    run = replay_serve(trace, model, budget, cfg, concurrency=concurrency)
+    assert 0 < one.hit_tokens < one.prompt_tokens and not one.refused
+    assert run.cached == one.cached
+    assert (run.preemptions, run.mean_bytes) == (one.preemptions, one.mean_bytes)
+    roomy = replay_serve(trace, model, 8 * budget, cfg, concurrency=concurrency)
+    assert roomy.hit_tokens > one.hit_tokens  # (the budget evicts)
+    assert run.steps < one.steps * (0.5 if eviction == "lru" else 0.8)  # (a session's
+    # answer stops on EOS, so it decodes a token a step: no decode runs there)

@@ -503,7 +503,7 @@ class Engine:
         if self.sessions is not None:  # sessions away longer than predicted: stamped again
             self.sessions.tick(self.clock())
         self._run_ahead()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self.runner.knows_ahead)
         inputs = self.mgr.step_inputs(plan)  # each cache manager's part (snapshots)
         logits = self.runner.forward(plan, self.mgr.req_pool, inputs) if plan else None
         outputs = self._process(plan, logits)

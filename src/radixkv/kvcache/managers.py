@@ -35,10 +35,11 @@ nothing):
     release(req)            it leaves (finished, preempted, aborted): free what it owns
     check(running)          its invariants, with ``running`` the lifecycle's rows
 
-Two flags say how a manager bends the lifecycle's own steps: ``reads_path`` (it reads
+Three flags say how a manager bends the lifecycle's own steps: ``reads_path`` (it reads
 the tree's slots on a request's locked path across an insert, so the old end stays
-locked until the new one is) and ``marks_ends`` (an insert stops at each of a request's
-boundaries and tells it, `boundary`, so it can keep what a match ending there needs).
+locked until the new one is), ``marks_ends`` (an insert stops at each of a request's
+boundaries and tells it, `boundary`, so it can keep what a match ending there needs) and
+``chunk_bound`` (where a prompt's chunks end decides something of its own).
 `join` checks, once, that the manager fits the lifecycle's tree and row table.
 
 What the engine reports of a manager, each a hook too (the engine names no layer type):
@@ -81,6 +82,10 @@ class LayerManager:
     # whether the tree may merge an insert into another request's finished leaf (LRU's
     # chain merging): not where a windowed insert (full KV first) would drop its window
     allows_merge = True
+    # where a prompt's chunks end decides something of its own (a window slides, a
+    # snapshot is taken), so a replay may not compute a prompt's chunks as one
+    # (`radixkv.engine.scheduler.Scheduler.prefill_run`)
+    chunk_bound = True
 
     def publish(self, sink: Any) -> bool:
         """KV events are on: True when this manager tells ``sink`` what is servable
