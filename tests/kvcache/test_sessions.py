@@ -297,6 +297,11 @@ def test_a_forgotten_session_releases_its_path(monkeypatch):
         order.stopped(name, float(i) + 0.5, "end_turn", nodes[-1])
     assert "A" not in order.clock.sessions
     assert nodes[0].priority == 0 and nodes[1].priority > 0 and nodes[2].priority > 0
+    # where its path ended and its branch hung are forgotten with it (the maps hold two
+    # entries a session at most)
+    places = order.places
+    held = [k for group in (*places.ends.values(), *places.bases.values()) for k in group]
+    assert sorted(held) == ["B", "B", "C", "C"]
 
 
 @pytest.mark.parametrize("policy", ["session", "lru"])
