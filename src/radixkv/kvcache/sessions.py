@@ -291,17 +291,17 @@ class _Places(TreeComponent):
         self.hang(key, s, None)
 
     def evicting(self, victims: list[Any], trim: tuple[Any, int] | None, slots: Any) -> None:
-        gone = {id(v) for v in victims}
         self._moves = []  # (a retry computes them again)
-        for v in victims:
-            if v in self.ends or v in self.bases:
-                x, up = v, None
-                while (p := x.parent) is not None and p.parent is not None and len(p.children) == 1:
-                    if id(p) not in gone:
-                        up = p
-                        break
-                    x = p
-                self._moves.append((v, up))
+        placed = [v for v in victims if v in self.ends or v in self.bases]
+        gone = {id(v) for v in victims} if placed else set()  # (most evictions: none)
+        for v in placed:
+            x, up = v, None
+            while (p := x.parent) is not None and p.parent is not None and len(p.children) == 1:
+                if id(p) not in gone:
+                    up = p
+                    break
+                x = p
+            self._moves.append((v, up))
 
     def evicted(self, victims: list[Any], trim: tuple[Any, int] | None) -> None:
         for v, up in self._moves:
@@ -435,13 +435,15 @@ class SessionOrder:
         if not node.children and not node.lock_ref:
             self.cache.order.push(node)
 
-    def _uncovered_key(self, node: Any) -> tuple[int, int, int]:
+    def _uncovered_key(self, node: Any) -> tuple[Any, ...]:
         """The eviction key of a parent whose children an eviction takes: a stale stamp
         there counts as none (priority 0), as `EvictionReasons` leaves it once they went,
         within the same eviction (so taking a prompt's room at once or chunk by chunk
         takes the same victims)."""
-        stale = node.priority and predicted_of(node.priority) < self.reasons.now
-        return (0 if stale else node.priority, node.last_access, node.id)
+        key = self.cache.order.policy_key(node)  # (priority, then the tie-breaks)
+        if node.priority and predicted_of(node.priority) < self.reasons.now:
+            return (0, *key[1:])
+        return key
 
     def tick(self, now: float) -> None:
         self.reasons.now = now
