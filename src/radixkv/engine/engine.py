@@ -567,7 +567,7 @@ class Engine:
             elif was_prefill:
                 computed.append(r)
             outputs.append(self.outputs.output(r))
-        self.mgr.cache_unfinished_batch(computed)
+        self.mgr.cache_unfinished_batch(computed, self.scheduler.last_run)
         self.scheduler.finish(finished)
         if self.sessions is not None:  # (after the inserts: where each path ends is known)
             self.sessions.requests_stopped(finished, self.clock())

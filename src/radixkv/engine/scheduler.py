@@ -92,6 +92,8 @@ class Scheduler:
         self.preemptions = 0
         self.queried_tokens = 0  # prompt tokens looked up at first admission
         self.hit_tokens = 0  # of which served from the cache
+        # this step's prefill run, inserted chunk by chunk: (request, start, chunk)
+        self.last_run: tuple[EngineReq, int, int] | None = None
         self.prefetch, self.on_admit, self.relieve = hooks
 
     def max_tokens(self) -> int:
@@ -146,26 +148,41 @@ class Scheduler:
         """Admit, then plan this step's batch (allocating its slots). ``runs``: the
         runner knows the tokens ahead (a replay's), so a prompt may take a run of its
         chunks in one step (`prefill_run`)."""
+        self.last_run = None
         self._admit()
         return self._plan(self.prefill_run() if runs else self.config.chunk_size)
 
     def prefill_run(self) -> int:
-        """This step's prefill token budget: ``chunk_size``, or all a prompt has left where
-        computing it in one step decides what its chunk steps would. That holds while it
-        runs alone and no waiting request could be admitted (so no chunk boundary admits
-        or preempts anyone), no layer manager is bound to where chunks end
-        (`CacheManager.chunk_bound`: only full attention), and its rest fits what can be
-        had now (free + evictable; each chunk would evict in the same order, the same
-        victims in all). Fewer steps to the same cache, request for request
-        (tests/sim/test_serve_replay.py). O(1)."""
+        """This step's prefill token budget: ``chunk_size``, or a run of a prompt's chunks
+        where computing them in one step decides what its chunk steps would. That holds
+        while it runs alone and no waiting request could be admitted (so no chunk
+        boundary admits or preempts anyone), none of the run's tokens is in the tree
+        already (a chunk that is gives its own slots back when inserted, so the next
+        chunk's come from them), no layer manager decides something where a chunk inside
+        the run ends (`CacheManager.prefill_run`: full attention never; a window slides
+        at every chunk's end; a recurrent state only where it is snapshotted or passes
+        its own checkpoint; the prompt's last chunk, which samples, is a step of its own),
+        and the run fits what it may take now (`CacheManager.run_room`:
+        free + evictable where its chunks would evict in the same order, the same
+        victims in all; free alone where they may not). The run is inserted chunk by
+        chunk (``last_run``, `CacheManager.cache_unfinished_batch`). Fewer steps
+        to the same cache, request for request (tests/sim/test_serve_replay.py).
+        O(1) but a walk of the tree along the prompt."""
         budget = self.config.chunk_size
         if len(self.running) != 1 or (self.waiting and self.config.max_running > 1):
             return budget
         r = self.running[0]
         rest = r.num_tokens - r.kv_len
-        if not r.prefilling or rest <= budget or self.mgr.chunk_bound:
+        if not r.prefilling or rest <= budget:
             return budget
-        return rest if rest <= self.mgr.available_tokens() else budget
+        run = min(rest - 1, self.mgr.prefill_run(r, budget) or rest)
+        run -= run % budget  # (whole chunks, the last one alone: it samples)
+        if run <= budget or run > self.mgr.run_room():
+            return budget
+        if self.mgr.cache.match_len(RadixKey(r.token_array(), r.extra_key), full=True) > r.kv_len:
+            return budget
+        self.last_run = (r, r.kv_len, budget)
+        return run
 
     def steady_run(self) -> int:
         """How many tokens every running request can decode in one step while deciding

@@ -170,7 +170,6 @@ class CacheManager:
         # the old end stays locked across an insert while a manager reads the path
         self._late_unlock = any(m.reads_path for m in managers)
         self._marks = [m for m in managers if m.marks_ends]
-        self.chunk_bound = any(m.chunk_bound for m in managers)  # (`LayerManager`)
         self.running: dict[int, Req] = {}  # row -> request
         self.evicted_tokens = 0  # evicted to make room, since the start
         self.room = room
@@ -189,6 +188,13 @@ class CacheManager:
         """Every manager has room for the request's first ``chunk`` tokens after a hit
         of ``hit`` (each reserves it for this round)."""
         return all(m.reserve(req, hit, chunk) for m in self.managers)
+
+    def prefill_run(self, req: Req, chunk: int) -> int | None:
+        """How many of the prefilling request's next tokens one step may compute where
+        its ``chunk``-token steps would decide the same for every manager (the least
+        they say, `LayerManager.prefill_run`; None: any number)."""
+        runs = [n for m in self.managers if (n := m.prefill_run(req, chunk)) is not None]
+        return min(runs) if runs else None
 
     def step_inputs(self, plan: Sequence[tuple[Req, int]]) -> dict[str, list]:
         """What the model needs of each manager for the step ``plan``, by kind."""
@@ -237,6 +243,23 @@ class CacheManager:
         if self.room is not None:
             return self.room.available(self.allocator)
         return self.allocator.available_size() + self.cache.evictable_size()
+
+    def run_room(self) -> int:
+        """Slots a prefill run may take in one step deciding what its chunks would
+        (`radixkv.engine.scheduler.Scheduler.prefill_run`): what can be had now where
+        asking eviction for a run's slots at once frees what asking chunk by chunk
+        would (the tree's order); the free ones alone under one budget with
+        checkpoints (`_rounds`)."""
+        return self.allocator.available_size() if self._rounds() else self.available_tokens()
+
+    def _rounds(self) -> bool:
+        """One budget over checkpoints evicts in rounds that read node ends and the
+        leaves as each round starts (`HybridBudget`: a dead tail per leaf node, a dead
+        parent a round uncovers waiting for the next round), so one ask for a run's
+        slots may free other victims than its chunks' asks, and a chain of chunk nodes
+        other victims than one node: chunk steps and a run evict alike where nothing is
+        evicted during the run and the tree is split where the chunks would split it."""
+        return self.room is not None and self.room.budget.state is not None
 
     def drop_held_checkpoint(self) -> bool:
         """With one arena, drop the least recently used checkpoint held, a locked one
@@ -552,13 +575,25 @@ class CacheManager:
         if error is not None:
             raise error
 
-    def cache_unfinished_batch(self, reqs: Sequence[Req]) -> None:
+    def cache_unfinished_batch(
+        self, reqs: Sequence[Req], run: tuple[Req, int, int] | None = None
+    ) -> None:
         """`cache_unfinished_req` for every request of a step; the duplicates they free go
-        to the allocator in one call."""
+        to the allocator in one call. ``run``: ``(req, start, chunk)``, ``req`` computed
+        a run of ``chunk``-token chunks from ``start`` this step (a replay's,
+        `radixkv.engine.scheduler.Scheduler.prefill_run`): under one budget over
+        checkpoints (`_rounds`) it is inserted chunk by chunk, as its chunk steps would
+        insert it (the same nodes, merges and boundaries); elsewhere the tree's own order
+        evicts the same whatever its node ends (tests/sim/test_serve_replay.py)."""
         for req in reqs:
             self._require_admitted(req, "cache_unfinished_batch")
         with self.allocator.free_group():
             for req in reqs:
+                if run is not None and run[0] is req and self._rounds():
+                    limit = req.cache_limit
+                    for end in range(run[1] + run[2], req.kv_len, run[2]):
+                        self._insert_marked(req, self._key(req, end if limit is None
+                                                           else min(end, limit)))  # fmt: skip
                 self._insert_marked(req)
         for req in reqs:
             self._cached(req, req.cache_protected_len)

@@ -35,11 +35,12 @@ nothing):
     release(req)            it leaves (finished, preempted, aborted): free what it owns
     check(running)          its invariants, with ``running`` the lifecycle's rows
 
-Three flags say how a manager bends the lifecycle's own steps: ``reads_path`` (it reads
-the tree's slots on a request's locked path across an insert, so the old end stays
-locked until the new one is), ``marks_ends`` (an insert stops at each of a request's
-boundaries and tells it, `boundary`, so it can keep what a match ending there needs) and
-``chunk_bound`` (where a prompt's chunks end decides something of its own).
+Two flags and a hook say how a manager bends the lifecycle's own steps: ``reads_path``
+(it reads the tree's slots on a request's locked path across an insert, so the old end
+stays locked until the new one is), ``marks_ends`` (an insert stops at each of a
+request's boundaries and tells it, `boundary`, so it can keep what a match ending there
+needs) and `prefill_run` (how far a replay's prompt may run in one step before a chunk's
+end decides something of its own).
 `join` checks, once, that the manager fits the lifecycle's tree and row table.
 
 What the engine reports of a manager, each a hook too (the engine names no layer type):
@@ -82,10 +83,6 @@ class LayerManager:
     # whether the tree may merge an insert into another request's finished leaf (LRU's
     # chain merging): not where a windowed insert (full KV first) would drop its window
     allows_merge = True
-    # where a prompt's chunks end decides something of its own (a window slides, a
-    # snapshot is taken), so a replay may not compute a prompt's chunks as one
-    # (`radixkv.engine.scheduler.Scheduler.prefill_run`)
-    chunk_bound = True
 
     def publish(self, sink: Any) -> bool:
         """KV events are on: True when this manager tells ``sink`` what is servable
@@ -159,6 +156,14 @@ class LayerManager:
 
     def unallocate(self, rows: np.ndarray, kv: np.ndarray, counts: np.ndarray) -> None:
         """Undo the last `allocate` of these (the full slots could not be had)."""
+
+    def prefill_run(self, req: Req, chunk: int) -> int | None:
+        """How many of the prefilling request's next tokens one step may compute where
+        its ``chunk``-token steps would decide the same of this manager's part (a
+        replay's, `radixkv.engine.scheduler.Scheduler.prefill_run`): a multiple of
+        ``chunk``, or None (any number: nothing of its own happens where a chunk ends).
+        By default one chunk (a window slides where a chunk ends)."""
+        return chunk
 
     def forward(self, plan: Sequence[tuple[Req, int]]) -> list:
         """What the model needs of this manager for the step ``plan``."""

@@ -65,7 +65,7 @@ from radixkv.kvcache.managers import LayerManager
 from radixkv.kvcache.recurrent.component import SUPERSEDABLE, Checkpoint, StateCheckpoints
 from radixkv.kvcache.recurrent.pool import StatePool
 from radixkv.tree import RadixCache
-from radixkv.units import align_down
+from radixkv.units import align_down, div_ceil
 
 if TYPE_CHECKING:
     from radixkv.kvcache.lifecycle import Req
@@ -298,6 +298,22 @@ class RecurrentStates(LayerManager):
         if snaps is None:
             snaps = self.running[id(r)] = _Snapshots()
         return snaps
+
+    def prefill_run(self, r: Req, chunk: int) -> int | None:
+        """Up to the end of the first chunk where a snapshot is taken (`forward`: a
+        planned position) or a checkpoint of its own is passed (a page past it): each
+        happens after that chunk's slots are had, before the next chunk's, so a run may
+        end there but not go on past it. One chunk while a snapshot waits to be kept (a
+        step's end keeps it once the tree holds its prefix). None: no snapshot ahead."""
+        snaps = self.running.get(id(r))
+        if snaps is None:
+            return None
+        if snaps.rows:
+            return chunk
+        page, start = self.component.cache.page_size, r.kv_len
+        ahead = [p - start for p, _ in snaps.plan if p > start]
+        ahead += [max(p + page - start, 1) for p, _ in snaps.ends]
+        return div_ceil(min(ahead), chunk) * chunk if ahead else None
 
     def forward(self, plan: Sequence[tuple[Req, int]]) -> list[tuple[int, int, int]]:
         """The step's snapshots: ``(index in plan, new tokens before it, row)`` for each
