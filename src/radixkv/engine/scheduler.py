@@ -187,27 +187,39 @@ class Scheduler:
     def steady_run(self) -> int:
         """How many tokens every running request can decode in one step while deciding
         nothing that one-token steps would not (1: no run now). It holds while no
-        waiting request could be admitted and none is prefilling, and each request
-        decodes its next tokens into the page it has begun: no page to allocate, nothing
-        to evict, the windows and checkpoints moving only on page boundaries (so the
-        last token of a run may end a page, as the last of those steps would). Only
-        its token budget may stop a request (no end-of-sequence, stop strings or
-        logprobs), so the run ends where the first of them reaches its budget or its
-        page's end. A runner that knows the tokens ahead (a replay's) decodes it at
-        once: fewer steps to the same cache, request for request
-        (tests/sim/test_serve_replay.py). O(running)."""
+        waiting request could be admitted and none is prefilling, and only its token
+        budget may stop a request (no end-of-sequence, stop strings or logprobs), so
+        the run ends where the first of them reaches its budget, and either (1) each
+        request decodes into the page it has begun: nothing to allocate or evict, the
+        windows and checkpoints moving only on page boundaries (so the last token of a
+        run may end a page, as the last of those steps would); or (2) with no layer
+        manager bound to every page boundary (`CacheManager.crosses_pages`: a window
+        trims at each, a recurrent state's decode snapshot is rewritten in place), the
+        requests' pages end together and the run ends on a page boundary, its pages
+        fitting what a run may take (`CacheManager.run_room`). A runner that knows the
+        tokens ahead (a replay's) decodes it at once: fewer steps to the same cache,
+        request for request (tests/sim/test_serve_replay.py). O(running)."""
         if not self.running or (self.waiting and len(self.running) < self.config.max_running):
             return 1
         p = self.mgr.allocator.page_size
-        run = p
+        inpage, left, fills = p, [], set()
         for r in self.running:
             s, at = r.sampling, r.kv_len % p
-            if (r.num_tokens - r.kv_len != 1 or r.prefilling or not at
-                    or r.kv_len <= r.cache_protected_len or s.stop or not s.ignore_eos
+            if (r.num_tokens - r.kv_len != 1 or r.prefilling or s.stop or not s.ignore_eos
                     or s.logprobs is not None):  # fmt: skip
                 return 1
-            run = min(run, p - at, s.max_new_tokens - len(r.output_ids))
-        return max(run, 1)
+            own = at and r.kv_len > r.cache_protected_len  # (a page of its own begun)
+            inpage = min(inpage, p - at) if own else 0
+            left.append(s.max_new_tokens - len(r.output_ids))
+            fills.add(p - at if own else -1 if at else 0)  # (-1: the tree's page begun)
+        run = max(min(inpage, *left), 1)
+        if len(fills) != 1 or not self.mgr.crosses_pages:
+            return run
+        fill = fills.pop()
+        if fill < 0:
+            return run
+        pages = min((min(left) - fill) // p, self.mgr.run_room() // (p * len(self.running)))
+        return max(run, fill + pages * p) if pages > 0 else run
 
     def _admit(self) -> None:
         cfg, mgr, cache = self.config, self.mgr, self.mgr.cache

@@ -170,6 +170,7 @@ class CacheManager:
         # the old end stays locked across an insert while a manager reads the path
         self._late_unlock = any(m.reads_path for m in managers)
         self._marks = [m for m in managers if m.marks_ends]
+        self.crosses_pages = all(m.crosses_pages for m in managers)  # (`LayerManager`)
         self.running: dict[int, Req] = {}  # row -> request
         self.evicted_tokens = 0  # evicted to make room, since the start
         self.room = room

@@ -35,12 +35,13 @@ nothing):
     release(req)            it leaves (finished, preempted, aborted): free what it owns
     check(running)          its invariants, with ``running`` the lifecycle's rows
 
-Two flags and a hook say how a manager bends the lifecycle's own steps: ``reads_path``
+Three flags and a hook say how a manager bends the lifecycle's own steps: ``reads_path``
 (it reads the tree's slots on a request's locked path across an insert, so the old end
 stays locked until the new one is), ``marks_ends`` (an insert stops at each of a
 request's boundaries and tells it, `boundary`, so it can keep what a match ending there
-needs) and `prefill_run` (how far a replay's prompt may run in one step before a chunk's
-end decides something of its own).
+needs), ``crosses_pages`` (a replay's decode run may cross a page boundary: nothing of
+its own is decided at each) and `prefill_run` (how far a replay's prompt may run in one
+step before a chunk's end decides something of its own).
 `join` checks, once, that the manager fits the lifecycle's tree and row table.
 
 What the engine reports of a manager, each a hook too (the engine names no layer type):
@@ -83,6 +84,10 @@ class LayerManager:
     # whether the tree may merge an insert into another request's finished leaf (LRU's
     # chain merging): not where a windowed insert (full KV first) would drop its window
     allows_merge = True
+    # a replay's decode run may cross page boundaries, ending on one: nothing of its own
+    # is decided at each (`radixkv.engine.scheduler.Scheduler.steady_run`); a window
+    # trims its slots at each
+    crosses_pages = False
 
     def publish(self, sink: Any) -> bool:
         """KV events are on: True when this manager tells ``sink`` what is servable

@@ -93,6 +93,9 @@ class RecurrentStates(LayerManager):
 
     kind = "states"
     event_blocks = "checkpoints"
+    # a decode run ending on a page boundary rewrites the decode snapshot one-token
+    # steps would have rewritten at each boundary it crossed (`_roll`)
+    crosses_pages = True
 
     def __init__(
         self, pool: StatePool, max_states: int, every_pages: int = 0,
