@@ -21,7 +21,7 @@ With ``--engine`` it also replays the trace through the engine itself (``serve``
 the model only its cache's shape, chunks of 512, one request at a time): what the
 server caches, where the ``radixkv`` row is the budget simulator's model of it. A
 request longer than the engine's pool holds alone is refused, as the server refuses it
-(a miss; the count is printed). About a minute a size:
+(a miss; the count is printed). About 5 s a size (docs/performance.md):
 
     python benchmarks/bench_marconi.py --engine [--page 16]
 

@@ -176,8 +176,9 @@ def replay_serve(
     otherwise). ``cache_outputs=False``: each request caches its prompt only. A request
     that can never fit the pool alone is refused, as ``radixkv serve`` refuses it (400),
     and counted in ``refused``, its prompt a miss. ``runs``: decode the runs of tokens
-    that decide nothing in one step each (`Scheduler.steady_run`); False: one token a
-    step, as a model decodes (the same cache, more steps). ``limits``: request ``i``
+    and compute the runs of a prompt's chunks that decide nothing in one step each
+    (`Scheduler.steady_run`, `Scheduler.prefill_run`); False: one token and one chunk a
+    step, as a model computes (the same cache, more steps). ``limits``: request ``i``
     caches its first ``limits[i]`` tokens (`in_units`), in place of ``cache_outputs``.
 
     Raises:
@@ -218,8 +219,8 @@ def replay_engine(
     """An engine serving ``model`` (a folder or a model, never run) with ``cfg``, its
     context long enough for every request of ``trace``, its runner replaying each
     request's recorded outputs (the dict: request id -> output ids, filled by
-    `add_replayed`); ``runs``: it decodes runs of tokens that decide nothing in one step
-    (`replay_serve`), else one token a step. Index-only: its KV and states live on the
+    `add_replayed`); ``runs``: it computes runs of tokens and chunks that decide nothing
+    in one step (`replay_serve`), else one token and one chunk a step. Index-only: its KV and states live on the
     ``meta`` device (shapes, no bytes; `radixkv.kvcache.memory.index_device`), so a
     budget of any size is replayed in the memory of its indices alone. ``clock``: the
     engine's session clock (`TraceClock`)."""
