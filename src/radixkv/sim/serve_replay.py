@@ -220,10 +220,10 @@ def replay_engine(
     context long enough for every request of ``trace``, its runner replaying each
     request's recorded outputs (the dict: request id -> output ids, filled by
     `add_replayed`); ``runs``: it computes runs of tokens and chunks that decide nothing
-    in one step (`replay_serve`), else one token and one chunk a step. Index-only: its KV and states live on the
-    ``meta`` device (shapes, no bytes; `radixkv.kvcache.memory.index_device`), so a
-    budget of any size is replayed in the memory of its indices alone. ``clock``: the
-    engine's session clock (`TraceClock`)."""
+    in one step (`replay_serve`), else one token and one chunk a step. Index-only: its
+    KV and states live on the ``meta`` device (shapes, no bytes;
+    `radixkv.kvcache.memory.index_device`), so a budget of any size is replayed in the
+    memory of its indices alone. ``clock``: the engine's session clock (`TraceClock`)."""
     if any(r.prompt_ids is None for r in trace.requests):
         raise ValueError("trace: the serve replay needs token ids (a token or Marconi trace "
                          "that lists them, not Mooncake's hash ids)")  # fmt: skip
