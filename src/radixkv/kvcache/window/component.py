@@ -51,6 +51,7 @@ tree's structure, the full KV, locks (it reads them).
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from typing import TYPE_CHECKING, Any
@@ -263,32 +264,49 @@ class WindowKV(TreeComponent):
     # --- matching -----------------------------------------------------------------------
     def servable(self, node: TreeNode) -> bool:
         """A match may end at ``node``'s end: the window KV of its last ``window`` units
-        (or all, from the root) is there."""
-        path = self.cache.path_to_root(node, "WindowKV.servable")[::-1]
-        return self.match_limit(path, None, 0) == sum(len(n) for n in path)
+        (or all, from the root) is there. O(nodes those units span): the walk up stops
+        at the first node not wholly covered, or once a window is counted."""
+        if node.parent is None and node is not self.cache.root:
+            raise ValueError(f"WindowKV.servable: node {node.id} is not in this cache "
+                             "(evicted or foreign)")  # fmt: skip
+        left, x, root = self.span, node, self.cache.root
+        while x is not root and left > 0:
+            length, k = len(x.value_bytes) >> 3, self.covered(x)
+            if k < length:
+                return k >= left
+            left -= length
+            x = x.parent
+        return True
 
     def match_limit(self, path: list[TreeNode], partial: TreeNode | None, units: int) -> int:
         """The deepest position within the match whose last ``window`` units (or all,
-        from the root) have window KV."""
-        span = self.span
-        run = 0  # where the covered run reaching the current position starts
-        end = best = 0
-        for node in path:
-            end += len(node)
-            k = self.covered(node)
-            if k < len(node):
-                run = end - k
-            if end - run >= span or run == 0:
-                best = end
+        from the root) have window KV. Walks back from the match's end and stops at the
+        first position that qualifies: O(nodes back to it) besides summing the path's
+        lengths (the same answer as a walk from the root that tracks where the covered
+        run starts: tests/kvcache/test_window_walks.py)."""
+        span, ext, i = self.span, self.index, len(path)
+        ends = list(itertools.accumulate(len(n.value_bytes) >> 3 for n in path))
+        end = ends[-1] if ends else 0
         if partial is not None:
             k = self.covered(partial)
             first = end + len(partial) - k  # the covered tail's first unit
             pos = end + units
             if pos > first:
-                run = first if first > end else run
-                if pos - run >= span or run == 0:
-                    best = pos
-        return best
+                if first > end:  # the covered run starts inside the partial node
+                    if pos - first >= span:
+                        return pos
+                elif _covered_back(path, ends, i, ext, span - units) < 0:
+                    return pos
+        # the deepest node end whose covered run reaches back a window (or to the root);
+        # a run that falls short inside node j rules out node j's end and every end after
+        # it (their runs start there too, and node j's is shorter than a window): each
+        # node is walked once, O(path) at most
+        while i > 0:
+            j = _covered_back(path, ends, i, ext, span)
+            if j < 0:
+                return ends[i - 1]
+            i = j
+        return 0
 
     # --- inserting ----------------------------------------------------------------------
     def inserted(
@@ -320,14 +338,38 @@ class WindowKV(TreeComponent):
                     self._freed.append(prior)
             else:  # the merged leaf's old covered tail is no tail any more
                 self._freed.append(prior)
-        self._reach_up(leaf if leaf is not None else (path[-1] if path else None))
-        end = 0
-        for node in path:
-            end += len(node)
+        seen = self._reach_up(leaf if leaf is not None else (path[-1] if path else None))
+        top = n - len(leaf) if leaf is not None else start  # where the path ends (a
+        # merged parent's units are the leaf's)
+        for node, end in self._to_fit(path, top, given, seen[leaf is not None :]):
             self._fit(node, end, given)
         if leaf is not None:
             self._fit(leaf, n, None)
         self._flush()
+
+    def _to_fit(
+        self, path: list[TreeNode], top: int, given: np.ndarray | None, seen: list[TreeNode]
+    ) -> list[tuple[TreeNode, int]]:
+        """The nodes of ``path`` (ending at unit ``top``) that `_fit` may change after
+        an insert, with their ends, root first: those whose reach `_reach_up` just
+        recomputed (``seen``: they may hold more than they now need) and those ending
+        after the caller's first slot (they may take some). Every other node already
+        holds at most what it needs (``check``'s invariant; ``retain="all"``: it needs
+        all) and can take nothing, so its `_fit` would do nothing. O(nodes returned +
+        the first slot's search)."""
+        first = top
+        if given is not None:
+            real = np.flatnonzero(given[:top] >= 0)
+            first = int(real[0]) if len(real) else top
+        recomputed = {id(x) for x in seen}
+        out, end, i = [], top, len(path)
+        while i > 0 and (end > first or recomputed):
+            i -= 1
+            node = path[i]
+            recomputed.discard(id(node))
+            out.append((node, end))
+            end -= len(node.value_bytes) >> 3
+        return out[::-1]
 
     def _fit(self, node: TreeNode, end: int, given: np.ndarray | None) -> None:
         """Make ``node`` hold the tail it needs: free what is beyond (``retain="ends"``),
@@ -605,7 +647,7 @@ class WindowKV(TreeComponent):
         if have > len(node):
             raise AssertionError(f"node {node.id}: {have} window units, {len(node)} units")
         if w is None:
-            return
+            raise AssertionError(f"node {node.id}: no window entry")
         if w.reach != self._reach(node):
             raise AssertionError(f"node {node.id}: reach {w.reach}, its ends ask "
                                  f"{self._reach(node)}")  # fmt: skip
@@ -624,6 +666,23 @@ class WindowKV(TreeComponent):
         for order in (self._holders, self._spares):
             if sorted(order.ids) != sorted(e[1] for e in order.heap):
                 raise AssertionError("a pressure order's entries and its index disagree")
+
+
+def _covered_back(path: list[TreeNode], ends: list[int], i: int, ext: int, need: int) -> int:
+    """Where the covered run ending at the end of ``path[i - 1]`` falls short of
+    ``need`` units: -1 when it reaches them or the root, else the index of the node it
+    starts in (a run ending at any node end from there to ``i - 1`` is shorter still).
+    Walks back over wholly covered nodes only; O(nodes walked)."""
+    got = 0
+    while got < need and i > 0:
+        i -= 1
+        w = path[i].ext[ext]  # type: ignore[index]
+        k = len(w.slots) >> 3 if w is not None else 0
+        length = ends[i] - (ends[i - 1] if i else 0)
+        if k < length:
+            return -1 if got + k >= need else i
+        got += length
+    return -1
 
 
 def _run_start(given: np.ndarray) -> int:
