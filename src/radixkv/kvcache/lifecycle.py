@@ -484,6 +484,7 @@ class CacheManager:
                 key,
                 self._slots(req, 0, len(key)),
                 slots_checked=True,  # the allocator's
+                near=old,  # (its path spells the key's start: the walk starts there)
             )
         except BaseException:
             if early:

@@ -275,9 +275,10 @@ class RadixCache:
 
     # --- the walk ----------------------------------------------------------------------
     def _descend(
-        self, units: bytes, n: int, ns: Any
+        self, units: bytes, n: int, ns: Any, near: TreeNode | None = None
     ) -> tuple[list[TreeNode], int, TreeNode | None, int]:
-        """Walk from the root along ``units`` without changing anything.
+        """Walk from the root along ``units`` without changing anything; from ``near``
+        when its path from the root spells the start of ``units`` (`_on_path`).
 
         Returns:
             (path of fully matched nodes, units they cover, the child where the match
@@ -290,6 +291,11 @@ class RadixCache:
         first = units[: page * width]
         child = self.root.children.get(first if ns is None else (ns, first))
         off = 0
+        if near is not None and child is not None:
+            path, off = self._on_path(near, child, units, n)
+            if path:
+                nxt = units[off * width : (off + page) * width]
+                child = near.children.get(nxt) if off < n else None
         while child is not None:
             ob = off * width
             if units.startswith(child.key_bytes, ob):
@@ -303,6 +309,25 @@ class RadixCache:
                 m = common_prefix_units(units, ob, child.key_bytes, width, limit)
                 return path, off, child, m - m % page
         return path, off, None, 0
+
+    def _on_path(
+        self, near: TreeNode, first: TreeNode, units: bytes, n: int
+    ) -> tuple[list[TreeNode], int]:
+        """The nodes from the root to ``near`` and the units they hold, when their keys
+        spell the start of ``units`` (the first one ``first``, the root's child the key
+        starts with), else ``([], 0)``: one join and one compare of the path's keys, no
+        child lookup."""
+        path, x = [], near
+        while x is not None and x is not self.root:
+            path.append(x)
+            x = x.parent
+        if not path or path[-1] is not first:  # (off the key's first node, or evicted)
+            return [], 0
+        path.reverse()
+        joined = b"".join([x.key_bytes for x in path])
+        if not units.startswith(joined):  # (``units`` is the key: no longer than it)
+            return [], 0
+        return path, len(joined) // self.unit_bytes
 
     def _limit(
         self, path: list[TreeNode], off: int, partial: TreeNode | None, m: int
@@ -471,6 +496,7 @@ class RadixCache:
         *,
         slots_checked: bool = False,
         extras: dict[str, Any] | None = None,
+        near: TreeNode | None = None,
     ) -> InsertResult:
         """Cache ``key`` with slot indices ``value``, and say where it ends.
 
@@ -484,6 +510,10 @@ class RadixCache:
                 O(k log k) check of the new slots.
             extras: per component (by name), what it takes with the key: one entry per
                 unit of ``key`` (a sliding window's slots; see the component).
+            near: a node of this tree whose path from the root may spell the start of
+                ``key`` (the node a request locked at its last insert): the walk starts
+                there when it does, O(its depth) in one compare instead of a child
+                lookup a node; ignored otherwise (the same result either way).
 
         Returns:
             `InsertResult`: ``prefix_len``, how many leading units were cached already
@@ -509,7 +539,7 @@ class RadixCache:
             for name, x in extras.items():
                 if x is not None and len(x) < n:
                     raise ValueError(f"extras[{name!r}]: {len(x)} entries for {n} units")
-        path, off, partial, m = self._descend(units, n, ns)
+        path, off, partial, m = self._descend(units, n, ns, near)
         start = off + m  # units cached already
         width = self.unit_bytes
         if start < n:

@@ -244,7 +244,8 @@ class WindowSlots(LayerManager):
         """The whole key is cached and locked: offer the request's own window slots
         for it in a second insert; what the tree takes is its own from then on."""
         row = req.row
-        self.component.cache.insert_node(key, extras={"window": self.offer(row, len(key))})  # type: ignore[arg-type]
+        offer = {"window": self.offer(row, len(key))}
+        self.component.cache.insert_node(key, extras=offer, near=req.last_node)  # type: ignore[arg-type]
         taken = self.component.taken  # one entry per unit the insert stored
         self.own[row, : len(taken)] &= ~taken
 
