@@ -7,6 +7,7 @@ every insert returns the same, and the trees stay the same node for node."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -86,3 +87,11 @@ def test_a_near_node_under_another_namespace_or_evicted_is_not_walked_from():
         t.evict(100)
         assert t.insert_node(RadixKey([0, 1, 5], "a"), torch.arange(3), near=twin).prefix_len == 0
         t.check_integrity()
+
+
+def test_near_must_be_a_node():
+    t = RadixCache(1, "lru")
+    for bad in (3, "root", [t.root]):
+        with pytest.raises(TypeError, match="near must be a TreeNode"):
+            t.insert_node(RadixKey([1, 2]), near=bad)
+    assert t.total_size() == 0

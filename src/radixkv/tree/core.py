@@ -526,6 +526,8 @@ class RadixCache:
         """
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        if near is not None and not isinstance(near, TreeNode):
+            raise TypeError(f"near must be a TreeNode or None, got {type(near).__name__}")
         if extras:
             unknown = set(extras) - {c.name for c in self._inserters}
             if unknown:
