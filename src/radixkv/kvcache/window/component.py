@@ -38,7 +38,10 @@ The contract (besides `radixkv.tree.component`'s):
   `SWAComponent` operation by operation (``tests/differential/test_sglang_hybrid_diff.py``).
   Complexity: `evict` and `evict_spare` cost O(log nodes) a node they look at (two
   heaps in ``(last_access, id)`` order, no scan); `evictable_units` scans the holders
-  only until it has counted what the caller asks.
+  only until it has counted what the caller asks. A chain of one node per chunk is
+  never walked whole: `servable` walks up one window, `match_limit` walks back from the
+  match's end (each node at most once), an insert refits only the nodes whose reach it
+  changed and those its slots reach.
 
 Invariants (``check``): a node's window slots are a tail of it, at most its length, one
 slot per unit; ``reach`` is what its own end and its children ask; with ``retain="ends"``
