@@ -172,6 +172,11 @@ def test_a_match_inside_a_node_ends_a_window_past_its_covered_tails_first_unit()
         put(cache, [1, 2, 3], [-1, 10, 11])  # 2 of 3 covered
         put(cache, [1, 2, 3, 4, 5, 6], [-1, -1, -1, 20, 21, 22])
         assert cache.match_len(RadixKey(np.asarray([1, 2, 3, 4, 9]))) == 4
+    for cache, _ in both(3, "all"):  # a run short at the middle node: the end before it
+        put(cache, [1, 2], [10, 11])  # wholly covered, from the root
+        put(cache, [1, 2, 3, 4], [-1, -1, -1, 21])  # 1 of 2 covered
+        put(cache, [1, 2, 3, 4, 5], [-1, -1, -1, -1, 31])  # 1 of 1
+        assert cache.match_len(RadixKey(np.asarray([1, 2, 3, 4, 5]))) == 2
 
 
 def test_an_insert_refits_a_node_whose_reach_fell_though_it_takes_no_slot():

@@ -317,11 +317,11 @@ class RadixCache:
         spell the start of ``units`` (the first one ``first``, the root's child the key
         starts with), else ``([], 0)``: one join and one compare of the path's keys, no
         child lookup."""
-        path, x = [], near
-        while x is not None and x is not self.root:
-            path.append(x)
-            x = x.parent
-        if not path or path[-1] is not first:  # (off the key's first node, or evicted)
+        try:
+            path = self.path_to_root(near, "insert_node")
+        except ValueError:  # (evicted, or another tree's)
+            return [], 0
+        if not path or path[-1] is not first:  # (the root, or off the key's first node)
             return [], 0
         path.reverse()
         joined = b"".join([x.key_bytes for x in path])

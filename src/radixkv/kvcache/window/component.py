@@ -272,14 +272,24 @@ class WindowKV(TreeComponent):
         if node.parent is None and node is not self.cache.root:
             raise ValueError(f"WindowKV.servable: node {node.id} is not in this cache "
                              "(evicted or foreign)")  # fmt: skip
-        left, x, root = self.span, node, self.cache.root
-        while x is not root and left > 0:
-            length, k = len(x.value_bytes) >> 3, self.covered(x)
-            if k < length:
-                return k >= left
-            left -= length
-            x = x.parent
-        return True
+        return self._short_at(node, self.span) < 0
+
+    def _short_at(self, node: TreeNode, need: int) -> int:
+        """Where the covered run ending at ``node``'s end falls short of ``need`` units:
+        -1 when it reaches them (or the root), else how many wholly covered nodes lie
+        between ``node`` and the node it starts in (a run ending at any node end from
+        there down to ``node`` is shorter still). Walks up over wholly covered nodes
+        only; O(nodes walked)."""
+        got, k, x, root, ext = 0, 0, node, self.cache.root, self.index
+        while got < need and x is not root:
+            w = x.ext[ext]  # type: ignore[index]
+            have, length = (len(w.slots) >> 3 if w is not None else 0), len(x.value_bytes) >> 3
+            if have < length:
+                return -1 if got + have >= need else k
+            got += length
+            k += 1
+            x = x.parent  # type: ignore[assignment]
+        return -1
 
     def match_limit(self, path: list[TreeNode], partial: TreeNode | None, units: int) -> int:
         """The deepest position within the match whose last ``window`` units (or all,
@@ -287,7 +297,7 @@ class WindowKV(TreeComponent):
         first position that qualifies: O(nodes back to it) besides summing the path's
         lengths (the same answer as a walk from the root that tracks where the covered
         run starts: tests/kvcache/test_window_walks.py)."""
-        span, ext, i = self.span, self.index, len(path)
+        span, i = self.span, len(path)
         ends = list(itertools.accumulate(len(n.value_bytes) >> 3 for n in path))
         end = ends[-1] if ends else 0
         if partial is not None:
@@ -298,17 +308,17 @@ class WindowKV(TreeComponent):
                 if first > end:  # the covered run starts inside the partial node
                     if pos - first >= span:
                         return pos
-                elif _covered_back(path, ends, i, ext, span - units) < 0:
+                elif not path or self._short_at(path[-1], span - units) < 0:
                     return pos
         # the deepest node end whose covered run reaches back a window (or to the root);
         # a run that falls short inside node j rules out node j's end and every end after
         # it (their runs start there too, and node j's is shorter than a window): each
         # node is walked once, O(path) at most
         while i > 0:
-            j = _covered_back(path, ends, i, ext, span)
-            if j < 0:
+            k = self._short_at(path[i - 1], span)
+            if k < 0:
                 return ends[i - 1]
-            i = j
+            i -= k + 1
         return 0
 
     # --- inserting ----------------------------------------------------------------------
@@ -669,23 +679,6 @@ class WindowKV(TreeComponent):
         for order in (self._holders, self._spares):
             if sorted(order.ids) != sorted(e[1] for e in order.heap):
                 raise AssertionError("a pressure order's entries and its index disagree")
-
-
-def _covered_back(path: list[TreeNode], ends: list[int], i: int, ext: int, need: int) -> int:
-    """Where the covered run ending at the end of ``path[i - 1]`` falls short of
-    ``need`` units: -1 when it reaches them or the root, else the index of the node it
-    starts in (a run ending at any node end from there to ``i - 1`` is shorter still).
-    Walks back over wholly covered nodes only; O(nodes walked)."""
-    got = 0
-    while got < need and i > 0:
-        i -= 1
-        w = path[i].ext[ext]  # type: ignore[index]
-        k = len(w.slots) >> 3 if w is not None else 0
-        length = ends[i] - (ends[i - 1] if i else 0)
-        if k < length:
-            return -1 if got + k >= need else i
-        got += length
-    return -1
 
 
 def _run_start(given: np.ndarray) -> int:
