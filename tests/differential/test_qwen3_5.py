@@ -347,19 +347,23 @@ def test_cache_on_and_off_agree_under_preemption_and_sampling(folder):
         assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("cache_bytes", [None, 2**22])
 @pytest.mark.parametrize("tier", ["host", "store"])
-def test_checkpoints_go_down_the_tiers_and_come_back(folder, reference, tier, tmp_path):
+def test_checkpoints_go_down_the_tiers_and_come_back(folder, reference, tier, cache_bytes,
+                                                     tmp_path):  # fmt: skip
     """KV pages alone are no hit on a recurrent model: the tiers keep the checkpoints too.
     Two requests leave a branch point at 288; then everything leaves the device (into
     the host pool), or a second engine starts on the same store: the third request
-    starts from that checkpoint, with transformers' output."""
+    starts from that checkpoint, with transformers' output. From separate pools and
+    from one arena's units."""
     shared = rand(300, 1)
     prompts = [shared + rand(20, 10 + i) for i in range(3)]
-    kw = {"page_size": 16, "chunk_size": 64, "check_memory": True}
+    kw = {"page_size": 16, "chunk_size": 64, "check_memory": True, "cache_bytes": cache_bytes}
     if tier == "host":
         engine = Engine(str(folder), host_tokens=4096, **kw)
     else:
         engine = Engine(str(folder), storage=f"file://{tmp_path}/store", **kw)
+    assert (engine.arena is None) == (cache_bytes is None)
     for p in prompts[:2]:
         engine.generate([p], max_new_tokens=4, chat=False, ignore_eos=True)
     if tier == "host":

@@ -2,8 +2,8 @@
 store read and write a page through the KV's own ``read`` / ``write``, so full pages and
 window pages go down and come back from the arena's units as from separate pools. Outputs
 equal a cold engine's, loaded KV equals recomputed KV bit for bit, the arena's and the
-tiers' checks hold; a recurrent model's checkpoints in one arena have no tier yet and are
-refused by name, before any tier is built."""
+tiers' checks hold; a recurrent model's checkpoints in the arena's units go down and come
+back beside its KV."""
 
 from __future__ import annotations
 
@@ -91,12 +91,45 @@ def test_sliding_window_pages_come_back_into_the_arena(hybrid_models):
         t.check()
 
 
-def test_a_recurrent_models_checkpoints_in_one_arena_have_no_tier_yet(hybrid_models, tmp_path):
-    log = tmp_path / "served.jsonl"
-    with pytest.raises(ValueError, match="cache_bytes: a recurrent model's checkpoints in "
-                       "one budget have no host or store tier yet"):  # fmt: skip
-        Engine(hybrid_models["qwen3.5"], cache_bytes=2**20, host_tokens=256, served_log=str(log))
-    assert not log.exists()  # refused before anything was opened
-    split = Engine(hybrid_models["qwen3.5"], cache_bytes=2**20, cache_split="sglang",
-                   host_tokens=256)  # fmt: skip
-    assert split.tier is not None  # the separate pools SGLang's split gives have them
+def serve_rounds(engine: Engine, prompts: list[list[int]], rounds: int = 3) -> list:
+    """``prompts`` together, then the first five alone, ``rounds`` times: the outputs of
+    each round's batch."""
+    outs = []
+    for _ in range(rounds):
+        got = engine.generate(prompts, max_new_tokens=4, chat=False, ignore_eos=True)
+        outs.append([o.token_ids for o in got.outputs])
+        for p in prompts[:5]:
+            engine.generate([p], max_new_tokens=4, chat=False, ignore_eos=True)
+    return outs
+
+
+@pytest.mark.parametrize("tier", ["host", "store"])
+def test_a_recurrent_models_checkpoints_leave_one_arena_and_come_back(
+    hybrid_models, tier, tmp_path
+):  # fmt: skip
+    """Qwen3.5 in one arena too tight for its prefixes: checkpoints the arena evicts go
+    to the host pool (or were written to the store as they were made) and come back
+    with their KV. Keeping a loaded state makes room in the arena, which must not evict
+    the KV just loaded under it: outputs equal a cold engine's every round, and the
+    arena's, the tree's and the tiers' checks hold after every step."""
+    rng = random.Random(0)
+    heads = [[rng.randrange(5, 300) for _ in range(rng.randrange(40, 120))] for _ in range(5)]
+    prompts = [h + [rng.randrange(5, 300) for _ in range(rng.randrange(4, 40))]
+               for h in heads for _ in range(3)]  # fmt: skip
+    rng.shuffle(prompts)
+    kw = dict(page_size=8, chunk_size=32, max_context_len=256)
+    want = serve_rounds(Engine(hybrid_models["qwen3.5"], **kw), prompts, rounds=1)[0]
+    where = dict(host_tokens=256) if tier == "host" else dict(storage=f"file://{tmp_path}/s")
+    engine = Engine(hybrid_models["qwen3.5"], cache_bytes=300_000, check_memory=True,
+                    **kw, **where)  # fmt: skip
+    assert engine.arena is not None and engine.arena.nbytes <= 300_000
+    assert serve_rounds(engine, prompts) == [want] * 3
+    states = engine.recurrent.tiers
+    assert engine.recurrent.component.evictions > 0 and states.loaded > 0
+    if tier == "host":
+        assert states.host_loaded > 0
+    else:
+        assert states.written > 0 and states.host_loaded == 0
+    engine.memory.check()
+    for t in (engine.tier, *engine.layer_tiers):
+        t.check()

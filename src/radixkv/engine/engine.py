@@ -160,10 +160,6 @@ class Engine:
         self.memory = memory = CacheMemory(cfg, self.model, self.device)
         self.cache, self.kv, self.mgr = memory.cache, memory.kv, memory.mgr
         self.arena = memory.arena
-        if cfg.storage is not None or cfg.host_tokens:  # (before any file or tier opens)
-            why = next((w for m in self.mgr.managers if (w := m.why_no_tiers())), "")
-            if why:
-                raise ValueError(why)
         for line in self.memory_summary():
             log.info("%s", line)
         retained = cfg.max_retained_tokens

@@ -123,11 +123,6 @@ class LayerManager:
     def use_room(self, room: Any) -> None:
         """One arena: its allocations make room through ``room`` (`ArenaRoom`)."""
 
-    def why_no_tiers(self) -> str:
-        """Why its type has no host or store tier in this memory ("": it has), naming
-        the knob; the engine refuses the tiers with it, before building them."""
-        return ""
-
     def use_tiers(self, tiers: Any) -> None:
         """Its type's tiers below the device (`radixkv.storage.layers`), before any
         request."""

@@ -31,7 +31,9 @@ the model reads and writes the rows in place.
                 too
     tiers       with a host pool or a shared store (`radixkv.storage.states`), each
                 checkpoint goes down the tiers as its KV does, and one found there
-                before admission comes back as a checkpoint (`adopt`)
+                before admission comes back as a checkpoint (`adopt`); in one arena
+                (its units) as in the pool's rows, its KV's path locked while the
+                arena makes room for it
     events      with a KV event sink (`publish`), each checkpoint is one stored block:
                 the page that ends at it, with its chained hash and its true parent
                 hash, removed when the checkpoint goes. Only servable prefixes are
@@ -161,12 +163,6 @@ class RecurrentStates(LayerManager):
     def use_room(self, room: Any) -> None:
         self.room = room.make
 
-    def why_no_tiers(self) -> str:
-        if self.store is None:
-            return ""
-        return ("cache_bytes: a recurrent model's checkpoints in one budget have no host or "
-                "store tier yet: use cache_split='sglang' or kv_tokens with the tiers")
-
     def use_tiers(self, tiers: Any) -> None:
         self.tiers = tiers  # each checkpoint is written down as it is taken
 
@@ -236,15 +232,23 @@ class RecurrentStates(LayerManager):
 
     def adopt(self, key: RadixKey, data: bytes, cache: RadixCache) -> bool:
         """Make ``data`` (`row_bytes` of a state after ``key``, from a lower tier) the
-        checkpoint at the end of ``key``, which the tree holds. False: no free row, or
-        one is there already."""
-        row = self._take(lambda row: self.pool.load_row(row, data))
+        checkpoint at the end of ``key``, which the tree holds. False: the tree does not
+        hold all of ``key``'s KV, no free row or room, or a checkpoint is there already.
+
+        The path is locked while the state is kept: with one arena keeping it makes room,
+        which must not evict the KV the state is a checkpoint of."""
+        hit = cache.match_prefix(key, full=True)  # (splits: the node ends at the key's end)
+        if hit.prefix_len < len(key):
+            return False
+        node = hit.last_node
+        cache.inc_lock_ref(node)
+        try:
+            row = self._take(lambda row: self.pool.load_row(row, data))
+            row = None if row is None else self._keep(row)
+        finally:
+            cache.dec_lock_ref(node)
         if row is None:
             return False
-        row = self._keep(row)
-        if row is None:
-            return False
-        node = cache.insert_node(key).last_node
         if not self.component.add(node, row, kind="end"):
             self._unkeep([row])
             return False
