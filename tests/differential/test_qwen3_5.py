@@ -505,11 +505,11 @@ def test_kv_events_advertise_exactly_the_prefixes_it_serves(folder, tokens, cach
 
 
 def test_served_with_the_openai_client(folder):
-    """`radixkv serve` on the Qwen3.5 folder (with a host tier), the official client:
-    three completions sharing a 300-character prefix (a byte per token), the third
-    served 288 tokens from the cache; two chats sharing a system message, the second
-    served it from the cache; /metrics shows the checkpoints, their bytes and the
-    state tiers."""
+    """`radixkv serve` on the Qwen3.5 folder (with a host tier, in one budget: a tier
+    keeps ``--cache-bytes auto``), the official client: three completions sharing a
+    300-character prefix (a byte per token), the third served 288 tokens from the
+    cache; two chats sharing a system message, the second served it from the cache;
+    /metrics shows the budget, the checkpoints, their bytes and the state tiers."""
     import re
 
     import httpx
@@ -539,6 +539,7 @@ def test_served_with_the_openai_client(folder):
     assert held and 0 < float(held.group(1)) <= 8 and size and float(size.group(1)) > 0
     assert re.search(r"radixkv:state_checkpoints_loaded_total\{[^}]*\} 0", text)
     assert re.search(r"radixkv:host_state_checkpoints\{[^}]*\} ", text)
+    assert re.search(r"radixkv:cache_budget_bytes\{[^}]*\} [1-9]", text)
 
 
 @pytest.mark.slow

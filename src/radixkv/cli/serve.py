@@ -81,7 +81,7 @@ def _memory_flags(parser: argparse.ArgumentParser) -> None:
         "evicted in the simulator's radixkv order; auto: on a hybrid model the bytes the "
         "separate pools of --kv-tokens would take, in one budget; off: those separate "
         "pools (--kv-tokens, --window-tokens, --max-checkpoints) [auto; off with "
-        "--window-tokens or tiers]",
+        "--window-tokens]",
     )  # fmt: skip
     serve.add_argument(
         "--cache-split", choices=CACHE_SPLITS, default="one",
@@ -285,8 +285,8 @@ def run(args: argparse.Namespace) -> int:
 
     hosts = args.allowed_hosts
     budget = args.cache_bytes
-    if budget == "auto" and (args.window_tokens or args.storage or args.host_tokens):
-        budget = None  # those size or read the separate pools
+    if budget == "auto" and args.window_tokens:
+        budget = None  # it sizes the separate window pool
     try:
         engine_config = EngineConfig(
             prefix_cache=not args.no_prefix_cache, page_size=args.page_size,
