@@ -16,12 +16,14 @@ end, preemptions, wall time, and whether both ways gave the same tokens (they mu
 caching never changes a token). The rows go from the tightest budget up.
 
     python benchmarks/bench_one_memory.py [--budgets 1MiB,2MiB,4MiB] [--chats 16]
-        [--sweep 0.1,0.2,0.35,0.5,0.65,0.8] [--speed 5]
+        [--sweep 0.1,0.2,0.35,0.5,0.65,0.8] [--speed 5] [--host-tokens 4096]
 
 ``--sweep``: fixed splits of each budget (that share of it for checkpoints or window KV,
 the rest for full KV), the best of them against one budget. ``--speed``: the workload
 with room to spare (the same hits either way), separate pools against one arena of
-their bytes, interleaved runs, median wall time.
+their bytes, interleaved runs, median wall time. ``--host-tokens``: both ways (and
+the sweep's splits) with a host tier of that many tokens below the device (its hits
+count as cached: the engine serves them from the device after loading them).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def run(folder: Path, budget: int, split: str, args: argparse.Namespace,
     size = pools or {"cache_bytes": budget, "cache_split": split}
     engine = Engine(str(folder), page_size=args.page, chunk_size=args.chunk,
                     max_running=args.running, max_context_len=4096, check_memory=args.check,
-                    **size)  # fmt: skip
+                    host_tokens=args.host_tokens, **size)  # fmt: skip
     t0 = time.perf_counter()
     prompt, cached, outputs = engine_chats(engine, args.chats, args.turns, args.system,
                                            args.user, args.new)  # fmt: skip
@@ -148,6 +150,8 @@ def main() -> None:
     p.add_argument("--speed", type=int, default=0,
                    help="also time the same workload with room to spare, the separate pools "
                    "against one arena, this many interleaved runs each")  # fmt: skip
+    p.add_argument("--host-tokens", type=int, default=0,
+                   help="a host tier of this many tokens below each way's device memory")
     p.add_argument("--sweep", default="",
                    help="also fixed splits: shares of the budget for checkpoints / window KV "
                    "(e.g. 0.1,0.3,0.5,0.7); the best of them against one")  # fmt: skip
@@ -156,7 +160,8 @@ def main() -> None:
         folders = write_models(Path(tmp), args.window)
         print(f"{args.chats} chats x {args.turns} turns behind 4 system prompts of "
               f"{args.system} tokens, +{args.user} user and {args.new} output tokens a "
-              f"turn; page {args.page}, {args.running} running at once")  # fmt: skip
+              f"turn; page {args.page}, {args.running} running at once; host tier "
+              f"{args.host_tokens} tokens")  # fmt: skip
         print("| model | budget | hit one | hit sglang | one / sglang | one holds KiB "
               "(full / window / states) | sglang holds KiB | preemptions one / sglang | "
               "wall s one / sglang | same tokens |")  # fmt: skip

@@ -68,7 +68,8 @@ class DoesNotFit(ValueError):
 class SchedulerHooks(NamedTuple):
     """What the scheduler calls out to, each optional, given at construction."""
 
-    # once per request before its first admission (loads shared-store pages)
+    # once per request, when it is next in line for a slot before its first admission
+    # (loads its pages from the host pool and the shared store)
     prefetch: Callable[[EngineReq], None] | None = None
     # right after a request is admitted (a retained prefix it hit lives on)
     on_admit: Callable[[EngineReq], None] | None = None
@@ -226,11 +227,6 @@ class Scheduler:
         if not self.waiting or len(self.running) >= cfg.max_running:
             return
         lpm = cfg.schedule_policy == "lpm"
-        if self.prefetch is not None:
-            for r in self.waiting:
-                if r.prompt_cached < 0 and not r.prefetched and r.cache_read:
-                    r.prefetched = True
-                    self.prefetch(r)
         key = {id(r): RadixKey(r.token_array(), r.extra_key) for r in self.waiting}
         hits = {id(r): cache.match_len(key[id(r)]) if r.cache_read else 0 for r in self.waiting}
         order = list(self.waiting)
@@ -249,6 +245,8 @@ class Scheduler:
                 break
             if r.group is not None and groups[r.group] >= cap:
                 continue  # its group holds its share of the slots: others go first
+            if self._load(r):
+                hits[id(r)] = cache.match_len(key[id(r)]) if r.cache_read else 0
             if lpm:
                 if in_flight.match_len(key[id(r)]) - hits[id(r)] > IN_BATCH_PREFIX_THRESHOLD:
                     continue  # its prefix is being computed by another request: wait a step
@@ -278,6 +276,20 @@ class Scheduler:
             mgr.make_prompt_room(admitted)
             gone = {id(r) for r in admitted}
             self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+
+    def _load(self, r: EngineReq) -> bool:
+        """Before a request's first admission, its pages from the tiers below the device
+        (the ``prefetch`` hook), once: only where it is next in line for a slot, as
+        SGLang's HiCache loads back for a request it adds to the batch. (Loading every
+        waiting request's pages at once filled a tight budget with pages evicted again
+        before their requests ran: Qwen3.5-like, one budget of 512 KiB, 16 chats, a host
+        tier: 0.242 of the prompt tokens hit and 203 preemptions, 0.411 and 24 without
+        the tier.) True: it ran."""
+        if self.prefetch is None or r.prompt_cached >= 0 or r.prefetched or not r.cache_read:
+            return False
+        r.prefetched = True
+        self.prefetch(r)
+        return True
 
     def _plan(self, budget: int) -> Plan:
         plan: Plan = []
