@@ -542,6 +542,41 @@ def test_served_with_the_openai_client(folder):
     assert re.search(r"radixkv:cache_budget_bytes\{[^}]*\} [1-9]", text)
 
 
+def test_an_agent_on_a_hybrid_model_gets_the_session_order_and_a_host_tier(folder):
+    """`radixkv serve --eviction-policy session --host-tokens N` on the Qwen3.5 folder
+    with no size flag: refused before (a tier turned ``--cache-bytes auto`` into the
+    separate pools, where the session order is refused); now one budget with both. An
+    agent's three calls through Anthropic's official client, one session: each later
+    call reads the earlier ones from the cache; /metrics shows the budget, the waiting
+    session and the state tier."""
+    import re
+
+    import anthropic
+    import httpx
+
+    from radixkv.web.process import ServerProcess
+
+    args = ["--model", str(folder), "--page-size", "16", "--kv-tokens", "1024",
+            "--eviction-policy", "session", "--host-tokens", "1024", "--check-memory"]  # fmt: skip
+    with ServerProcess(*args, timeout=90) as srv:
+        client = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        system, messages, read = "You are a careful coding agent. " * 10, [], []
+        for i in range(3):
+            messages.append({"role": "user", "content": f"step {i}: list the files"})
+            out = client.messages.create(model=model, max_tokens=4, system=system,
+                                         messages=messages,
+                                         metadata={"user_id": "session_agent_1"})  # fmt: skip
+            messages.append({"role": "assistant", "content": "".join(
+                b.text for b in out.content if b.type == "text") or "ok"})  # fmt: skip
+            read.append(out.usage.cache_read_input_tokens)
+        text = httpx.get(f"{srv.url}/metrics").text
+    assert read[0] == 0 and read[1] > 200 and read[2] > read[1]
+    assert re.search(r"radixkv:cache_budget_bytes\{[^}]*\} [1-9]", text)
+    assert re.search(r"radixkv:agent_sessions_waiting\{[^}]*\} 1", text)
+    assert re.search(r"radixkv:host_state_checkpoints\{[^}]*\} ", text)
+
+
 @pytest.mark.slow
 def test_a_hybrid_fleet_routes_on_what_its_workers_can_serve(folder):
     """Two `radixkv serve` workers on the Qwen3.5 folder publish their checkpoints as KV
