@@ -504,6 +504,45 @@ def test_kv_events_advertise_exactly_the_prefixes_it_serves(folder, tokens, cach
     assert served[2] == 288 and 0 < served[5] < 288 and engine.recurrent.component.evictions
 
 
+@pytest.mark.parametrize("cache_bytes", [None, 2**20])
+def test_kv_events_tell_the_checkpoints_a_host_tier_brings_back(folder, cache_bytes):
+    """With a host pool below, checkpoints evicted beyond ``max_checkpoints`` come back
+    when a prompt needs them, and each comes back told: after every request the index
+    holds exactly the checkpoints the engine holds, and a prompt is served at least what
+    the index credited it (more where the host pool had a deeper one), from the
+    separate pools or one arena."""
+    from radixkv.engine.request import SamplingParams
+    from radixkv.events import decode_batch, encode_batch
+    from radixkv.router.index import KvIndex
+
+    batches: list = []
+    engine = Engine(str(folder), page_size=16, chunk_size=64, max_checkpoints=3,
+                    host_tokens=2048, check_memory=True, cache_bytes=cache_bytes)  # fmt: skip
+    engine.publish_kv_events(batches.append)
+    index = KvIndex(16)
+    index.sparse.add("w")
+    shared = rand(400, 1)
+    served, credited = [], []
+    for i, cut in enumerate((300, 300, 300, 350, 120, 300, 390, 120, 350, 300, 120)):
+        prompt = shared[:cut] + rand(9 + i, 20 + i)
+        credited.append(16 * index.overlap(prompt).get("w", 0))
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True),
+                                 chat=False)  # fmt: skip
+        while engine.requests:
+            for out in engine.step():
+                if out.rid == rid and out.finished:
+                    served.append(out.cached_tokens)
+        for batch in batches:
+            batch = decode_batch(encode_batch(batch))
+            index.validate("w", batch)
+            index.apply("w", batch)
+        batches.clear()
+        index.check()
+        assert index.num_blocks("w") == len(engine.recurrent.component.held)
+    assert all(s >= c for s, c in zip(served, credited, strict=True))
+    assert sum(served) > sum(credited) and engine.recurrent.tiers.loaded > 0
+
+
 def test_served_with_the_openai_client(folder):
     """`radixkv serve` on the Qwen3.5 folder (with a host tier, in one budget: a tier
     keeps ``--cache-bytes auto``), the official client: three completions sharing a
