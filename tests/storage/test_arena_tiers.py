@@ -117,6 +117,22 @@ def test_a_second_engine_starts_from_window_pages_another_arena_stored(
         t.check()
 
 
+def test_the_host_pool_keeps_no_more_checkpoints_than_its_kv_bytes_hold(hybrid_models):
+    """With one budget the device holds as many checkpoints as its bytes do; the host
+    pool keeps evicted ones up to the bytes ``host_tokens`` of KV take, not the
+    budget's bytes again (a 40 GiB budget would have grown 40 GiB of host memory)."""
+    engine = Engine(hybrid_models["qwen3.5"], page_size=4, cache_bytes=2**22, host_tokens=64)
+    states = engine.recurrent.tiers
+    bound = engine.tier.host.nbytes // engine.recurrent.row_size
+    assert 0 < states.host_states == bound < engine.memory.plan.checkpoints
+    rng = random.Random(3)
+    prompts = [[rng.randrange(5, 300) for _ in range(24)] for _ in range(3 * bound)]
+    engine.generate(prompts, max_new_tokens=1, chat=False, ignore_eos=True)
+    engine.flush_cache()  # every checkpoint leaves the device
+    assert len(states.host) == bound
+    states.check()
+
+
 def serve_rounds(engine: Engine, prompts: list[list[int]], rounds: int = 3) -> list:
     """``prompts`` together, then the first five alone, ``rounds`` times: the outputs of
     each round's batch."""

@@ -14,7 +14,10 @@ model: the tiers keep the checkpoints too.
     write    ``write_through`` (and ``_selective``): each checkpoint when it is made;
              ``write_back``: when it leaves the last tier above the store
     host     ``host_states`` checkpoints the device evicted, least recently used first
-             (exclusive, as the KV's host pool: one loaded back leaves it)
+             (exclusive, as the KV's host pool: one loaded back leaves it), and at most
+             as many as fit in the bytes of the KV's host pool: ``--host-tokens`` bounds
+             the host memory a state tier takes too (at most that pool's bytes again;
+             the device's count alone, with one budget, was the budget's bytes again)
     load     before admission: the deepest page of the prompt, beyond what the device
              can serve, whose state the host pool or the store holds; the prompt's KV is
              brought up to there (`KVTiers.load`), then the state into a checkpoint row,
@@ -56,14 +59,15 @@ class StateTiers:
         tiers: the engine's `KVTiers` (its store, writer, keys and policy).
         rows: the engine's `RecurrentStates` (``row_size``, ``row_bytes``, ``adopt``).
         cache: the engine's radix tree.
-        host_states: checkpoints the host pool keeps (0: none).
+        host_states: checkpoints the host pool keeps (0: none), at most as many as
+            fit in the bytes of ``tiers``' host pool of KV pages.
     """
 
     def __init__(self, tiers: Any, rows: Any, cache: Any, host_states: int = 0) -> None:
         if host_states < 0:
             raise ValueError(f"host_states must be >= 0, got {host_states}")
         self.tiers, self.rows, self.cache = tiers, rows, cache
-        self.host_states = host_states
+        self.host_states = min(host_states, tiers.host.nbytes // rows.row_size)
         self.codec = PageCodec(state_identity(tiers.prefix), tiers.codec.secret)
         self.host: OrderedDict[bytes, bytes] = OrderedDict()  # key -> row bytes, LRU first
         self.keys: dict[int, tuple[bytes, bytes]] = {}  # row -> (key, page hash)
