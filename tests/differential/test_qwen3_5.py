@@ -459,32 +459,26 @@ def test_a_bad_state_in_the_store_is_refused_and_written_again(folder, reference
     assert got.stats.cached_tokens == 0 and keyed.recurrent.tiers.bad >= 1
 
 
-@pytest.mark.parametrize("tokens", [True, False])
-@pytest.mark.parametrize("cache_bytes", [None, 2**20])
-def test_kv_events_advertise_exactly_the_prefixes_it_serves(folder, tokens, cache_bytes):
-    """A prefix is servable only up to a checkpoint: the events (through the wire) tell
-    one block per checkpoint, an index of them credits each prompt with the deepest one
-    it passes, and that is what the engine then serves, prompt after prompt, while
-    checkpoints beyond ``max_checkpoints`` are evicted and removed (with token ids, and
-    hash-only in a salted namespace), from the separate pools or one arena (its
-    checkpoints in arena units, ``max_checkpoints`` a cap inside the budget)."""
+def served_and_credited(engine: Engine, cuts: tuple[int, ...], salt: str | None = None,
+                        salt_key: bytes | None = None, tokens: bool = True) -> tuple:  # fmt: skip
+    """Prompts sharing a 400-token prefix up to each of ``cuts``, one at a time, the
+    engine's KV events (through the wire) applied to a router's index: per prompt, the
+    tokens the engine served from its cache and those the index credited it before it
+    ran. After each, the index checks and holds exactly the engine's checkpoints."""
     from radixkv.engine.request import SamplingParams
     from radixkv.events import decode_batch, encode_batch, salt_tag
     from radixkv.router.index import KvIndex
 
     batches: list = []
-    engine = Engine(str(folder), page_size=16, chunk_size=64, max_checkpoints=3,
-                    check_memory=True, cache_bytes=cache_bytes)  # fmt: skip
-    engine.publish_kv_events(batches.append, salt_key=b"fleet key", tokens=tokens)
+    engine.publish_kv_events(batches.append, salt_key=salt_key, tokens=tokens)
     index = KvIndex(16)
     index.sparse.add("w")
-    salt = "tenant-a"
-    tag = salt_tag(salt, b"fleet key")
+    tag = salt_tag(salt, salt_key) if salt is not None else None
     shared = rand(400, 1)
-    served, predicted = [], []
-    for i, cut in enumerate((300, 300, 300, 350, 120, 300, 390, 120, 350)):
+    served, credited = [], []
+    for i, cut in enumerate(cuts):
         prompt = shared[:cut] + rand(9 + i, 20 + i)
-        predicted.append(16 * index.overlap(prompt, tag, salt).get("w", 0))
+        credited.append(16 * index.overlap(prompt, tag, salt).get("w", 0))
         rid = engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True),
                                  extra_key=salt, chat=False)  # fmt: skip
         while engine.requests:
@@ -498,6 +492,23 @@ def test_kv_events_advertise_exactly_the_prefixes_it_serves(folder, tokens, cach
         batches.clear()
         index.check()
         assert index.num_blocks("w") == len(engine.recurrent.component.held)
+    return served, credited
+
+
+@pytest.mark.parametrize("tokens", [True, False])
+@pytest.mark.parametrize("cache_bytes", [None, 2**20])
+def test_kv_events_advertise_exactly_the_prefixes_it_serves(folder, tokens, cache_bytes):
+    """A prefix is servable only up to a checkpoint: the events (through the wire) tell
+    one block per checkpoint, an index of them credits each prompt with the deepest one
+    it passes, and that is what the engine then serves, prompt after prompt, while
+    checkpoints beyond ``max_checkpoints`` are evicted and removed (with token ids, and
+    hash-only in a salted namespace), from the separate pools or one arena (its
+    checkpoints in arena units, ``max_checkpoints`` a cap inside the budget)."""
+    engine = Engine(str(folder), page_size=16, chunk_size=64, max_checkpoints=3,
+                    check_memory=True, cache_bytes=cache_bytes)  # fmt: skip
+    served, predicted = served_and_credited(
+        engine, (300, 300, 300, 350, 120, 300, 390, 120, 350), salt="tenant-a",
+        salt_key=b"fleet key", tokens=tokens)  # fmt: skip
     assert served == predicted
     # the third sharer starts at the branch point; later that checkpoint is evicted (and
     # removed from the index), so the same prefix gets only an earlier one
@@ -511,34 +522,10 @@ def test_kv_events_tell_the_checkpoints_a_host_tier_brings_back(folder, cache_by
     holds exactly the checkpoints the engine holds, and a prompt is served at least what
     the index credited it (more where the host pool had a deeper one), from the
     separate pools or one arena."""
-    from radixkv.engine.request import SamplingParams
-    from radixkv.events import decode_batch, encode_batch
-    from radixkv.router.index import KvIndex
-
-    batches: list = []
     engine = Engine(str(folder), page_size=16, chunk_size=64, max_checkpoints=3,
                     host_tokens=2048, check_memory=True, cache_bytes=cache_bytes)  # fmt: skip
-    engine.publish_kv_events(batches.append)
-    index = KvIndex(16)
-    index.sparse.add("w")
-    shared = rand(400, 1)
-    served, credited = [], []
-    for i, cut in enumerate((300, 300, 300, 350, 120, 300, 390, 120, 350, 300, 120)):
-        prompt = shared[:cut] + rand(9 + i, 20 + i)
-        credited.append(16 * index.overlap(prompt).get("w", 0))
-        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True),
-                                 chat=False)  # fmt: skip
-        while engine.requests:
-            for out in engine.step():
-                if out.rid == rid and out.finished:
-                    served.append(out.cached_tokens)
-        for batch in batches:
-            batch = decode_batch(encode_batch(batch))
-            index.validate("w", batch)
-            index.apply("w", batch)
-        batches.clear()
-        index.check()
-        assert index.num_blocks("w") == len(engine.recurrent.component.held)
+    served, credited = served_and_credited(
+        engine, (300, 300, 300, 350, 120, 300, 390, 120, 350, 300, 120))
     assert all(s >= c for s, c in zip(served, credited, strict=True))
     assert sum(served) > sum(credited) and engine.recurrent.tiers.loaded > 0
 
