@@ -460,11 +460,13 @@ def test_a_bad_state_in_the_store_is_refused_and_written_again(folder, reference
 
 
 def served_and_credited(engine: Engine, cuts: tuple[int, ...], salt: str | None = None,
-                        salt_key: bytes | None = None, tokens: bool = True) -> tuple:  # fmt: skip
+                        salt_key: bytes | None = None, tokens: bool = True,
+                        flush_after: int = -1) -> tuple:  # fmt: skip
     """Prompts sharing a 400-token prefix up to each of ``cuts``, one at a time, the
     engine's KV events (through the wire) applied to a router's index: per prompt, the
     tokens the engine served from its cache and those the index credited it before it
-    ran. After each, the index checks and holds exactly the engine's checkpoints."""
+    ran. After each, the index checks and holds exactly the engine's checkpoints.
+    ``flush_after``: the cache is flushed after that prompt."""
     from radixkv.engine.request import SamplingParams
     from radixkv.events import decode_batch, encode_batch, salt_tag
     from radixkv.router.index import KvIndex
@@ -485,6 +487,8 @@ def served_and_credited(engine: Engine, cuts: tuple[int, ...], salt: str | None 
             for out in engine.step():
                 if out.rid == rid and out.finished:
                     served.append(out.cached_tokens)
+        if i == flush_after:
+            engine.flush_cache()
         for batch in batches:
             batch = decode_batch(encode_batch(batch))
             index.validate("w", batch)
@@ -517,17 +521,18 @@ def test_kv_events_advertise_exactly_the_prefixes_it_serves(folder, tokens, cach
 
 @pytest.mark.parametrize("cache_bytes", [None, 2**20])
 def test_kv_events_tell_the_checkpoints_a_host_tier_brings_back(folder, cache_bytes):
-    """With a host pool below, checkpoints evicted beyond ``max_checkpoints`` come back
-    when a prompt needs them, and each comes back told: after every request the index
-    holds exactly the checkpoints the engine holds, and a prompt is served at least what
-    the index credited it (more where the host pool had a deeper one), from the
-    separate pools or one arena."""
+    """With a host pool below, checkpoints that leave the device (evicted beyond
+    ``max_checkpoints``, or all at once by a flush) come back when a prompt needs them,
+    each told again: after every request the index holds exactly the checkpoints the
+    engine holds, and a prompt is served at least what the index credited it (more
+    where the host pool had a deeper one), from the separate pools or one arena."""
     engine = Engine(str(folder), page_size=16, chunk_size=64, max_checkpoints=3,
                     host_tokens=2048, check_memory=True, cache_bytes=cache_bytes)  # fmt: skip
     served, credited = served_and_credited(
-        engine, (300, 300, 300, 350, 120, 300, 390, 120, 350, 300, 120))
+        engine, (300, 300, 300, 350, 120, 300, 390, 120, 350, 300, 120, 300), flush_after=10)
     assert all(s >= c for s, c in zip(served, credited, strict=True))
     assert sum(served) > sum(credited) and engine.recurrent.tiers.loaded > 0
+    assert served[11] > credited[11] == 0  # (after the flush: from the host pool)
 
 
 def test_served_with_the_openai_client(folder):
