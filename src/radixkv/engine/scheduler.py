@@ -246,7 +246,7 @@ class Scheduler:
             if r.group is not None and groups[r.group] >= cap:
                 continue  # its group holds its share of the slots: others go first
             if self._load(r):
-                hits[id(r)] = cache.match_len(key[id(r)]) if r.cache_read else 0
+                hits[id(r)] = cache.match_len(key[id(r)])  # (it loaded: it reads the cache)
             if lpm:
                 if in_flight.match_len(key[id(r)]) - hits[id(r)] > IN_BATCH_PREFIX_THRESHOLD:
                     continue  # its prefix is being computed by another request: wait a step
