@@ -65,7 +65,7 @@ def test_the_tiers_command_reports_the_load_time(capsys):
             "--host-bandwidth", "1"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "requests loaded from the host" in out and "at 1 GB/s (1,000 bytes a token)" in out
+    assert "requests loaded from the host" in out and "(1 GB/s, 1,000 bytes a token)" in out
     with pytest.raises(SystemExit) as e:  # (argparse's exit for a bad value: 2)
         main([*argv[:-1], "0"])
     assert e.value.code == 2 and "--host-bandwidth: must be GB/s > 0" in capsys.readouterr().err

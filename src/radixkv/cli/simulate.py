@@ -184,6 +184,13 @@ def _tiers_flags(parser: argparse.ArgumentParser) -> None:
         help="with --tiers: the host link's bandwidth, for the time host hits add to a "
         "request's first token (with --model or --bytes-per-token) [25: PCIe 4.0 x16]",
     )  # fmt: skip
+    sim.add_argument(
+        "--prefetch-within", type=number(float, 1e-3, "seconds > 0"), metavar="SECONDS",
+        help="with --tiers, on a trace with sessions: load a waiting session's pages from "
+        "the host tier in the link's idle time when it is predicted back within SECONDS "
+        "(as the session order predicts; under --policy session a load evicts only what "
+        "returns later) [off]",
+    )  # fmt: skip
     sim.add_argument("--replicas",
                      help="comma-separated replica counts: route the trace over this many "
                      "replicas, each of --capacity (e.g. 8,16,32,64)")  # fmt: skip
@@ -300,6 +307,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--plot: give a file name (a PNG cannot go to stdout)")
     if args.warmup >= 1.0:
         raise CliError(f"--warmup: must be a fraction in [0, 1), got {args.warmup}")
+    for flag, given in (("--prefetch-within", args.prefetch_within is not None),
+                        ("--host-capacity", args.host_capacity != "0")):  # fmt: skip
+        if given and not args.tiers:
+            raise CliError(f"{flag}: only with --tiers")
     if _is_served(args):
         from radixkv.cli.simulate_served import run_served
 
@@ -386,22 +397,48 @@ def _tiers(args, trace, caps, labels, outputs, console, bpt) -> int:  # type: ig
             hosts.append(units)
     except ValueError as e:
         raise CliError(f"--host-capacity: {e}") from None
-    results, pooled = tiers.sweep_tiers(trace, caps, hosts, args.shared, outputs)
+    policies = tuple(dict.fromkeys((args.policy or "lru").split(",")))
+    for p in policies:
+        if p not in ("lru", "session"):
+            raise CliError(f"--policy: with --tiers the device's order is lru or session, "
+                           f"got {p!r}")  # fmt: skip
+    results, pooled = tiers.sweep_tiers(trace, caps, hosts, args.shared, outputs, policies,
+                                        _ahead(args, trace, bpt))  # fmt: skip
     tiers.print_tiers_table(results, console, labels)
     for cap, host, rate in pooled:
         console.print(f"device {labels[cap]} + host {labels[('host', host)]}: one cache of "
                       f"that total size would hit {rate:.4f}", markup=False)  # fmt: skip
+    bw = args.host_bandwidth * 1e9
     for r in results:
-        if r.host_hit_requests and bpt:
-            load = r.load_seconds(bpt, args.host_bandwidth * 1e9)
-            console.print(f"device {labels[r.device_units]} + host "
-                          f"{labels[('host', r.host_units)]}: {r.host_hit_requests:,} requests "
-                          f"loaded from the host, {load * 1000:.1f} ms each on average at "
-                          f"{args.host_bandwidth:g} GB/s ({bpt:,} bytes a token)",
-                          markup=False)  # fmt: skip
+        if not (r.host_hit_requests and bpt):
+            continue
+        ahead = (f"; {r.prefetched_tokens:,} tokens loaded ahead of their session's return"
+                 if args.prefetch_within else "")  # fmt: skip
+        each, p90 = r.load_seconds(bpt, bw), r.load_p90_seconds(bpt, bw)
+        mean = each * r.host_hit_requests / r.requests
+        console.print(f"device {labels[r.device_units]} ({r.policy}) + host "
+                      f"{labels[('host', r.host_units)]}: {r.host_hit_requests:,} requests "
+                      f"loaded from the host when they arrived, {each * 1000:.1f} ms each; "
+                      f"over all requests {mean * 1000:.1f} ms mean, {p90 * 1000:.1f} ms p90 "
+                      f"({args.host_bandwidth:g} GB/s, {bpt:,} bytes a token){ahead}",
+                      markup=False)  # fmt: skip
     rows = {"results": [r.to_dict() for r in results]}
     write("--json", args.json_out, lambda: json.dumps(rows, indent=2))
     return 0
+
+
+def _ahead(args, trace, bpt):  # type: ignore[no-untyped-def]
+    """``--prefetch-within``: the link's speed in tokens a ms, and the horizon."""
+    from radixkv.sim.tiers import Ahead
+
+    if args.prefetch_within is None:
+        return None
+    if not bpt:
+        raise CliError("--prefetch-within: give --model or --bytes-per-token (a load's time "
+                       "is its bytes over --host-bandwidth)")  # fmt: skip
+    if not any(r.session is not None for r in trace.requests):
+        raise CliError("--prefetch-within: the trace has no sessions (--format agentic has)")
+    return Ahead(args.host_bandwidth * 1e9 / bpt / 1000.0, args.prefetch_within * 1000.0)
 
 
 def _replicas(args, trace, counts, caps, labels, outputs, console) -> int:  # type: ignore[no-untyped-def]

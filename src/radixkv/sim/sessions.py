@@ -61,9 +61,10 @@ class SessionOrder:
         """When ``session`` is predicted to send its next request (ms)."""
         return self.clock.predicted(session, self.now / 1000.0) * 1000.0
 
-    def evict(self, cache: Any, need: int) -> int:
+    def evict(self, cache: Any, need: int, after: float | None = None) -> int:
         """Free at least ``need`` units (fewer if nothing more is unlocked), the leaf
-        predicted to be used last first."""
+        predicted to be used last first; with ``after`` (ms), only leaves whose session
+        is predicted back later than that (or that no session owns)."""
         freed = 0
         while freed < need:
             leaves = [n for n in cache.iter_nodes()
@@ -71,6 +72,8 @@ class SessionOrder:
             if not leaves:
                 break
             victim = max(leaves, key=self._key)
+            if after is not None and self._key(victim)[:2] < (0.0, after):
+                break  # the latest return left comes sooner than ``after``
             take = min(len(victim), need - freed)
             freed += cache.evict_leaf(victim, take if take < len(victim) else None)
         return freed
