@@ -20,6 +20,11 @@ write-through of what would otherwise be dropped): an agent's 900k-token context
 The time a host hit adds to a request's first token: its bytes over the host link
 (`TierResult.load_seconds`, for a model's bytes per token and a bandwidth).
 
+The device evicts least recently used first, or by the session order (``policy=
+"session"``: `radixkv.sim.sessions`). With ``ahead`` (`Ahead`), a waiting session's
+pages come back from the host before it is predicted to return, in the link's idle time
+(`radixkv.sim.prefetch`); a request's host hits are then what it loaded on arrival.
+
 Owns: the tier simulation. Must not touch: the real tiers (`radixkv.storage.tier`).
 """
 
