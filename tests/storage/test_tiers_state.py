@@ -87,6 +87,14 @@ class TiersMachine(RuleBasedStateMachine):
         self.tiers.save(prompt[:n], None, self.cache.match_prefix(key[:n]).indices)
         self.tiers.flush()
 
+    @rule(prompt=prompts)
+    def load_without_room(self, prompt):
+        """A load whose slots cannot be had (an engine loading ahead that may not evict
+        what returns sooner): nothing moves; the host pool keeps its pages."""
+        before = self.tiers.host_keys()
+        assert self.tiers.load(prompt, None, len(prompt) - 1, lambda n: None) == 0
+        assert self.tiers.host_keys() == before
+
     @rule(n=st.integers(1, 12))
     def evict(self, n):
         self.cache.evict(n)

@@ -102,6 +102,7 @@ class TierStats(StoreStats):
         self.host_evicted_pages = 0
         self.host_load_bytes = 0
         self.host_load_s = 0.0
+        self.ahead_tokens = 0  # loaded for a session before its request (`load` ahead)
 
 
 class KVTiers:
@@ -294,12 +295,14 @@ class KVTiers:
 
     # --- promotion (a request arrives) --------------------------------------------------
     def load(
-        self, tokens: Any, ns: Any, usable: int, alloc: Any, hashes: list[bytes] | None = None
-    ) -> int:
+        self, tokens: Any, ns: Any, usable: int, alloc: Any, hashes: list[bytes] | None = None,
+        ahead: bool = False,
+    ) -> int:  # fmt: skip
         """Bring the pages of ``tokens[:usable]`` that the device lacks, from the host
         pool then the store, into the pool and the tree. ``alloc(n)`` gives ``n`` slots
-        or ``None``; ``hashes``: the pages' `page_hashes`, when the caller has them.
-        Returns tokens loaded."""
+        or ``None`` (then nothing is loaded and nothing leaves the host pool);
+        ``hashes``: the pages' `page_hashes`, when the caller has them; ``ahead``: for a
+        session before its request (counted apart from the hits). Returns tokens loaded."""
         p = self.page
         key = RadixKey(tokens, ns)
         n_pages = usable // p
@@ -311,13 +314,14 @@ class KVTiers:
         try:
             if hashes is None or len(hashes) < n_pages:
                 hashes = self.page_hashes(tokens, ns, n_pages)
-            return self._load_after(key, hashes[:n_pages], have, n_pages, hit.indices, alloc)
+            return self._load_after(key, hashes[:n_pages], have, n_pages, hit.indices, alloc,
+                                    ahead)  # fmt: skip
         finally:
             self.cache.dec_lock_ref(hit.last_node)
 
     def _load_after(
         self, key: RadixKey, hashes: list[bytes], have: int, n_pages: int,
-        device: torch.Tensor, alloc: Any,
+        device: torch.Tensor, alloc: Any, ahead: bool,
     ) -> int:  # fmt: skip
         p = self.page
         keys = [self._key(h) for h in hashes]
@@ -339,11 +343,13 @@ class KVTiers:
         if not total:
             return 0
         host_data = self.host[torch.tensor(host)].clone() if host else None  # before alloc
-        for k in keys[have : have + len(host)]:  # exclusive: a page lives on the device or
-            self._host_free.append(self._host_index.pop(k))  # in the host pool, not both
         slots = alloc(total * p)  # may evict, and so demote into the host pool
-        if slots is None:
+        if slots is None:  # nothing loaded, nothing lost: the pages stay in the host pool
             return 0
+        for k in keys[have : have + len(host)]:  # exclusive: a page lives on the device or
+            i = self._host_index.pop(k, None)  # in the host pool, not both (the demotion
+            if i is not None:  # may have pushed it out already: its data is copied)
+                self._host_free.append(i)
         if host_data is not None:
             t1 = time.perf_counter()
             self._scatter(slots[: len(host) * p], host_data)
@@ -357,8 +363,11 @@ class KVTiers:
             for k in keys[j : j + len(stored)]:
                 self._remember(k)
         self.cache.insert(key[: (have + total) * p], torch.cat((device[: have * p], slots)))
-        self.stats.host_hit_tokens += len(host) * p
-        self.stats.store_hit_tokens += len(stored) * p
+        if ahead:  # (not a prompt's hit: its request is yet to come)
+            self.stats.ahead_tokens += total * p
+        else:
+            self.stats.host_hit_tokens += len(host) * p
+            self.stats.store_hit_tokens += len(stored) * p
         return total * p
 
     # --- writing to the store -----------------------------------------------------------
