@@ -274,6 +274,29 @@ def test_same_operations_give_the_same_tree_and_eviction_order(policy):
     assert run() == run()
 
 
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_peek_names_the_leaf_evict_takes_next(policy):
+    """`EvictionOrder.peek`: the next victim and its key, nothing taken; locked leaves
+    and entries gone stale are passed over, as `evict` passes them."""
+    cache = RadixCache(eviction_policy=policy)
+    for i in range(40):
+        cache.insert(RadixKey([i % 7, i % 5, i % 3, i]), priority=i % 4)
+        cache.match_prefix(RadixKey([i % 5, i % 3]))
+    locked = cache.match_prefix(RadixKey([0, 0, 0, 0])).last_node
+    cache.inc_lock_ref(locked)
+    while (first := cache.order.peek()) is not None:
+        key, node = first
+        assert node is not locked and not node.children and node.lock_ref == 0
+        assert key == cache.order.policy_key(node)
+        assert cache.order.peek() == first  # nothing was taken
+        ids = {n.id for n in cache.iter_nodes()}
+        cache.evict(1)  # a whole leaf: this one
+        assert node.id in ids and node.id not in {n.id for n in cache.iter_nodes()}
+    cache.dec_lock_ref(locked)
+    assert cache.order.peek()[1] is locked
+    cache.check_integrity()
+
+
 # --- namespaces and bigram keys -----------------------------------------------------------
 def test_extra_key_namespaces_never_share_nodes():
     cache = RadixCache()

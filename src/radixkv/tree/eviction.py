@@ -98,7 +98,7 @@ class EvictionOrder:
         num_nodes: the tree's node count now (bounds the dead entries kept).
 
     Complexity: ``push`` O(1) in order, O(log n) otherwise; ``choose`` O((k + 1) log n)
-    for k victims.
+    for k victims; ``peek`` O((d + 1) log n) for d dead entries dropped.
     """
 
     def __init__(self, policy_key: Callable[[TreeNode], Any], num_nodes: Callable[[], int]):
@@ -149,6 +149,21 @@ class EvictionOrder:
             and not node.children
             and node.lock_ref == 0
         )
+
+    def peek(self) -> tuple[tuple[Any, ...], TreeNode] | None:
+        """The next victim `choose` would take first and its sort key, without taking it
+        (dead entries at the heads are dropped); None when no leaf is evictable."""
+        heap, run = self._heap, self._run
+        while run or heap:
+            from_run = bool(run) and (not heap or run[0] < heap[0])
+            entry = run[0] if from_run else heap[0]
+            if self.live(entry):
+                return entry[:-2], entry[-1]
+            if from_run:
+                run.popleft()
+            else:
+                heapq.heappop(heap)
+        return None
 
     def put_back(self, popped: list[Any]) -> None:
         """Return entries `choose` took (the free of their slots failed)."""
