@@ -27,7 +27,6 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,13 @@ from radixkv.engine.loader import load_model, load_tokenizer
 from radixkv.engine.loader import model_identity as identity_of
 from radixkv.engine.model_runner import ModelRunner, NonFiniteLogits
 from radixkv.engine.models.llama import ModelConfig
-from radixkv.engine.output import OutputProcessor
+from radixkv.engine.output import (
+    EngineCounters,
+    GenerateResult,
+    OutputProcessor,
+    RequestOutput,
+    RunStats,
+)
 from radixkv.engine.request import (
     CacheSpec,
     EngineReq,
@@ -74,61 +79,6 @@ __all__ = [
     "load_model",
     "load_tokenizer",
 ]
-
-
-@dataclass
-class RequestOutput:
-    """One request's result."""
-
-    text: str
-    token_ids: list[int]
-    prompt_tokens: int
-    cached_tokens: int
-    ttft_s: float
-    finish_reason: str
-    error: str | None = None  # with finish reason "error": why it failed
-
-
-@dataclass
-class RunStats:
-    """One ``generate`` call, all requests together."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefill_tokens: int = 0  # tokens pushed through the model in prefill (recompute included)
-    decode_tokens: int = 0
-    steps: int = 0
-    preemptions: int = 0
-    wall_s: float = 0.0
-    ttft_p50_s: float = 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        """Cached ÷ prompt tokens."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def throughput(self) -> float:
-        """Prompt + generated tokens per second of wall time."""
-        return (self.prompt_tokens + self.decode_tokens) / self.wall_s if self.wall_s else 0.0
-
-
-@dataclass
-class GenerateResult:
-    outputs: list[RequestOutput] = field(default_factory=list)
-    stats: RunStats = field(default_factory=RunStats)
-
-
-@dataclass
-class EngineCounters:
-    """Totals since the engine started (read by the server's metrics)."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
-    steps: int = 0
-    prefill_tokens: int = 0  # tokens pushed through the model in prefill
 
 
 class Engine:

@@ -6,19 +6,77 @@ whole output decoded at once), stop conditions (end of sequence, stop strings se
 only where new text could complete one, the token budget), the outputs a step hands out
 (text held back while it may still be the start of a stop string), and the usage of
 ``n`` choices that share one prompt. Must not touch: the KV cache, the scheduler, the
-model (`radixkv.engine.engine` runs those and hands each sampled token here).
+model (`radixkv.engine.engine` runs those and hands each sampled token here). Also the
+result types an engine's callers read (`RequestOutput`, `RunStats`, `GenerateResult`,
+`EngineCounters`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixkv.engine.request import EngineReq, SamplingParams, StepOutput
 from radixkv.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for the bytes of an unfinished character
+
+
+@dataclass
+class RequestOutput:
+    """One request's result."""
+
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    finish_reason: str
+    error: str | None = None  # with finish reason "error": why it failed
+
+
+@dataclass
+class RunStats:
+    """One ``generate`` call, all requests together."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0  # tokens pushed through the model in prefill (recompute included)
+    decode_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    wall_s: float = 0.0
+    ttft_p50_s: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached ÷ prompt tokens."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Prompt + generated tokens per second of wall time."""
+        return (self.prompt_tokens + self.decode_tokens) / self.wall_s if self.wall_s else 0.0
+
+
+@dataclass
+class GenerateResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stats: RunStats = field(default_factory=RunStats)
+
+
+@dataclass
+class EngineCounters:
+    """Totals since the engine started (read by the server's metrics)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens pushed through the model in prefill
 
 
 class Detokenizer:
@@ -161,4 +219,5 @@ def usage(lasts: Sequence[StepOutput]) -> dict[str, Any]:
     }
 
 
-__all__ = ["Detokenizer", "OutputProcessor", "choice_sampling", "usage"]
+__all__ = ["Detokenizer", "EngineCounters", "GenerateResult", "OutputProcessor", "RequestOutput",
+           "RunStats", "choice_sampling", "usage"]  # fmt: skip
