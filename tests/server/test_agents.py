@@ -622,3 +622,53 @@ def test_the_session_order_keeps_the_agent_that_called_a_tool(folder, tmp_path):
         assert later and float(later.group(1)) >= 200  # (B's turn ended: back in minutes)
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_an_idle_server_loads_a_waiting_agents_pages_back_before_it_returns(
+    folder, tmp_path, ahead
+):
+    """``--prefetch-within``: A's answer called a tool; D's long prompt then pushes A's
+    pages down to the host tier. While the server idles, A (predicted back in seconds)
+    comes back to the device, so its next call reads its prompt from the cache with
+    nothing loaded on arrival; without the flag the same call loads it from the host."""
+    import time
+
+    extra = ("--prefetch-within", "60") if ahead else ()
+    srv = scripted_server(SCRIPT, folder, tmp_path, "--served-model-name", MODEL,
+                          "--page-size", "16", "--max-context-len", "8192",
+                          "--kv-tokens", "6144", "--host-tokens", "16384",
+                          "--eviction-policy", "session", *extra)  # fmt: skip
+    try:
+        c = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
+
+        def turn(session: str, system: str, text: str):
+            return c.messages.create(model=MODEL, max_tokens=100, system=system, tools=[
+                A_WEATHER], messages=[{"role": "user", "content": text}],
+                extra_headers={"X-Claude-Code-Session-Id": session})  # fmt: skip
+
+        def counter(name: str) -> float:
+            found = re.search(rf"radixkv:{name}_total\{{[^}}]*\}} ([0-9.e+]+)",
+                              httpx.get(f"{srv.url}/metrics").text)  # fmt: skip
+            assert found, name
+            return float(found.group(1))
+
+        system_a = "You are agent A. " * 110
+        a = turn("A", system_a, "What is the weather in Paris?")
+        assert a.stop_reason == "tool_use"
+        per_rep = a.usage.input_tokens / 110
+        assert turn("D", "You are agent D. " * int(5600 / per_rep), "hi").stop_reason == "end_turn"
+        if ahead:  # the engine idles now: A comes back while the client thinks
+            deadline = time.monotonic() + 30
+            while counter("loaded_ahead_tokens") == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert counter("loaded_ahead_tokens") > 0
+        host_before = counter("host_hit_tokens")
+        back = turn("A", system_a, "What is the weather in Paris?").usage
+        assert back.cache_read_input_tokens >= a.usage.input_tokens - 16
+        loaded_on_arrival = counter("host_hit_tokens") - host_before
+        assert (loaded_on_arrival == 0) == ahead, loaded_on_arrival
+        if not ahead:
+            assert counter("loaded_ahead_tokens") == 0
+    finally:
+        assert srv.stop() == 0 and "Traceback" not in srv.stderr(), srv.stderr()[-3000:]

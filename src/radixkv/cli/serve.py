@@ -180,6 +180,12 @@ def _storage_flags(parser: argparse.ArgumentParser) -> None:
         help="KV tokens of a host-memory tier below the device pool [0: none]",
     )
     serve.add_argument(
+        "--prefetch-within", type=number(float, 1e-3, "seconds > 0"), metavar="SECONDS",
+        help="with --eviction-policy session and a tier: while no request runs, load a "
+        "waiting agent's pages back from the tier when it is predicted back within SECONDS, "
+        "evicting only what returns later [off]",
+    )  # fmt: skip
+    serve.add_argument(
         "--write-policy",
         choices=["write_through", "write_through_selective", "write_back"],
         default="write_through",
@@ -252,7 +258,7 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
 SIZING_FIELDS = ("cache_bytes", "kv_tokens", "window_tokens", "max_checkpoints", "host_tokens",
                  "chunk_size", "max_running", "max_context_len", "page_size",
                  "checkpoint_every", "max_retained_tokens", "eviction_policy",
-                 "served_log")  # fmt: skip
+                 "served_log", "prefetch_within")  # fmt: skip
 
 
 def _sizing_flag(message: str, args: argparse.Namespace) -> str | None:
@@ -299,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
             storage_max_bytes=args.storage_max_bytes, max_checkpoints=args.max_checkpoints,
             checkpoint_every=args.checkpoint_every,
             max_retained_tokens=args.max_retained_tokens, window_tokens=args.window_tokens,
-            served_log=args.served_log,
+            served_log=args.served_log, prefetch_within=args.prefetch_within,
         )  # fmt: skip
         access = Access.for_bind(
             args.host, api_key=args.api_key, admin_key=args.admin_key,

@@ -5,8 +5,9 @@ The thread is the only one that touches the engine, and so its cache, pools and 
 command queue (``add``, ``abort``, ``flush``, any function of the engine via ``call``);
 outputs come back to each request's ``asyncio.Queue`` through
 ``loop.call_soon_threadsafe``. While nothing is unfinished the thread sleeps on the
-command queue; otherwise it steps as fast as the model runs, taking new commands
-between steps.
+command queue, calling `Engine.idle` between waits (a waiting agent's pages loaded
+back ahead of its return, one session's at a time); otherwise it steps as fast as the
+model runs, taking new commands between steps.
 
 Owns: the engine's thread, its command queue and the output streams. Must not touch: the
 engine's internals; everything goes through commands on the loop thread.
@@ -263,17 +264,19 @@ class AsyncEngine:
             self._run_commands(wait=idle and not self._stopping)
             if self._stopping:
                 break
-            if not self._running.is_set() or not engine.has_unfinished():
+            if not self._running.is_set():
                 continue
+            busy = engine.has_unfinished()  # (idle: work for an idle engine, `Engine.idle`)
             try:
-                outputs = engine.step()
+                outputs = engine.step() if busy else engine.idle()
             except BaseException as e:  # a bug or a device failure: fail loudly, once
-                log.exception("the engine step failed; the engine stops")
+                log.exception("the engine %s failed; the engine stops", "step" if busy else "idle")
                 self._die(e)
                 if self.on_death is not None:
                     self.on_death(e)
                 return
-            self._dispatch(outputs)
+            if busy:
+                self._dispatch(outputs)
         self._die(EngineDead("the engine was shut down"))
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:

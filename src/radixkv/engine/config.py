@@ -62,6 +62,11 @@ class EngineConfig:
         host_tokens: KV tokens of a host-memory tier: pages the device evicts are copied
             there and loaded back when a prompt needs them.
         write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
+        prefetch_within: with ``eviction_policy="session"`` and a tier (``host_tokens`` or
+            ``storage``): while no request runs, the pages a waiting agent session's
+            last path left below the device are loaded back when it is predicted back
+            within this many seconds, evicting only what returns later
+            (`radixkv.engine.ahead`; the server calls `Engine.idle`). ``None``: off.
         storage_max_bytes: the most bytes a ``file://`` store's folder holds (the least
             recently used pages go first; ``None``: what it holds at start plus half its
             disk's free space); other stores are sized in themselves.
@@ -125,6 +130,7 @@ class EngineConfig:
     # as the separate pools' defaults would be (radixkv.kvcache.arena)
     cache_split: str = "one"  # with cache_bytes: "one" arena, or SGLang's fixed "sglang"
     served_log: str | None = None  # a file each finished request is logged to, for replay
+    prefetch_within: float | None = None  # s: a waiting agent's pages back before it returns
 
     @property
     def cache_config(self) -> CacheConfig:
@@ -167,6 +173,7 @@ class EngineConfig:
         if (self.storage is not None or self.host_tokens) and not self.prefix_cache:
             raise ValueError("storage and host_tokens need the prefix cache (prefix_cache=True)")
         as_count(self.host_tokens, "host_tokens")
+        self._check_load_ahead()
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}"
@@ -180,3 +187,16 @@ class EngineConfig:
             if self.storage is None or not self.storage.startswith("file://"):
                 raise ValueError("storage_max_bytes: only a file:// store takes a size cap "
                                  "(size Redis with its maxmemory)")  # fmt: skip
+
+    def _check_load_ahead(self) -> None:
+        t = self.prefetch_within
+        if t is None:
+            return
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ValueError(f"prefetch_within must be a number of seconds > 0, got {t!r}")
+        if self.eviction_policy != "session":
+            raise ValueError("prefetch_within needs the session eviction policy (its "
+                             "predictions say which session returns when)")  # fmt: skip
+        if self.storage is None and not self.host_tokens:
+            raise ValueError("prefetch_within needs a tier to load from (a host tier or "
+                             "a store)")  # fmt: skip

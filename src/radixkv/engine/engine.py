@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from radixkv.engine.ahead import load_ahead
 from radixkv.engine.cache_memory import CacheMemory, build_tiers
 from radixkv.engine.config import SCHEDULE_POLICIES, EngineConfig
 from radixkv.engine.faults import EngineFault, FaultWatch
@@ -141,6 +142,7 @@ class Engine:
             host_pages = cfg.host_tokens // cfg.page_size
             self.layer_tiers = layer_tiers(self.tier, self.mgr.managers, self.cache, host_pages,
                                            host_states)  # fmt: skip
+        self.ahead = load_ahead(cfg, self.cache, self.mgr, self.sessions, self.tier)
         hooks = SchedulerHooks(self._prefetch if self.tier is not None else None,
                                self._admitted, self.retention.relieve)  # fmt: skip
         self.scheduler = Scheduler(cfg, self.mgr, hooks)
@@ -441,6 +443,14 @@ class Engine:
         self._flush_events()
         return n
 
+    def idle(self) -> int:
+        """Work for an engine with no request to run (`AsyncEngine` calls it between
+        waits): a waiting agent's pages loaded back ahead of its predicted return
+        (``prefetch_within``: `radixkv.engine.ahead`). Returns the tokens loaded."""
+        n = self.ahead.run(self.clock()) if self.ahead is not None else 0
+        self._flush_events()
+        return n
+
     # --- the step ---------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Schedule, run the model, process the sampled tokens; what each request
@@ -555,6 +565,8 @@ class Engine:
             n = r.kv_len - r.kv_len % self.cache.page_size
             slots = self.mgr.req_pool.read(r.row, 0, n).clone()
             hashes = self.tier.save(r.token_array()[:n], r.extra_key, slots)
+            if self.ahead is not None and r.session is not None and r.session.key is not None:
+                self.ahead.remember(r.session.key, r.token_array()[:n], r.extra_key)
             resend = align_down(len(r.input_ids) - 1, self.cache.page_size)
             for t in self.layer_tiers:  # (the page hashes once for all)
                 t.save(r.token_array()[:n], r.extra_key, r.row, n, hashes, resend)

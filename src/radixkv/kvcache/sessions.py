@@ -413,6 +413,16 @@ class SessionOrder:
         if node is not None and self.clock.sessions[session].running == 0:
             self._stamp_session(session, predicted, now)
 
+    def loaded_back(self, session: Any, node: Any, now: float) -> None:
+        """``session``'s last path came back from a tier ahead of its return, ending at
+        ``node``: its path ends there again, stamped with its prediction (unstamped, the
+        pages just loaded would be the first to go)."""
+        s = self.clock.sessions.get(session)
+        if s is None or s.running or node is None or node.parent is None:
+            return
+        self.places.end(session, s, node)
+        self._stamp_session(session, self.clock.predicted(session, now), now)
+
     def release(
         self, node: Any, anchor: tuple[Any, Any, int] | None = None, left: Any = None
     ) -> None:

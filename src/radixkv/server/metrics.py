@@ -109,6 +109,10 @@ def _tier_values(e: Engine) -> list[Value]:
              "as the device evicted them", st.demoted_pages),
             (CounterMetricFamily, "host_load_bytes", "Bytes loaded from the host tier",
              st.host_load_bytes),
+            (CounterMetricFamily, "loaded_ahead_tokens", "Tokens loaded back from the host "
+             "tier or the store for a waiting agent session before its request came "
+             "(--prefetch-within; its request then hits them on the device)",
+             st.ahead_tokens),
             (CounterMetricFamily, "host_load_seconds", "Time loading from the host tier",
              st.host_load_s),
             (CounterMetricFamily, "storage_pages_read", "Pages read from the store",

@@ -1,0 +1,136 @@
+"""Loading a waiting agent's pages back before it returns (``EngineConfig.prefetch_within``,
+``radixkv serve --prefetch-within SECONDS``; issue 61: "loaded back when its next request
+arrives, or before, when predicted").
+
+An agent whose answer called a tool is back in seconds (the session order's prediction:
+`radixkv.kvcache.sessions`). Meanwhile other sessions' requests may have pushed its pages
+down to the host pool or the store, and its next request would wait for them to load
+before its first token. While the engine has no request to run, `LoadAhead.run` loads
+them back: of the sessions with nothing running that are predicted back within the
+horizon, the soonest first, the pages of its last path (prompt and output, as cached
+when it finished) that the device lacks. Room is made only by evicting what the order
+ranks below that session (predicted back later, or no session's), never a sooner return;
+what does not fit stays below. The loaded path is stamped as the session's end again
+(`SessionOrder.loaded_back`).
+
+Bounds: the paths of at most `MAX_PATHS` sessions and ``max_tokens`` tokens together
+(the host pool's size: more could not come back from it), the least recently finished
+dropped first. A path is looked at again only once the cache evicted something since it
+was last seen as whole as it can be (the engine's count of evicted tokens). One
+session's load per call, so a request that arrives waits for at most one load.
+
+Owns: which session to load ahead, and the room for it. Must not touch: how pages load
+(the tier's `load`), the prediction (`SessionClock`), the tree's order.
+
+Complexity: `run` O(paths) to choose, a prefix match per path looked at, plus the load
+and its evictions.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from typing import Any
+
+from radixkv.key import RadixKey
+from radixkv.kvcache.sessions import priority_of
+from radixkv.units import align_down
+
+MAX_PATHS = 1024  # sessions whose last path is kept for a load ahead
+
+
+class LoadAhead:
+    """``remember`` each finished request's path; ``run`` when the engine is idle."""
+
+    def __init__(self, cache: Any, mgr: Any, sessions: Any, tier: Any, horizon_s: float,
+                 max_tokens: int) -> None:  # fmt: skip
+        self.cache, self.mgr, self.sessions, self.tier = cache, mgr, sessions, tier
+        self.horizon, self.max_tokens = horizon_s, max_tokens
+        # session -> (its last path, namespace, the eviction count when last seen whole)
+        self.paths: OrderedDict[Any, tuple[array, Any, int]] = OrderedDict()
+        self.held = 0  # tokens of the paths kept
+        self.tokens = 0  # loaded ahead, all told (a metric)
+
+    def remember(self, session: Any, tokens: array, ns: Any) -> None:
+        """``session``'s request finished with ``tokens`` cached (whole pages)."""
+        old = self.paths.pop(session, None)
+        self.held -= len(old[0]) if old is not None else 0
+        if not tokens or len(tokens) > self.max_tokens:
+            return
+        self.paths[session] = (tokens, ns, self.mgr.evicted_tokens)
+        self.held += len(tokens)
+        while self.held > self.max_tokens or len(self.paths) > MAX_PATHS:
+            self.held -= len(self.paths.popitem(last=False)[1][0])
+
+    def run(self, now: float) -> int:
+        """Load the missing pages of the session predicted back soonest (within the
+        horizon) that may lack some: only a path seen whole before the cache last
+        evicted is looked at again. Returns the tokens loaded."""
+        clock, epoch, due = self.sessions.clock, self.mgr.evicted_tokens, []
+        for key, (_, _, seen) in self.paths.items():
+            s = clock.sessions.get(key)
+            if s is None or s.running or seen == epoch:
+                continue
+            back = clock.predicted(key, now)
+            if back <= now + self.horizon:
+                due.append((back, key))
+        for back, key in sorted(due, key=lambda d: d[0]):
+            tokens, ns, _ = self.paths[key]
+            n = self._make_room(tokens, ns, priority_of(back))
+            loaded = self.tier.load(tokens, ns, n, self.mgr.allocator.alloc, ahead=True) if n else 0
+            self.paths[key] = (tokens, ns, self.mgr.evicted_tokens)  # (seen as it can be)
+            if loaded:
+                self.tokens += loaded
+                node = self.cache.match_prefix(RadixKey(tokens[:n], ns)).last_node
+                self.sessions.loaded_back(key, node, now)
+                return loaded
+        return 0
+
+    def _make_room(self, tokens: array, ns: Any, floor: int) -> int:
+        """Free slots for the pages the device lacks of ``tokens``, evicting only leaves
+        of priority below ``floor``; returns how many leading tokens can then be held
+        (0: nothing to load)."""
+        page, allocator = self.cache.page_size, self.mgr.allocator
+        want = align_down(len(tokens), page)
+        hit = self.cache.match_prefix(RadixKey(tokens[:want], ns), full=True)
+        missing = want - hit.prefix_len
+        if missing <= 0:
+            return 0
+        self.cache.inc_lock_ref(hit.last_node)  # (its own prefix is not a victim)
+        try:
+            short = missing - allocator.available_size()
+            while short > 0 and (first := self.cache.order.peek()) is not None:
+                (priority, *_), node = first
+                if priority >= floor:  # the next victim returns no later than this one
+                    break
+                take = min(len(node), -(-short // page) * page)
+                freed = self.cache.evict_leaf(node, take if take < len(node) else None)
+                self.mgr.evicted_tokens += freed
+                short -= freed
+        finally:
+            self.cache.dec_lock_ref(hit.last_node)
+        room = align_down(min(missing, allocator.available_size()), page)
+        return hit.prefix_len + room if room else 0
+
+
+
+
+def load_ahead(cfg: Any, cache: Any, mgr: Any, sessions: Any, tier: Any) -> LoadAhead | None:
+    """The engine's `LoadAhead` for ``cfg.prefetch_within`` (None: off).
+
+    Raises:
+        ValueError: naming ``prefetch_within`` where it does not work yet: a model with
+            layer managers (sliding windows, recurrent states: their pages and
+            checkpoints load through their own tiers, their room through the one
+            budget's order).
+    """
+    if cfg.prefetch_within is None:
+        return None
+    if mgr.managers:
+        raise ValueError("prefetch_within: not yet with sliding-window or recurrent "
+                         "layers")  # fmt: skip
+    top = max(cfg.host_tokens, mgr.allocator.capacity)
+    return LoadAhead(cache, mgr, sessions, tier, float(cfg.prefetch_within), top)
+
+
+__all__ = ["MAX_PATHS", "LoadAhead", "load_ahead"]

@@ -1,0 +1,164 @@
+"""A waiting agent's pages loaded back before it returns (`radixkv.engine.ahead`,
+``prefetch_within``): an idle engine brings the pages a session predicted back soon left
+in the host tier back to the device, so its next request finds them there (no load on
+arrival) and computes what a cold engine computes; room is made only from what returns
+later; nothing is loaded for a session predicted back beyond the horizon; the paths kept
+for it are bounded; what cannot work yet is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv.engine.engine import Engine
+from radixkv.engine.request import SamplingParams, SessionTag
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 131 + i * 7) % 250 + 3 for i in range(n)]
+
+
+class Agents:
+    """An engine on a clock the test moves; ``serve`` runs one session's request to its
+    end at a given time, its answer a tool call or the end of a turn."""
+
+    def __init__(self, **config) -> None:
+        self.now = 0.0
+        self.eng = Engine("random", page_size=4, kv_tokens=1200, max_context_len=1100,
+                          eviction_policy="session", host_tokens=4096, check_memory=True,
+                          clock=lambda: self.now, **config)  # fmt: skip
+
+    def serve(self, key: str, ids: list[int], tool: bool, at: float, new: int = 2) -> list[int]:
+        self.now = at
+        eos = self.eng.tokenizer.eos_token_id
+        bias = () if new > 2 else ((eos, 100.0),)  # (a 2-token answer ends at once)
+        sampling = SamplingParams(new, logit_bias=bias, ignore_eos=new > 2)
+        tag = SessionTag(key, lambda _t, _i: tool)
+        rid = self.eng.add_request(ids, sampling, chat=False, session=tag)
+        out: list[int] = []
+        while self.eng.has_unfinished():
+            for o in self.eng.step():
+                if o.rid == rid:
+                    out += o.token_ids
+        return out
+
+    def idle(self, at: float) -> int:
+        self.now = at
+        return self.eng.idle()
+
+
+@pytest.mark.parametrize("memory", ["pool", "one budget"])
+@pytest.mark.parametrize("ahead", [None, 60.0])
+def test_an_agent_back_from_a_tool_call_finds_its_pages_on_the_device(ahead, memory):
+    """A (a tool call) is pushed to the host by D (a long prompt whose turn ended). While
+    the engine idles, A's pages come back (D's, predicted back in minutes, make room);
+    A's next request then loads nothing on arrival and computes what a cold engine
+    computes. The same in one byte budget (``cache_bytes``, capped at 1,200 tokens)."""
+    budget = {"cache_bytes": 1 << 22} if memory == "one budget" else {}
+    agents = Agents(prefetch_within=ahead, **budget)
+    eng = agents.eng
+    assert (eng.arena is not None) == bool(budget) and eng.mgr.allocator.capacity == 1200
+    a, d = prompt(1, 380), prompt(4, 1000)
+    agents.serve("A", a, tool=True, at=0.0)
+    assert agents.idle(at=0.5) == 0  # A is whole on the device: nothing to load (yet)
+    agents.serve("D", d, tool=False, at=1.0)
+    assert eng.cache.match_len(a) < 380  # pushed down to the host
+    loaded = agents.idle(at=3.0)
+    assert (loaded > 0) == (ahead is not None)
+    assert eng.tier.stats.ahead_tokens == loaded and eng.tier.stats.host_hit_tokens == 0
+    if ahead is not None:
+        assert eng.cache.match_len(a) == 380 and eng.cache.match_len(d) < 1000
+    assert agents.idle(at=3.5) == 0  # nothing evicted since: nothing looked at again
+    # the pages loaded are A's again, stamped with its return: another prompt's room
+    # comes from D (back in minutes), not from them
+    agents.serve("F", prompt(7, 300), tool=False, at=4.0)
+    if ahead is not None:
+        assert eng.cache.match_len(a) == 380
+    follow = [*a, *prompt(9, 20)]
+    got = agents.serve("A", follow, tool=True, at=5.0, new=6)
+    assert (eng.tier.stats.host_hit_tokens > 0) == (ahead is None)  # loaded on arrival
+    cold = Engine("random", page_size=4, kv_tokens=1200, max_context_len=1100,
+                  prefix_cache=False)  # fmt: skip
+    want = cold.generate([follow], max_new_tokens=6, chat=False, ignore_eos=True)
+    assert got == want.outputs[0].token_ids
+
+
+def test_nothing_is_loaded_for_a_session_predicted_back_beyond_the_horizon():
+    agents = Agents(prefetch_within=5.0)
+    a, d = prompt(1, 380), prompt(4, 1000)
+    agents.serve("A", a, tool=True, at=0.0)  # predicted back at 10 s
+    agents.serve("D", d, tool=False, at=1.0)
+    assert agents.idle(at=2.0) == 0  # 10 s is more than 5 s ahead
+    assert agents.idle(at=6.0) > 0  # now it is within 5 s
+
+
+def test_a_load_ahead_never_evicts_a_session_predicted_back_sooner():
+    """A ended its turn (back in ~10 minutes); X, a long prompt, pushed most of it down,
+    and its turn ended after A's (back later than A); E called a tool (back in seconds).
+    Loading A ahead evicts X, never E: what does not fit of A waits in the host tier."""
+    agents = Agents(prefetch_within=3600.0)
+    eng = agents.eng
+    a, x, e = prompt(1, 900), prompt(4, 1000), prompt(5, 400)
+    agents.serve("A", a, tool=False, at=0.0)
+    agents.serve("X", x, tool=False, at=1.0)
+    agents.serve("E", e, tool=True, at=2.0)
+    before = {k: eng.cache.match_len(p) for k, p in (("A", a), ("X", x), ("E", e))}
+    assert before["E"] == 400 and before["A"] < 900 and before["X"] > 0, before
+    for t in (3.0, 3.1, 3.2):  # E (whole: nothing to load), then A, then nothing
+        agents.idle(at=t)
+    after = {k: eng.cache.match_len(p) for k, p in (("A", a), ("X", x), ("E", e))}
+    assert after["E"] == 400, after  # E untouched
+    assert after["X"] == 0 and before["A"] < after["A"] < 900, after
+    assert eng.tier.stats.ahead_tokens == after["A"] - before["A"]
+
+
+def test_the_paths_kept_for_it_are_bounded(monkeypatch):
+    from radixkv.engine import ahead
+
+    monkeypatch.setattr(ahead, "MAX_PATHS", 3)
+    agents = Agents(prefetch_within=60.0)
+    keep = agents.eng.ahead
+    for i in range(8):
+        agents.serve(f"s{i}", prompt(i, 40 + i), tool=True, at=float(i))
+    assert list(keep.paths) == ["s5", "s6", "s7"]  # the most recently finished
+    assert keep.held == sum(len(p[0]) for p in keep.paths.values()) <= keep.max_tokens
+    keep.remember("huge", prompt(1, 8), None)
+    keep.max_tokens = 100
+    keep.remember("longer than the host tier", prompt(2, 200), None)
+    assert "longer than the host tier" not in keep.paths and keep.held <= 100
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"prefetch_within": 0}, "prefetch_within must be a number of seconds > 0"),
+        ({"prefetch_within": True}, "prefetch_within must be"),
+        ({"prefetch_within": float("nan")}, "prefetch_within must be"),
+        ({"prefetch_within": 5.0, "eviction_policy": "lru"}, "prefetch_within needs the session"),
+        ({"prefetch_within": 5.0, "host_tokens": 0}, "prefetch_within needs a tier"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(config, match):
+    base = {"eviction_policy": "session", "host_tokens": 4096}
+    with pytest.raises(ValueError, match=match):
+        Engine("random", kv_tokens=1200, **(base | config))
+
+
+def test_what_does_not_work_yet_is_refused_by_name(hybrid_models):
+    with pytest.raises(ValueError, match="prefetch_within: not yet with"):
+        Engine(hybrid_models["qwen3.5"], eviction_policy="session", cache_bytes="auto",
+               host_tokens=4096, prefetch_within=5.0)  # fmt: skip
+
+
+def test_radixkv_serve_names_the_flag(hybrid_models, capsys):
+    from radixkv.cli import main
+
+    qwen = hybrid_models["qwen3.5"]
+    for extra, err in (
+        ([], "--prefetch-within: prefetch_within needs the session eviction policy"),
+        (["--eviction-policy", "session"], "--prefetch-within: prefetch_within needs a tier"),
+        (["--eviction-policy", "session", "--host-tokens", "4096"],
+         "--prefetch-within: not yet with sliding-window or recurrent layers"),
+    ):  # fmt: skip
+        code = main(["serve", "--port", "0", "--model", qwen, "--prefetch-within", "5", *extra])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and lines[-1].startswith(f"error: {err}"), lines
