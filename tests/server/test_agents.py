@@ -7,6 +7,7 @@ write a tool call."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator
@@ -587,22 +588,31 @@ def test_a_client_that_leaves_a_stream_has_its_request_aborted(server):
     assert aborted() == before + 2
 
 
+def _session_server(folder: str, tmp_path, *extra: str):
+    """The scripted server in the session order, its pool 6,144 tokens."""
+    return scripted_server(SCRIPT, folder, tmp_path, "--served-model-name", MODEL,
+                           "--page-size", "16", "--max-context-len", "8192",
+                           "--kv-tokens", "6144", "--eviction-policy", "session",
+                           *extra)  # fmt: skip
+
+
+def _agent_turn(c: anthropic.Anthropic, session: str, system: str, text: str):
+    """One call of agent ``session`` (Claude Code's session header), the weather tool
+    offered."""
+    return c.messages.create(model=MODEL, max_tokens=100, system=system, tools=[A_WEATHER],
+                             messages=[{"role": "user", "content": text}],
+                             extra_headers={"X-Claude-Code-Session-Id": session})  # fmt: skip
+
+
 def test_the_session_order_keeps_the_agent_that_called_a_tool(folder, tmp_path):
     """``--eviction-policy session`` through /v1/messages: Claude Code's session header
     names each agent; A's answer called a tool, B's ended the turn, then a third
     session needs room. A's next turn reads its whole prompt from the cache; B lost
     some of its own."""
-    srv = scripted_server(SCRIPT, folder, tmp_path, "--served-model-name", MODEL,
-                          "--page-size", "16", "--max-context-len", "8192",
-                          "--kv-tokens", "6144", "--eviction-policy", "session")  # fmt: skip
+    srv = _session_server(folder, tmp_path)
     try:
         c = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
-
-        def turn(session: str, system: str, text: str):
-            return c.messages.create(model=MODEL, max_tokens=100, system=system, tools=[
-                A_WEATHER], messages=[{"role": "user", "content": text}],
-                extra_headers={"X-Claude-Code-Session-Id": session})  # fmt: skip
-
+        turn = functools.partial(_agent_turn, c)
         systems = {k: f"You are agent {k}. " * n for k, n in (("A", 110), ("B", 110), ("C", 140))}
         a = turn("A", systems["A"], "What is the weather in Paris?")
         assert a.stop_reason == "tool_use"
@@ -635,17 +645,10 @@ def test_an_idle_server_loads_a_waiting_agents_pages_back_before_it_returns(
     import time
 
     extra = ("--prefetch-within", "60") if ahead else ()
-    srv = scripted_server(SCRIPT, folder, tmp_path, "--served-model-name", MODEL,
-                          "--page-size", "16", "--max-context-len", "8192",
-                          "--kv-tokens", "6144", "--host-tokens", "16384",
-                          "--eviction-policy", "session", *extra)  # fmt: skip
+    srv = _session_server(folder, tmp_path, "--host-tokens", "16384", *extra)
     try:
         c = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
-
-        def turn(session: str, system: str, text: str):
-            return c.messages.create(model=MODEL, max_tokens=100, system=system, tools=[
-                A_WEATHER], messages=[{"role": "user", "content": text}],
-                extra_headers={"X-Claude-Code-Session-Id": session})  # fmt: skip
+        turn = functools.partial(_agent_turn, c)
 
         def counter(name: str) -> float:
             found = re.search(rf"radixkv:{name}_total\{{[^}}]*\}} ([0-9.e+]+)",
