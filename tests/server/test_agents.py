@@ -634,6 +634,7 @@ def test_the_session_order_keeps_the_agent_that_called_a_tool(folder, tmp_path):
         assert srv.stop() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ahead", [False, True])
 def test_an_idle_server_loads_a_waiting_agents_pages_back_before_it_returns(
     folder, tmp_path, ahead

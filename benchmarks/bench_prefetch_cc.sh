@@ -1,0 +1,69 @@
+#!/bin/bash
+# A real agent comes back to its pages: Claude Code (npm) against `radixkv serve` in the
+# session order with a host tier, with and without --prefetch-within. Claude Code's first
+# call gets a Bash tool call that sleeps 100 s (a scripted qwen3 folder: the tests'
+# support.scripted, real weights computing every token's KV, the answers scripted);
+# while the tool runs, another client's long prompt (a turn that ends) pushes part of
+# the agent's context down to the host tier. Printed per run: the host tokens Claude
+# Code's next call loaded on arrival, the tokens loaded ahead, and its cache reads.
+#
+#   bash benchmarks/bench_prefetch_cc.sh CLAUDE_DIR OUT
+#   (CLAUDE_DIR: npm install --prefix CLAUDE_DIR @anthropic-ai/claude-code; ~8 minutes)
+set -euo pipefail
+CC=$1/node_modules/.bin/claude; OUT=$2
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+[ -d "$OUT/qwen3" ] || radixkv make-model qwen3 "$OUT/qwen3" --context 65536 > /dev/null
+cat > "$OUT/script.json" <<'JSON'
+{"rules": [{"when": "<tool_response>", "reply": "All done: the check printed ok."}],
+ "default": "<tool_call>\n{\"name\": \"Bash\", \"arguments\": {\"command\": \"sleep 100; echo ok\", \"description\": \"Run the slow check\"}}\n</tool_call>"}
+JSON
+port=8317
+for extra in "--prefetch-within 120" ""; do
+  name=${extra:+ahead}; name=${name:-plain}
+  python -c "import sys; sys.path.insert(0, '$ROOT/tests'); from support.scripted import main; \
+sys.argv = ['x', '$OUT/script.json', 'serve', '--model', '$OUT/qwen3', '--port', '$port', \
+'--served-model-name', 'tiny', '--page-size', '16', '--max-context-len', '131072', \
+'--kv-tokens', '140000', '--host-tokens', '400000', '--eviction-policy', 'session'] \
++ '$extra'.split(); sys.exit(main())" > "$OUT/server_$name.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 1 120); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
+  ( cd "$OUT" && ANTHROPIC_BASE_URL=http://127.0.0.1:$port ANTHROPIC_API_KEY=none \
+    ANTHROPIC_MODEL=tiny ANTHROPIC_SMALL_FAST_MODEL=tiny DISABLE_TELEMETRY=1 \
+    CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 timeout 600 "$CC" -p "Run the slow check" \
+    --allowedTools Bash --output-format json > "cc_$name.json" 2> "cc_$name.err" ) &
+  cpid=$!
+  python - "$port" "$OUT/cc_$name.json" "$name" <<'PY'
+import json, re, sys, time
+import httpx
+port, result, name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+url = f"http://127.0.0.1:{port}"
+def metric(n):
+    found = re.search(rf"radixkv:{n}\{{[^}}]*\}} ([0-9.e+]+)", httpx.get(f"{url}/metrics").text)
+    return float(found.group(1)) if found else 0.0
+deadline = time.monotonic() + 300  # Claude Code's first call done: its session waits
+while metric("agent_sessions_waiting") < 1 and time.monotonic() < deadline:
+    time.sleep(0.5)
+body = {"model": "tiny", "max_tokens": 200, "system": "You are agent D. " * 4700,
+        "messages": [{"role": "user", "content": "hi"}]}
+r = httpx.post(f"{url}/v1/messages", json=body, timeout=600,
+               headers={"x-api-key": "none", "X-Claude-Code-Session-Id": "other"})
+print(name, "the other prompt:", r.json()["usage"]["input_tokens"], "tokens,",
+      r.json()["stop_reason"])
+PY
+  wait $cpid
+  python - "$port" "$OUT/cc_$name.json" "$name" <<'PY'
+import json, re, sys
+import httpx
+port, result, name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+def metric(n):
+    found = re.search(rf"radixkv:{n}\{{[^}}]*\}} ([0-9.e+]+)", text)
+    return float(found.group(1)) if found else 0.0
+usage = json.load(open(result))["usage"]
+print(f"{name}: host tokens loaded on arrival {metric('host_hit_tokens_total'):.0f}, "
+      f"loaded ahead {metric('loaded_ahead_tokens_total'):.0f}, Claude Code's cache reads "
+      f"{usage['cache_read_input_tokens']}")
+PY
+  kill $spid; wait $spid 2>/dev/null || true
+done
