@@ -162,3 +162,37 @@ def test_radixkv_serve_names_the_flag(hybrid_models, capsys):
         code = main(["serve", "--port", "0", "--model", qwen, "--prefetch-within", "5", *extra])
         lines = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and lines[-1].startswith(f"error: {err}"), lines
+
+
+def test_the_kv_events_tell_the_pages_loaded_ahead():
+    """A router's index of the engine's KV events (through the wire) holds exactly the
+    device's pages after every request and every idle load: D's pages that made room go,
+    A's pages loaded ahead come, so the index credits A's return with its whole path."""
+    from radixkv.events import decode_batch, encode_batch
+    from radixkv.router.index import KvIndex
+
+    agents = Agents(prefetch_within=60.0)
+    eng = agents.eng
+    batches: list = []
+    eng.publish_kv_events(batches.append)
+    index = KvIndex(4)
+    index.sparse.add("w")
+
+    def told() -> None:
+        for batch in batches:
+            batch = decode_batch(encode_batch(batch))
+            index.validate("w", batch)
+            index.apply("w", batch)
+        batches.clear()
+        index.check()
+        assert index.num_blocks("w") == eng.cache.total_size() // 4
+
+    a, d = prompt(1, 380), prompt(4, 1000)
+    agents.serve("A", a, tool=True, at=0.0)
+    told()
+    agents.serve("D", d, tool=False, at=1.0)
+    told()
+    assert 4 * index.overlap([*a, 1]).get("w", 0) < 380
+    assert agents.idle(at=3.0) > 0
+    told()
+    assert 4 * index.overlap([*a, 1]).get("w", 0) == 380

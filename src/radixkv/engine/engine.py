@@ -448,6 +448,8 @@ class Engine:
         waits): a waiting agent's pages loaded back ahead of its predicted return
         (``prefetch_within``: `radixkv.engine.ahead`). Returns the tokens loaded."""
         n = self.ahead.run(self.clock()) if self.ahead is not None else 0
+        if n and self.engine_config.check_memory:
+            self._check()
         self._flush_events()
         return n
 
