@@ -23,8 +23,9 @@ class Agents:
 
     def __init__(self, **config) -> None:
         self.now = 0.0
+        config = {"host_tokens": 4096} | config
         self.eng = Engine("random", page_size=4, kv_tokens=1200, max_context_len=1100,
-                          eviction_policy="session", host_tokens=4096, check_memory=True,
+                          eviction_policy="session", check_memory=True,
                           clock=lambda: self.now, **config)  # fmt: skip
 
     def serve(self, key: str, ids: list[int], tool: bool, at: float, new: int = 2) -> list[int]:
@@ -120,11 +121,14 @@ def test_the_paths_kept_for_it_are_bounded(monkeypatch):
     for i in range(8):
         agents.serve(f"s{i}", prompt(i, 40 + i), tool=True, at=float(i))
     assert list(keep.paths) == ["s5", "s6", "s7"]  # the most recently finished
-    assert keep.held == sum(len(p[0]) for p in keep.paths.values()) <= keep.max_tokens
-    keep.remember("huge", prompt(1, 8), None)
-    keep.max_tokens = 100
-    keep.remember("longer than the host tier", prompt(2, 200), None)
-    assert "longer than the host tier" not in keep.paths and keep.held <= 100
+    assert keep.held == sum(len(p[0]) for p in keep.paths.values()) <= keep.max_held
+    assert keep.max_tokens == 4096 + 1200 and keep.max_held == 4 * keep.max_tokens
+    keep.max_tokens, keep.max_held = 100, 150
+    keep.remember("longer than device and host", prompt(2, 200), None)
+    assert "longer than device and host" not in keep.paths
+    for i in range(3):
+        keep.remember(f"t{i}", prompt(i, 60), None)
+    assert list(keep.paths) == ["t1", "t2"] and keep.held == 120  # the oldest went
 
 
 @pytest.mark.parametrize(
@@ -196,3 +200,20 @@ def test_the_kv_events_tell_the_pages_loaded_ahead():
     assert agents.idle(at=3.0) > 0
     told()
     assert 4 * index.overlap([*a, 1]).get("w", 0) == 380
+
+
+def test_no_room_is_made_for_pages_the_host_pool_no_longer_holds():
+    """A host pool of 4 pages keeps only the last of A's pages pushed down: the run
+    that would continue A's device prefix is gone, so nothing is loaded and nothing of
+    D is evicted for it."""
+    agents = Agents(prefetch_within=60.0, host_tokens=16)
+    eng = agents.eng
+    a, d = prompt(1, 380), prompt(4, 1000)
+    agents.serve("A", a, tool=True, at=0.0)
+    agents.serve("D", d, tool=False, at=1.0)
+    held_a, held_d = eng.cache.match_len(a), eng.cache.match_len(d)
+    evicted = eng.mgr.evicted_tokens
+    assert held_a < 380
+    assert agents.idle(at=3.0) == 0
+    assert (eng.cache.match_len(a), eng.cache.match_len(d)) == (held_a, held_d)
+    assert eng.mgr.evicted_tokens == evicted

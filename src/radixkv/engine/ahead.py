@@ -13,11 +13,12 @@ ranks below that session (predicted back later, or no session's), never a sooner
 what does not fit stays below. The loaded path is stamped as the session's end again
 (`SessionOrder.loaded_back`).
 
-Bounds: the paths of at most `MAX_PATHS` sessions and ``max_tokens`` tokens together
-(the host pool's size: more could not come back from it), the least recently finished
-dropped first. A path is looked at again only once the cache evicted something since it
-was last seen as whole as it can be (the engine's count of evicted tokens). One
-session's load per call, so a request that arrives waits for at most one load.
+Bounds: the paths of at most `MAX_PATHS` sessions, each at most ``max_tokens`` (what
+device and host pool hold together), all of them `PATHS_OVER` times that, the least
+recently finished dropped first. A path is looked at again only once the cache evicted
+something since it was last seen as whole as it can be (the engine's count of evicted
+tokens). One session's load per call, so a request that arrives waits for at most one
+load.
 
 Owns: which session to load ahead, and the room for it. Must not touch: how pages load
 (the tier's `load`), the prediction (`SessionClock`), the tree's order.
@@ -37,6 +38,9 @@ from radixkv.kvcache.sessions import priority_of
 from radixkv.units import align_down
 
 MAX_PATHS = 1024  # sessions whose last path is kept for a load ahead
+# the paths kept hold at most this many times the tokens device and host hold together
+# (paths share prefixes; 8 bytes a token id, a small part of a token's KV)
+PATHS_OVER = 4
 
 
 class LoadAhead:
@@ -45,7 +49,9 @@ class LoadAhead:
     def __init__(self, cache: Any, mgr: Any, sessions: Any, tier: Any, horizon_s: float,
                  max_tokens: int) -> None:  # fmt: skip
         self.cache, self.mgr, self.sessions, self.tier = cache, mgr, sessions, tier
-        self.horizon, self.max_tokens = horizon_s, max_tokens
+        self.horizon = horizon_s
+        self.max_tokens = max_tokens  # a path's (what device and host hold together)
+        self.max_held = PATHS_OVER * max_tokens  # all paths' (8 bytes a token id)
         # session -> (its last path, namespace, the eviction count when last seen whole)
         self.paths: OrderedDict[Any, tuple[array, Any, int]] = OrderedDict()
         self.held = 0  # tokens of the paths kept
@@ -59,7 +65,7 @@ class LoadAhead:
             return
         self.paths[session] = (tokens, ns, self.mgr.evicted_tokens)
         self.held += len(tokens)
-        while self.held > self.max_tokens or len(self.paths) > MAX_PATHS:
+        while self.held > self.max_held or len(self.paths) > MAX_PATHS:
             self.held -= len(self.paths.popitem(last=False)[1][0])
 
     def run(self, now: float) -> int:
@@ -87,13 +93,17 @@ class LoadAhead:
         return 0
 
     def _make_room(self, tokens: array, ns: Any, floor: int) -> int:
-        """Free slots for the pages the device lacks of ``tokens``, evicting only leaves
-        of priority below ``floor``; returns how many leading tokens can then be held
-        (0: nothing to load)."""
+        """Free slots for the pages the device lacks of ``tokens`` that a tier can bring
+        back (without a store: the run the host pool holds), evicting only leaves of
+        priority below ``floor``; returns how many leading tokens can then be held (0:
+        nothing to load)."""
         page, allocator = self.cache.page_size, self.mgr.allocator
         want = align_down(len(tokens), page)
         hit = self.cache.match_prefix(RadixKey(tokens[:want], ns), full=True)
         missing = want - hit.prefix_len
+        if missing > 0 and self.tier.store is None:  # (what the host pool cannot bring
+            have = hit.prefix_len // page  # back is not worth any room)
+            missing = page * self.tier.host_run(tokens, ns, have, want // page)
         if missing <= 0:
             return 0
         self.cache.inc_lock_ref(hit.last_node)  # (its own prefix is not a victim)
@@ -113,8 +123,6 @@ class LoadAhead:
         return hit.prefix_len + room if room else 0
 
 
-
-
 def load_ahead(cfg: Any, cache: Any, mgr: Any, sessions: Any, tier: Any) -> LoadAhead | None:
     """The engine's `LoadAhead` for ``cfg.prefetch_within`` (None: off).
 
@@ -129,8 +137,8 @@ def load_ahead(cfg: Any, cache: Any, mgr: Any, sessions: Any, tier: Any) -> Load
     if mgr.managers:
         raise ValueError("prefetch_within: not yet with sliding-window or recurrent "
                          "layers")  # fmt: skip
-    top = max(cfg.host_tokens, mgr.allocator.capacity)
-    return LoadAhead(cache, mgr, sessions, tier, float(cfg.prefetch_within), top)
+    return LoadAhead(cache, mgr, sessions, tier, float(cfg.prefetch_within),
+                     cfg.host_tokens + mgr.allocator.capacity)  # fmt: skip
 
 
-__all__ = ["MAX_PATHS", "LoadAhead", "load_ahead"]
+__all__ = ["MAX_PATHS", "PATHS_OVER", "LoadAhead", "load_ahead"]

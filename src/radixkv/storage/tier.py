@@ -319,6 +319,13 @@ class KVTiers:
         finally:
             self.cache.dec_lock_ref(hit.last_node)
 
+    def host_run(self, tokens: Any, ns: Any, have: int, n_pages: int) -> int:
+        """How many of pages ``have`` .. ``n_pages`` of ``tokens`` the host pool holds in
+        a run from ``have`` (what a `load` would bring from it), looking nothing up in
+        the store."""
+        keys = [self._key(h) for h in self.page_hashes(tokens, ns, n_pages)[have:]]
+        return next((i for i, k in enumerate(keys) if k not in self._host_index), len(keys))
+
     def _load_after(
         self, key: RadixKey, hashes: list[bytes], have: int, n_pages: int,
         device: torch.Tensor, alloc: Any, ahead: bool,
