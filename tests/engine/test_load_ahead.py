@@ -217,3 +217,11 @@ def test_no_room_is_made_for_pages_the_host_pool_no_longer_holds():
     assert agents.idle(at=3.0) == 0
     assert (eng.cache.match_len(a), eng.cache.match_len(d)) == (held_a, held_d)
     assert eng.mgr.evicted_tokens == evicted
+
+
+def test_a_flushed_cache_is_not_loaded_back_ahead():
+    agents = Agents(prefetch_within=60.0)
+    eng = agents.eng
+    agents.serve("A", prompt(1, 380), tool=True, at=0.0)
+    assert eng.flush_cache() > 0 and eng.cache.total_size() == 0
+    assert agents.idle(at=1.0) == 0 and eng.cache.total_size() == 0

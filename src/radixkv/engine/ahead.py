@@ -68,6 +68,11 @@ class LoadAhead:
         while self.held > self.max_held or len(self.paths) > MAX_PATHS:
             self.held -= len(self.paths.popitem(last=False)[1][0])
 
+    def clear(self) -> None:
+        """Forget every path (a flushed cache is loaded back by no one)."""
+        self.paths.clear()
+        self.held = 0
+
     def run(self, now: float) -> int:
         """Load the missing pages of the session predicted back soonest (within the
         horizon) that may lack some: only a path seen whole before the cache last

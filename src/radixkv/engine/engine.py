@@ -438,6 +438,8 @@ class Engine:
         """Drop every cached token no running request holds, retained ones too; returns
         how many."""
         self.retention.release_all()
+        if self.ahead is not None:  # (nor loaded back ahead)
+            self.ahead.clear()
         n = self.cache.evict(self.cache.evictable_size())
         self.mgr.evicted_tokens += n
         self._flush_events()
