@@ -467,8 +467,10 @@ def served_and_credited(engine: Engine, cuts: tuple[int, ...], salt: str | None 
     tokens the engine served from its cache and those the index credited it before it
     ran. After each, the index checks and holds exactly the engine's checkpoints.
     ``flush_after``: the cache is flushed after that prompt."""
+    from support.events import apply_to_index
+
     from radixkv.engine.request import SamplingParams
-    from radixkv.events import decode_batch, encode_batch, salt_tag
+    from radixkv.events import salt_tag
     from radixkv.router.index import KvIndex
 
     batches: list = []
@@ -489,12 +491,7 @@ def served_and_credited(engine: Engine, cuts: tuple[int, ...], salt: str | None 
                     served.append(out.cached_tokens)
         if i == flush_after:
             engine.flush_cache()
-        for batch in batches:
-            batch = decode_batch(encode_batch(batch))
-            index.validate("w", batch)
-            index.apply("w", batch)
-        batches.clear()
-        index.check()
+        apply_to_index(batches, index)
         assert index.num_blocks("w") == len(engine.recurrent.component.held)
     return served, credited
 

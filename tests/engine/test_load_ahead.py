@@ -172,7 +172,8 @@ def test_the_kv_events_tell_the_pages_loaded_ahead():
     """A router's index of the engine's KV events (through the wire) holds exactly the
     device's pages after every request and every idle load: D's pages that made room go,
     A's pages loaded ahead come, so the index credits A's return with its whole path."""
-    from radixkv.events import decode_batch, encode_batch
+    from support.events import apply_to_index
+
     from radixkv.router.index import KvIndex
 
     agents = Agents(prefetch_within=60.0)
@@ -183,12 +184,7 @@ def test_the_kv_events_tell_the_pages_loaded_ahead():
     index.sparse.add("w")
 
     def told() -> None:
-        for batch in batches:
-            batch = decode_batch(encode_batch(batch))
-            index.validate("w", batch)
-            index.apply("w", batch)
-        batches.clear()
-        index.check()
+        apply_to_index(batches, index)
         assert index.num_blocks("w") == eng.cache.total_size() // 4
 
     a, d = prompt(1, 380), prompt(4, 1000)

@@ -1,7 +1,9 @@
 """What a tree's servable pages are, recomputed from scratch: what KV events with
-windows apart must tell."""
+windows apart must tell; and a router's index fed an engine's events through the wire."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -30,3 +32,17 @@ def servable_blocks(cache: RadixCache, strong: bool) -> set[int]:
                 else:
                     out.add(event_hashes(tokens[:end], node.extra_key, page, end // page)[-1])
     return out
+
+
+def apply_to_index(batches: list, index: Any, worker: str = "w") -> None:
+    """An engine's published batches, encoded and decoded as the wire carries them,
+    validated and applied to a router's ``index`` (`radixkv.router.index.KvIndex`) for
+    ``worker``, then checked; ``batches`` is emptied."""
+    from radixkv.events import decode_batch, encode_batch
+
+    for batch in batches:
+        batch = decode_batch(encode_batch(batch))
+        index.validate(worker, batch)
+        index.apply(worker, batch)
+    batches.clear()
+    index.check()
