@@ -221,3 +221,4 @@ def test_a_flushed_cache_is_not_loaded_back_ahead():
     agents.serve("A", prompt(1, 380), tool=True, at=0.0)
     assert eng.flush_cache() > 0 and eng.cache.total_size() == 0
     assert agents.idle(at=1.0) == 0 and eng.cache.total_size() == 0
+

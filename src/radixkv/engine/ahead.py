@@ -55,7 +55,6 @@ class LoadAhead:
         # session -> (its last path, namespace, the eviction count when last seen whole)
         self.paths: OrderedDict[Any, tuple[array, Any, int]] = OrderedDict()
         self.held = 0  # tokens of the paths kept
-        self.tokens = 0  # loaded ahead, all told (a metric)
 
     def remember(self, session: Any, tokens: array, ns: Any) -> None:
         """``session``'s request finished with ``tokens`` cached (whole pages)."""
@@ -87,30 +86,30 @@ class LoadAhead:
                 due.append((back, key))
         for back, key in sorted(due, key=lambda d: d[0]):
             tokens, ns, _ = self.paths[key]
-            n = self._make_room(tokens, ns, priority_of(back))
-            loaded = self.tier.load(tokens, ns, n, self.mgr.allocator.alloc, ahead=True) if n else 0
+            n, hashes = self._make_room(tokens, ns, priority_of(back))
+            loaded = self.tier.load(tokens, ns, n, self.mgr.allocator.alloc, hashes,
+                                    ahead=True) if n else 0  # fmt: skip
             self.paths[key] = (tokens, ns, self.mgr.evicted_tokens)  # (seen as it can be)
             if loaded:
-                self.tokens += loaded
                 node = self.cache.match_prefix(RadixKey(tokens[:n], ns)).last_node
                 self.sessions.loaded_back(key, node, now)
                 return loaded
         return 0
 
-    def _make_room(self, tokens: array, ns: Any, floor: int) -> int:
+    def _make_room(self, tokens: array, ns: Any, floor: int) -> tuple[int, list | None]:
         """Free slots for the pages the device lacks of ``tokens`` that a tier can bring
         back (without a store: the run the host pool holds), evicting only leaves of
         priority below ``floor``; returns how many leading tokens can then be held (0:
-        nothing to load)."""
+        nothing to load), and the path's page hashes if they were computed."""
         page, allocator = self.cache.page_size, self.mgr.allocator
         want = align_down(len(tokens), page)
         hit = self.cache.match_prefix(RadixKey(tokens[:want], ns), full=True)
-        missing = want - hit.prefix_len
+        missing, hashes = want - hit.prefix_len, None
         if missing > 0 and self.tier.store is None:  # (what the host pool cannot bring
-            have = hit.prefix_len // page  # back is not worth any room)
-            missing = page * self.tier.host_run(tokens, ns, have, want // page)
+            hashes = self.tier.page_hashes(tokens, ns, want // page)  # back is not worth
+            missing = page * self.tier.host_run(hashes, hit.prefix_len // page)  # any room)
         if missing <= 0:
-            return 0
+            return 0, hashes
         self.cache.inc_lock_ref(hit.last_node)  # (its own prefix is not a victim)
         try:
             short = missing - allocator.available_size()
@@ -125,7 +124,7 @@ class LoadAhead:
         finally:
             self.cache.dec_lock_ref(hit.last_node)
         room = align_down(min(missing, allocator.available_size()), page)
-        return hit.prefix_len + room if room else 0
+        return (hit.prefix_len + room if room else 0), hashes
 
 
 def load_ahead(cfg: Any, cache: Any, mgr: Any, sessions: Any, tier: Any) -> LoadAhead | None:

@@ -568,12 +568,13 @@ class Engine:
         if self.tier is not None:
             n = r.kv_len - r.kv_len % self.cache.page_size
             slots = self.mgr.req_pool.read(r.row, 0, n).clone()
-            hashes = self.tier.save(r.token_array()[:n], r.extra_key, slots)
+            tokens = r.token_array()[:n]
+            hashes = self.tier.save(tokens, r.extra_key, slots)
             if self.ahead is not None and r.session is not None and r.session.key is not None:
-                self.ahead.remember(r.session.key, r.token_array()[:n], r.extra_key)
+                self.ahead.remember(r.session.key, tokens, r.extra_key)
             resend = align_down(len(r.input_ids) - 1, self.cache.page_size)
             for t in self.layer_tiers:  # (the page hashes once for all)
-                t.save(r.token_array()[:n], r.extra_key, r.row, n, hashes, resend)
+                t.save(tokens, r.extra_key, r.row, n, hashes, resend)
 
     def _check(self) -> None:
         self.mgr.check_memory()

@@ -48,7 +48,6 @@ Load = Callable[[Any, list[int], int], int]
 
 class _Waiting(NamedTuple):
     end: float  # ms: its last answer's end
-    predicted: float  # ms: its next request, predicted at its end
     units: list[int]  # its last request's cached path
     tokens: int  # that path's tokens
 
@@ -88,7 +87,7 @@ class Prefetch:
         predicted = self.clock.stopped(s, end / 1000.0, req.stop) * 1000.0
         units = req.units if self.outputs else req.units[: req.num_prompt_units]
         tokens = req.prompt_tokens + (req.output_tokens if self.outputs else 0)
-        self.waiting[s] = _Waiting(end, predicted, units, tokens)
+        self.waiting[s] = _Waiting(end, units, tokens)
         heapq.heappush(self._ahead, (predicted, next(self._n), s))
 
     def loaded(self, now: float, tokens: int) -> None:

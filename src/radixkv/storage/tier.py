@@ -319,11 +319,11 @@ class KVTiers:
         finally:
             self.cache.dec_lock_ref(hit.last_node)
 
-    def host_run(self, tokens: Any, ns: Any, have: int, n_pages: int) -> int:
-        """How many of pages ``have`` .. ``n_pages`` of ``tokens`` the host pool holds in
-        a run from ``have`` (what a `load` would bring from it), looking nothing up in
-        the store."""
-        keys = [self._key(h) for h in self.page_hashes(tokens, ns, n_pages)[have:]]
+    def host_run(self, hashes: list[bytes], have: int) -> int:
+        """How many of the pages ``hashes`` names (`page_hashes`) the host pool holds in a
+        run from page ``have`` on (what a `load` would bring from it), looking nothing up
+        in the store."""
+        keys = [self._key(h) for h in hashes[have:]]
         return next((i for i, k in enumerate(keys) if k not in self._host_index), len(keys))
 
     def _load_after(
