@@ -222,3 +222,17 @@ def test_a_flushed_cache_is_not_loaded_back_ahead():
     assert eng.flush_cache() > 0 and eng.cache.total_size() == 0
     assert agents.idle(at=1.0) == 0 and eng.cache.total_size() == 0
 
+
+def test_an_idle_engine_stamps_overdue_sessions_again_before_choosing():
+    """A session away longer than predicted is predicted away as long again; its stamp
+    must say so before a load ahead compares priorities (as a step ticks the clock before
+    evicting), or a return long past would look like the soonest there is."""
+    from radixkv.kvcache.sessions import priority_of
+
+    agents = Agents(prefetch_within=60.0)
+    v = prompt(1, 300)
+    agents.serve("V", v, tool=True, at=0.0)  # back at 10 s, as predicted then
+    node = agents.eng.cache.match_prefix(v).last_node
+    assert node.priority == priority_of(10.0)
+    agents.idle(at=100.0)  # overdue: away as long again, back at 200 s
+    assert agents.eng.cache.match_prefix(v).last_node.priority == priority_of(200.0)

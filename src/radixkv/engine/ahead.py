@@ -76,6 +76,7 @@ class LoadAhead:
         """Load the missing pages of the session predicted back soonest (within the
         horizon) that may lack some: only a path seen whole before the cache last
         evicted is looked at again. Returns the tokens loaded."""
+        self.sessions.tick(now)  # (as a step does: overdue sessions' stamps are stale)
         clock, epoch, due = self.sessions.clock, self.mgr.evicted_tokens, []
         for key, (_, _, seen) in self.paths.items():
             s = clock.sessions.get(key)
