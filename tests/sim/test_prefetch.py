@@ -7,6 +7,7 @@ never evicts what is predicted back sooner."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -164,3 +165,18 @@ def test_the_prefetch_flag(tmp_path, capsys):
     ):  # fmt: skip
         assert main(bad) == 2, bad
         assert f"error: {err}" in capsys.readouterr().err
+    for bad, err in (  # (argparse's own exit for a value out of range: 2)
+        ([*argv, "--prefetch-within", "inf"], "argument --prefetch-within: must be seconds"),
+        ([*argv, "--prefetch-within", "5", "--host-bandwidth", "inf"],
+         "argument --host-bandwidth: must be GB/s > 0 up to"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2 and err in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("rate", "horizon"), [(0.0, 1.0), (math.inf, 1.0), (1.0, math.nan),
+                                               (1.0, math.inf)])  # fmt: skip
+def test_a_link_or_horizon_out_of_range_is_refused(rate, horizon):
+    with pytest.raises(ValueError, match="rate and horizon must be finite and > 0"):
+        Prefetch(rate, horizon, 1, None, False)

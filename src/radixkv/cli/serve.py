@@ -180,7 +180,7 @@ def _storage_flags(parser: argparse.ArgumentParser) -> None:
         help="KV tokens of a host-memory tier below the device pool [0: none]",
     )
     serve.add_argument(
-        "--prefetch-within", type=number(float, 1e-3, "seconds > 0"), metavar="SECONDS",
+        "--prefetch-within", type=number(float, 1e-3, "seconds > 0", 1e9), metavar="SECONDS",
         help="with --eviction-policy session and a tier: while no request runs, load a "
         "waiting agent's pages back from the tier when it is predicted back within SECONDS, "
         "evicting only what returns later [off]",

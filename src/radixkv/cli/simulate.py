@@ -180,12 +180,12 @@ def _tiers_flags(parser: argparse.ArgumentParser) -> None:
         help="with --tiers: an unbounded shared store behind the host tier [on]",
     )
     sim.add_argument(
-        "--host-bandwidth", type=number(float, 1e-3, "GB/s > 0"), default=25.0, metavar="GB/S",
+        "--host-bandwidth", type=number(float, 1e-3, "GB/s > 0", 1e6), default=25.0, metavar="GB/S",
         help="with --tiers: the host link's bandwidth, for the time host hits add to a "
         "request's first token (with --model or --bytes-per-token) [25: PCIe 4.0 x16]",
     )  # fmt: skip
     sim.add_argument(
-        "--prefetch-within", type=number(float, 1e-3, "seconds > 0"), metavar="SECONDS",
+        "--prefetch-within", type=number(float, 1e-3, "seconds > 0", 1e9), metavar="SECONDS",
         help="with --tiers, on a trace with sessions: load a waiting session's pages from "
         "the host tier in the link's idle time when it is predicted back within SECONDS "
         "(as the session order predicts; under --policy session a load evicts only what "

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -60,8 +61,9 @@ class Prefetch:
     def __init__(
         self, rate: float, horizon_ms: float, block_size: int, room: int | None, outputs: bool,
     ) -> None:  # fmt: skip
-        if not rate > 0 or not horizon_ms > 0:
-            raise ValueError(f"rate and horizon must be > 0, got {rate}, {horizon_ms}")
+        if not (0 < rate < math.inf and 0 < horizon_ms < math.inf):
+            raise ValueError(f"rate and horizon must be finite and > 0, got {rate}, "
+                             f"{horizon_ms}")  # fmt: skip
         self.rate, self.horizon, self.block = rate, horizon_ms, block_size
         self.room, self.outputs = room, outputs
         self.clock = SessionClock()  # seconds
