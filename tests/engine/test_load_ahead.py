@@ -3,7 +3,9 @@
 in the host tier back to the device, so its next request finds them there (no load on
 arrival) and computes what a cold engine computes; room is made only from what returns
 later; nothing is loaded for a session predicted back beyond the horizon; the paths kept
-for it are bounded; what cannot work yet is refused by name."""
+for it are bounded; bad settings are refused by name. The same on hybrid models in one
+byte budget (window pages and checkpoints come back too, the budget's room under the
+same floor)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,11 @@ class Agents:
     """An engine on a clock the test moves; ``serve`` runs one session's request to its
     end at a given time, its answer a tool call or the end of a turn."""
 
-    def __init__(self, **config) -> None:
+    def __init__(self, model: str = "random", **config) -> None:
         self.now = 0.0
-        config = {"host_tokens": 4096} | config
-        self.eng = Engine("random", page_size=4, kv_tokens=1200, max_context_len=1100,
-                          eviction_policy="session", check_memory=True,
-                          clock=lambda: self.now, **config)  # fmt: skip
+        config = {"host_tokens": 4096} | ({"kv_tokens": 1200} if model == "random" else {}) | config
+        self.eng = Engine(model, page_size=4, max_context_len=1100, eviction_policy="session",
+                          check_memory=True, clock=lambda: self.now, **config)  # fmt: skip
 
     def serve(self, key: str, ids: list[int], tool: bool, at: float, new: int = 2) -> list[int]:
         self.now = at
@@ -147,10 +148,58 @@ def test_bad_settings_are_refused_by_name(config, match):
         Engine("random", kv_tokens=1200, **(base | config))
 
 
-def test_what_does_not_work_yet_is_refused_by_name(hybrid_models):
-    with pytest.raises(ValueError, match="prefetch_within: not yet with"):
-        Engine(hybrid_models["qwen3.5"], eviction_policy="session", cache_bytes="auto",
-               host_tokens=4096, prefetch_within=5.0)  # fmt: skip
+# a budget where the agent's 380 tokens and the other prompt do not fit together
+HYBRID = {"qwen3.5": (200_000, 540), "gemma3": (420_000, 900)}
+
+
+@pytest.mark.parametrize("ahead", [None, 60.0])
+@pytest.mark.parametrize("model", ["qwen3.5", "gemma3"])
+def test_on_a_hybrid_model_the_agent_finds_its_pages_and_its_state_on_the_device(
+    hybrid_models, model, ahead
+):
+    """Qwen3.5 (its checkpoint comes back with the KV up to it) and Gemma 3 (its window
+    pages come back after the full pages) in one byte budget: A, back from a tool call,
+    was pushed down to the host by D; while the engine idles its path comes back, room
+    made through the budget, so its next request loads nothing on arrival and computes
+    what a cold engine computes."""
+    size, d_len = HYBRID[model]
+    agents = Agents(hybrid_models[model], cache_bytes=size, prefetch_within=ahead)
+    eng = agents.eng
+    a, d = prompt(1, 380), prompt(4, d_len)
+    agents.serve("A", a, tool=True, at=0.0)
+    agents.serve("D", d, tool=False, at=1.0)
+    assert eng.cache.match_len(a) == 0  # pushed down to the host
+    loaded = agents.idle(at=3.0)
+    assert loaded == (380 if ahead else 0) and eng.cache.match_len(a) == loaded
+    assert eng.tier.stats.ahead_tokens == loaded and eng.tier.stats.host_hit_tokens == 0
+    layers = {name: value for t in eng.layer_tiers for _, name, _, value in t.metrics()}
+    kind = "state_checkpoints" if model == "qwen3.5" else "window_pages"
+    assert (layers[f"{kind}_loaded_ahead"] > 0) == (ahead is not None)
+    assert layers[f"{kind}_loaded_ahead"] == layers[f"{kind}_loaded"]
+    follow = [*a, *prompt(9, 20)]
+    got = agents.serve("A", follow, tool=True, at=5.0, new=6)
+    assert (eng.tier.stats.host_hit_tokens > 0) == (ahead is None)  # loaded on arrival
+    cold = Engine(hybrid_models[model], page_size=4, max_context_len=1100, prefix_cache=False)
+    want = cold.generate([follow], max_new_tokens=6, chat=False, ignore_eos=True)
+    assert got == want.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("model", ["qwen3.5", "gemma3"])
+def test_on_a_hybrid_model_a_load_ahead_never_evicts_a_sooner_return(hybrid_models, model):
+    """A ended its turn; X, a tool call (back in seconds, sooner than A), pushed it down.
+    The only room for A is X's: the budget, asked for it under A's floor, frees nothing,
+    and nothing is loaded (without the floor, A and X would push each other out in
+    turn)."""
+    size, d_len = HYBRID[model]
+    agents = Agents(hybrid_models[model], cache_bytes=size, prefetch_within=3600.0)
+    eng = agents.eng
+    a, x = prompt(1, 380), prompt(4, d_len)
+    agents.serve("A", a, tool=False, at=0.0)
+    agents.serve("X", x, tool=True, at=1.0)
+    assert eng.cache.match_len(a) == 0 and eng.cache.match_len(x) == d_len
+    evicted = eng.mgr.evicted_tokens
+    assert agents.idle(at=3.0) == 0 and agents.idle(at=3.1) == 0
+    assert eng.cache.match_len(x) == d_len and eng.mgr.evicted_tokens == evicted
 
 
 def test_radixkv_serve_names_the_flag(hybrid_models, capsys):
@@ -160,8 +209,6 @@ def test_radixkv_serve_names_the_flag(hybrid_models, capsys):
     for extra, err in (
         ([], "--prefetch-within: prefetch_within needs the session eviction policy"),
         (["--eviction-policy", "session"], "--prefetch-within: prefetch_within needs a tier"),
-        (["--eviction-policy", "session", "--host-tokens", "4096"],
-         "--prefetch-within: not yet with sliding-window or recurrent layers"),
     ):  # fmt: skip
         code = main(["serve", "--port", "0", "--model", qwen, "--prefetch-within", "5", *extra])
         lines = capsys.readouterr().err.strip().splitlines()

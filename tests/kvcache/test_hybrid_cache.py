@@ -402,6 +402,36 @@ def test_budget_evicts_dead_kv_then_superseded_then_by_utility():
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("with_window", [False, True])
+def test_budget_under_a_floor_evicts_only_what_ranks_below_it(with_window):
+    """With the stamped order under a floor (`EvictionOrder.below`: a load ahead's room),
+    the budget frees only leaves whose priority is below it, then stops; the rest go
+    once the floor is lifted. Checkpoints (each leaf's end) or a window alike."""
+    win = state = None
+    if with_window:
+        cache, win, pool = window_cache(4, retain="all")
+        budget = HybridBudget(cache, None, win, token_bytes=1, window_bytes=1,
+                              order="priority")  # fmt: skip
+    else:
+        cache, state, _pool = hybrid()
+        budget = HybridBudget(cache, state, token_bytes=1, order="priority")
+        state.state_bytes = 10
+    leaves = {}
+    for slot, prio in enumerate((1, 5, 3, 9, 4), 1):
+        key = leaves[prio] = K(*seq(100 * slot, 8))
+        extras = {"window": pool.take(8)} if win is not None else None
+        node = cache.insert_node(key, extras=extras, priority=prio).last_node
+        if state is not None:
+            state.add(node, slot)
+    with cache.order.below(4):
+        budget.fit(0)
+    held = {p for p, key in leaves.items() if cache.match_len(key) == 8}
+    assert held == {4, 5, 9}, held
+    budget.fit(0)
+    assert not any(cache.match_len(key) for key in leaves.values())
+    cache.check_integrity()
+
+
 @pytest.mark.parametrize("frequency", [True, False])
 def test_budget_weighs_what_a_segment_saves_by_the_hits_through_it(frequency):
     """Three prompts of one length (one saving per byte), used least recently first c,

@@ -297,6 +297,35 @@ def test_peek_names_the_leaf_evict_takes_next(policy):
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("precise", [False, True])
+def test_evict_below_a_floor_takes_only_what_ranks_below_it(precise):
+    """`EvictionOrder.below`: within it, `evict` (asked for everything) takes exactly the
+    leaves whose priority is below the floor, a parent its children's going uncovers
+    included when its own is; all of them once the block ends."""
+    cache = RadixCache(eviction_policy="priority", precise=precise)
+    for i in range(60):
+        cache.insert(RadixKey([i % 3, i % 5, i % 7, i]), priority=i % 6)
+    for floor in (2, 4):
+        with cache.order.below(floor):
+            cache.evict(cache.evictable_size())
+            assert cache.order.floor == floor
+        left = list(cache.iter_nodes())
+        assert left and min(n.priority for n in left if not n.children) >= floor
+        # (nodes keep the greatest priority on their path: what stays had one at or above)
+        assert all(n.priority >= floor for n in left if n is not cache.root)
+        cache.check_integrity()
+    assert cache.order.floor is None
+    cache.evict(cache.evictable_size())
+    assert cache.total_size() == 0
+    for j in range(3):  # parents ranking above every child of theirs, nothing else
+        cache.insert(RadixKey([100 + j, 7, 7]), priority=1)
+        cache.insert(RadixKey([100 + j, 8]), priority=0)
+        cache.insert(RadixKey([100 + j]), priority=5)  # (never a leaf: no entry of its own)
+    with cache.order.below(2):
+        cache.evict(cache.evictable_size())
+    assert cache.total_size() == 3 and all(cache.match_len(RadixKey([100 + j])) for j in range(3))
+
+
 # --- namespaces and bigram keys -----------------------------------------------------------
 def test_extra_key_namespaces_never_share_nodes():
     cache = RadixCache()

@@ -11,7 +11,11 @@ horizon, the soonest first, the pages of its last path (prompt and output, as ca
 when it finished) that the device lacks. Room is made only by evicting what the order
 ranks below that session (predicted back later, or no session's), never a sooner return;
 what does not fit stays below. The loaded path is stamped as the session's end again
-(`SessionOrder.loaded_back`).
+(`SessionOrder.loaded_back`). With layer managers (a hybrid model, in one byte budget:
+the session order needs it) the loads are the ones a request's arrival makes (each
+layer type's tier: window pages, a checkpoint with the KV up to it), run with the
+tree's order under the session's floor (`radixkv.tree.eviction.EvictionOrder.below`),
+which the budget's rounds read too: a load whose room cannot be had so brings nothing.
 
 Bounds: the paths of at most `MAX_PATHS` sessions, each at most ``max_tokens`` (what
 device and host pool hold together), all of them `PATHS_OVER` times that, the least
@@ -47,8 +51,11 @@ class LoadAhead:
     """``remember`` each finished request's path; ``run`` when the engine is idle."""
 
     def __init__(self, cache: Any, mgr: Any, sessions: Any, tier: Any, horizon_s: float,
-                 max_tokens: int) -> None:  # fmt: skip
+                 max_tokens: int, load_layers: Any = None) -> None:  # fmt: skip
         self.cache, self.mgr, self.sessions, self.tier = cache, mgr, sessions, tier
+        # with layer managers: ``load_layers(tokens, ns, usable, ahead=True)``, the loads
+        # a request's arrival makes (each layer type's tier), run under the floor
+        self.load_layers = load_layers
         self.horizon = horizon_s
         self.max_tokens = max_tokens  # a path's (what device and host hold together)
         self.max_held = PATHS_OVER * max_tokens  # all paths' (8 bytes a token id)
@@ -87,15 +94,39 @@ class LoadAhead:
                 due.append((back, key))
         for back, key in sorted(due, key=lambda d: d[0]):
             tokens, ns, _ = self.paths[key]
-            n, hashes = self._make_room(tokens, ns, priority_of(back))
-            loaded = self.tier.load(tokens, ns, n, self.mgr.allocator.alloc, hashes,
-                                    ahead=True) if n else 0  # fmt: skip
+            if self.load_layers is None:
+                n, loaded = self._load_pages(tokens, ns, priority_of(back))
+            else:
+                n, loaded = self._load_layers(tokens, ns, priority_of(back))
             self.paths[key] = (tokens, ns, self.mgr.evicted_tokens)  # (seen as it can be)
             if loaded:
                 node = self.cache.match_prefix(RadixKey(tokens[:n], ns)).last_node
                 self.sessions.loaded_back(key, node, now)
                 return loaded
         return 0
+
+    def _load_pages(self, tokens: array, ns: Any, floor: int) -> tuple[int, int]:
+        """Full attention alone: room for as much of the path as can be had below
+        ``floor`` (`_make_room`), then its pages; (tokens held, tokens loaded)."""
+        n, hashes = self._make_room(tokens, ns, floor)
+        if not n:
+            return 0, 0
+        return n, self.tier.load(tokens, ns, n, self.mgr.allocator.alloc, hashes, ahead=True)
+
+    def _load_layers(self, tokens: array, ns: Any, floor: int) -> tuple[int, int]:
+        """With layer managers (window pages, checkpoints: each brought by its type's
+        tier, room made across kinds by the one budget): the loads a request's arrival
+        makes, every eviction they cause kept below ``floor``
+        (`radixkv.tree.eviction.EvictionOrder.below`); a load that finds no room brings
+        nothing. (tokens the device serves of the path, tokens that became servable)."""
+        key = RadixKey(tokens, ns)
+        before = self.cache.match_len(key)
+        if before >= align_down(len(tokens), self.cache.page_size):
+            return before, 0
+        with self.cache.order.below(floor):
+            self.load_layers(tokens, ns, len(tokens), ahead=True)
+        after = self.cache.match_len(key)
+        return after, max(0, after - before)
 
     def _make_room(self, tokens: array, ns: Any, floor: int) -> tuple[int, list | None]:
         """Free slots for the pages the device lacks of ``tokens`` that a tier can bring
@@ -128,22 +159,17 @@ class LoadAhead:
         return (hit.prefix_len + room if room else 0), hashes
 
 
-def load_ahead(cfg: Any, cache: Any, mgr: Any, sessions: Any, tier: Any) -> LoadAhead | None:
-    """The engine's `LoadAhead` for ``cfg.prefetch_within`` (None: off).
-
-    Raises:
-        ValueError: naming ``prefetch_within`` where it does not work yet: a model with
-            layer managers (sliding windows, recurrent states: their pages and
-            checkpoints load through their own tiers, their room through the one
-            budget's order).
-    """
+def load_ahead(
+    cfg: Any, cache: Any, mgr: Any, sessions: Any, tier: Any, load_layers: Any
+) -> LoadAhead | None:
+    """The engine's `LoadAhead` for ``cfg.prefetch_within`` (None: off); with layer
+    managers it loads through ``load_layers`` (the engine's loads on a request's
+    arrival: `LoadAhead._load_layers`)."""
     if cfg.prefetch_within is None:
         return None
-    if mgr.managers:
-        raise ValueError("prefetch_within: not yet with sliding-window or recurrent "
-                         "layers")  # fmt: skip
     return LoadAhead(cache, mgr, sessions, tier, float(cfg.prefetch_within),
-                     cfg.host_tokens + mgr.allocator.capacity)  # fmt: skip
+                     cfg.host_tokens + mgr.allocator.capacity,
+                     load_layers if mgr.managers else None)  # fmt: skip
 
 
 __all__ = ["MAX_PATHS", "PATHS_OVER", "LoadAhead", "load_ahead"]

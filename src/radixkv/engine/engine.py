@@ -142,7 +142,8 @@ class Engine:
             host_pages = cfg.host_tokens // cfg.page_size
             self.layer_tiers = layer_tiers(self.tier, self.mgr.managers, self.cache, host_pages,
                                            host_states)  # fmt: skip
-        self.ahead = load_ahead(cfg, self.cache, self.mgr, self.sessions, self.tier)
+        self.ahead = load_ahead(cfg, self.cache, self.mgr, self.sessions, self.tier,
+                                self._load_below)  # fmt: skip
         hooks = SchedulerHooks(self._prefetch if self.tier is not None else None,
                                self._admitted, self.retention.relieve)  # fmt: skip
         self.scheduler = Scheduler(cfg, self.mgr, hooks)
@@ -191,6 +192,14 @@ class Engine:
         return self._identity
 
     def _prefetch(self, r: EngineReq) -> None:
+        usable = len(r.input_ids) - 1  # the last prompt token is always computed
+        self._load_below(r.token_array(), r.extra_key, usable)
+
+    def _load_below(self, tokens: Any, ns: Any, usable: int, ahead: bool = False) -> None:
+        """The pages (and a layer type's window pages, checkpoints) of ``tokens[:usable]``
+        that the tiers below the device hold and the device lacks, brought back; slots
+        made by the tree's eviction. ``ahead``: for a session before its request."""
+
         def alloc(n: int) -> Any:
             slots = self.mgr.allocator.alloc(n)
             if slots is None:
@@ -198,12 +207,10 @@ class Engine:
                 slots = self.mgr.allocator.alloc(n)
             return slots
 
-        usable = len(r.input_ids) - 1  # the last prompt token is always computed
-        tokens = r.token_array()
         if not any(t.loads_pages for t in self.layer_tiers):
-            self.tier.load(tokens, r.extra_key, usable, alloc)
+            self.tier.load(tokens, ns, usable, alloc, ahead=ahead)
         for t in self.layer_tiers:  # (a window: the one before the deepest end)
-            t.load(tokens, r.extra_key, usable, alloc)
+            t.load(tokens, ns, usable, alloc, ahead=ahead)
 
     def publish_kv_events(
         self,

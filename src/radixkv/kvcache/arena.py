@@ -328,8 +328,8 @@ class ArenaRoom:
             self.budget.cache.evict(tokens)
         elif self.window is not None:
             freed = self.window.evict_spare(tokens)
-            if freed < tokens:
-                self.window.evict(tokens - freed)
+            if freed < tokens and self.budget.cache.order.floor is None:  # (under a
+                self.window.evict(tokens - freed)  # floor: only what no match can use)
 
     def _counted(self, evict: Any) -> None:
         """Run ``evict``, adding what each kind lost to the arena's evicted counts."""

@@ -43,6 +43,10 @@ first (trimming a leaf's tail would leave its new end without window KV); a `Win
 with ``retain="ends"`` frees window KV no useful end needs as the tree changes. With
 neither, the tree's own eviction (its policy's order) frees full KV.
 
+Under a floor (`radixkv.tree.eviction.EvictionOrder.below`, read from the cache's
+order), steps 1 and 2 stay (what they free serves no match) and step 3 passes over the
+leaves whose ``priority`` is at or above it (a load ahead's room: `radixkv.engine.ahead`).
+
 A last resort outside that order (`drop_held_checkpoint`, for the scheduler only): a
 request running alone whose own locked path holds the units its KV needs gets them from
 the checkpoints on that path (a hit copied what it needed at admission).
@@ -203,8 +207,11 @@ class HybridBudget(TreeComponent):
                     return True
         if freed:
             return True
+        floor = cache.order.floor  # (a caller's `EvictionOrder.below`: nothing at or above)
         if state is None:  # a window's leaf is whole or useless: least recent goes whole
             leaves = sorted(self._leaves, key=_STAMPED if self.order == "priority" else _LRU)
+            if floor is not None:
+                leaves = [x for x in leaves if x.priority < floor]
             for node in leaves:
                 cache.evict_leaf(node)
                 freed += len(node) * per_unit
@@ -215,9 +222,11 @@ class HybridBudget(TreeComponent):
         if old:  # 2. superseded checkpoints
             state.drop_superseded(old[: max(1, div_ceil(over, max(state.state_bytes, 1)))])
             return True
-        if not self._segs:  # 3. leaf segments
+        segs = sorted(self._segs, key=_LRU)  # 3. leaf segments (ties: least recent first)
+        if floor is not None:
+            segs = [x for x in segs if x.priority < floor]
+        if not segs:
             return False
-        segs = sorted(self._segs, key=_LRU)  # (ties in score go least recent first)
         last = list(map(self._last.__getitem__, segs))
         n = len(segs)
         value = np.fromiter(map(self._value.__getitem__, segs), np.float64, n)

@@ -72,6 +72,7 @@ class StateTiers:
         self.host: OrderedDict[bytes, bytes] = OrderedDict()  # key -> row bytes, LRU first
         self.keys: dict[int, tuple[bytes, bytes]] = {}  # row -> (key, page hash)
         self.loaded = 0  # checkpoints brought back (host or store)
+        self.loaded_ahead = 0  # of them, for a session before its request
         self.host_loaded = 0
         self.bad = 0  # store values that failed their checks
         self.written = 0  # queued for the store
@@ -121,6 +122,8 @@ class StateTiers:
         return [
             ("counter", "state_checkpoints_loaded", "Checkpoints brought back from the "
              "host tier or the shared store", self.loaded),
+            ("counter", "state_checkpoints_loaded_ahead", "Of them, loaded for a waiting "
+             "session before its request", self.loaded_ahead),
             ("gauge", "host_state_checkpoints", "Checkpoints held by the host tier",
              len(self.host)),
             ("counter", "state_checkpoints_bad", "Stored checkpoints refused: corrupt or "
@@ -131,9 +134,11 @@ class StateTiers:
         """A request finished: nothing to write here (each checkpoint went down as the
         manager took it)."""
 
-    def load(self, tokens: Any, ns: Any, usable: int, alloc: Any) -> int:
+    def load(self, tokens: Any, ns: Any, usable: int, alloc: Any, ahead: bool = False) -> int:
         """Bring the deepest checkpoint of ``tokens[:usable]`` the device lacks (and the
-        KV up to it) from the host pool or the store. Returns KV tokens loaded."""
+        KV up to it) from the host pool or the store; ``ahead``: for a session before
+        its request (counted apart, as `KVTiers.load` counts its pages). Returns KV
+        tokens loaded."""
         tiers, page, cache = self.tiers, self.tiers.page, self.cache
         key = RadixKey(tokens, ns)
         n_pages = usable // page
@@ -149,9 +154,9 @@ class StateTiers:
             for j in reversed([j for j, ok in zip(deeper, found, strict=True) if ok]):
                 data = self._read(keys[j], hashes[j])
                 if data is not None:
-                    return self._adopt(key, j, data, hashes, alloc, host=False)
+                    return self._adopt(key, j, data, hashes, alloc, False, ahead)
         if best >= 0:
-            return self._adopt(key, best, self.host[keys[best]], hashes, alloc, host=True)
+            return self._adopt(key, best, self.host[keys[best]], hashes, alloc, True, ahead)
         return 0
 
     def _read(self, k: bytes, h: bytes) -> bytes | None:
@@ -182,12 +187,13 @@ class StateTiers:
             return None
 
     def _adopt(
-        self, key: RadixKey, j: int, data: bytes, hashes: list[bytes], alloc: Any, host: bool
+        self, key: RadixKey, j: int, data: bytes, hashes: list[bytes], alloc: Any, host: bool,
+        ahead: bool,
     ) -> int:  # fmt: skip
         """Page ``j``'s state (``hashes``: the prompt's page hashes): its KV up to
         there, then the checkpoint."""
         end = (j + 1) * self.tiers.page
-        got = self.tiers.load(key.token_ids, key.extra_key, end, alloc, hashes)
+        got = self.tiers.load(key.token_ids, key.extra_key, end, alloc, hashes, ahead)
         if self.cache.match_len(key[:end], full=True) < end:
             return got  # the KV is not all there: the state is no use without it
         k = self.tiers.prefix + hashes[j] + STATE_SUFFIX
@@ -195,6 +201,7 @@ class StateTiers:
             self.tiers.remember(k)  # the store has it: adopting it writes nothing
         if self.rows.adopt(key[:end], data, self.cache):
             self.loaded += 1
+            self.loaded_ahead += ahead
             if host:
                 self.host_loaded += 1
                 self.host.pop(k, None)

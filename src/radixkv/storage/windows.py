@@ -76,6 +76,7 @@ class WindowTiers:
         self.host_pages = host_pages
         self.host: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # key -> page, LRU first
         self.loaded = 0  # window pages brought back (host or store)
+        self.loaded_ahead = 0  # of them, for a session before its request
         self.host_loaded = 0
         self.bad = 0  # store values that failed their checks
         self.written = 0  # queued for the store
@@ -189,17 +190,21 @@ class WindowTiers:
         return [
             ("counter", "window_pages_loaded", "Window pages brought back from the host "
              "tier or the shared store", self.loaded),
+            ("counter", "window_pages_loaded_ahead", "Of them, loaded for a waiting "
+             "session before its request", self.loaded_ahead),
             ("gauge", "host_window_pages", "Window pages held by the host tier",
              len(self.host)),
             ("counter", "window_pages_bad", "Stored window pages refused: corrupt or "
              "unauthenticated", self.bad),
         ]  # fmt: skip
 
-    def load(self, tokens: Any, ns: Any, usable: int, alloc: Any = None) -> int:
+    def load(self, tokens: Any, ns: Any, usable: int, alloc: Any = None,
+             ahead: bool = False) -> int:  # fmt: skip
         """Bring back the window of the deepest end of ``tokens[:usable]`` whose full KV
         the device holds and whose window the host pool or the store has, past what the
-        device serves. Returns the tokens that became servable. (``alloc``, the full
-        slots' allocator, is not used: window slots come from the window's own.)"""
+        device serves; ``ahead``: for a session before its request (counted apart).
+        Returns the tokens that became servable. (``alloc``, the full slots' allocator,
+        is not used: window slots come from the window's own.)"""
         p, cache = self.page, self.cache
         key = RadixKey(tokens, ns)
         n_pages = usable // p
@@ -220,11 +225,11 @@ class WindowTiers:
         for end in range(full, served, -1):  # the deepest end whose window is all there
             first = max(0, end - span)
             if all(have[first - lo : end - lo]):
-                return self._bring(key, keys, hashes, first, end)
+                return self._bring(key, keys, hashes, first, end, ahead)
         return 0
 
     def _bring(self, key: RadixKey, keys: list[bytes], hashes: list[bytes], first: int,
-               end: int) -> int:  # fmt: skip
+               end: int, ahead: bool) -> int:  # fmt: skip
         """Pages ``first .. end - 1``'s window into window slots, then into the tree (the
         full KV up to ``end`` is there); their read checked first."""
         p, cache = self.page, self.cache
@@ -259,6 +264,7 @@ class WindowTiers:
             else:
                 self.tiers.remember(keys[j])
         self.loaded += end - first
+        self.loaded_ahead += (end - first) if ahead else 0
         return max(0, cache.match_len(key[: end * p]) - before)
 
     def _read(self, keys: list[bytes], hashes: list[bytes]) -> list[torch.Tensor | None]:

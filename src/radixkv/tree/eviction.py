@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixkv.key import as_bool
@@ -103,6 +104,8 @@ class EvictionOrder:
 
     def __init__(self, policy_key: Callable[[TreeNode], Any], num_nodes: Callable[[], int]):
         self.policy_key = policy_key
+        # `below`: while set, no victim whose sort key starts at or above it (a priority)
+        self.floor: Any = None
         # the key of a parent whose children a choice takes (it is a leaf once they go):
         # an order whose key becoming a leaf changes sets it (the session order's: a
         # stale stamp counts as none), so one choice of many victims takes what the
@@ -165,6 +168,19 @@ class EvictionOrder:
                 heapq.heappop(heap)
         return None
 
+    @contextmanager
+    def below(self, floor: Any) -> Iterator[None]:
+        """Within the block, every eviction through this order (and through a budget
+        that reads ``floor``: `radixkv.kvcache.budget.HybridBudget`) takes only leaves
+        whose sort key starts below ``floor`` (with a priority order: what ranks below
+        it); what would come after them stays. For a caller making room for something
+        that must not push out what ranks above it (`radixkv.engine.ahead`)."""
+        old, self.floor = self.floor, floor
+        try:
+            yield
+        finally:
+            self.floor = old
+
     def put_back(self, popped: list[Any]) -> None:
         """Return entries `choose` took (the free of their slots failed)."""
         for entry in popped:
@@ -181,12 +197,17 @@ class EvictionOrder:
         uncovered: list[Any] = []
         gone: dict[TreeNode, int] = {}  # parent -> its children chosen as victims
         victims: list[TreeNode] = []
+        floor = self.floor
         while need > 0:
             from_run = bool(run) and (not heap or run[0] < heap[0])  # the smaller head
             first = run[0] if from_run else heap[0] if heap else None
             if uncovered and (first is None or uncovered[0][:-2] < first[:-2]):
+                if floor is not None and uncovered[0][0] >= floor:
+                    break  # (in order: all that is left ranks at or above it)
                 node = pop(uncovered)[-1]
             elif first is not None:
+                if floor is not None and first[0] >= floor:
+                    break
                 entry = run.popleft() if from_run else pop(heap)
                 popped.append(entry)
                 node = entry[-1]
