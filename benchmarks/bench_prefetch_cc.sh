@@ -7,13 +7,21 @@
 # the agent's context down to the host tier. Printed per run: the host tokens Claude
 # Code's next call loaded on arrival, the tokens loaded ahead, and its cache reads.
 #
-#   bash benchmarks/bench_prefetch_cc.sh CLAUDE_DIR OUT
+# FAMILY qwen3.5 (recurrent layers; the session order needs one byte budget there, sized
+# for about the same tokens) loads the agent's deepest checkpoint back with its KV.
+#
+#   bash benchmarks/bench_prefetch_cc.sh CLAUDE_DIR OUT [qwen3|qwen3.5]
 #   (CLAUDE_DIR: npm install --prefix CLAUDE_DIR @anthropic-ai/claude-code; ~8 minutes)
 set -euo pipefail
-CC=$1/node_modules/.bin/claude; OUT=$2
+CC=$1/node_modules/.bin/claude; OUT=$2; FAMILY=${3:-qwen3}
 mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-[ -d "$OUT/qwen3" ] || radixkv make-model qwen3 "$OUT/qwen3" --context 65536 > /dev/null
+case $FAMILY in
+  qwen3) MEMORY="--kv-tokens 140000" ;;
+  qwen3.5) MEMORY="--cache-bytes 36000000" ;;  # ~140,000 tokens of its one attention layer
+  *) echo "error: FAMILY: qwen3 or qwen3.5, got $FAMILY" >&2; exit 2 ;;
+esac
+[ -d "$OUT/$FAMILY" ] || radixkv make-model "$FAMILY" "$OUT/$FAMILY" --context 65536 > /dev/null
 cat > "$OUT/script.json" <<'JSON'
 {"rules": [{"when": "<tool_response>", "reply": "All done: the check printed ok."}],
  "default": "<tool_call>\n{\"name\": \"Bash\", \"arguments\": {\"command\": \"sleep 100; echo ok\", \"description\": \"Run the slow check\"}}\n</tool_call>"}
@@ -22,10 +30,10 @@ port=8317
 for extra in "--prefetch-within 120" ""; do
   name=${extra:+ahead}; name=${name:-plain}
   python -c "import sys; sys.path.insert(0, '$ROOT/tests'); from support.scripted import main; \
-sys.argv = ['x', '$OUT/script.json', 'serve', '--model', '$OUT/qwen3', '--port', '$port', \
+sys.argv = ['x', '$OUT/script.json', 'serve', '--model', '$OUT/$FAMILY', '--port', '$port', \
 '--served-model-name', 'tiny', '--page-size', '16', '--max-context-len', '131072', \
-'--kv-tokens', '140000', '--host-tokens', '400000', '--eviction-policy', 'session'] \
-+ '$extra'.split(); sys.exit(main())" > "$OUT/server_$name.log" 2>&1 &
+'--host-tokens', '400000', '--eviction-policy', 'session'] \
++ '$MEMORY $extra'.split(); sys.exit(main())" > "$OUT/server_$name.log" 2>&1 &
   spid=$!
   for _ in $(seq 1 120); do curl -sf http://127.0.0.1:$port/health >/dev/null && break; sleep 1; done
   ( cd "$OUT" && ANTHROPIC_BASE_URL=http://127.0.0.1:$port ANTHROPIC_API_KEY=none \
@@ -62,7 +70,8 @@ def metric(n):
     return float(found.group(1)) if found else 0.0
 usage = json.load(open(result))["usage"]
 print(f"{name}: host tokens loaded on arrival {metric('host_hit_tokens_total'):.0f}, "
-      f"loaded ahead {metric('loaded_ahead_tokens_total'):.0f}, Claude Code's cache reads "
+      f"loaded ahead {metric('loaded_ahead_tokens_total'):.0f} (checkpoints "
+      f"{metric('state_checkpoints_loaded_ahead_total'):.0f}), Claude Code's cache reads "
       f"{usage['cache_read_input_tokens']}")
 PY
   kill $spid; wait $spid 2>/dev/null || true
