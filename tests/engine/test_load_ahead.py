@@ -84,6 +84,40 @@ def test_an_agent_back_from_a_tool_call_finds_its_pages_on_the_device(ahead, mem
     assert got == want.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("memory", ["pool", "one budget"])
+def test_a_busy_engine_loads_ahead_a_chunk_a_step_into_room_its_requests_leave(memory):
+    """While B's long answer keeps the engine busy, A (back from a tool call, pushed down
+    by D's long prompt) comes back between steps, at most a chunk (64 tokens) a step, its
+    room taken from D (back in minutes); D's own prompt, while it ran, left no room below
+    A for it (in one budget its room is freed at admission: A loaded into it would be
+    evicted again by D's next chunk). Every page of A is loaded once; B computes what a
+    cold engine computes; A's return loads nothing on arrival."""
+    budget = {"cache_bytes": 1 << 22} if memory == "one budget" else {}
+    agents = Agents(prefetch_within=60.0, chunk_size=64, **budget)
+    eng = agents.eng
+    a, d, b = prompt(1, 380), prompt(4, 1000), prompt(7, 40)
+    agents.serve("A", a, tool=True, at=0.0)
+    agents.serve("D", d, tool=False, at=1.0)
+    held = eng.cache.match_len(a)
+    assert held < 380 and eng.tier.stats.ahead_tokens == 0  # (none while D ran)
+    agents.now = 2.0
+    rid = eng.add_request(b, SamplingParams(30, ignore_eos=True), chat=False,
+                          session=SessionTag("B", lambda _t, _i: False))  # fmt: skip
+    steps, out = [], []
+    while eng.has_unfinished():
+        before = eng.tier.stats.ahead_tokens
+        out += [t for o in eng.step() if o.rid == rid for t in o.token_ids]
+        steps.append(eng.tier.stats.ahead_tokens - before)
+    assert max(steps) <= 64 and sum(1 for n in steps if n) >= 2, steps
+    assert eng.cache.match_len(a) == 380 and eng.tier.stats.ahead_tokens == 380 - held
+    cold = Engine("random", page_size=4, kv_tokens=1200, max_context_len=1100,
+                  prefix_cache=False)  # fmt: skip
+    assert out == cold.generate([b], max_new_tokens=30, chat=False,
+                                ignore_eos=True).outputs[0].token_ids  # fmt: skip
+    agents.serve("A", [*a, *prompt(9, 20)], tool=True, at=5.0)
+    assert eng.tier.stats.host_hit_tokens == 0
+
+
 def test_nothing_is_loaded_for_a_session_predicted_back_beyond_the_horizon():
     agents = Agents(prefetch_within=5.0)
     a, d = prompt(1, 380), prompt(4, 1000)

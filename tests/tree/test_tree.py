@@ -3,6 +3,8 @@ bigram keys, bad inputs, deep trees, and the integrity checker's own ability to 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from helpers import RecordingAllocator, content, snapshot
@@ -324,6 +326,33 @@ def test_evict_below_a_floor_takes_only_what_ranks_below_it(precise):
     with cache.order.below(2):
         cache.evict(cache.evictable_size())
     assert cache.total_size() == 3 and all(cache.match_len(RadixKey([100 + j])) for j in range(3))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_size_below_never_counts_more_than_an_eviction_under_the_floor_takes(seed):
+    """`EvictionOrder.size_below`: what a load ahead may count on. A chain inserted chunk
+    by chunk counts whole; on random trees (shared prefixes, locks) it is never more
+    than `evict` under `below` the same floor frees."""
+    rng = random.Random(seed)
+    chain = RadixCache(eviction_policy="priority")
+    for n in range(8, 72, 8):  # one prompt, 8 tokens a chunk: a chain of 8 nodes
+        chain.insert(RadixKey(list(range(n))), priority=3)
+    assert chain.order.size_below(4, 10**9) == 64 and chain.order.size_below(3, 10**9) == 0
+    for _ in range(5):
+        cache = RadixCache(eviction_policy="priority")
+        for _ in range(40):
+            key = [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+            cache.insert(RadixKey(key + [rng.randrange(100) for _ in range(rng.randrange(4))]),
+                         priority=rng.randrange(6))  # fmt: skip
+        for _ in range(3):
+            cache.inc_lock_ref(cache.match_prefix(RadixKey([rng.randrange(3)] * 3)).last_node)
+        floor = rng.randrange(1, 7)
+        counted = cache.order.size_below(floor, 10**9)
+        with cache.order.below(floor):
+            freed = cache.evict(cache.evictable_size())
+        assert counted <= freed, (counted, freed)
+        assert cache.order.size_below(floor, 10**9) == 0
+        cache.check_integrity()
 
 
 # --- namespaces and bigram keys -----------------------------------------------------------

@@ -181,9 +181,9 @@ def _storage_flags(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--prefetch-within", type=number(float, 1e-3, "seconds > 0", 1e9), metavar="SECONDS",
-        help="with --eviction-policy session and a tier: while no request runs, load a "
-        "waiting agent's pages back from the tier when it is predicted back within SECONDS, "
-        "evicting only what returns later [off]",
+        help="with --eviction-policy session and a tier: load a waiting agent's pages back "
+        "from the tier when it is predicted back within SECONDS, evicting only what returns "
+        "later: while no request runs, and a chunk's worth a step while busy [off]",
     )  # fmt: skip
     serve.add_argument(
         "--write-policy",

@@ -5,30 +5,37 @@ arrives, or before, when predicted").
 An agent whose answer called a tool is back in seconds (the session order's prediction:
 `radixkv.kvcache.sessions`). Meanwhile other sessions' requests may have pushed its pages
 down to the host pool or the store, and its next request would wait for them to load
-before its first token. While the engine has no request to run, `LoadAhead.run` loads
-them back: of the sessions with nothing running that are predicted back within the
-horizon, the soonest first, the pages of its last path (prompt and output, as cached
-when it finished) that the device lacks. Room is made only by evicting what the order
-ranks below that session (predicted back later, or no session's), never a sooner return;
-what does not fit stays below. The loaded path is stamped as the session's end again
-(`SessionOrder.loaded_back`). With layer managers (a hybrid model, in one byte budget:
-the session order needs it) the loads are the ones a request's arrival makes (each
-layer type's tier: window pages, a checkpoint with the KV up to it), run with the
-tree's order under the session's floor (`radixkv.tree.eviction.EvictionOrder.below`),
-which the budget's rounds read too: a load whose room cannot be had so brings nothing.
+before its first token. `LoadAhead.run` loads them back: of the sessions with nothing
+running that are predicted back within the horizon, the soonest first, the pages of its
+last path (prompt and output, as cached when it finished) that the device lacks. Room is
+made only by evicting what the order ranks below that session (predicted back later, or
+no session's), never a sooner return; what does not fit stays below. It runs while the
+engine has no request to run (`Engine.idle`: all that fits), and before a busy step when
+no request waits to be admitted (a waiting request's own loads come first): at most
+``chunk_size`` tokens a step (copying a chunk's KV costs far less than computing it),
+leaving the running requests the slots they still need for their prompts and answers in
+what is free or ranks below the session (`EvictionOrder.size_below`; taken, the pages
+loaded would be evicted again before those requests end). The loaded path is stamped as
+the session's end again (`SessionOrder.loaded_back`). With layer managers (a hybrid
+model, in one byte budget: the session order needs it) the loads are the ones a
+request's arrival makes (each layer type's tier: window pages, a checkpoint with the KV
+up to it), run with the tree's order under the session's floor
+(`radixkv.tree.eviction.EvictionOrder.below`), which the budget's rounds read too: a
+load whose room cannot be had so brings nothing.
 
 Bounds: the paths of at most `MAX_PATHS` sessions, each at most ``max_tokens`` (what
 device and host pool hold together), all of them `PATHS_OVER` times that, the least
-recently finished dropped first. A path is looked at again only once the cache evicted
-something since it was last seen as whole as it can be (the engine's count of evicted
-tokens). One session's load per call, so a request that arrives waits for at most one
-load.
+recently finished dropped first. A path is looked at again only once the room changed
+since it was last seen as whole as it can be (the tokens the cache evicted, or those it
+could evict: a running request's path unlocked); one a step's cap cut, at the next call.
+One session's load per call, so a request that arrives waits for at most one load.
 
 Owns: which session to load ahead, and the room for it. Must not touch: how pages load
 (the tier's `load`), the prediction (`SessionClock`), the tree's order.
 
 Complexity: `run` O(paths) to choose, a prefix match per path looked at, plus the load
-and its evictions.
+and its evictions; a busy step's call adds `size_below`'s O(leaves + their chains) when a
+session is due.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ class LoadAhead:
         self.horizon = horizon_s
         self.max_tokens = max_tokens  # a path's (what device and host hold together)
         self.max_held = PATHS_OVER * max_tokens  # all paths' (8 bytes a token id)
-        # session -> (its last path, namespace, the eviction count when last seen whole)
+        # session -> (its last path, namespace, `_epoch` when last seen whole)
         self.paths: OrderedDict[Any, tuple[array, Any, int]] = OrderedDict()
         self.held = 0  # tokens of the paths kept
 
@@ -69,7 +76,7 @@ class LoadAhead:
         self.held -= len(old[0]) if old is not None else 0
         if not tokens or len(tokens) > self.max_tokens:
             return
-        self.paths[session] = (tokens, ns, self.mgr.evicted_tokens)
+        self.paths[session] = (tokens, ns, self._epoch())
         self.held += len(tokens)
         while self.held > self.max_held or len(self.paths) > MAX_PATHS:
             self.held -= len(self.paths.popitem(last=False)[1][0])
@@ -79,12 +86,16 @@ class LoadAhead:
         self.paths.clear()
         self.held = 0
 
-    def run(self, now: float) -> int:
+    def run(self, now: float, cap: int | None = None, keep: int = 0) -> int:
         """Load the missing pages of the session predicted back soonest (within the
-        horizon) that may lack some: only a path seen whole before the cache last
-        evicted is looked at again. Returns the tokens loaded."""
+        horizon) that may lack some: only a path seen whole before the room last changed
+        is looked at again. ``cap``: the most tokens to load now (whole pages; a busy
+        engine's step), the rest at the next call; None: all that fits. ``keep``: slots
+        the running requests still need, left to them in what is free or ranks below
+        the session (taken, the pages loaded would be evicted again before they end).
+        Returns the tokens loaded."""
         self.sessions.tick(now)  # (as a step does: overdue sessions' stamps are stale)
-        clock, epoch, due = self.sessions.clock, self.mgr.evicted_tokens, []
+        clock, epoch, due = self.sessions.clock, self._epoch(), []
         for key, (_, _, seen) in self.paths.items():
             s = clock.sessions.get(key)
             if s is None or s.running or seen == epoch:
@@ -93,55 +104,81 @@ class LoadAhead:
             if back <= now + self.horizon:
                 due.append((back, key))
         for back, key in sorted(due, key=lambda d: d[0]):
-            tokens, ns, _ = self.paths[key]
-            if self.load_layers is None:
-                n, loaded = self._load_pages(tokens, ns, priority_of(back))
-            else:
-                n, loaded = self._load_layers(tokens, ns, priority_of(back))
-            self.paths[key] = (tokens, ns, self.mgr.evicted_tokens)  # (seen as it can be)
+            tokens, ns, seen = self.paths[key]
+            floor = priority_of(back)
+            if cap is not None:  # (what the running requests will evict first stays theirs)
+                room = self.cache.order.size_below(floor, keep + cap)
+                cap = min(cap, self.mgr.allocator.available_size() + room - keep)
+                if cap < self.cache.page_size:
+                    return 0  # (a later return has less room below it still)
+            load = self._load_pages if self.load_layers is None else self._load_layers
+            n, loaded, cut = load(tokens, ns, floor, cap)
+            if not cut:  # (seen as whole as it can be; a path the cap cut: again next time)
+                seen = self._epoch()
+            self.paths[key] = (tokens, ns, seen)
             if loaded:
                 node = self.cache.match_prefix(RadixKey(tokens[:n], ns)).last_node
                 self.sessions.loaded_back(key, node, now)
                 return loaded
         return 0
 
-    def _load_pages(self, tokens: array, ns: Any, floor: int) -> tuple[int, int]:
-        """Full attention alone: room for as much of the path as can be had below
-        ``floor`` (`_make_room`), then its pages; (tokens held, tokens loaded)."""
-        n, hashes = self._make_room(tokens, ns, floor)
-        if not n:
-            return 0, 0
-        return n, self.tier.load(tokens, ns, n, self.mgr.allocator.alloc, hashes, ahead=True)
+    def _epoch(self) -> tuple[int, int]:
+        """What changes when the room a load could have changes: the tokens the cache
+        evicted, and those it could evict (a running request's path, unlocked at its
+        end, is room a busy step's load could not take)."""
+        return self.mgr.evicted_tokens, self.cache.evictable_size()
 
-    def _load_layers(self, tokens: array, ns: Any, floor: int) -> tuple[int, int]:
+    def _load_pages(self, tokens: array, ns: Any, floor: int, cap: int | None
+                    ) -> tuple[int, int, bool]:  # fmt: skip
+        """Full attention alone: room for as much of the path as can be had below
+        ``floor`` (`_make_room`), then its pages; (tokens held, tokens loaded, whether
+        ``cap`` left some of the path untried)."""
+        n, hashes, cut = self._make_room(tokens, ns, floor, cap)
+        if not n:
+            return 0, 0, cut
+        alloc = self.mgr.allocator.alloc
+        return n, self.tier.load(tokens, ns, n, alloc, hashes, ahead=True), cut
+
+    def _load_layers(self, tokens: array, ns: Any, floor: int, cap: int | None
+                     ) -> tuple[int, int]:  # fmt: skip
         """With layer managers (window pages, checkpoints: each brought by its type's
         tier, room made across kinds by the one budget): the loads a request's arrival
         makes, every eviction they cause kept below ``floor``
         (`radixkv.tree.eviction.EvictionOrder.below`); a load that finds no room brings
-        nothing. (tokens the device serves of the path, tokens that became servable)."""
-        key = RadixKey(tokens, ns)
+        nothing; under ``cap``, up to the deepest end (a checkpoint, a window) within
+        ``cap`` tokens of what the device has of the path. (tokens the device serves of
+        the path, tokens that became servable, whether ``cap`` left some of it untried)."""
+        key, page = RadixKey(tokens, ns), self.cache.page_size
         before = self.cache.match_len(key)
-        if before >= align_down(len(tokens), self.cache.page_size):
-            return before, 0
+        if before >= align_down(len(tokens), page):
+            return before, 0, False
+        usable = len(tokens)
+        if cap is not None:
+            usable = min(usable, align_down(self.cache.match_len(key, full=True) + cap, page))
         with self.cache.order.below(floor):
-            self.load_layers(tokens, ns, len(tokens), ahead=True)
+            self.load_layers(tokens, ns, usable, ahead=True)
         after = self.cache.match_len(key)
-        return after, max(0, after - before)
+        return after, max(0, after - before), usable < align_down(len(tokens), page)
 
-    def _make_room(self, tokens: array, ns: Any, floor: int) -> tuple[int, list | None]:
+    def _make_room(self, tokens: array, ns: Any, floor: int, cap: int | None = None
+                   ) -> tuple[int, list | None, bool]:  # fmt: skip
         """Free slots for the pages the device lacks of ``tokens`` that a tier can bring
-        back (without a store: the run the host pool holds), evicting only leaves of
-        priority below ``floor``; returns how many leading tokens can then be held (0:
-        nothing to load), and the path's page hashes if they were computed."""
+        back (without a store: the run the host pool holds), at most ``cap`` tokens'
+        worth, evicting only leaves of priority below ``floor``; returns how many
+        leading tokens can then be held (0: nothing to load), the path's page hashes if
+        they were computed, and whether the cap left some of the path untried."""
         page, allocator = self.cache.page_size, self.mgr.allocator
         want = align_down(len(tokens), page)
         hit = self.cache.match_prefix(RadixKey(tokens[:want], ns), full=True)
         missing, hashes = want - hit.prefix_len, None
         if missing > 0 and self.tier.store is None:  # (what the host pool cannot bring
-            hashes = self.tier.page_hashes(tokens, ns, want // page)  # back is not worth
-            missing = page * self.tier.host_run(hashes, hit.prefix_len // page)  # any room)
+            hashes = self.tier.page_hashes(tokens, ns, want // page)  # back is worth no room)
+            missing = page * self.tier.host_run(hashes, hit.prefix_len // page)
+        cut = cap is not None and missing > align_down(cap, page)
+        if cut:
+            missing = align_down(cap, page)
         if missing <= 0:
-            return 0, hashes
+            return 0, hashes, cut
         self.cache.inc_lock_ref(hit.last_node)  # (its own prefix is not a victim)
         try:
             short = missing - allocator.available_size()
@@ -156,7 +193,7 @@ class LoadAhead:
         finally:
             self.cache.dec_lock_ref(hit.last_node)
         room = align_down(min(missing, allocator.available_size()), page)
-        return (hit.prefix_len + room if room else 0), hashes
+        return (hit.prefix_len + room if room else 0), hashes, cut
 
 
 def load_ahead(

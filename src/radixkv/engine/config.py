@@ -63,10 +63,12 @@ class EngineConfig:
             there and loaded back when a prompt needs them.
         write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
         prefetch_within: with ``eviction_policy="session"`` and a tier (``host_tokens`` or
-            ``storage``): while no request runs, the pages a waiting agent session's
-            last path left below the device are loaded back when it is predicted back
-            within this many seconds, evicting only what returns later
-            (`radixkv.engine.ahead`; the server calls `Engine.idle`). ``None``: off.
+            ``storage``): the pages a waiting agent session's last path left below the
+            device are loaded back when it is predicted back within this many seconds,
+            evicting only what returns later: while no request runs (the server calls
+            `Engine.idle`), and a chunk's worth before a busy step when no request
+            waits, leaving the running requests their room (`radixkv.engine.ahead`).
+            ``None``: off.
         storage_max_bytes: the most bytes a ``file://`` store's folder holds (the least
             recently used pages go first; ``None``: what it holds at start plus half its
             disk's free space); other stores are sized in themselves.

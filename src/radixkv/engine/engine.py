@@ -469,6 +469,7 @@ class Engine:
         self.retention.expire()
         if self.sessions is not None:  # sessions away longer than predicted: stamped again
             self.sessions.tick(self.clock())
+        self._load_ahead_busy()
         self._run_ahead()
         plan = self.scheduler.schedule(self.runner.knows_ahead)
         inputs = self.mgr.step_inputs(plan)  # each cache manager's part (snapshots)
@@ -478,6 +479,18 @@ class Engine:
             self._check()
         self._flush_events()
         return outputs
+
+    def _load_ahead_busy(self) -> None:
+        """Before a busy step with no request waiting to be admitted (a waiting request's
+        own loads come first): a waiting agent's pages loaded back ahead, at most a
+        chunk's worth (copying it costs far less than computing it) and never room the
+        running requests still need for their prompts and answers (taken, it would be
+        evicted again before they end)."""
+        if self.ahead is None or self.scheduler.waiting:
+            return
+        need = sum(len(r.input_ids) + r.sampling.max_new_tokens - r.kv_len
+                   for r in self.scheduler.running)  # fmt: skip
+        self.ahead.run(self.clock(), cap=self.engine_config.chunk_size, keep=need)
 
     def _run_ahead(self) -> None:
         """A runner that knows the tokens ahead (a replay's) decodes a run of them in one

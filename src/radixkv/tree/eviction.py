@@ -181,6 +181,27 @@ class EvictionOrder:
         finally:
             self.floor = old
 
+    def size_below(self, floor: Any, enough: int) -> int:
+        """Units an eviction under `below` ``floor`` could take now, counted until
+        ``enough``: each evictable leaf whose sort key starts below it, with the
+        chain of unlocked single-child parents above it that rank below it too (a
+        prompt inserted chunk by chunk is such a chain). Never more than it could take
+        (a parent of several children is not counted). O(entries + chains) at most."""
+        total, live, key = 0, self.live, self.uncovered_key
+        for entry in (*self._run, *self._heap):
+            if entry[0] >= floor or not live(entry):
+                continue
+            node = entry[-1]
+            while True:
+                total += len(node.value_bytes) >> 3
+                node = node.parent
+                if (node.parent is None or len(node.children) != 1 or node.lock_ref
+                        or key(node)[0] >= floor):  # fmt: skip
+                    break
+            if total >= enough:
+                break
+        return total
+
     def put_back(self, popped: list[Any]) -> None:
         """Return entries `choose` took (the free of their slots failed)."""
         for entry in popped:
