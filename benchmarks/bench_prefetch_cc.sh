@@ -8,12 +8,15 @@
 # Code's next call loaded on arrival, the tokens loaded ahead, and its cache reads.
 #
 # FAMILY qwen3.5 (recurrent layers; the session order needs one byte budget there, sized
-# for about the same tokens) loads the agent's deepest checkpoint back with its KV.
+# for about the same tokens) loads the agent's deepest checkpoint back with its KV. BUSY
+# "busy": from the other prompt's start until Claude Code's end, three more clients keep
+# the server busy (back-to-back answers of about 300 tokens), so it is not idle between
+# the other prompt's end and Claude Code's next call.
 #
-#   bash benchmarks/bench_prefetch_cc.sh CLAUDE_DIR OUT [qwen3|qwen3.5]
+#   bash benchmarks/bench_prefetch_cc.sh CLAUDE_DIR OUT [qwen3|qwen3.5] [idle|busy]
 #   (CLAUDE_DIR: npm install --prefix CLAUDE_DIR @anthropic-ai/claude-code; ~8 minutes)
 set -euo pipefail
-CC=$1/node_modules/.bin/claude; OUT=$2; FAMILY=${3:-qwen3}
+CC=$1/node_modules/.bin/claude; OUT=$2; FAMILY=${3:-qwen3}; BUSY=${4:-idle}
 mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 case $FAMILY in
@@ -23,7 +26,8 @@ case $FAMILY in
 esac
 [ -d "$OUT/$FAMILY" ] || radixkv make-model "$FAMILY" "$OUT/$FAMILY" --context 65536 > /dev/null
 cat > "$OUT/script.json" <<'JSON'
-{"rules": [{"when": "<tool_response>", "reply": "All done: the check printed ok."}],
+{"rules": [{"when": "<tool_response>", "reply": "All done: the check printed ok."},
+           {"when": "Busy client", "reply": "Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say. Noted, and more to say."}],
  "default": "<tool_call>\n{\"name\": \"Bash\", \"arguments\": {\"command\": \"sleep 100; echo ok\", \"description\": \"Run the slow check\"}}\n</tool_call>"}
 JSON
 port=8317
@@ -41,25 +45,41 @@ sys.argv = ['x', '$OUT/script.json', 'serve', '--model', '$OUT/$FAMILY', '--port
     CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 timeout 600 "$CC" -p "Run the slow check" \
     --allowedTools Bash --output-format json > "cc_$name.json" 2> "cc_$name.err" ) &
   cpid=$!
-  python - "$port" "$OUT/cc_$name.json" "$name" <<'PY'
-import json, re, sys, time
+  rm -f "$OUT/stop"
+  python - "$port" "$OUT/cc_$name.json" "$name" "$BUSY" "$OUT/stop" <<'PY' &
+import json, os, re, sys, threading, time
 import httpx
-port, result, name = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+port, result, name, busy, stop = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 url = f"http://127.0.0.1:{port}"
+def client(k):  # back to back until Claude Code is done
+    i = 0
+    while not os.path.exists(stop):
+        body = {"model": "tiny", "max_tokens": 300, "system": f"Busy client {k}.",
+                "messages": [{"role": "user", "content": f"Say more, {i}."}]}
+        httpx.post(f"{url}/v1/messages", json=body, timeout=600,
+                   headers={"x-api-key": "none", "X-Claude-Code-Session-Id": f"busy{k}"})
+        i += 1
 def metric(n):
     found = re.search(rf"radixkv:{n}\{{[^}}]*\}} ([0-9.e+]+)", httpx.get(f"{url}/metrics").text)
     return float(found.group(1)) if found else 0.0
 deadline = time.monotonic() + 300  # Claude Code's first call done: its session waits
 while metric("agent_sessions_waiting") < 1 and time.monotonic() < deadline:
     time.sleep(0.5)
+threads = [threading.Thread(target=client, args=(k,)) for k in range(3 if busy == "busy" else 0)]
+for t in threads:
+    t.start()
 body = {"model": "tiny", "max_tokens": 200, "system": "You are agent D. " * 4700,
         "messages": [{"role": "user", "content": "hi"}]}
 r = httpx.post(f"{url}/v1/messages", json=body, timeout=600,
                headers={"x-api-key": "none", "X-Claude-Code-Session-Id": "other"})
 print(name, "the other prompt:", r.json()["usage"]["input_tokens"], "tokens,",
-      r.json()["stop_reason"])
+      r.json()["stop_reason"], flush=True)
+for t in threads:
+    t.join()
 PY
+  opid=$!
   wait $cpid
+  touch "$OUT/stop"; wait $opid
   python - "$port" "$OUT/cc_$name.json" "$name" <<'PY'
 import json, re, sys
 import httpx
