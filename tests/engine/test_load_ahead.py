@@ -236,6 +236,25 @@ def test_on_a_hybrid_model_a_load_ahead_never_evicts_a_sooner_return(hybrid_mode
     assert eng.cache.match_len(x) == d_len and eng.mgr.evicted_tokens == evicted
 
 
+@pytest.mark.parametrize("chunk", [64, 512])
+def test_a_busy_engine_loads_a_checkpoint_ahead_only_within_a_chunk(hybrid_models, chunk):
+    """Qwen3.5: what a busy step loads ends at a checkpoint within a chunk of what the
+    device holds; A's (380 tokens in) comes back in one step of B's answer with 512-token
+    chunks, and with 64-token ones only once the engine idles."""
+    size, d_len = HYBRID["qwen3.5"]
+    agents = Agents(hybrid_models["qwen3.5"], cache_bytes=size, prefetch_within=60.0,
+                    chunk_size=chunk)  # fmt: skip
+    eng = agents.eng
+    a = prompt(1, 380)
+    agents.serve("A", a, tool=True, at=0.0)
+    agents.serve("D", prompt(4, d_len), tool=False, at=1.0)
+    assert eng.cache.match_len(a) == 0
+    agents.serve("B", prompt(7, 40), tool=False, at=2.0, new=30)
+    assert eng.cache.match_len(a) == (380 if chunk == 512 else 0)
+    assert agents.idle(at=3.0) == (0 if chunk == 512 else 380)
+    assert eng.cache.match_len(a) == 380
+
+
 def test_radixkv_serve_names_the_flag(hybrid_models, capsys):
     from radixkv.cli import main
 

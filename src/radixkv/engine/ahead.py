@@ -113,8 +113,8 @@ class LoadAhead:
                     return 0  # (a later return has less room below it still)
             load = self._load_pages if self.load_layers is None else self._load_layers
             n, loaded, cut = load(tokens, ns, floor, cap)
-            if not cut:  # (seen as whole as it can be; a path the cap cut: again next time)
-                seen = self._epoch()
+            if not (cut and loaded):  # (seen as whole as it can be now; a path the cap cut
+                seen = self._epoch()  # after some progress: again at the next call)
             self.paths[key] = (tokens, ns, seen)
             if loaded:
                 node = self.cache.match_prefix(RadixKey(tokens[:n], ns)).last_node
