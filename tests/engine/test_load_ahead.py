@@ -118,6 +118,47 @@ def test_a_busy_engine_loads_ahead_a_chunk_a_step_into_room_its_requests_leave(m
     assert eng.tier.stats.host_hit_tokens == 0
 
 
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("memory", ["pool", "one budget"])
+def test_random_agents_with_loads_ahead_compute_what_a_cold_engine_computes(seed, memory):
+    """Six agent sessions over a tight device, at random: each turn extends its own
+    conversation (tool call or end of turn), two or three at once, with idle moments
+    between; loads ahead run while busy and while idle. Every answer equals a cold
+    engine's, and every step and idle load leaves the memory whole (``check_memory``:
+    the pool, the tree, the tiers)."""
+    import random
+
+    rng = random.Random(seed)
+    budget = {"cache_bytes": 1 << 22} if memory == "one budget" else {}
+    agents = Agents(prefetch_within=30.0, chunk_size=64, host_tokens=1024, **budget)
+    eng = agents.eng
+    cold = Engine("random", page_size=4, kv_tokens=4096, max_context_len=1100,
+                  prefix_cache=False)  # fmt: skip
+    talks = {f"s{i}": prompt(i, rng.randrange(150, 400)) for i in range(6)}
+    for _ in range(10):
+        agents.now += rng.uniform(0.5, 8.0)
+        batch = rng.sample(sorted(talks), rng.randrange(1, 4))
+        rids = {}
+        for key in batch:
+            if len(talks[key]) > 900:
+                talks[key] = talks[key][:100]  # (a new conversation on the same prefix)
+            tool = rng.random() < 0.6
+            tag = SessionTag(key, lambda _t, _i, tool=tool: tool)
+            rids[eng.add_request(talks[key], SamplingParams(4, ignore_eos=True), chat=False,
+                                 session=tag)] = key  # fmt: skip
+        got: dict = {rid: [] for rid in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got[o.rid] += o.token_ids
+        want = cold.generate([talks[rids[r]] for r in rids], max_new_tokens=4, chat=False,
+                             ignore_eos=True)  # fmt: skip
+        assert [got[r] for r in rids] == [o.token_ids for o in want.outputs]
+        for rid, key in rids.items():
+            talks[key] = [*talks[key], *got[rid], *prompt(rng.randrange(99), 40)]
+        agents.idle(at=agents.now + rng.uniform(0.1, 5.0))
+    assert eng.tier.stats.ahead_tokens > 0
+
+
 def test_nothing_is_loaded_for_a_session_predicted_back_beyond_the_horizon():
     agents = Agents(prefetch_within=5.0)
     a, d = prompt(1, 380), prompt(4, 1000)
