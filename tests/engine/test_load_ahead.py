@@ -118,6 +118,34 @@ def test_a_busy_engine_loads_ahead_a_chunk_a_step_into_room_its_requests_leave(m
     assert eng.tier.stats.host_hit_tokens == 0
 
 
+def test_a_busy_engine_counts_the_room_below_a_session_once_while_nothing_changes(
+    monkeypatch,
+):
+    """A ended its turn; X, a tool call (back sooner), pushed it down and holds the rest.
+    While B decodes, too little ranks below A: a busy step counts that
+    (`EvictionOrder.size_below`, O(leaves)) once for each state of the room (B's decode
+    evicts a page every 4 steps); the steps between, with nothing evicted or unlocked,
+    do not count it again. Nothing is loaded."""
+    from radixkv.tree.eviction import EvictionOrder
+
+    agents = Agents(prefetch_within=3600.0)
+    eng = agents.eng
+    counted = []
+    size_below = EvictionOrder.size_below
+
+    def counting(self, floor, enough):
+        counted.append((eng.ahead._epoch(), floor))
+        return size_below(self, floor, enough)
+
+    monkeypatch.setattr(EvictionOrder, "size_below", counting)
+    agents.serve("A", prompt(1, 380), tool=False, at=0.0)
+    agents.serve("X", prompt(4, 1000), tool=True, at=1.0)
+    counted.clear()
+    agents.serve("B", prompt(7, 40), tool=False, at=2.0, new=20)
+    assert counted and len(set(counted)) == len(counted), counted
+    assert eng.tier.stats.ahead_tokens == 0
+
+
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("memory", ["pool", "one budget"])
 def test_random_agents_with_loads_ahead_compute_what_a_cold_engine_computes(seed, memory):

@@ -69,6 +69,7 @@ class LoadAhead:
         # session -> (its last path, namespace, `_epoch` when last seen whole)
         self.paths: OrderedDict[Any, tuple[array, Any, int]] = OrderedDict()
         self.held = 0  # tokens of the paths kept
+        self._short: Any = None  # (room epoch, session) a busy call found no room at
 
     def remember(self, session: Any, tokens: array, ns: Any) -> None:
         """``session``'s request finished with ``tokens`` cached (whole pages)."""
@@ -96,6 +97,7 @@ class LoadAhead:
         Returns the tokens loaded."""
         self.sessions.tick(now)  # (as a step does: overdue sessions' stamps are stale)
         clock, epoch, due = self.sessions.clock, self._epoch(), []
+        page = self.cache.page_size
         for key, (_, _, seen) in self.paths.items():
             s = clock.sessions.get(key)
             if s is None or s.running or seen == epoch:
@@ -106,10 +108,16 @@ class LoadAhead:
         for back, key in sorted(due, key=lambda d: d[0]):
             tokens, ns, seen = self.paths[key]
             floor = priority_of(back)
+            if self.cache.match_len(RadixKey(tokens, ns)) >= align_down(len(tokens), page):
+                self.paths[key] = (tokens, ns, epoch)  # whole on the device
+                continue
             if cap is not None:  # (what the running requests will evict first stays theirs)
+                if self._short == (epoch, key):  # (counted short, and nothing was evicted
+                    return 0  # or unlocked since: a decode's slots come out of its keep)
                 room = self.cache.order.size_below(floor, keep + cap)
                 cap = min(cap, self.mgr.allocator.available_size() + room - keep)
-                if cap < self.cache.page_size:
+                if cap < page:
+                    self._short = (epoch, key)
                     return 0  # (a later return has less room below it still)
             load = self._load_pages if self.load_layers is None else self._load_layers
             n, loaded, cut = load(tokens, ns, floor, cap)

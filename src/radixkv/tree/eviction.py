@@ -24,6 +24,7 @@ policy is refused). A merged node keeps the chain's first ``created`` tick and i
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -188,7 +189,7 @@ class EvictionOrder:
         prompt inserted chunk by chunk is such a chain). Never more than it could take
         (a parent of several children is not counted). O(entries + chains) at most."""
         total, live, key = 0, self.live, self.uncovered_key
-        for entry in (*self._run, *self._heap):
+        for entry in itertools.chain(self._run, self._heap):
             if entry[0] >= floor or not live(entry):
                 continue
             node = entry[-1]
