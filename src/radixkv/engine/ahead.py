@@ -55,7 +55,8 @@ PATHS_OVER = 4
 
 
 class LoadAhead:
-    """``remember`` each finished request's path; ``run`` when the engine is idle."""
+    """``remember`` each finished request's path; ``run`` when the engine is idle, and
+    with a ``cap`` before a busy step."""
 
     def __init__(self, cache: Any, mgr: Any, sessions: Any, tier: Any, horizon_s: float,
                  max_tokens: int, load_layers: Any = None) -> None:  # fmt: skip
@@ -67,7 +68,7 @@ class LoadAhead:
         self.max_tokens = max_tokens  # a path's (what device and host hold together)
         self.max_held = PATHS_OVER * max_tokens  # all paths' (8 bytes a token id)
         # session -> (its last path, namespace, `_epoch` when last seen whole)
-        self.paths: OrderedDict[Any, tuple[array, Any, int]] = OrderedDict()
+        self.paths: OrderedDict[Any, tuple[array, Any, tuple[int, int]]] = OrderedDict()
         self.held = 0  # tokens of the paths kept
         self._short: Any = None  # (room epoch, session) a busy call found no room at
 
@@ -148,7 +149,7 @@ class LoadAhead:
         return n, self.tier.load(tokens, ns, n, alloc, hashes, ahead=True), cut
 
     def _load_layers(self, tokens: array, ns: Any, floor: int, cap: int | None
-                     ) -> tuple[int, int]:  # fmt: skip
+                     ) -> tuple[int, int, bool]:  # fmt: skip
         """With layer managers (window pages, checkpoints: each brought by its type's
         tier, room made across kinds by the one budget): the loads a request's arrival
         makes, every eviction they cause kept below ``floor``
