@@ -643,7 +643,7 @@ def test_an_idle_server_loads_a_waiting_agents_pages_back_before_it_returns(
     pages down to the host tier. While the server idles, A (predicted back in seconds)
     comes back to the device, so its next call reads its prompt from the cache with
     nothing loaded on arrival; without the flag the same call loads it from the host."""
-    extra = ("--prefetch-within", "60") if ahead else ()
+    extra = ("--prefetch-within", "3600") if ahead else ()  # (A overdue under load: still due)
     srv = _session_server(folder, tmp_path, "--host-tokens", "16384", *extra)
     try:
         c = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
@@ -687,28 +687,32 @@ def _wait_for(counter, name: str) -> None:
 
 @pytest.mark.slow
 def test_an_idle_server_loads_a_hybrid_agent_back_before_it_returns(tmp_path):
-    """The same on Qwen3.5 (recurrent layers) in one byte budget, the tiny model itself
-    answering: D's prompt pushes A's down to the host; the idle server brings back A's
-    deepest checkpoint with the KV up to it, so A's next call reads its prompt from the
-    cache with nothing loaded on arrival."""
+    """The same on Qwen3.5 (recurrent layers) in one byte budget, the answers scripted
+    (a tool call for A, the end of a turn for D: which one a random model's answer is
+    depends on its weights): D's prompt pushes A's down to the host; the idle server
+    brings back A's deepest checkpoint with the KV up to it, so A's next call reads its
+    prompt from the cache with nothing loaded on arrival."""
     from radixkv.cli import main
-    from radixkv.web.process import ServerProcess
 
     path = tmp_path / "qwen3.5"
     assert main(["make-model", "qwen3.5", str(path), "--context", "16384"]) == 0
-    args = ("--model", str(path), "--served-model-name", MODEL, "--page-size", "16",
-            "--max-context-len", "8192", "--cache-bytes", "1000000", "--host-tokens",
-            "8192", "--eviction-policy", "session", "--prefetch-within", "60")  # fmt: skip
-    with ServerProcess(*args, timeout=90) as srv:
+    srv = scripted_server(SCRIPT, str(path), tmp_path, "--served-model-name", MODEL,
+                          "--page-size", "16", "--max-context-len", "8192", "--cache-bytes",
+                          "1000000", "--host-tokens", "8192", "--eviction-policy", "session",
+                          "--prefetch-within", "3600")  # fmt: skip
+    try:
         c = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
         turn = functools.partial(_agent_turn, c)
         counter = functools.partial(_counter, srv.url)
         system_a = "You are agent A. " * 80  # ~1,400 tokens; D's ~2,900; the budget 3,872
         a = turn("A", system_a, "What is the weather in Paris?")
-        turn("D", "You are agent D. " * 170, "hi")
+        assert a.stop_reason == "tool_use"
+        assert turn("D", "You are agent D. " * 170, "hi").stop_reason == "end_turn"
         _wait_for(counter, "state_checkpoints_loaded_ahead")
         assert counter("loaded_ahead_tokens") > 0
         host_before = counter("host_hit_tokens")
         back = turn("A", system_a, "What is the weather in Paris?").usage
         assert back.cache_read_input_tokens >= a.usage.input_tokens - 16
         assert counter("host_hit_tokens") == host_before
+    finally:
+        assert srv.stop() == 0 and "Traceback" not in srv.stderr(), srv.stderr()[-3000:]
