@@ -108,8 +108,8 @@ class LoadAhead:
                 due.append((back, key))
         for back, key in sorted(due, key=lambda d: d[0]):
             tokens, ns, seen = self.paths[key]
-            floor = priority_of(back)
-            if self.cache.match_len(RadixKey(tokens, ns)) >= align_down(len(tokens), page):
+            floor, held = priority_of(back), self.cache.match_len(RadixKey(tokens, ns))
+            if held >= align_down(len(tokens), page):
                 self.paths[key] = (tokens, ns, epoch)  # whole on the device
                 continue
             if cap is not None:  # (what the running requests will evict first stays theirs)
@@ -120,8 +120,10 @@ class LoadAhead:
                 if cap < page:
                     self._short = (epoch, key)
                     return 0  # (a later return has less room below it still)
-            load = self._load_pages if self.load_layers is None else self._load_layers
-            n, loaded, cut = load(tokens, ns, floor, cap)
+            if self.load_layers is None:
+                n, loaded, cut = self._load_pages(tokens, ns, floor, cap)
+            else:
+                n, loaded, cut = self._load_layers(tokens, ns, floor, cap, held)
             if not (cut and loaded):  # (seen as whole as it can be now; a path the cap cut
                 seen = self._epoch()  # after some progress: again at the next call)
             self.paths[key] = (tokens, ns, seen)
@@ -148,19 +150,18 @@ class LoadAhead:
         alloc = self.mgr.allocator.alloc
         return n, self.tier.load(tokens, ns, n, alloc, hashes, ahead=True), cut
 
-    def _load_layers(self, tokens: array, ns: Any, floor: int, cap: int | None
+    def _load_layers(self, tokens: array, ns: Any, floor: int, cap: int | None, before: int
                      ) -> tuple[int, int, bool]:  # fmt: skip
         """With layer managers (window pages, checkpoints: each brought by its type's
         tier, room made across kinds by the one budget): the loads a request's arrival
         makes, every eviction they cause kept below ``floor``
         (`radixkv.tree.eviction.EvictionOrder.below`); a load that finds no room brings
         nothing; under ``cap``, up to the deepest end (a checkpoint, a window) within
-        ``cap`` tokens of what the device has of the path. (tokens the device serves of
-        the path, tokens that became servable, whether ``cap`` left some of it untried)."""
+        ``cap`` tokens of what the device has of the path. ``before``: the tokens of the
+        path the device serves now (less than its whole pages). (tokens the device serves
+        of the path then, tokens that became servable, whether ``cap`` left some of it
+        untried)."""
         key, page = RadixKey(tokens, ns), self.cache.page_size
-        before = self.cache.match_len(key)
-        if before >= align_down(len(tokens), page):
-            return before, 0, False
         usable = len(tokens)
         if cap is not None:
             usable = min(usable, align_down(self.cache.match_len(key, full=True) + cap, page))
