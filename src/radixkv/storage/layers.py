@@ -9,7 +9,8 @@ layers without naming them.
 
 Each tier the engine gets answers the same calls: ``loads_pages`` (its ``load`` brings
 the prompt's full pages too, in place of `KVTiers.load`), ``load(tokens, ns, usable,
-alloc)``, ``save(tokens, ns, row, n, hashes, resend)`` at a request's finish, ``check()``,
+alloc, ahead)`` (``ahead``: for a waiting session before its request, counted apart),
+``save(tokens, ns, row, n, hashes, resend)`` at a request's finish, ``check()``,
 ``metrics()`` (its counters for ``/metrics``). Its manager is handed it
 (`LayerManager.use_tiers`).
 
