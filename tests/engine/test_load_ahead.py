@@ -188,6 +188,7 @@ def test_random_agents_with_loads_ahead_compute_what_a_cold_engine_computes(
         for rid, key in rids.items():
             talks[key] = [*talks[key], *got[rid], *prompt(rng.randrange(99), 40)]
         agents.idle(at=agents.now + rng.uniform(0.1, 5.0))
+        assert eng.cache.protected_size() == 0  # (nothing held once idle)
     layers = {name: value for t in eng.layer_tiers for _, name, _, value in t.metrics()}
     assert eng.tier.stats.ahead_tokens > 0 or layers.get("window_pages_loaded_ahead", 0) > 0
 
@@ -311,10 +312,14 @@ def test_on_a_hybrid_model_a_load_ahead_never_evicts_a_sooner_return(hybrid_mode
 
 
 @pytest.mark.parametrize("chunk", [64, 512])
-def test_a_busy_engine_loads_a_checkpoint_ahead_only_within_a_chunk(hybrid_models, chunk):
-    """Qwen3.5: what a busy step loads ends at a checkpoint within a chunk of what the
-    device holds; A's (380 tokens in) comes back in one step of B's answer with 512-token
-    chunks, and with 64-token ones only once the engine idles."""
+def test_a_busy_engine_loads_a_checkpoint_beyond_a_chunk_over_steps_holding_its_kv(
+    hybrid_models, chunk
+):
+    """Qwen3.5: A's checkpoint (380 tokens in) comes back during B's answer, in one
+    step with 512-token chunks, and with 64-token ones over several: the KV toward it
+    is loaded a chunk a step and held (locked: before the checkpoint it serves no
+    match, and the budget frees such KV first) until the checkpoint lands. A's next
+    request then loads nothing on arrival and computes what a cold engine computes."""
     size, d_len = HYBRID["qwen3.5"]
     agents = Agents(hybrid_models["qwen3.5"], cache_bytes=size, prefetch_within=60.0,
                     chunk_size=chunk)  # fmt: skip
@@ -323,10 +328,59 @@ def test_a_busy_engine_loads_a_checkpoint_ahead_only_within_a_chunk(hybrid_model
     agents.serve("A", a, tool=True, at=0.0)
     agents.serve("D", prompt(4, d_len), tool=False, at=1.0)
     assert eng.cache.match_len(a) == 0
-    agents.serve("B", prompt(7, 40), tool=False, at=2.0, new=30)
-    assert eng.cache.match_len(a) == (380 if chunk == 512 else 0)
-    assert agents.idle(at=3.0) == (0 if chunk == 512 else 380)
-    assert eng.cache.match_len(a) == 380
+    agents.now = 2.0
+    eng.add_request(prompt(7, 40), SamplingParams(30, ignore_eos=True), chat=False,
+                    session=SessionTag("B", lambda _t, _i: False))  # fmt: skip
+    fulls, landed = [], None  # (step 1 admits B, whose room may take dead KV of A's)
+    for step in range(1, 31):
+        eng.step()
+        full, served = eng.cache.match_len(a, full=True), eng.cache.match_len(a)
+        if landed is None and step > 1:  # (the KV toward the checkpoint, none of it
+            fulls.append(full)  # servable, held beside B's 40 tokens)
+            assert served in (0, 380) and (served or eng.cache.protected_size() >= 40 + full)
+        if served == 380 and landed is None:
+            landed = step
+    assert landed is not None and fulls == sorted(set(fulls)) and fulls[-1] == 380
+    assert (landed > 2) == (chunk == 64)
+    while eng.has_unfinished():
+        eng.step()
+    assert agents.idle(at=3.0) == 0 and eng.cache.protected_size() == 0
+    follow = [*a, *prompt(9, 20)]
+    got = agents.serve("A", follow, tool=True, at=5.0, new=6)
+    assert eng.tier.stats.host_hit_tokens == 0  # (nothing loaded on arrival)
+    cold = Engine(hybrid_models["qwen3.5"], page_size=4, max_context_len=1100,
+                  prefix_cache=False)  # fmt: skip
+    want = cold.generate([follow], max_new_tokens=6, chat=False, ignore_eos=True)
+    assert got == want.outputs[0].token_ids
+
+
+def test_a_waiting_request_releases_the_kv_held_toward_a_checkpoint(hybrid_models):
+    """A's KV, held toward its checkpoint by a busy step, is unlocked as soon as a
+    request waits to be admitted (the room is the request's); the pages stay cached.
+    Nothing is held once the engine idles with no session due."""
+    size, d_len = HYBRID["qwen3.5"]
+    agents = Agents(hybrid_models["qwen3.5"], cache_bytes=size, prefetch_within=60.0,
+                    chunk_size=64)  # fmt: skip
+    eng = agents.eng
+    a = prompt(1, 380)
+    agents.serve("A", a, tool=True, at=0.0)
+    agents.serve("D", prompt(4, d_len), tool=False, at=1.0)
+    agents.now = 2.0
+    busy = SamplingParams(30, ignore_eos=True)
+    eng.add_request(prompt(7, 40), busy, chat=False)
+    eng.step()  # (B admitted)
+    eng.step()  # (a chunk of A's KV loaded toward its checkpoint, held)
+    full = eng.cache.match_len(a, full=True)
+    assert 0 < full < 380 and eng.cache.match_len(a) == 0
+    assert eng.cache.protected_size() >= 40 + full
+    eng.add_request(prompt(8, 12), SamplingParams(2, ignore_eos=True), chat=False)
+    eng.step()  # (released before the admission; the new request locks its own path)
+    assert eng.cache.protected_size() <= sum(r.kv_len for r in eng.scheduler.running) < full
+    while eng.has_unfinished():
+        eng.step()
+    agents.idle(at=3.0)
+    agents.idle(at=500.0)  # (no session due: nothing held)
+    assert eng.cache.protected_size() == 0
 
 
 def test_radixkv_serve_names_the_flag(hybrid_models, capsys):

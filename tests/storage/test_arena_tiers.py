@@ -213,3 +213,28 @@ def test_a_host_tier_loads_for_the_requests_it_admits_and_adds_hits(hybrid_model
     tiered.memory.check()
     for t in (tiered.tier, *tiered.layer_tiers):
         t.check()
+
+
+@pytest.mark.parametrize("tier", ["host", "store"])
+def test_a_state_tier_reaches_as_far_as_its_load_brings_a_checkpoint(
+    hybrid_models, tier, tmp_path
+):  # fmt: skip
+    """`StateTiers.reach`, the end of the deepest checkpoint below the device (how far a
+    load ahead must bring the KV before it serves more), is where a load then makes the
+    prompt servable; 0 once the device serves it whole."""
+    where = dict(host_tokens=512) if tier == "host" else dict(storage=f"file://{tmp_path}/s")
+    engine = Engine(hybrid_models["qwen3.5"], page_size=8, chunk_size=32, max_context_len=512,
+                    cache_bytes=150_000, check_memory=True, **where)  # fmt: skip
+    a = [(i * 7) % 250 + 3 for i in range(200)]
+    engine.generate([a], max_new_tokens=2, chat=False, ignore_eos=True)
+    for seed in range(1, 4):  # (others push A's checkpoints off the device)
+        other = [(seed * 131 + i * 11) % 250 + 3 for i in range(200)]
+        engine.generate([other], max_new_tokens=2, chat=False, ignore_eos=True)
+    states = engine.recurrent.tiers
+    served = engine.cache.match_len(a)
+    end = states.reach(a, None, len(a))
+    assert served < end <= len(a) and end % 8 == 0
+    assert states.reach(a, None, served) == 0  # (nothing beyond what the device serves)
+    engine._load_below(a, None, len(a))
+    assert engine.cache.match_len(a) == end and states.reach(a, None, len(a)) == 0
+    engine.memory.check()

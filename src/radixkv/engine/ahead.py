@@ -21,7 +21,11 @@ model, in one byte budget: the session order needs it) the loads are the ones a
 request's arrival makes (each layer type's tier: window pages, a checkpoint with the KV
 up to it), run with the tree's order under the session's floor
 (`radixkv.tree.eviction.EvictionOrder.below`), which the budget's rounds read too: a
-load whose room cannot be had so brings nothing.
+load whose room cannot be had so brings nothing. A busy step whose chunk ends short of
+a recurrent model's next checkpoint loads the KV toward it and holds it (`_toward`:
+locked, as the KV past a model's last checkpoint serves no match and the budget frees
+it first) until the checkpoint lands, the session is no longer the one due, or a
+request waits (`release`); only when the room for all of it can be had at once.
 
 Bounds: the paths of at most `MAX_PATHS` sessions, each at most ``max_tokens`` (what
 device and host pool hold together), all of them `PATHS_OVER` times that, the least
@@ -29,6 +33,9 @@ recently finished dropped first. A path is looked at again only once the room ch
 since it was last seen as whole as it can be (the tokens the cache evicted, or those it
 could evict: a running request's path unlocked); one a step's cap cut, at the next call.
 One session's load per call, so a request that arrives waits for at most one load.
+
+Invariant: at most one path is held, by one lock, and none once a call ends without
+holding it (after an idle call, none: ``protected_size`` counts running requests only).
 
 Owns: which session to load ahead, and the room for it. Must not touch: how pages load
 (the tier's `load`), the prediction (`SessionClock`), the tree's order.
@@ -59,11 +66,15 @@ class LoadAhead:
     with a ``cap`` before a busy step."""
 
     def __init__(self, cache: Any, mgr: Any, sessions: Any, tier: Any, horizon_s: float,
-                 max_tokens: int, load_layers: Any = None) -> None:  # fmt: skip
+                 max_tokens: int, load_layers: Any = None, layer_tiers: Any = ()
+                 ) -> None:  # fmt: skip
         self.cache, self.mgr, self.sessions, self.tier = cache, mgr, sessions, tier
-        # with layer managers: ``load_layers(tokens, ns, usable, ahead=True)``, the loads
-        # a request's arrival makes (each layer type's tier), run under the floor
+        # with layer managers: ``load_layers(tokens, ns, usable, ahead=True[, kv_only])``,
+        # the loads a request's arrival makes (each layer type's tier), run under the floor
         self.load_layers = load_layers
+        # the layer tiers whose load brings the KV only up to a checkpoint (``reach``)
+        self.reaching = [t for t in layer_tiers if t.loads_pages]
+        self._hold: Any = None  # (session, node): a busy load's KV toward a checkpoint
         self.horizon = horizon_s
         self.max_tokens = max_tokens  # a path's (what device and host hold together)
         self.max_held = PATHS_OVER * max_tokens  # all paths' (8 bytes a token id)
@@ -85,8 +96,16 @@ class LoadAhead:
 
     def clear(self) -> None:
         """Forget every path (a flushed cache is loaded back by no one)."""
+        self.release()
         self.paths.clear()
         self.held = 0
+
+    def release(self) -> None:
+        """Unlock the KV a busy load holds toward a checkpoint (a request waits: the room
+        is its; the pages stay, for a match or the budget's first round)."""
+        if self._hold is not None:
+            self.cache.dec_lock_ref(self._hold[1])
+            self._hold = None
 
     def run(self, now: float, cap: int | None = None, keep: int = 0) -> int:
         """Load the missing pages of the session predicted back soonest (within the
@@ -96,13 +115,21 @@ class LoadAhead:
         the running requests still need, left to them in what is free or ranks below
         the session (taken, the pages loaded would be evicted again before they end).
         Returns the tokens loaded."""
+        old, self._hold = self._hold, None  # (locked until this call holds its successor)
+        try:
+            return self._run(now, cap, keep, old)
+        finally:
+            if old is not None and self._hold is not old:
+                self.cache.dec_lock_ref(old[1])
+
+    def _run(self, now: float, cap: int | None, keep: int, old: Any) -> int:
         self.sessions.tick(now)  # (as a step does: overdue sessions' stamps are stale)
         clock, epoch, due = self.sessions.clock, self._epoch(), []
         page = self.cache.page_size
         for key, (_, _, seen) in self.paths.items():
             s = clock.sessions.get(key)
-            if s is None or s.running or seen == epoch:
-                continue
+            if s is None or s.running or (seen == epoch and (old is None or old[0] != key)):
+                continue  # (a path held toward its checkpoint is looked at every call)
             back = clock.predicted(key, now)
             if back <= now + self.horizon:
                 due.append((back, key))
@@ -113,6 +140,8 @@ class LoadAhead:
                 self.paths[key] = (tokens, ns, epoch)  # whole on the device
                 continue
             if cap is not None:  # (what the running requests will evict first stays theirs)
+                if old is not None and old[0] == key:  # (what it holds stays held while
+                    self._hold = old  # its session is the next due, short of room or not)
                 if self._short == (epoch, key):  # (counted short, and nothing was evicted
                     return 0  # or unlocked since: a decode's slots come out of its keep)
                 room = self.cache.order.size_below(floor, keep + cap)
@@ -120,10 +149,13 @@ class LoadAhead:
                 if cap < page:
                     self._short = (epoch, key)
                     return 0  # (a later return has less room below it still)
+                self._hold = None  # (held again below only while it still leads nowhere)
             if self.load_layers is None:
                 n, loaded, cut = self._load_pages(tokens, ns, floor, cap)
             else:
                 n, loaded, cut = self._load_layers(tokens, ns, floor, cap, held)
+                if cut and not loaded and (n := self._toward(key, tokens, ns, floor, cap, keep)):
+                    return n  # (KV toward a checkpoint, held: nothing servable yet)
             if not (cut and loaded):  # (seen as whole as it can be now; a path the cap cut
                 seen = self._epoch()  # after some progress: again at the next call)
             self.paths[key] = (tokens, ns, seen)
@@ -170,6 +202,32 @@ class LoadAhead:
         after = self.cache.match_len(key)
         return after, max(0, after - before), usable < align_down(len(tokens), page)
 
+    def _toward(self, session: Any, tokens: array, ns: Any, floor: int, cap: int, keep: int
+                ) -> int:  # fmt: skip
+        """A busy step whose chunk ends short of the path's next checkpoint (a recurrent
+        layer's tier: `StateTiers.reach`) loads the KV toward it, ``cap`` tokens, and
+        holds it (locked: the KV beyond a model's last checkpoint serves no match, and
+        the budget's first round frees it for anyone) until the checkpoint lands in a
+        later step, the session stops being the one due, or a request waits
+        (`release`). Only when the room for all of it up to the checkpoint can be had
+        now, ``keep`` left to the running requests. Returns the KV tokens loaded."""
+        key, page = RadixKey(tokens, ns), self.cache.page_size
+        full = self.cache.match_len(key, full=True)
+        end = max((t.reach(tokens, ns, len(tokens)) for t in self.reaching), default=0)
+        need = end - full
+        if need <= cap or need > self.mgr.allocator.available_size() + (
+            self.cache.order.size_below(floor, keep + need) - keep
+        ):
+            return 0  # (within the chunk, it was the load's to bring; or no room for it)
+        with self.cache.order.below(floor):
+            self.load_layers(tokens, ns, align_down(full + cap, page), ahead=True, kv_only=True)
+        now = self.cache.match_prefix(key[:end], full=True)
+        if now.prefix_len <= full:
+            return 0
+        self.cache.inc_lock_ref(now.last_node)
+        self._hold = (session, now.last_node)
+        return now.prefix_len - full
+
     def _make_room(self, tokens: array, ns: Any, floor: int, cap: int | None = None
                    ) -> tuple[int, list | None, bool]:  # fmt: skip
         """Free slots for the pages the device lacks of ``tokens`` that a tier can bring
@@ -206,17 +264,17 @@ class LoadAhead:
         return (hit.prefix_len + room if room else 0), hashes, cut
 
 
-def load_ahead(
-    cfg: Any, cache: Any, mgr: Any, sessions: Any, tier: Any, load_layers: Any
-) -> LoadAhead | None:
+def load_ahead(cfg: Any, cache: Any, mgr: Any, sessions: Any, tier: Any, load_layers: Any,
+               layer_tiers: Any = ()) -> LoadAhead | None:  # fmt: skip
     """The engine's `LoadAhead` for ``cfg.prefetch_within`` (None: off); with layer
     managers it loads through ``load_layers`` (the engine's loads on a request's
-    arrival: `LoadAhead._load_layers`)."""
+    arrival: `LoadAhead._load_layers`) and asks ``layer_tiers`` how far a checkpoint
+    is (`LoadAhead._toward`)."""
     if cfg.prefetch_within is None:
         return None
     return LoadAhead(cache, mgr, sessions, tier, float(cfg.prefetch_within),
                      cfg.host_tokens + mgr.allocator.capacity,
-                     load_layers if mgr.managers else None)  # fmt: skip
+                     load_layers if mgr.managers else None, layer_tiers)  # fmt: skip
 
 
 __all__ = ["MAX_PATHS", "PATHS_OVER", "LoadAhead", "load_ahead"]

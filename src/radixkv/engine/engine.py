@@ -143,7 +143,7 @@ class Engine:
             self.layer_tiers = layer_tiers(self.tier, self.mgr.managers, self.cache, host_pages,
                                            host_states)  # fmt: skip
         self.ahead = load_ahead(cfg, self.cache, self.mgr, self.sessions, self.tier,
-                                self._load_below)  # fmt: skip
+                                self._load_below, self.layer_tiers)  # fmt: skip
         hooks = SchedulerHooks(self._prefetch if self.tier is not None else None,
                                self._admitted, self.retention.relieve)  # fmt: skip
         self.scheduler = Scheduler(cfg, self.mgr, hooks)
@@ -195,10 +195,12 @@ class Engine:
         usable = len(r.input_ids) - 1  # the last prompt token is always computed
         self._load_below(r.token_array(), r.extra_key, usable)
 
-    def _load_below(self, tokens: Any, ns: Any, usable: int, ahead: bool = False) -> None:
+    def _load_below(self, tokens: Any, ns: Any, usable: int, ahead: bool = False,
+                    kv_only: bool = False) -> None:  # fmt: skip
         """The pages (and a layer type's window pages, checkpoints) of ``tokens[:usable]``
         that the tiers below the device hold and the device lacks, brought back; slots
-        made by the tree's eviction. ``ahead``: for a session before its request."""
+        made by the tree's eviction. ``ahead``: for a session before its request;
+        ``kv_only``: the full pages alone (toward a checkpoint, `LoadAhead`)."""
 
         def alloc(n: int) -> Any:
             slots = self.mgr.allocator.alloc(n)
@@ -207,9 +209,9 @@ class Engine:
                 slots = self.mgr.allocator.alloc(n)
             return slots
 
-        if not any(t.loads_pages for t in self.layer_tiers):
+        if kv_only or not any(t.loads_pages for t in self.layer_tiers):
             self.tier.load(tokens, ns, usable, alloc, ahead=ahead)
-        for t in self.layer_tiers:  # (a window: the one before the deepest end)
+        for t in self.layer_tiers if not kv_only else ():  # (a window: before the deepest end)
             t.load(tokens, ns, usable, alloc, ahead=ahead)
 
     def publish_kv_events(
@@ -486,8 +488,8 @@ class Engine:
         chunk's worth (copying it costs far less than computing it) and never room the
         running requests still need for their prompts and answers (taken, it would be
         evicted again before they end)."""
-        if self.ahead is None or self.scheduler.waiting:
-            return
+        if self.ahead is None or self.scheduler.waiting:  # (a path held toward a
+            return self.ahead.release() if self.ahead is not None else None  # checkpoint too)
         need = sum(len(r.input_ids) + r.sampling.max_new_tokens - r.kv_len
                    for r in self.scheduler.running)  # fmt: skip
         self.ahead.run(self.clock(), cap=self.engine_config.chunk_size, keep=need)

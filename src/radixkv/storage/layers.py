@@ -11,6 +11,8 @@ Each tier the engine gets answers the same calls: ``loads_pages`` (its ``load`` 
 the prompt's full pages too, in place of `KVTiers.load`), ``load(tokens, ns, usable,
 alloc, ahead)`` (``ahead``: for a waiting session before its request, counted apart),
 ``save(tokens, ns, row, n, hashes, resend)`` at a request's finish, ``check()``,
+and a tier whose load brings pages ``reach(tokens, ns, usable)`` (the end a load of the
+KV must reach before it serves more: a load ahead loads toward it a chunk a step),
 ``metrics()`` (its counters for ``/metrics``). Its manager is handed it
 (`LayerManager.use_tiers`).
 

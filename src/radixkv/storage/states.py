@@ -139,16 +139,9 @@ class StateTiers:
         KV up to it) from the host pool or the store; ``ahead``: for a session before
         its request (counted apart, as `KVTiers.load` counts its pages). Returns KV
         tokens loaded."""
-        tiers, page, cache = self.tiers, self.tiers.page, self.cache
+        tiers = self.tiers
         key = RadixKey(tokens, ns)
-        n_pages = usable // page
-        have = cache.match_len(key[: n_pages * page]) // page  # what the device serves
-        if have >= n_pages:
-            return 0
-        hashes = tiers.page_hashes(tokens, ns, n_pages)
-        keys = [tiers.prefix + h + STATE_SUFFIX for h in hashes]
-        best = max((j for j in range(have, n_pages) if keys[j] in self.host), default=-1)
-        deeper = list(range(max(best, have - 1) + 1, n_pages))
+        _, hashes, keys, best, deeper = self._below(key, usable)
         if tiers.store is not None and deeper:
             found = tiers.store.exists([keys[j] for j in deeper])
             for j in reversed([j for j, ok in zip(deeper, found, strict=True) if ok]):
@@ -158,6 +151,32 @@ class StateTiers:
         if best >= 0:
             return self._adopt(key, best, self.host[keys[best]], hashes, alloc, True, ahead)
         return 0
+
+    def reach(self, tokens: Any, ns: Any, usable: int) -> int:
+        """The end of the deepest checkpoint of ``tokens[:usable]`` beyond what the device
+        serves that the host pool or the store holds (0: none): how far the KV must be
+        loaded before a `load` serves more. Asks the store whether it holds the deeper
+        ones (what it holds may still fail its checks when read)."""
+        page, store = self.tiers.page, self.tiers.store
+        _, _, keys, best, deeper = self._below(RadixKey(tokens, ns), usable)
+        if store is not None and deeper:
+            found = store.exists([keys[j] for j in deeper])
+            best = max([best, *(j for j, ok in zip(deeper, found, strict=True) if ok)])
+        return (best + 1) * page
+
+    def _below(self, key: RadixKey, usable: int) -> tuple[int, list, list, int, list]:
+        """What the tiers below may hold of ``key[:usable]``'s checkpoints: (pages the
+        device serves, the page hashes, the state keys, the deepest page beyond them
+        whose state the host pool holds or -1, the pages deeper than both)."""
+        tiers, page = self.tiers, self.tiers.page
+        n_pages = usable // page
+        have = self.cache.match_len(key[: n_pages * page]) // page  # what the device serves
+        if have >= n_pages:
+            return have, [], [], -1, []
+        hashes = tiers.page_hashes(key.token_ids, key.extra_key, n_pages)
+        keys = [tiers.prefix + h + STATE_SUFFIX for h in hashes]
+        best = max((j for j in range(have, n_pages) if keys[j] in self.host), default=-1)
+        return have, hashes, keys, best, list(range(max(best, have - 1) + 1, n_pages))
 
     def _read(self, k: bytes, h: bytes) -> bytes | None:
         """The state stored at ``k``, checked; read only when its size is a state's
