@@ -174,6 +174,33 @@ def test_memory_stays_exact_under_eviction_and_preemption(seed):
     assert tight.mgr.allocator.available_size() + tight.cache.total_size() == 160
 
 
+def test_check_memory_names_a_lock_that_no_request_or_pin_holds():
+    """The engine's lock ledger: running requests, retention pins and a load ahead's
+    hold account for every lock in the tree. A lock leaked (taken and never released)
+    makes the next step's check name its node, where without the ledger it showed only
+    as an engine that could not make room."""
+    from radixkv import RadixKey
+    from radixkv.engine.request import CacheSpec, SamplingParams
+
+    engine = Engine(CFG, page_size=4, kv_tokens=160, check_memory=True)
+    ids = list(range(3, 43))
+    engine.add_request(ids, SamplingParams(2, ignore_eos=True), chat=False,
+                       cache=CacheSpec(retain=((20, 60.0),)))  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.retention.locks()  # (a pin's lock, accounted for)
+    rid = engine.add_request(list(range(50, 90)), SamplingParams(8, ignore_eos=True), chat=False)
+    engine.step()  # (a running request's lock, accounted for)
+    leaked = engine.cache.match_prefix(RadixKey(ids[:8])).last_node
+    engine.cache.inc_lock_ref(leaked)
+    with pytest.raises(AssertionError, match=f"node {leaked.id}: lock_ref .*a lock leaked"):
+        engine.step()
+    engine.cache.dec_lock_ref(leaked)
+    while engine.has_unfinished():
+        engine.step()
+    assert rid not in engine.requests
+
+
 def test_lpm_reaches_the_best_hit_rate_on_grouped_prompts():
     rng = random.Random(0)
     groups, per_group, shared, unique = 4, 6, 96, 8

@@ -505,6 +505,36 @@ def test_check_integrity_detects_corruption(corrupt):
         cache.check_integrity()
 
 
+def test_check_locks_names_a_lock_no_holder_accounts_for():
+    """Two holders on one path: the ledger holds; a lock taken behind its back (a leak)
+    or a holder whose lock was released are each named with the node; a holder that
+    was evicted is named too."""
+    cache = RadixCache()
+    cache.insert(RadixKey([1, 2, 3]))
+    cache.insert(RadixKey([1, 2, 4, 5]))
+    a = cache.match_prefix(RadixKey([1, 2, 3])).last_node
+    b = cache.match_prefix(RadixKey([1, 2, 4, 5])).last_node
+    cache.inc_lock_ref(a)
+    cache.inc_lock_ref(b)
+    cache.check_locks([a, b])
+    cache.inc_lock_ref(a)  # (leaked)
+    shared = a.parent  # (the first node on the path: checked parents first)
+    with pytest.raises(AssertionError, match=f"node {shared.id}: lock_ref 3, but its "
+                       "holders account for 2 .a lock leaked"):  # fmt: skip
+        cache.check_locks([a, b])
+    cache.dec_lock_ref(a)
+    cache.dec_lock_ref(b)
+    with pytest.raises(AssertionError, match=f"node {shared.id}: lock_ref 1, but its "
+                       "holders account for 2"):  # fmt: skip
+        cache.check_locks([a, b])
+    cache.check_locks([a])
+    cache.dec_lock_ref(a)
+    cache.evict(cache.evictable_size())
+    with pytest.raises(AssertionError, match=f"holder's node {a.id} is not in the tree"):
+        cache.check_locks([a])
+    cache.check_locks([])
+
+
 def test_extends_leaf_tells_a_next_turn_from_a_divergence_and_changes_nothing():
     c = RadixCache(page_size=2)
     c.insert(RadixKey([1, 2, 3, 4]))

@@ -183,6 +183,7 @@ class CacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         self.cache.check_integrity()
+        self.cache.check_locks(self.locked)  # (each lock's holder is the test)
         assert content(self.cache) == self.model
         c = self.cache
         total = len(self.model) * self.page

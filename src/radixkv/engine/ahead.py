@@ -107,6 +107,10 @@ class LoadAhead:
             self.cache.dec_lock_ref(self._hold[1])
             self._hold = None
 
+    def locks(self) -> list[Any]:
+        """The node it holds a lock on, if any (the engine's lock ledger)."""
+        return [self._hold[1]] if self._hold is not None else []
+
     def run(self, now: float, cap: int | None = None, keep: int = 0) -> int:
         """Load the missing pages of the session predicted back soonest (within the
         horizon) that may lack some: only a path seen whole before the room last changed

@@ -603,6 +603,9 @@ class Engine:
         self.memory.check()
         self.retention.check()
         self.cache.check_integrity()
+        ahead = self.ahead.locks() if self.ahead is not None else []
+        self.cache.check_locks([*(r.last_node for r in self.mgr.running.values()),
+                                *self.retention.locks(), *ahead])  # fmt: skip
         for t in [self.tier, *self.layer_tiers] if self.tier is not None else ():
             t.check()
 

@@ -323,6 +323,11 @@ class Retention:
             self._rank.pop(p.namespace, None)
         self.released[reason] += 1
 
+    def locks(self) -> list[TreeNode]:
+        """The nodes its pins hold a lock on, one each (the engine's lock ledger:
+        `radixkv.tree.core.RadixCache.check_locks`)."""
+        return [p.node for p in self.pins.values()]
+
     def check(self) -> None:
         """The counts add up, every pin holds a lock on a node of the cache, and every
         namespace is within its quotas. O(pins).

@@ -90,7 +90,7 @@ The eviction index, `evict` and why merging keeps LRU's order: `radixkv.tree.evi
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
@@ -1015,3 +1015,12 @@ class RadixCache:
             AssertionError: naming the first violated invariant and the node.
         """
         inspection.check_integrity(self)
+
+    def check_locks(self, holders: Iterable[TreeNode]) -> None:
+        """Every node's locks are its ``holders``' (one lock each on its path: a running
+        request's last node, a pin...); `radixkv.tree.inspection.check_locks`.
+
+        Raises:
+            AssertionError: naming the first node whose locks differ.
+        """
+        inspection.check_locks(self, holders)

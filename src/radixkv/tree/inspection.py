@@ -2,12 +2,14 @@
 and the tree as text.
 
 Owns: ``check_integrity`` (the invariants listed in `radixkv.tree.core`, and each
-component's own through its ``check_node`` / ``check``) and ``format_tree``. Must not
+component's own through its ``check_node`` / ``check``), ``check_locks`` (the locks
+against their holders' ledger) and ``format_tree``. Must not
 touch: anything; both only read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -127,3 +129,27 @@ def check_integrity(cache: RadixCache) -> None:
         cache.order.check(evictable_leaves)
     except AssertionError as e:
         _fail(str(e))
+
+
+def check_locks(cache: RadixCache, holders: Iterable[TreeNode]) -> None:
+    """Every node's ``lock_ref`` is what ``holders`` account for: one lock each, held on
+    its path to the root (``inc_lock_ref``). A lock taken and never released (or
+    released twice) shows here, naming the node, rather than as a cache that cannot
+    make room. O(nodes + the holders' path lengths).
+
+    Raises:
+        AssertionError: naming the first node whose locks differ.
+    """
+    want: dict[int, int] = {}
+    for holder in holders:
+        if holder.evicted:
+            _fail(f"a lock holder's node {holder.id} is not in the tree")
+        node = holder
+        while node is not cache.root:
+            want[id(node)] = want.get(id(node), 0) + 1
+            node = node.parent
+    for node in cache.iter_nodes():
+        held = want.get(id(node), 0)
+        if node.lock_ref != held:
+            _fail(f"node {node.id}: lock_ref {node.lock_ref}, but its holders account for "
+                  f"{held} (a lock leaked, or was released twice)")  # fmt: skip
