@@ -356,8 +356,9 @@ def test_a_busy_engine_loads_a_checkpoint_beyond_a_chunk_over_steps_holding_its_
 
 def test_a_waiting_request_releases_the_kv_held_toward_a_checkpoint(hybrid_models):
     """A's KV, held toward its checkpoint by a busy step, is unlocked as soon as a
-    request waits to be admitted (the room is the request's); the pages stay cached.
-    Nothing is held once the engine idles with no session due."""
+    request waits to be admitted (the room is the request's), and first of all when a
+    decode short of room would preempt (the scheduler's ``relieve``); the pages stay
+    cached. Nothing is held once the engine idles with no session due."""
     size, d_len = HYBRID["qwen3.5"]
     agents = Agents(hybrid_models["qwen3.5"], cache_bytes=size, prefetch_within=60.0,
                     chunk_size=64)  # fmt: skip
@@ -376,6 +377,10 @@ def test_a_waiting_request_releases_the_kv_held_toward_a_checkpoint(hybrid_model
     eng.add_request(prompt(8, 12), SamplingParams(2, ignore_eos=True), chat=False)
     eng.step()  # (released before the admission; the new request locks its own path)
     assert eng.cache.protected_size() <= sum(r.kv_len for r in eng.scheduler.running) < full
+    eng.step()  # (held again)
+    held = eng.cache.protected_size() - sum(r.cache_protected_len for r in eng.scheduler.running)
+    assert held > 0  # (a decode short of room, before it preempts, releases it first)
+    assert eng.scheduler.relieve(1) >= 1 and eng.scheduler.relieve(1) == 0
     while eng.has_unfinished():
         eng.step()
     agents.idle(at=3.0)

@@ -100,12 +100,26 @@ class LoadAhead:
         self.paths.clear()
         self.held = 0
 
-    def release(self) -> None:
+    def release(self) -> int:
         """Unlock the KV a busy load holds toward a checkpoint (a request waits: the room
-        is its; the pages stay, for a match or the budget's first round)."""
-        if self._hold is not None:
-            self.cache.dec_lock_ref(self._hold[1])
-            self._hold = None
+        is its; the pages stay, for a match or the budget's first round). Returns the
+        tokens that became evictable."""
+        if self._hold is None:
+            return 0
+        gained = self.cache.dec_lock_ref(self._hold[1])
+        self._hold = None
+        return gained
+
+    def relieving(self, then: Any) -> Any:
+        """The scheduler's ``relieve`` hook (make ``n`` more tokens evictable before a
+        decode preempts or a lone chunk waits): what this holds goes first, then
+        ``then`` (retained prefixes) for the rest."""
+
+        def relieve(n: int) -> int:
+            gained = self.release()
+            return gained + (then(n - gained) if gained < n else 0)
+
+        return relieve
 
     def locks(self) -> list[Any]:
         """The node it holds a lock on, if any (the engine's lock ledger)."""

@@ -144,8 +144,10 @@ class Engine:
                                            host_states)  # fmt: skip
         self.ahead = load_ahead(cfg, self.cache, self.mgr, self.sessions, self.tier,
                                 self._load_below, self.layer_tiers)  # fmt: skip
+        relieve = self.retention.relieve  # (a load ahead's hold goes first)
+        relieve = self.ahead.relieving(relieve) if self.ahead is not None else relieve
         hooks = SchedulerHooks(self._prefetch if self.tier is not None else None,
-                               self._admitted, self.retention.relieve)  # fmt: skip
+                               self._admitted, relieve)  # fmt: skip
         self.scheduler = Scheduler(cfg, self.mgr, hooks)
 
     def __getattr__(self, name: str) -> Any:
@@ -488,8 +490,10 @@ class Engine:
         chunk's worth (copying it costs far less than computing it) and never room the
         running requests still need for their prompts and answers (taken, it would be
         evicted again before they end)."""
-        if self.ahead is None or self.scheduler.waiting:  # (a path held toward a
-            return self.ahead.release() if self.ahead is not None else None  # checkpoint too)
+        if self.ahead is not None and self.scheduler.waiting:
+            self.ahead.release()  # (the KV a busy load held toward a checkpoint: its room)
+        if self.ahead is None or self.scheduler.waiting:
+            return
         need = sum(len(r.input_ids) + r.sampling.max_new_tokens - r.kv_len
                    for r in self.scheduler.running)  # fmt: skip
         self.ahead.run(self.clock(), cap=self.engine_config.chunk_size, keep=need)
