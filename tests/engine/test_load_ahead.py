@@ -84,6 +84,50 @@ def test_an_agent_back_from_a_tool_call_finds_its_pages_on_the_device(ahead, mem
     assert got == want.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("model", ["random", "qwen3.5"])
+def test_an_idle_call_loads_at_most_its_chunks_and_a_request_arriving_goes_first(
+    hybrid_models, model
+):
+    """An idle call loads at most `IDLE_CHUNKS` chunks (a request arriving meanwhile
+    waits for that copy at most, not a whole path's): with 16-token chunks A's 380
+    tokens come back over several calls (on Qwen3.5 its KV held toward the checkpoint
+    until it lands). A request arriving midway is admitted at the next step, before the
+    rest of the load, and what was held is released for it; the calls after it finish
+    the load, and A's next request computes what a cold engine computes."""
+    from radixkv.engine.ahead import IDLE_CHUNKS
+
+    config = {"chunk_size": 16, "prefetch_within": 60.0}
+    if model == "qwen3.5":
+        config |= {"cache_bytes": HYBRID[model][0]}
+    agents = Agents(hybrid_models.get(model, model), **config)
+    eng = agents.eng
+    a = prompt(1, 380)
+    agents.serve("A", a, tool=True, at=0.0)
+    agents.serve("D", prompt(4, HYBRID[model][1] if model in HYBRID else 1000), tool=False,
+                 at=1.0)  # fmt: skip
+    before = eng.cache.match_len(a, full=True)
+    assert eng.cache.match_len(a) < 380
+    first = agents.idle(at=3.0)
+    assert 0 < eng.cache.match_len(a, full=True) - before <= IDLE_CHUNKS * 16 and first
+    rid = eng.add_request(prompt(8, 12), SamplingParams(2, ignore_eos=True), chat=False)
+    eng.step()  # (admitted before the rest of A's load; nothing of A's held for it)
+    assert eng.requests[rid] in eng.scheduler.running and not eng.ahead.locks()
+    while eng.has_unfinished():
+        eng.step()
+    calls = 0
+    while agents.idle(at=3.5):
+        calls += 1
+    assert eng.cache.match_len(a) == 380 and calls >= 1 and eng.cache.protected_size() == 0
+    follow = [*a, *prompt(9, 20)]
+    got = agents.serve("A", follow, tool=True, at=5.0, new=6)
+    assert eng.tier.stats.host_hit_tokens == 0
+    kw = {"kv_tokens": 1200} if model == "random" else {}
+    cold = Engine(hybrid_models.get(model, model), page_size=4, max_context_len=1100,
+                  prefix_cache=False, **kw)  # fmt: skip
+    want = cold.generate([follow], max_new_tokens=6, chat=False, ignore_eos=True)
+    assert got == want.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("memory", ["pool", "one budget"])
 def test_a_busy_engine_loads_ahead_a_chunk_a_step_into_room_its_requests_leave(memory):
     """While B's long answer keeps the engine busy, A (back from a tool call, pushed down
@@ -296,9 +340,10 @@ def test_on_a_hybrid_model_the_agent_finds_its_pages_and_its_state_on_the_device
 @pytest.mark.parametrize("model", ["qwen3.5", "gemma3"])
 def test_on_a_hybrid_model_a_load_ahead_never_evicts_a_sooner_return(hybrid_models, model):
     """A ended its turn; X, a tool call (back in seconds, sooner than A), pushed it down.
-    The only room for A is X's: the budget, asked for it under A's floor, frees nothing,
-    and nothing is loaded (without the floor, A and X would push each other out in
-    turn)."""
+    The only room for A beyond what is free is X's: the budget, asked for it under A's
+    floor, frees nothing, and A gets at most the free room (Gemma 3: the part of its path
+    that fits there; Qwen3.5: nothing, its checkpoint lies beyond). Without the floor, A
+    and X would push each other out in turn."""
     size, d_len = HYBRID[model]
     agents = Agents(hybrid_models[model], cache_bytes=size, prefetch_within=3600.0)
     eng = agents.eng
@@ -306,8 +351,10 @@ def test_on_a_hybrid_model_a_load_ahead_never_evicts_a_sooner_return(hybrid_mode
     agents.serve("A", a, tool=False, at=0.0)
     agents.serve("X", x, tool=True, at=1.0)
     assert eng.cache.match_len(a) == 0 and eng.cache.match_len(x) == d_len
-    evicted = eng.mgr.evicted_tokens
-    assert agents.idle(at=3.0) == 0 and agents.idle(at=3.1) == 0
+    evicted, free = eng.mgr.evicted_tokens, eng.mgr.allocator.available_size()
+    loaded = agents.idle(at=3.0)
+    assert agents.idle(at=3.1) == 0 and loaded <= free and eng.cache.match_len(a) == loaded
+    assert (loaded > 0) == (model == "gemma3")
     assert eng.cache.match_len(x) == d_len and eng.mgr.evicted_tokens == evicted
 
 

@@ -258,10 +258,10 @@ class AsyncEngine:
                 ready.set_exception(e)
                 return
         ready.set_result(None)
-        engine = self.engine
+        engine, loading = self.engine, False
         while True:
             idle = not engine.has_unfinished() or not self._running.is_set()
-            self._run_commands(wait=idle and not self._stopping)
+            self._run_commands(wait=idle and not self._stopping and not loading)
             if self._stopping:
                 break
             if not self._running.is_set():
@@ -277,6 +277,7 @@ class AsyncEngine:
                 return
             if busy:
                 self._dispatch(outputs)
+            loading = not busy and bool(outputs)  # (an idle load in chunks: on at once)
         self._die(EngineDead("the engine was shut down"))
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:

@@ -54,7 +54,8 @@ class EngineConfig:
         max_context_len: longest prompt + output of one request.
         eviction_policy: the cache's eviction policy.
         device, dtype: where and how the model and the KV live.
-        check_memory: run ``check_memory`` and ``check_integrity`` after every step.
+        check_memory: run ``check_memory``, ``check_integrity`` and the lock ledger
+            (``check_locks``) after every step.
         seed: seed of the random weights (``model="random"``).
         storage: a shared page store (``redis://...``, ``file:///DIR``, ``memory://``):
             prompt pages the device cache lacks are read from it, finished requests'

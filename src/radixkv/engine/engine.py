@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from radixkv.engine.ahead import load_ahead
+from radixkv.engine.ahead import IDLE_CHUNKS, load_ahead
 from radixkv.engine.cache_memory import CacheMemory, build_tiers
 from radixkv.engine.config import SCHEDULE_POLICIES, EngineConfig
 from radixkv.engine.faults import EngineFault, FaultWatch
@@ -459,8 +459,10 @@ class Engine:
     def idle(self) -> int:
         """Work for an engine with no request to run (`AsyncEngine` calls it between
         waits): a waiting agent's pages loaded back ahead of its predicted return
-        (``prefetch_within``: `radixkv.engine.ahead`). Returns the tokens loaded."""
-        n = self.ahead.run(self.clock()) if self.ahead is not None else 0
+        (``prefetch_within``: `radixkv.engine.ahead`), at most `IDLE_CHUNKS` chunks a
+        call: call again while it loads. Returns the tokens loaded."""
+        cap = IDLE_CHUNKS * self.engine_config.chunk_size  # (what an arrival may wait for)
+        n = self.ahead.run(self.clock(), cap) if self.ahead is not None else 0
         if n and self.engine_config.check_memory:
             self._check()
         self._flush_events()
