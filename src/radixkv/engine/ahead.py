@@ -34,7 +34,8 @@ device and host pool hold together), all of them `PATHS_OVER` times that, the le
 recently finished dropped first. A path is looked at again only once the room changed
 since it was last seen as whole as it can be (the tokens the cache evicted, or those it
 could evict: a running request's path unlocked); one a step's cap cut, at the next call.
-One session's load per call, so a request that arrives waits for at most one load.
+One session's load per call, at most `IDLE_CHUNKS` chunks when idle, so a request that
+arrives waits for at most that copy.
 
 Invariant: at most one path is held, by one lock, and none once a call ends without
 holding it (after an idle call, none: ``protected_size`` counts running requests only).
