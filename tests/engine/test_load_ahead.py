@@ -232,7 +232,8 @@ def test_random_agents_with_loads_ahead_compute_what_a_cold_engine_computes(
         for rid, key in rids.items():
             talks[key] = [*talks[key], *got[rid], *prompt(rng.randrange(99), 40)]
         agents.idle(at=agents.now + rng.uniform(0.1, 5.0))
-        assert eng.cache.protected_size() == 0  # (nothing held once idle)
+        assert eng.cache.protected_size() == 0 or eng.ahead.locks()  # (KV held toward a
+        # checkpoint at most; check_memory's ledger accounts for every lock)
     layers = {name: value for t in eng.layer_tiers for _, name, _, value in t.metrics()}
     assert eng.tier.stats.ahead_tokens > 0 or layers.get("window_pages_loaded_ahead", 0) > 0
 

@@ -23,11 +23,12 @@ model, in one byte budget: the session order needs it) the loads are the ones a
 request's arrival makes (each layer type's tier: window pages, a checkpoint with the KV
 up to it), run with the tree's order under the session's floor
 (`radixkv.tree.eviction.EvictionOrder.below`), which the budget's rounds read too: a
-load whose room cannot be had so brings nothing. A busy step whose chunk ends short of
-a recurrent model's next checkpoint loads the KV toward it and holds it (`_toward`:
+load whose room cannot be had so brings nothing. A call whose cap ends short of a
+recurrent model's next checkpoint loads the KV toward it and holds it (`_toward`:
 locked, as the KV past a model's last checkpoint serves no match and the budget frees
-it first) until the checkpoint lands, the session is no longer the one due, or a
-request waits (`release`); only when the room for all of it can be had at once.
+it first) until the checkpoint lands, the session is no longer the one due, a request
+waits, or a decode short of room would preempt (`release`, `relieving`); only when the
+room for all of it can be had at once.
 
 Bounds: the paths of at most `MAX_PATHS` sessions, each at most ``max_tokens`` (what
 device and host pool hold together), all of them `PATHS_OVER` times that, the least
@@ -37,8 +38,8 @@ could evict: a running request's path unlocked); one a step's cap cut, at the ne
 One session's load per call, at most `IDLE_CHUNKS` chunks when idle, so a request that
 arrives waits for at most that copy.
 
-Invariant: at most one path is held, by one lock, and none once a call ends without
-holding it (after an idle call, none: ``protected_size`` counts running requests only).
+Invariant: at most one path is held, by one lock (`locks`: the engine's lock ledger
+counts it), and none once a call ends without holding it.
 
 Owns: which session to load ahead, and the room for it. Must not touch: how pages load
 (the tier's `load`), the prediction (`SessionClock`), the tree's order.
