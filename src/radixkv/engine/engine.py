@@ -492,9 +492,10 @@ class Engine:
         chunk's worth (copying it costs far less than computing it) and never room the
         running requests still need for their prompts and answers (taken, it would be
         evicted again before they end)."""
-        if self.ahead is not None and self.scheduler.waiting:
+        if self.ahead is None:
+            return
+        if self.scheduler.waiting:
             self.ahead.release()  # (the KV a busy load held toward a checkpoint: its room)
-        if self.ahead is None or self.scheduler.waiting:
             return
         need = sum(len(r.input_ids) + r.sampling.max_new_tokens - r.kv_len
                    for r in self.scheduler.running)  # fmt: skip

@@ -142,12 +142,12 @@ def check_locks(cache: RadixCache, holders: Iterable[TreeNode]) -> None:
     """
     want: dict[int, int] = {}
     for holder in holders:
-        if holder.evicted:
+        try:
+            path = cache.path_to_root(holder, "check_locks")
+        except ValueError:
             _fail(f"a lock holder's node {holder.id} is not in the tree")
-        node = holder
-        while node is not cache.root:
+        for node in path:
             want[id(node)] = want.get(id(node), 0) + 1
-            node = node.parent
     for node in cache.iter_nodes():
         held = want.get(id(node), 0)
         if node.lock_ref != held:
